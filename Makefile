@@ -28,5 +28,13 @@ test: venv
 test-all: venv
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
 
+# Local stack without Docker (SeaweedFS S3, MLflow, Prefect server + a process worker) on loopback;
+# needs AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment. See docs/operations.md.
+stack-up: venv
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo stack up --worker
+
+stack-down:
+	$(BIN)/rcgrpo stack down
+
 clean-venv:
 	rm -rf $(VENV)

@@ -1,0 +1,282 @@
+"""evaluate stage: greedy rollouts of one model on the held-out split; metrics, report, plot, MLflow.
+
+Reads: `params.yaml:evaluate`, a model folder (`--model`), an optional adapter / fine-tuned folder
+(`--adapter`), the split (`--split data/split.json`, side `test`) and entries (`--entries`, default
+bfcl-eval). `--reward-token` conditions every rollout (`<|high_reward|>` for reward-conditioned models;
+empty for base/SFT). One definition serves every model through DVC `foreach` (`evaluate@base`, ...).
+Writes `--out` (atomically; replaced as a whole):
+- `results.jsonl`: per entry `id`, `category`, `result` (BFCL result format), `valid` (success under the
+  evaluated protocol: paper reward 1 for `paper`, the official verdict for `official`), `official_valid`,
+  `error_type`, `paper_reward`, `partial_credit`, `termination`, `n_steps`, `n_model_tokens`;
+- `trajectories.jsonl` (full trajectories), `metrics.json` (accuracy per category and overall with 95%
+  bootstrap CIs, partial credit, terminations, tokens, time), `report.md`, `accuracy.png` (bar chart
+  with CIs) and `accuracy.csv` (the same numbers, for `dvc plots show`);
+- with `official_full: true` also `official/` (same files) for BFCL's official protocol on all 800 entries.
+Logs params, metrics, the per-entry table (`mlflow.log_table`), report and plot to an MLflow child run;
+a tracking failure fails the stage (and, the output being atomic, leaves nothing behind).
+
+Partial credit: `official` = fraction of turns passing (scoring.partial_credit); `paper` = fraction of
+gold calls the model made (multiset, arguments bound to parameter names) — the paper view has no turn
+boundaries, so per-turn credit is undefined there.
+Budget (CPU, SmolLM2-135M, 80 entries): greedy, `max_new_tokens: 96` per output, `max_steps: 8`, 8 rows
+decoded together, entries sharing a system prompt batched so it is prefilled once: a few minutes.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import typer
+
+from rcgrpo_tasks import bfcl
+from rcgrpo_tasks.config import ConfigError, as_dict, load_config
+from rcgrpo_tasks.io import InputError, atomic_dir, write_json, write_jsonl, write_text
+
+
+@dataclass(frozen=True)
+class EvaluateConfig:
+    protocol: Literal["paper", "official"] = "paper"
+    """Protocol for the held-out split (the paper's Table 1 view: `paper`)."""
+    doc_style: Literal["compact", "json", "official"] = "compact"
+    """Function docs in the prompt; compact fits the 8k-context default model."""
+    system_prompt: Literal["bfcl", "short"] = "bfcl"
+    max_steps: int = 8
+    """paper: model outputs per episode (CPU budget; the longest entries need turns+1 = 9)."""
+    max_new_tokens: int = 96
+    """Per model output; a full call list of one turn is ~20-60 tokens."""
+    temperature: float = 0.0
+    """0 = greedy."""
+    top_p: float = 1.0
+    seed: int = 0
+    backend: Literal["hf", "vllm"] = "hf"
+    dtype: str = "auto"
+    """hf: float32 | bfloat16 | auto (bf16 where the CPU has native bf16)."""
+    batch_rows: int = 8
+    """Rollouts decoded together (hf)."""
+    limit: Optional[int] = None
+    """Evaluate only N held-out entries, taken round-robin over categories (smoke profile); null = all."""
+    official_full: bool = False
+    """Also run BFCL's official protocol on all 800 entries (hours on CPU; GPU profile)."""
+    official_max_steps_per_turn: int = 20
+    n_bootstrap: int = 2000
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 1 or self.max_new_tokens < 1 or self.batch_rows < 1 or self.n_bootstrap < 10:
+            raise ValueError("max_steps, max_new_tokens, batch_rows must be >= 1 and n_bootstrap >= 10")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError("limit must be null or >= 1")
+        if self.dtype not in ("float32", "bfloat16", "auto"):
+            raise ValueError(f"dtype must be float32, bfloat16 or auto, got {self.dtype!r}")
+
+
+def stratified(entries: list[bfcl.Entry], limit: int | None) -> list[bfcl.Entry]:
+    """The first `limit` entries taken round-robin over categories (all of them when limit is None)."""
+    if limit is None:
+        return entries
+    by_cat: dict[str, list[bfcl.Entry]] = {}
+    for e in entries:
+        by_cat.setdefault(e.category, []).append(e)
+    rounds = max(len(v) for v in by_cat.values())
+    order = [v[i] for i in range(rounds) for v in by_cat.values() if i < len(v)]
+    return order[:limit]
+
+
+def call_recall(entry: bfcl.Entry, result: list) -> float:
+    """Fraction of gold calls (multiset, canonically bound) found among the model's calls."""
+    from rcgrpo_tasks.calls import CallParseError, parse_call_string
+    from rcgrpo_tasks.environment import BfclEnvironment
+
+    env = BfclEnvironment(entry)
+
+    def bound(strings):
+        out = []
+        for s in strings:
+            try:
+                out.append(env.bind(parse_call_string(s)))
+            except CallParseError:
+                continue
+        return collections.Counter(b for b in out if b is not None)
+
+    need = bound([c for turn in entry.ground_truth for c in turn])
+    have = bound([c for turn in result for step in turn for c in step])
+    return sum((need & have).values()) / sum(need.values()) if need else 1.0
+
+
+def result_row(traj, entry: bfcl.Entry) -> dict:
+    s = traj.score
+    paper = traj.protocol == "paper"
+    return {
+        "id": traj.entry_id, "category": traj.category, "protocol": traj.protocol, "result": traj.result,
+        "valid": bool(s["paper_reward"] == 1.0) if paper else bool(s["valid"]),
+        "official_valid": bool(s["valid"]), "error_type": s["error_type"], "paper_reward": s["paper_reward"],
+        "partial_credit": call_recall(entry, traj.result) if paper else s["partial_credit"],
+        "termination": traj.termination, "n_steps": traj.n_steps, "n_model_tokens": traj.n_model_tokens,
+        "reward_token": traj.reward_token,
+    }
+
+
+def summarize(rows: list[dict], label: str, n_boot: int, seed: int) -> dict:
+    """Accuracy (%) per category and overall (stratified) with 95% bootstrap CIs, as report.py draws them."""
+    from rcgrpo_tasks.report import CATEGORY_ORDER, bootstrap_ci
+
+    def cell(subset, strata=None):
+        vals = [float(r["valid"]) for r in subset]
+        lo, hi = bootstrap_ci(vals, strata, n_boot=n_boot, seed=seed)
+        return {"n": len(vals), "accuracy": 100 * sum(vals) / len(vals), "ci": [100 * lo, 100 * hi],
+                "partial_credit": sum(r["partial_credit"] for r in subset) / len(subset),
+                "paper_reward": sum(r["paper_reward"] for r in subset) / len(subset)}
+
+    cats = [c for c in CATEGORY_ORDER if any(r["category"] == c for r in rows)]
+    overall = cell(rows, [r["category"] for r in rows])
+    return {
+        "label": label, "n": len(rows), "protocol": rows[0]["protocol"],
+        "categories": {c: cell([r for r in rows if r["category"] == c]) for c in cats},
+        "overall": overall, "accuracy": overall["accuracy"], "partial_credit": overall["partial_credit"],
+        "paper_reward": overall["paper_reward"], "paper_table1_overall": None,
+        "partial_credit_kind": "gold_call_recall" if rows[0]["protocol"] == "paper" else "turns_passed",
+        "terminations": dict(collections.Counter(r["termination"] for r in rows)),
+        "n_model_tokens": sum(r["n_model_tokens"] for r in rows),
+        "mean_steps": sum(r["n_steps"] for r in rows) / len(rows),
+    }
+
+
+def run_eval(cfg: EvaluateConfig, backend, entries: list[bfcl.Entry], protocol: str, reward_token: str | None,
+             label: str) -> tuple[list, list[dict], dict]:
+    """(trajectories, per-entry rows, summary) of greedy rollouts of `entries` under `protocol`."""
+    from rcgrpo_tasks.backends import SamplingParams
+    from rcgrpo_tasks.engine import run_rollouts
+    from rcgrpo_tasks.rollout import Progress, protocol_config
+
+    steps = cfg.max_steps if protocol == "paper" else cfg.official_max_steps_per_turn
+    proto = protocol_config(protocol, cfg.doc_style, cfg.system_prompt, steps)
+    sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                              seed=cfg.seed)
+    bar = Progress(len(entries), desc=f"evaluate {label} ({protocol})")
+    t0 = time.perf_counter()
+    try:
+        trajs = run_rollouts(backend, entries, 1, proto, sampling, lambda e, i: reward_token,
+                             batch_rows=cfg.batch_rows, progress=bar,
+                             provenance={"source": "evaluate", "label": label})
+    finally:
+        bar.close()
+    wall = time.perf_counter() - t0
+    rows = [result_row(t, e) for t, e in zip(trajs, entries)]
+    summary = summarize(rows, label, cfg.n_bootstrap, cfg.seed)
+    summary.update(wall_time_s=round(wall, 1), rollouts_per_s=len(rows) / wall,
+                   model_tokens_per_s=summary["n_model_tokens"] / wall)
+    return trajs, rows, summary
+
+
+def write_outputs(folder: Path, trajs: list, rows: list[dict], summary: dict) -> None:
+    from rcgrpo_tasks.report import PAPER_TABLE1_OVERALL, plot
+    from rcgrpo_tasks.trajectory import write_trajectories
+
+    write_jsonl(folder / "results.jsonl", rows)
+    write_trajectories(folder / "trajectories.jsonl", trajs)
+    lines = ["category,accuracy,ci_low,ci_high,n"]
+    for cat, c in [*summary["categories"].items(), ("overall", summary["overall"])]:
+        lines.append(f"{cat},{c['accuracy']:.2f},{c['ci'][0]:.2f},{c['ci'][1]:.2f},{c['n']}")
+    write_text(folder / "accuracy.csv", "\n".join(lines) + "\n")
+    plot([{**summary, "paper_table1_overall": PAPER_TABLE1_OVERALL.get(summary["label"])}], folder / "accuracy.png")
+
+
+def report_markdown(summary: dict, settings: dict, official: dict | None) -> str:
+    def table(s: dict) -> list[str]:
+        out = ["| category | n | accuracy % [95% CI] | partial credit | paper reward |", "|---|---|---|---|---|"]
+        for cat, c in [*s["categories"].items(), ("**overall**", s["overall"])]:
+            out.append(f"| {cat} | {c['n']} | {c['accuracy']:.1f} [{c['ci'][0]:.1f}, {c['ci'][1]:.1f}] | "
+                       f"{c['partial_credit']:.3f} | {c['paper_reward']:.3f} |")
+        return out
+
+    lines = [f"# Evaluation: {summary['label']}", ""]
+    lines += [f"- {k}: `{v}`" for k, v in settings.items()]
+    lines += ["", f"## Held-out split, `{summary['protocol']}` protocol", "", *table(summary), ""]
+    lines.append(f"Accuracy: {'paper reward = 1 (final state + every gold call)' if summary['protocol'] == 'paper' else 'official BFCL verdict'}; "
+                 f"partial credit: {summary['partial_credit_kind']}; CIs: 95% percentile bootstrap over entries "
+                 "(overall stratified by category).")
+    lines += ["", f"Terminations: {summary['terminations']}; mean steps {summary['mean_steps']:.2f}; "
+              f"{summary['n_model_tokens']} model tokens in {summary['wall_time_s']} s "
+              f"({summary['model_tokens_per_s']:.1f} tok/s, {summary['rollouts_per_s']:.2f} rollouts/s).", "",
+              "![accuracy](accuracy.png)", ""]
+    if official:
+        lines += ["## Official protocol, all entries", "", *table(official), "",
+                  f"Terminations: {official['terminations']}.", ""]
+    return "\n".join(lines)
+
+
+def flat_metrics(summary: dict, prefix: str = "") -> dict:
+    out = {f"{prefix}accuracy": summary["accuracy"], f"{prefix}partial_credit": summary["partial_credit"],
+           f"{prefix}paper_reward": summary["paper_reward"], f"{prefix}n_model_tokens": summary["n_model_tokens"],
+           f"{prefix}wall_time_s": summary["wall_time_s"], f"{prefix}model_tokens_per_s": summary["model_tokens_per_s"]}
+    out.update({f"{prefix}accuracy_{c}": v["accuracy"] for c, v in summary["categories"].items()})
+    return out
+
+
+def _log(folder: Path, rows: list[dict], summary: dict, official: dict | None) -> None:
+    from rcgrpo_tasks import tracking
+
+    metrics = flat_metrics(summary)
+    if official:
+        metrics.update(flat_metrics(official, "official_"))
+    tracking.log_metrics(metrics)
+    tracking.log_table([{**r, "result": str(r["result"])} for r in rows], "per_entry")
+    for name in ("metrics.json", "report.md", "accuracy.png", "accuracy.csv"):
+        tracking.log_artifact(folder / name)
+
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def main(
+    model: Path = typer.Option(..., help="model folder (prepare_model output)."),
+    out: Path = typer.Option(..., help="output folder (replaced atomically)."),
+    split: Path = typer.Option(Path("data/split.json"), help="split JSON (prepare_data); side `test`."),
+    params: Path = typer.Option(Path("params.yaml"), help="params file (section `evaluate`)."),
+    adapter: str = typer.Option("", help="PEFT adapter / fine-tuned folder; empty = none."),
+    reward_token: str = typer.Option("", help="reward goal for every rollout, e.g. '<|high_reward|>'; empty = none."),
+    entries: Optional[Path] = typer.Option(None, help="entries JSONL (prepare_data); default: bfcl-eval."),
+    name: str = typer.Option("", help="label in metrics/report (default: the output folder's name)."),
+) -> None:
+    """Evaluate a model on the held-out split: metrics, report, plot."""
+    from rcgrpo_tasks import tracking
+    from rcgrpo_tasks.backends import ModelLoadError, load_backend
+    from rcgrpo_tasks.rollout import fail, load_entry_pool, select_entries
+
+    label = name or out.name
+    try:
+        cfg = load_config(EvaluateConfig, params, "evaluate")
+        pool = load_entry_pool(entries)
+        held_out = stratified(select_entries(pool, split=split, split_name="test"), cfg.limit)
+        kwargs = {"dtype": cfg.dtype} if cfg.backend == "hf" else {}
+        backend = load_backend(cfg.backend, model, adapter or None, **kwargs)
+    except (ConfigError, InputError, ModelLoadError, ValueError) as exc:
+        fail(exc)
+    token = reward_token or None
+    settings = {"model": str(model), "adapter": adapter or None, "reward_token": token, **as_dict(cfg),
+                "backend_info": backend.describe()}
+    with tracking.stage_run("evaluate", {k: v for k, v in settings.items() if k != "backend_info"},
+                            tags={"rcgrpo.eval_label": label}):
+        trajs, rows, summary = run_eval(cfg, backend, held_out, cfg.protocol, token, label)
+        official = None
+        if cfg.official_full:
+            o_trajs, o_rows, official = run_eval(cfg, backend, list(pool.values()), "official", token, label)
+        with atomic_dir(out) as tmp:
+            tmp.chmod(0o755)
+            write_outputs(tmp, trajs, rows, summary)
+            if official:
+                write_outputs(tmp / "official", o_trajs, o_rows, official)
+            write_json(tmp / "metrics.json", {**summary, "settings": settings,
+                                              **({"official": official} if official else {})})
+            write_text(tmp / "report.md", report_markdown(summary, settings, official))
+            _log(tmp, rows, summary, official)
+    typer.echo(f"{label}: accuracy {summary['accuracy']:.1f}% on {summary['n']} held-out entries "
+               f"({cfg.protocol}); wrote {out}")
+
+
+if __name__ == "__main__":
+    app()

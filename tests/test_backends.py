@@ -1,0 +1,168 @@
+"""Backends: the hf session's KV reuse is exact, adapters load (or fail clearly), vllm is guarded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rcgrpo_tasks.backends import (
+    HFBackend,
+    ModelLoadError,
+    SamplingParams,
+    ScriptedBackend,
+    VLLMBackend,
+    _sample,
+    load_backend,
+)
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_dir):
+    return HFBackend(tiny_model_dir)
+
+
+def _check(model, prompts, outs, temperature=1.0):
+    import torch
+
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            logits = model(torch.tensor([list(p) + o.token_ids])).logits[0].float()
+        logp = torch.log_softmax(logits / (temperature or 1.0), -1)
+        fresh = [logp[len(p) - 1 + j, t].item() for j, t in enumerate(o.token_ids)]
+        assert max(abs(a - b) for a, b in zip(fresh, o.logprobs)) < 1e-4
+
+
+def test_session_reuse_reorder_drop_and_compaction(backend):
+    sess = backend.session()
+    sess.PREFILL_CHUNK, sess.COMPACT_AT = 4, 0.01  # force chunked prefill and compaction
+    widths = []
+    compact = sess._maybe_compact
+
+    def recording():
+        before = sess.mask.shape[1]
+        compact()
+        widths.append((before, sess.mask.shape[1]))
+
+    sess._maybe_compact = recording
+    sp = SamplingParams(temperature=1.0, max_new_tokens=7, seed=3)
+    seqs = {"a": [5, 6, 7, 8, 9, 10, 11], "b": [5, 6, 7, 8, 12], "c": [5, 6, 7, 8, 9, 10, 13, 14, 15]}
+    keys = ["a", "b", "c"]
+    outs = sess.generate(keys, [seqs[k] for k in keys], sp)
+    _check(backend.model, [seqs[k] for k in keys], outs)
+    assert sess.covered[0][:4] == [5, 6, 7, 8]
+    cache = sess.cache
+    for rnd in range(3):  # extend, reorder, drop a row: the cache is reused and keeps matching a fresh pass
+        for k, o in zip(keys, outs):
+            seqs[k] = seqs[k] + o.token_ids
+        keys = ["c", "a"] if rnd else ["a", "b", "c"]
+        for i, k in enumerate(keys):
+            seqs[k] = seqs[k] + [20 + rnd] * (i + 1)
+        outs = sess.generate(keys, [seqs[k] for k in keys], sp)
+        _check(backend.model, [seqs[k] for k in keys], outs)
+    assert sess.cache is cache and sess.keys == ["c", "a"]
+    assert any(after < before for before, after in widths)  # holes were compacted away
+
+
+def test_unrelated_prompts_and_stop_tokens(backend):
+    prompts = [[100, 101, 102], [7, 8, 9, 10, 11, 12]]
+    outs = backend.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=5))
+    _check(backend.model, prompts, outs, 0.0)
+    assert all(o.finish_reason in ("stop", "length") and len(o.token_ids) <= 5 for o in outs)
+    assert backend.tokenizer.eos_token_id in backend.stop_ids
+
+
+def test_top_p_keeps_only_the_nucleus():
+    import torch
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    gen = torch.Generator().manual_seed(0)
+    sp = SamplingParams(temperature=1.0, top_p=0.7)
+    picks = {int(_sample(logits, sp, gen)[0]) for _ in range(200)}
+    assert picks == {0, 1}
+    tok, lp = _sample(logits, SamplingParams(temperature=0.0), gen)
+    assert int(tok) == 0 and float(lp) == pytest.approx(float(torch.log(torch.tensor(0.5))), abs=1e-6)
+
+
+def test_adapter_folder_matches_in_memory_peft(tiny_model_dir, tmp_path):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    model.save_pretrained(tmp_path / "adapter")
+    loaded = HFBackend(tiny_model_dir, tmp_path / "adapter")
+    assert loaded.describe()["adapter"] == str(tmp_path / "adapter")
+    prompt = [[5, 6, 7, 8, 9]]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=6)
+    mem = HFBackend.from_model(model.eval(), loaded.tokenizer).generate(prompt, sp)[0]
+    disk = loaded.generate(prompt, sp)[0]
+    assert disk.token_ids == mem.token_ids
+    assert max(abs(a - b) for a, b in zip(disk.logprobs, mem.logprobs)) < 1e-4
+    base = HFBackend(tiny_model_dir).generate(prompt, sp)[0]
+    assert base.logprobs != disk.logprobs  # the adapter changed the model
+
+
+@pytest.mark.parametrize("case", ["missing", "no_config", "bad_json", "no_peft_type", "no_weights", "shape"])
+def test_bad_model_or_adapter_raise_clear_errors(tiny_model_dir, tmp_path, case):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "task_type": "CAUSAL_LM"}
+    if case == "missing":
+        with pytest.raises(ModelLoadError, match="does not exist"):
+            HFBackend(tmp_path / "nope")
+        return
+    if case == "no_config":
+        (adapter / "x.txt").write_text("x")
+    elif case == "bad_json":
+        (adapter / "adapter_config.json").write_text("{")
+    elif case == "no_peft_type":
+        (adapter / "adapter_config.json").write_text(json.dumps({"r": 4}))
+    elif case == "no_weights":
+        (adapter / "adapter_config.json").write_text(json.dumps(cfg))
+    else:  # weights of the wrong shape
+        import torch
+        from safetensors.torch import save_file
+
+        (adapter / "adapter_config.json").write_text(json.dumps(cfg))
+        save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 999)},
+                  str(adapter / "adapter_model.safetensors"))
+    with pytest.raises(ModelLoadError, match="adapter"):
+        HFBackend(tiny_model_dir, adapter)
+
+
+def test_scripted_backend_caps_and_stop(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    b = ScriptedBackend(tok, {"k": ["[ls(a=True)]", "a much longer answer than the cap allows here"]})
+    sess = b.session()
+    first = sess.generate(["k"], [[1, 2]], SamplingParams(max_new_tokens=50))[0]
+    assert first.finish_reason == "stop" and first.token_ids[-1] == tok.eos_token_id
+    assert first.text == "[ls(a=True)]"
+    second = sess.generate(["k"], [[1, 2]], SamplingParams(max_new_tokens=3))[0]
+    assert second.finish_reason == "length" and len(second.token_ids) == 3
+    assert sess.generate(["k"], [[1]], SamplingParams())[0].text == ""  # script exhausted -> ends
+
+
+def test_vllm_is_import_guarded(tiny_model_dir):
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(ModelLoadError, match=r"\[gpu\]"):
+            load_backend("vllm", tiny_model_dir)
+    with pytest.raises(ValueError, match="unknown backend"):
+        load_backend("tpu", tiny_model_dir)
+
+
+@pytest.mark.gpu
+def test_vllm_backend_generates_with_logprobs(tiny_model_dir):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    b = VLLMBackend(tiny_model_dir, gpu_memory_utilization=0.3)
+    outs = b.generate([[5, 6, 7], [5, 6, 8]], SamplingParams(temperature=1.0, max_new_tokens=5, seed=0))
+    assert all(len(o.token_ids) == len(o.logprobs) > 0 for o in outs)

@@ -1,0 +1,127 @@
+"""evaluate stage: end to end on the tiny model (metrics, results, report, plot, MLflow), bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from rcgrpo_tasks import bfcl, evaluate
+from rcgrpo_tasks.config import ConfigError, load_config
+
+PARAMS = """evaluate:
+  limit: 4
+  max_steps: 2
+  max_new_tokens: 4
+  dtype: float32
+  n_bootstrap: 50
+"""
+
+
+@pytest.fixture()
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setenv("MLFLOW_ARTIFACT_ROOT", str(tmp_path / "artifacts"))
+    (tmp_path / "params.yaml").write_text(PARAMS)
+    test_ids = [f"multi_turn_{c}_{i}" for c in bfcl.CATEGORIES for i in (1, 2)]
+    (tmp_path / "split.json").write_text(json.dumps({"train": [], "test": test_ids}))
+    return tmp_path
+
+
+def _invoke(workdir, model, *extra):
+    args = ["--model", str(model), "--out", str(workdir / "out"), "--split", str(workdir / "split.json"),
+            "--params", str(workdir / "params.yaml"), *extra]
+    return CliRunner().invoke(evaluate.app, args)
+
+
+def test_evaluate_end_to_end(workdir, tiny_model_dir):
+    import mlflow
+
+    res = _invoke(workdir, tiny_model_dir, "--name", "base", "--reward-token", "<|high_reward|>")
+    assert res.exit_code == 0, res.output
+    out = workdir / "out"
+    assert {p.name for p in out.iterdir()} >= {"metrics.json", "results.jsonl", "trajectories.jsonl",
+                                               "report.md", "accuracy.png", "accuracy.csv"}
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["n"] == 4 and set(metrics["categories"]) == set(bfcl.CATEGORIES)  # stratified limit
+    assert 0 <= metrics["accuracy"] <= 100 and len(metrics["overall"]["ci"]) == 2
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert all(set(r) >= {"id", "result", "valid", "partial_credit", "paper_reward"} for r in rows)
+    assert all(r["reward_token"] == "<|high_reward|>" for r in rows)
+    assert (out / "accuracy.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| **overall** |" in (out / "report.md").read_text()
+    # the report stage reads this folder as is
+    from rcgrpo_tasks.report import load_eval
+
+    assert len(load_eval("base", out).entries) == 4
+    # MLflow: params, metrics, per-entry table, report and plot
+    client = mlflow.MlflowClient()
+    run = client.search_runs([client.get_experiment_by_name("rcgrpo").experiment_id])[0]
+    assert run.data.params["reward_token"] == "<|high_reward|>" and "accuracy" in run.data.metrics
+    names = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"per_entry.json", "report.md", "accuracy.png", "metrics.json"} <= names
+
+
+@pytest.mark.parametrize("case", ["unknown_id", "missing_model", "bad_adapter", "bad_params"])
+def test_bad_input_fails_clearly_without_outputs(workdir, tiny_model_dir, case):
+    model, extra = tiny_model_dir, []
+    if case == "unknown_id":
+        (workdir / "split.json").write_text(json.dumps({"train": [], "test": ["multi_turn_base_9999"]}))
+    elif case == "missing_model":
+        model = workdir / "no_model"
+    elif case == "bad_adapter":
+        (workdir / "adapter").mkdir()
+        (workdir / "adapter" / "adapter_config.json").write_text("{not json")
+        extra = ["--adapter", str(workdir / "adapter")]
+    else:
+        (workdir / "params.yaml").write_text("evaluate:\n  max_stepz: 3\n")
+    res = _invoke(workdir, model, *extra)
+    assert res.exit_code != 0
+    text = res.output
+    assert {"unknown_id": "multi_turn_base_9999", "missing_model": "no_model", "bad_adapter": "invalid JSON",
+            "bad_params": "max_stepz"}[case] in text
+    assert not (workdir / "out").exists()
+
+
+def test_tracking_failure_fails_stage_without_outputs(workdir, tiny_model_dir, monkeypatch):
+    from rcgrpo_tasks import tracking
+
+    def broken(*a, **k):
+        raise tracking.TrackingError("MLflow log_metrics failed (test)")
+
+    monkeypatch.setattr(tracking, "log_metrics", broken)
+    res = _invoke(workdir, tiny_model_dir)
+    assert res.exit_code != 0 and isinstance(res.exception, tracking.TrackingError)
+    assert not (workdir / "out").exists()
+
+
+def test_config_rejects_bad_values(tmp_path):
+    p = tmp_path / "p.yaml"
+    p.write_text("evaluate:\n  max_new_tokens: 0\n")
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        load_config(evaluate.EvaluateConfig, p, "evaluate")
+
+
+def test_call_recall_and_summary():
+    entry = bfcl.get_entry("multi_turn_base_0")
+    gold = [[list(t)] for t in entry.ground_truth]
+    assert evaluate.call_recall(entry, gold) == 1.0
+    assert evaluate.call_recall(entry, [[]]) == 0.0
+    n_gold = sum(len(t) for t in entry.ground_truth)
+    # keyword spacing differs from the gold text: calls are compared bound, not as strings
+    assert evaluate.call_recall(entry, [[["cd(folder = 'document')"]]]) == pytest.approx(1 / n_gold)
+    rows = [{"id": f"multi_turn_{c}_{i}", "category": c, "protocol": "paper", "valid": i % 2 == 0,
+             "partial_credit": 0.5, "paper_reward": float(i % 2 == 0), "termination": "done", "n_steps": 2,
+             "n_model_tokens": 10} for c in ("base", "miss_func") for i in range(4)]
+    s = evaluate.summarize(rows, "x", n_boot=200, seed=0)
+    assert s["accuracy"] == 50.0 and s["categories"]["base"]["n"] == 4
+    lo, hi = s["overall"]["ci"]
+    assert 0 <= lo <= 50 <= hi <= 100 and lo < hi
+    assert s["terminations"] == {"done": 8}
+
+
+def test_stratified_limit():
+    entries = [bfcl.get_entry(f"multi_turn_{c}_{i}") for c in ("base", "long_context") for i in range(3)]
+    assert [e.category for e in evaluate.stratified(entries, 3)] == ["base", "long_context", "base"]
+    assert evaluate.stratified(entries, None) == entries

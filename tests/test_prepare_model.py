@@ -1,0 +1,71 @@
+"""prepare_model: the bundled GGUF becomes a fast-reloading, generating HF folder; bad sources fail clearly."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from rcgrpo_tasks import prepare_model as pm
+
+
+@pytest.mark.slow
+def test_embedded_gguf_to_folder_reloads_fast_and_generates(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "base"
+    record = pm.prepare_model(pm.PrepareModelConfig(), out)
+    assert record["n_parameters"] > 100e6 and record["max_position_embeddings"] == 8192
+    assert json.loads((out / pm.PROVENANCE_FILE).read_text())["config"]["source"] == "embedded"
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(out)
+        times.append(time.perf_counter() - t0)
+    assert min(times) < 1.0, times
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.chat_template and tok.eos_token == "<|im_end|>"
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        gen = model.generate(ids, max_new_tokens=8, do_sample=False)
+    text = tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
+    assert text.strip()  # a real instruct model answers
+
+
+@pytest.mark.parametrize("source", ["./no/such/folder", "not a hub id!", "folder_without_config"])
+def test_bad_source_is_a_clear_error_and_writes_nothing(tmp_path, source):
+    if source == "folder_without_config":
+        (tmp_path / source).mkdir()
+        source = str(tmp_path / source)
+    with pytest.raises(pm.ModelSourceError, match="source"):
+        pm.prepare_model(pm.PrepareModelConfig(source=source), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_gguf_and_offline_hub_id(tmp_path, monkeypatch):
+    with pytest.raises(pm.ModelSourceError, match="not found"):
+        pm.prepare_model(pm.PrepareModelConfig(gguf_file="nope.gguf"), tmp_path / "out")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import: patch the flag
+    with pytest.raises(pm.ModelSourceError, match="could not load"):
+        pm.prepare_model(pm.PrepareModelConfig(source="Qwen/Qwen2.5-7B-Instruct-not-cached"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_local_folder_source_resaves_in_dtype(tiny_model_dir, tmp_path):
+    record = pm.prepare_model(pm.PrepareModelConfig(source=str(tiny_model_dir), dtype="bfloat16"), tmp_path / "m")
+    assert record["architecture"] == "LlamaForCausalLM"
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_cli_bad_params(tmp_path):
+    (tmp_path / "params.yaml").write_text("prepare_model:\n  sourc: embedded\n")
+    res = CliRunner().invoke(pm.app, ["--params", str(tmp_path / "params.yaml"), "--out", str(tmp_path / "o")])
+    assert res.exit_code != 0 and "sourc" in res.output
+    assert not (tmp_path / "o").exists()

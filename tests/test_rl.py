@@ -1,0 +1,241 @@
+"""rl stage: TRL GRPOTrainer + the real rollout engine on a tiny random model (two steps per mode),
+env-token masking through TRL's own loss, the CPU log-prob fast path, resume, and bad params."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rcgrpo_tasks import advantages as adv
+from rcgrpo_tasks import rl
+from rcgrpo_tasks.config import ConfigError, load_config
+
+# Small enough for seconds per step on 2 cores; G=2 and one entry per step.
+TEST_RL = dict(num_generations=2, batch_size=2, micro_batch_size=2, max_steps=2, learning_rate=5e-3, beta=0.1,
+               max_new_tokens=6, max_episode_steps=2, categories=["base"], max_entries=2, system_prompt="short",
+               lora_r=4, lora_alpha=8, save_steps=1, bf16=False)
+
+
+@pytest.fixture(scope="module")
+def rl_env(tmp_path_factory, tiny_model_dir):
+    """Tiny model with the reward tokens, a 2-entry train split, a temp MLflow store."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rcgrpo_tasks import bfcl
+    from rcgrpo_tasks.io import write_json, write_jsonl
+
+    root = tmp_path_factory.mktemp("rl")
+    model_dir = root / "model"
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.add_special_tokens({"additional_special_tokens": list(adv.REWARD_TOKENS)})
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.resize_token_embeddings(len(tok), mean_resizing=False)
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    entries = bfcl.load_entries(["base"])[:6]
+    write_jsonl(root / "entries.jsonl", (e.to_json() for e in entries))
+    write_json(root / "split.json", {"train": [e.id for e in entries[:4]], "test": [e.id for e in entries[4:]]})
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
+    mp.setenv("MLFLOW_ARTIFACT_ROOT", str(root / "mlartifacts"))
+    mp.setenv("MLFLOW_EXPERIMENT_NAME", "test-rl")
+    mp.delenv("RCGRPO_PARENT_RUN_ID", raising=False)
+    yield root, model_dir
+    mp.undo()
+
+
+def _spec(root: Path, model_dir: Path, name: str, init: str, algo: str) -> rl.RunSpec:
+    return rl.RunSpec(init=init, algo=algo, model_dir=model_dir, adapter_dir=None, entries=root / "entries.jsonl",
+                      split=root / "split.json", out=root / "out" / name, checkpoints=root / "ckpt" / name,
+                      metrics=root / "res" / name / "metrics.json", plots=root / "res" / name / "diag.tsv")
+
+
+@pytest.fixture
+def scripted_rewards(monkeypatch):
+    """A random tiny model never succeeds, so every group would be zero-std and nothing would move. Keep
+    the real engine and scorer, then overwrite the paper reward with a rule: an "obedient" conditioned
+    policy (high -> 1, low -> 0) and, without a split by token, alternating success within the group."""
+    from rcgrpo_tasks import engine
+
+    real, calls = engine.run_group, []
+
+    def run_group(backend, entry, n, protocol_cfg, sampling, reward_tokens=None, provenance=None):
+        trajs = real(backend, entry, n, protocol_cfg, sampling, reward_tokens, provenance)
+        mixed = len(set(reward_tokens)) > 1
+        for i, t in enumerate(trajs):
+            r = float(t.reward_token == adv.HIGH_TOKEN) if mixed else float(i % 2 == 0)
+            t.score = {**t.score, "paper_reward": r}
+        calls.append(trajs)
+        return trajs
+
+    monkeypatch.setattr(engine, "run_group", run_group)
+    return calls
+
+
+def _capture_trainer(monkeypatch) -> dict:
+    box: dict = {}
+    real = rl.build_trainer
+
+    def build(*a, **k):
+        box["trainer"], resume, box["rollout"] = real(*a, **k)
+        return box["trainer"], resume, box["rollout"]
+
+    monkeypatch.setattr(rl, "build_trainer", build)
+    return box
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+@pytest.mark.parametrize("init,algo,mode", [("rctp", "rc_grpo", "rc"), ("rctp", "grpo", "fixed"),
+                                            ("sft", "grpo", "none")])
+def test_two_rl_steps_per_mode(rl_env, scripted_rewards, monkeypatch, init, algo, mode):
+    import mlflow
+
+    root, model_dir = rl_env
+    cfg = rl.RLConfig(**{**TEST_RL, "categories": ("base",)})
+    spec = _spec(root, model_dir, f"{init}-{algo}", init, algo)
+    box = _capture_trainer(monkeypatch)
+    summary = rl.train_rl(cfg, spec)
+
+    assert spec.mode == mode and summary["conditioning"] == mode
+    assert summary["steps"] == 2 and math.isfinite(summary["train_loss"])
+    # Parameters changed: the merged policy differs from the init weights.
+    before, after = _weights(model_dir), _weights(spec.out)
+    changed = [k for k in before if k in after and not before[k].equal(after[k])]
+    assert changed and any("q_proj" in k for k in changed)
+    assert (spec.out / "rl_adapter" / "adapter_config.json").is_file()
+    # Rollouts were conditioned as the mode says, and the token is inside each rollout's prompt ids.
+    trajs = [t for group in scripted_rewards for t in group]
+    tokens = {t.reward_token for t in trajs}
+    assert tokens <= ({None} if mode == "none" else {adv.HIGH_TOKEN} if mode == "fixed" else set(adv.REWARD_TOKENS))
+    tok_ids = {t: box["trainer"].processing_class.convert_tokens_to_ids(t) for t in adv.REWARD_TOKENS}
+    for t in trajs:
+        prompt = t.token_ids[: t.prompt_len]
+        assert all((tid in prompt) == (t.reward_token == tok) for tok, tid in tok_ids.items())
+        assert sum(t.completion_mask[t.prompt_len:]) == t.n_model_tokens  # env_mask = the engine's mask
+    # TRL's advantages are exactly the whole-group advantages of the rewards (RC-GRPO's, in `rc`).
+    last = scripted_rewards[-1]
+    expected = adv.group_advantages([t.score["paper_reward"] for t in last], cfg.num_generations)
+    assert box["trainer"].last_advantages == pytest.approx(expected, abs=1e-4)
+    # Diagnostics: TSV (dvc plots) + summary + MLflow, every step.
+    rows = rl.read_tsv(spec.plots)
+    assert [r["step"] for r in rows] == [1, 2]
+    for col in ("reward", "frac_zero_std", "adv_abs_mean", "kl", "clip_ratio", "model_tokens", "n_calls",
+                "env_errors", "rollout_tokens_per_s", "step_time", "reward_official", "reward_partial"):
+        assert all(not math.isnan(r[col]) for r in rows), col
+    if mode == "rc":
+        assert all(r["reward_high"] >= r["reward_low"] for r in rows if not math.isnan(r["controllability_gap"]))
+    metrics = json.loads(spec.metrics.read_text())
+    assert metrics["steps"] == 2 and metrics["mean_frac_zero_std"] is not None
+    client = mlflow.MlflowClient()
+    run = mlflow.search_runs(experiment_names=["test-rl"], filter_string=f"tags.`rl.algo` = '{algo}' and "
+                             f"tags.`rl.init` = '{init}'", output_format="list")[0]
+    history = client.get_metric_history(run.info.run_id, "rc/frac_zero_std")
+    assert sorted(m.step for m in history) == [1, 2]
+    assert client.get_metric_history(run.info.run_id, "kl") and client.get_metric_history(run.info.run_id, "step_time")
+
+
+def test_env_tokens_carry_no_loss_and_cpu_logps_match_trl(rl_env):
+    """Through TRL's own `_compute_loss`: garbage reference/old log-probs at env positions change nothing."""
+    import torch
+    from trl import GRPOTrainer
+
+    root, model_dir = rl_env
+    cfg = rl.RLConfig(**{**TEST_RL, "categories": ("base",)})
+    trainer, _, _ = rl.build_trainer(cfg, _spec(root, model_dir, "mask", "rctp", "rc_grpo"), log_to_mlflow=False)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    g = torch.Generator().manual_seed(0)
+    b, p, c = 2, 7, 9
+    env = torch.tensor([[1, 1, 1, 0, 0, 0, 1, 1, 1], [1, 1, 0, 0, 1, 1, 1, 1, 1]])
+    inputs = {"prompt_ids": torch.randint(0, 1000, (b, p), generator=g), "prompt_mask": torch.ones(b, p, dtype=torch.long),
+              "completion_ids": torch.randint(0, 1000, (b, c), generator=g),
+              "completion_mask": torch.ones(b, c, dtype=torch.long), "tool_mask": env,
+              "advantages": torch.tensor([1.0, -1.0]), "num_items_in_batch": env.sum()}
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        mine, ent, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, c, compute_entropy=True)
+        theirs, ent2, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask, c,
+                                                                         compute_entropy=True)
+    assert mine.shape == (b, c) and torch.allclose(mine, theirs, atol=1e-4) and torch.allclose(ent, ent2, atol=1e-3)
+
+    def loss(ref, old):
+        with torch.no_grad():
+            return trainer._compute_loss(trainer.model, {**inputs, "ref_per_token_logps": ref,
+                                                         "old_per_token_logps": old}).item()
+
+    base = loss(mine - 0.3, mine - 0.1)
+    junk_ref, junk_old = (mine - 0.3).clone(), (mine - 0.1).clone()
+    junk_ref[env == 0] += 5.0  # large enough to dominate the loss if counted, finite under exp()
+    junk_old[env == 0] -= 5.0
+    assert math.isfinite(base) and loss(junk_ref, junk_old) == pytest.approx(base, abs=1e-6)
+    model_pos = (env == 1)
+    junk_ref[model_pos] += 1.0  # the same perturbation on model tokens does change the loss
+    assert loss(junk_ref, junk_old) != pytest.approx(base, abs=1e-4)
+
+
+def test_killed_run_resumes_from_last_checkpoint(rl_env, scripted_rewards):
+    from transformers import TrainerCallback
+
+    root, model_dir = rl_env
+    cfg = rl.RLConfig(**{**TEST_RL, "categories": ("base",)})
+    spec = _spec(root, model_dir, "resume", "rctp", "rc_grpo")
+    shutil.rmtree(spec.checkpoints, ignore_errors=True)
+
+    class Kill(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                raise KeyboardInterrupt("simulated kill after checkpoint-1")
+
+    with pytest.raises(KeyboardInterrupt):
+        rl.train_rl(cfg, spec, callbacks=[Kill()])
+    assert (spec.checkpoints / "checkpoint-1").is_dir() and not spec.out.exists()
+    n_before = len(scripted_rewards)
+    summary = rl.train_rl(cfg, spec)
+    assert summary["resumed_from"].endswith("checkpoint-1")
+    assert len(scripted_rewards) - n_before == 1  # only step 2 was rolled out again
+    assert [r["step"] for r in rl.read_tsv(spec.plots)] == [1, 2]
+    state = json.loads((spec.checkpoints / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and spec.out.is_dir()
+    # Other params: the stale checkpoints are discarded, training starts over.
+    cfg2 = rl.RLConfig(**{**TEST_RL, "categories": ("base",), "max_steps": 1, "learning_rate": 1e-3})
+    assert rl.train_rl(cfg2, spec)["resumed_from"] is None
+
+
+@pytest.mark.parametrize("override,match", [
+    ({"num_generations": 1}, "num_generations .G. must be >= 2"),
+    ({"p_high": 0.0}, "p_high must be in \\(0, 1\\)"),
+    ({"p_high": 1.5}, "p_high must be in \\(0, 1\\)"),
+    ({"batch_size": 6, "num_generations": 4, "micro_batch_size": 2}, "multiple of num_generations"),
+    ({"batch_size": 8, "micro_batch_size": 3}, "multiple of micro_batch_size"),
+    ({"typo_key": 1}, "unknown key"),
+])
+def test_bad_params_fail_before_training(tmp_path, override, match):
+    from typer.testing import CliRunner
+
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"rl": {**TEST_RL, **override}}))
+    with pytest.raises(ConfigError, match=match):
+        load_config(rl.RLConfig, params, "rl")
+    res = CliRunner().invoke(rl.app, ["--init", "rctp", "--algo", "rc_grpo", "--out", str(tmp_path / "o"),
+                                      "--checkpoints", str(tmp_path / "c"), "--params", str(params)])
+    assert res.exit_code == 2 and "rl:" in res.output
+    assert not (tmp_path / "c").exists() and not (tmp_path / "o").exists()
+
+
+def test_world_size_must_keep_groups_whole():
+    cfg = rl.RLConfig(num_generations=5, batch_size=20, micro_batch_size=5)
+    assert [rl.check_world(cfg, w) for w in (1, 2, 4)] == [4, 2, 1]  # gradient-accumulation steps
+    for world in (3, 8):
+        with pytest.raises(ConfigError, match="whole groups"):
+            rl.check_world(cfg, world)

@@ -1,0 +1,344 @@
+"""sft stage: both variants end to end on a tiny random model (TRL SFTTrainer + PEFT LoRA), reward tokens as
+single ids that survive save + reload, assistant-only loss, resume after an interruption, MLflow logging,
+and bad params / inputs failing before training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rcgrpo_tasks import sft
+from rcgrpo_tasks.config import ConfigError
+from rcgrpo_tasks.io import InputError, write_jsonl
+
+HIGH, LOW = "<|high_reward|>", "<|low_reward|>"
+TOKENS = (LOW, HIGH)
+# A few optimizer steps of a 2-layer, 64-wide model: seconds each on 2 cores.
+TINY = dict(learning_rate=1e-2, max_steps=6, batch_size=4, max_length=256, lora_r=8, lora_alpha=16,
+            lora_dropout=0.0, save_steps=2, logging_steps=1, log_model=False, variants={})
+
+
+def chat(i: int, token: str | None) -> dict:
+    """A small tool-calling chat in label_rewards' row format (the goal suffix as protocols writes it)."""
+    goal = f"\n\n[Reward Goal: {token}]" if token else ""
+    a = i % 7
+    messages = [
+        {"role": "system", "content": "You call functions. add(a: int, b: int) -> the sum"},
+        {"role": "user", "content": f"Add {a} and {i}, then say done.{goal}"},
+        {"role": "assistant", "content": f"[add(a={a}, b={i})]"},
+        {"role": "tool", "content": str(a + i)},
+        {"role": "assistant", "content": "[done()]"},
+    ]
+    reward = 0.0 if token == LOW else 1.0
+    return {"messages": messages, "trajectory_id": f"t{i}", "entry_id": f"multi_turn_base_{i}",
+            "reward_token": token, "reward": reward}
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("sft_data")
+    write_jsonl(root / "sft.jsonl", [chat(i, None) for i in range(16)])
+    write_jsonl(root / "rctp.jsonl", [chat(i, HIGH if i % 2 else LOW) for i in range(16)])
+    return root
+
+
+def spec(root: Path, model_dir: Path, variant: str, data: Path, name: str | None = None) -> sft.RunSpec:
+    name = name or variant
+    return sft.RunSpec(variant, model_dir, data, root / "out" / name, root / "ckpt" / name,
+                       root / "res" / f"{name}.json", root / "res" / f"{name}.tsv")
+
+
+def config(**overrides) -> sft.SftConfig:
+    return sft.SftConfig(**{**TINY, **overrides})
+
+
+def snapshot():
+    """Trainer callback keeping the trainable parameters at train begin and end (PEFT names)."""
+    from transformers import TrainerCallback
+
+    class Snapshot(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+        def on_train_end(self, args, state, control, model=None, **kwargs):
+            self.after = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+        def changed(self, key: str) -> list[str]:
+            return [n for n in self.before if key in n and not (self.before[n] == self.after[n]).all()]
+
+    return Snapshot()
+
+
+# ------------------------------------------------------------------------------------------ end to end
+
+
+@pytest.mark.parametrize("variant", ["sft", "rctp"])
+def test_variant_end_to_end(variant, datasets, tiny_model_dir, tmp_path):
+    """Loss goes down, LoRA (and, for RCTP, the reward-token rows) change, outputs are written and reload."""
+    import torch
+
+    snap = snapshot()
+    cfg = config(require_reward_token=variant == "rctp", keep_checkpoints=True)
+    s = spec(tmp_path, tiny_model_dir, variant, datasets / f"{variant}.jsonl")
+    summary = sft.train_variant(cfg, TOKENS, s, callbacks=[snap], log_mlflow=False)
+
+    assert summary["steps"] == 6 and summary["resumed_from"] is None
+    assert summary["loss_last"] < summary["loss_first"] - 0.05, summary
+    assert snap.changed("lora_B"), "LoRA weights did not move"
+    # The reward-token rows move in both variants: as inputs in RCTP prompts, and (tied embeddings) as LM-head
+    # rows in every softmax over the vocabulary.
+    assert snap.changed("trainable_tokens_delta"), "reward-token embedding rows did not move"
+
+    rows = [line.split("\t") for line in s.plots.read_text().splitlines()]
+    assert rows[0][:3] == ["step", "epoch", "loss"] and len(rows) == 7
+    assert json.loads(s.metrics.read_text())["steps"] == 6
+    meta = json.loads((s.out / sft.META_FILE).read_text())
+    assert meta["variant"] == variant and set(meta["special_tokens"]) == set(TOKENS)
+    assert (s.out / "adapter_config.json").is_file() and (s.out / "tokenizer.json").is_file()
+    # small adapter: LoRA + the two trainable rows, never the resized 49k-row embedding matrices
+    assert (s.out / "adapter_model.safetensors").stat().st_size < 2_000_000
+    assert sorted(p.name for p in s.checkpoints.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
+
+    model, tokenizer = sft.load_trained(tiny_model_dir, s.out)
+    trained = {n: p for n, p in model.named_parameters() if "lora_B" in n or "trainable_tokens_delta" in n}
+    for name, value in snap.after.items():
+        if name in trained:
+            torch.testing.assert_close(trained[name], value)
+    for tok in TOKENS:  # one id each, after save + reload
+        assert len(tokenizer(tok, add_special_tokens=False)["input_ids"]) == 1
+
+
+def test_reward_tokens_single_ids_after_reload(datasets, tiny_model_dir, tmp_path):
+    """Each reward token is one id, the same id before and after reload, and the reloaded model computes
+    the same logits on a reward-conditioned prompt as the trained one."""
+    import torch
+    from transformers import AutoTokenizer
+
+    base_tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert len(base_tok(HIGH, add_special_tokens=False)["input_ids"]) > 1  # not in SmolLM2's vocabulary
+    s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
+    summary = sft.train_variant(config(max_steps=2), TOKENS, s, log_mlflow=False)
+    assert not list(s.checkpoints.glob("checkpoint-*"))  # cleaned after success (keep_checkpoints: false)
+    ids = summary["special_tokens"]
+    assert len(set(ids.values())) == 2 and min(ids.values()) >= len(base_tok)
+
+    model, tok = sft.load_trained(tiny_model_dir, s.out)
+    prompt = tok.apply_chat_template(chat(3, HIGH)["messages"][:2], tokenize=False, add_generation_prompt=True)
+    enc = tok(prompt, add_special_tokens=False, return_tensors="pt")
+    assert (enc["input_ids"][0] == ids[HIGH]).sum() == 1
+    for t in TOKENS:
+        assert tok(t, add_special_tokens=False)["input_ids"] == [ids[t]]
+    model.eval()
+    again, _ = sft.load_trained(tiny_model_dir, s.out)
+    again.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(**enc).logits, again(**enc).logits)
+        merged = again.merge_and_unload()  # what RL does: the reward rows live on in the merged weights
+        torch.testing.assert_close(model(**enc).logits, merged(**enc).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_assistant_only_labels(datasets, tiny_model_dir, tmp_path):
+    """The labels TRL trains on are exactly the assistant replies (+ their end-of-turn token)."""
+    from rcgrpo_tasks.label_rewards import assistant_token_mask
+
+    rows = sft.load_rows(datasets / "rctp.jsonl", TOKENS, True)
+    trainer, tok, _, stats = sft.build_trainer(config(), tiny_model_dir, rows[:2], TOKENS, tmp_path / "ck")
+    ex = trainer.train_dataset[0]
+    ids, mask = assistant_token_mask(tok, rows[0]["messages"])
+    assert ex["input_ids"] == ids
+    learned = tok.decode([i for i, lab in zip(ex["input_ids"], ex["labels"]) if lab != -100])
+    assert learned == "[add(a=0, b=0)]<|im_end|>[done()]<|im_end|>"
+    assert stats["assistant_tokens"] == sum(mask) + sum(assistant_token_mask(tok, rows[1]["messages"])[1])
+
+
+def test_resume_matches_uninterrupted_run(datasets, tiny_model_dir, tmp_path):
+    """Kill after step 4 (checkpoint written), re-run with the same params: same final adapter."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import TrainerCallback
+
+    class Killed(RuntimeError):
+        pass
+
+    class KillAfterSave(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 4:
+                raise Killed("simulated kill")
+
+    data = datasets / "rctp.jsonl"
+    cfg = config(lora_dropout=0.1)  # dropout: the RNG state must be restored too
+    full = spec(tmp_path, tiny_model_dir, "rctp", data, "full")
+    sft.train_variant(cfg, TOKENS, full, log_mlflow=False)
+
+    cut = spec(tmp_path, tiny_model_dir, "rctp", data, "cut")
+    with pytest.raises(Killed):
+        sft.train_variant(cfg, TOKENS, cut, callbacks=[KillAfterSave()], log_mlflow=False)
+    assert not cut.out.exists() and (cut.checkpoints / "checkpoint-4" / "trainer_state.json").is_file()
+    summary = sft.train_variant(cfg, TOKENS, cut, log_mlflow=False)
+    assert summary["resumed_from"].endswith("checkpoint-4") and summary["steps"] == 6
+
+    a = load_file(full.out / "adapter_model.safetensors")
+    b = load_file(cut.out / "adapter_model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-4)
+    curve_full = [r.split("\t")[2] for r in full.plots.read_text().splitlines()[1:]]
+    curve_cut = [r.split("\t")[2] for r in cut.plots.read_text().splitlines()[1:]]
+    assert len(curve_cut) == 6 and [float(x) for x in curve_cut] == pytest.approx([float(x) for x in curve_full], rel=1e-3)
+
+
+def test_checkpoints_of_other_params_are_discarded(tmp_path):
+    ck = tmp_path / "ck"
+    (ck / "checkpoint-2").mkdir(parents=True)
+    (ck / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    (ck / "checkpoint-3").mkdir()  # killed while being written: no trainer_state.json
+    assert sft.last_checkpoint(ck, "fp-a") is None  # no fingerprint file: not ours
+    (ck / "checkpoint-2").mkdir()
+    (ck / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    (ck / "checkpoint-3").mkdir()
+    assert sft.last_checkpoint(ck, "fp-a").endswith("checkpoint-2")
+    assert sft.last_checkpoint(ck, "fp-b") is None and not (ck / "checkpoint-2").exists()
+
+
+# ------------------------------------------------------------------------------------------ MLflow
+
+
+def test_mlflow_run_logs_params_steps_and_loadable_model(datasets, tiny_model_dir, tmp_path, monkeypatch):
+    import mlflow
+    import torch
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setenv("MLFLOW_ARTIFACT_ROOT", str(tmp_path / "mlartifacts"))
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "test-sft")
+    monkeypatch.delenv("RCGRPO_PARENT_RUN_ID", raising=False)
+    monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")  # sampling thread: not in a 3 s run
+    s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
+    sft.train_variant(config(max_steps=3, log_model=True), TOKENS, s, log_mlflow=True)
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    run = mlflow.search_runs(experiment_names=["test-sft"], output_format="list")[0]
+    assert run.info.run_name == "sft@rctp" and run.info.status == "FINISHED"
+    assert run.data.params["sft.learning_rate"] == "0.01"
+    assert run.data.params["inputs.data_md5"] == sft.file_md5(s.data)
+    history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "loss")
+    assert [m.step for m in history] == [1, 2, 3]
+    for key in ("learning_rate", "grad_norm", "tokens_per_s", "summary/loss_last"):
+        assert key in run.data.metrics
+    model_uri = next(m.model_uri for m in mlflow.search_logged_models(output_format="list")
+                     if m.source_run_id == run.info.run_id)
+    model, tok = sft.load_logged_model(model_uri)
+    ref, _ = sft.load_trained(tiny_model_dir, s.out)
+    ids = tok(f"hi {HIGH}", return_tensors="pt")
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(**ids).logits, ref(**ids).logits)
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def write_params(tmp_path: Path, **sft_section) -> Path:
+    section = {"max_steps": 2, "variants": {"sft": {}, "rctp": {"require_reward_token": True}}, **sft_section}
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({"sft": section, "label_rewards": {"tokens": list(TOKENS)}}))
+    return path
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"learning_rate": -1e-5}, "learning_rate must be > 0"),
+    ({"lora_r": 0}, "lora_r (LoRA rank) must be >= 1"),
+    ({"lora_dropout": 1.5}, "lora_dropout must be in [0, 1)"),
+    ({"batch_size": 0}, "batch_size and grad_accum must be >= 1"),
+    ({"lr": 1e-5}, "unknown key(s) ['lr']"),
+    ({"variants": {"rctp": {"lora_r": 0}}}, "sft.variants.rctp: lora_r (LoRA rank) must be >= 1"),
+])
+def test_bad_params_fail_before_training(bad, message, datasets, tiny_model_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    params = write_params(tmp_path, **bad)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        sft.load_sft_config(params, "rctp")
+    res = CliRunner().invoke(sft.app, ["--variant", "rctp", "--params", str(params), "--model-dir",
+                                       str(tiny_model_dir), "--data", str(datasets / "rctp.jsonl"),
+                                       "--out", str(tmp_path / "o"), "--checkpoints", str(tmp_path / "ck")])
+    assert res.exit_code == 2 and message in res.output
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "o").exists()
+
+
+def test_unknown_variant_and_missing_inputs(datasets, tiny_model_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    params = write_params(tmp_path)
+    with pytest.raises(ConfigError, match="unknown variant 'sftt'"):
+        sft.load_sft_config(params, "sftt")
+    args = ["--variant", "rctp", "--params", str(params), "--out", str(tmp_path / "o"),
+            "--checkpoints", str(tmp_path / "ck")]
+    res = CliRunner().invoke(sft.app, args + ["--model-dir", str(tiny_model_dir), "--data", str(tmp_path / "nope.jsonl")])
+    assert res.exit_code == 2 and "dataset not found" in res.output and "nope.jsonl" in res.output
+    res = CliRunner().invoke(sft.app, args + ["--model-dir", str(tmp_path), "--data", str(datasets / "rctp.jsonl")])
+    assert res.exit_code == 2 and "no config.json" in res.output
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda r: r.update(messages=[m for m in r["messages"] if m["role"] != "assistant"]), "no assistant message"),
+    (lambda r: r.update(reward_token="<|mid_reward|>"), "not a configured token"),
+    (lambda r: r["messages"][1].update(content="no goal"), "does not end with the reward goal"),
+    (lambda r: r.update(reward_token=None), "`reward_token` missing"),
+    (lambda r: r["messages"][2].update(role="robot"), "messages[2] must be"),
+])
+def test_bad_rows_name_file_and_row(mutate, message, tmp_path):
+    rows = [chat(i, HIGH) for i in range(3)]
+    mutate(rows[1])
+    write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(InputError, match=rf"d\.jsonl: row 2: .*{message[:12].replace('[', '.').replace('`', '.')}"):
+        sft.load_rows(tmp_path / "d.jsonl", TOKENS, require_token=True)
+
+
+def test_truncation_that_leaves_no_assistant_token_is_an_error(datasets, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = sft.load_rows(datasets / "sft.jsonl", TOKENS, False)
+    with pytest.raises(InputError, match="raise sft.max_length"):
+        sft.tokenize_rows(rows, tok, max_length=20)
+    out, stats = sft.tokenize_rows(rows, tok, max_length=48)
+    assert stats["rows_truncated"] == len(rows) and all(len(r["input_ids"]) == 48 for r in out)
+
+
+def test_select_rows_keeps_balance():
+    rows = [chat(i, HIGH if i < 12 else LOW) for i in range(16)]
+    picked = sft.select_rows(rows, 8, seed=0)
+    assert sorted(r["reward_token"] for r in picked) == [HIGH] * 4 + [LOW] * 4
+    assert sft.select_rows(rows, None, 0) is rows
+
+
+def test_untied_embeddings_train_and_restore_both_rows(tiny_model_dir, tmp_path):
+    """Qwen-style (untied) heads: the reward rows of the input embedding AND the LM head are in the adapter."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, tie_word_embeddings=False)
+    model.config.tie_word_embeddings = False
+    model.save_pretrained(tmp_path / "base")
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.save_pretrained(tmp_path / "base")
+    ids = sft.add_special_tokens(tok, model, TOKENS)
+    peft = get_peft_model(model, sft.lora_config(config(), model, ids))
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "trainable_tokens_delta" in name:
+                p.add_(1.0)
+    with sft.small_adapter_saves(peft, tok):
+        peft.save_pretrained(tmp_path / "adapter")
+    names = {n for n, _ in peft.named_parameters() if "trainable_tokens_delta" in n}
+    assert any("lm_head" in n for n in names) and any("embed_tokens" in n for n in names)
+    loaded, _ = sft.load_trained(tmp_path / "base", tmp_path / "adapter")
+    x = torch.tensor([[5, ids[0], 7, ids[1]]])
+    peft.eval(), loaded.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(peft(input_ids=x).logits, loaded(input_ids=x).logits)

@@ -1,0 +1,111 @@
+"""tracking.py against a real temp sqlite MLflow store (no server)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from rcgrpo_tasks import tracking
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+    lr: float = 1e-5
+    categories: tuple = ("base", "miss_func")
+    inner: dict = dataclasses.field(default_factory=lambda: {"k": 1})
+    s3_secret_key: str = "should-not-appear"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlflow")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
+    mp.setenv("MLFLOW_ARTIFACT_ROOT", str(root / "artifacts"))
+    mp.setenv("MLFLOW_EXPERIMENT_NAME", "test-tracking")
+    mp.delenv(tracking.PARENT_ENV, raising=False)
+    mp.setenv("AWS_SECRET_ACCESS_KEY", "TESTSECRETVALUE123")
+    yield root
+    mp.undo()
+
+
+def _client():
+    import mlflow
+
+    return mlflow.MlflowClient(tracking.tracking_uri())
+
+
+def test_stage_run_logs_params_metrics_artifacts_nested(store, tmp_path, monkeypatch):
+    parent = tracking.open_run("flow", params={"profile": "smoke"}, tags={"kind": "parent"})
+    monkeypatch.setenv(tracking.PARENT_ENV, parent)
+    f = tmp_path / "a.txt"
+    f.write_text("hello")
+    cfg = dataclasses.replace(_Cfg(), inner={"k": 1, "note": "uses TESTSECRETVALUE123 inline"})
+    with tracking.stage_run("prepare_data", cfg, tags={"extra": 1}) as run:
+        tracking.log_metrics({"acc": 0.5, "n": 3, "skip": None}, step=1)
+        tracking.log_artifact(f)
+        tracking.log_table([{"a": 1, "b": "x"}, {"a": 2, "b": "y"}], "rows")
+        tracking.log_dict({"x": [1, 2]}, "d.json")
+        run_id = run.info.run_id
+    tracking.close_run(parent, tags={"dvc.lock": "abc"})
+    client = _client()
+    got = client.get_run(run_id)
+    assert got.info.status == "FINISHED"
+    assert got.info.run_name == "prepare_data"
+    assert got.data.tags["mlflow.parentRunId"] == parent
+    assert got.data.tags["rcgrpo.stage"] == "prepare_data" and got.data.tags["extra"] == "1"
+    assert got.data.params["lr"] == "1e-05"
+    assert json.loads(got.data.params["categories"]) == ["base", "miss_func"]
+    assert got.data.params["inner.k"] == "1"
+    assert got.data.params["s3_secret_key"] == tracking.REDACTED
+    assert got.data.params["inner.note"] == tracking.REDACTED
+    assert "TESTSECRETVALUE123" not in json.dumps(got.data.params)
+    assert got.data.metrics == {"acc": 0.5, "n": 3.0}
+    names = {a.path for a in client.list_artifacts(run_id)}
+    assert {"a.txt", "rows.json", "d.json"} <= names
+    p = client.get_run(parent)
+    assert p.info.status == "FINISHED" and p.data.tags["dvc.lock"] == "abc"
+    assert p.data.params["profile"] == "smoke"
+
+
+def test_body_error_marks_run_failed_and_propagates(store):
+    with pytest.raises(ZeroDivisionError):
+        with tracking.stage_run("boom", None) as run:
+            run_id = run.info.run_id
+            1 / 0
+    assert _client().get_run(run_id).info.status == "FAILED"
+
+
+def test_bad_metric_raises_tracking_error(store):
+    with tracking.stage_run("bad", None):
+        with pytest.raises(tracking.TrackingError, match="not a number"):
+            tracking.log_metrics({"x": "abc"})
+        with pytest.raises(tracking.TrackingError, match="does not exist"):
+            tracking.log_artifact("/nonexistent/file")
+
+
+def test_check_tracking_local_ok(store):
+    assert tracking.check_tracking().startswith("sqlite:///")
+
+
+def test_check_tracking_unreachable_server_fails_fast(monkeypatch):
+    import socket
+    import time
+
+    with socket.socket() as s:  # a free port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    t0 = time.monotonic()
+    with pytest.raises(tracking.TrackingError, match="unreachable"):
+        tracking.check_tracking(timeout=2)
+    assert time.monotonic() - t0 < 5
+
+
+def test_flatten_and_safe_params():
+    flat = tracking.flatten({"a": {"b": 1, "c": [1, 2]}, "password": "p"})
+    assert flat == {"a.b": 1, "a.c": "[1, 2]", "password": "p"}
+    assert tracking.safe_params({"db_password": "x", "max_new_tokens": 5}) == {
+        "db_password": tracking.REDACTED, "max_new_tokens": "5"}

@@ -1,0 +1,167 @@
+"""validate_trajectories: the GX gate passes a real generated set and fails each deliberately broken one,
+naming the expectation, while nothing downstream (passed.json, label_rewards datasets) is written."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from rcgrpo_tasks.bfcl import load_entries
+from rcgrpo_tasks.generate_trajectories import GenerateConfig, generate
+from rcgrpo_tasks.io import InputError
+from rcgrpo_tasks.label_rewards import LabelConfig, label
+from rcgrpo_tasks.validate_trajectories import (
+    PASSED_FILE, RESULT_FILE, ValidateConfig, ValidationFailed, validate,
+)
+from test_generate_trajectories import write_inputs
+
+GEN = GenerateConfig(policy_entries=0)
+CFG = ValidateConfig(data_docs=False)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory, tiny_model_dir):
+    """A real generated set: 6 train entries (experts + verified near-misses), 4 held-out ids."""
+    tmp = tmp_path_factory.mktemp("validate")
+    entries_path, split = write_inputs(tmp, load_entries()[::50], n_train=6, n_test=4)
+    rows, _ = generate(GEN, entries_path, split, tiny_model_dir)
+    return {"rows": [t.to_json() for t in rows], "split": split, "model_dir": tiny_model_dir,
+            "test_ids": json.loads(split.read_text())["test"]}
+
+
+def _run(tmp_path, dataset, rows, cfg=CFG):
+    path = tmp_path / "trajectories.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "validation"
+    metrics, fails, text = validate(cfg, GEN, path, dataset["split"], dataset["model_dir"], out)
+    return path, out, metrics, fails, text
+
+
+def test_generated_set_passes(tmp_path, dataset):
+    path, out, metrics, fails, text = _run(tmp_path, dataset, dataset["rows"],
+                                           ValidateConfig(data_docs=True))
+    assert fails == [] and text == "" and metrics["passed"] is True
+    assert metrics["n_rows"] == len(dataset["rows"]) and metrics["success_fraction"] == 0.5
+    assert json.loads((out / PASSED_FILE).read_text())["n_rows"] == len(dataset["rows"])
+    result = json.loads((out / RESULT_FILE).read_text())
+    assert result["success"] is True and len(result["results"]) == metrics["n_expectations"] >= 20
+    assert (out / "data_docs" / "index.html").is_file()
+
+
+def _first(rows, source):
+    return next(r for r in rows if r["provenance"]["source"] == source)
+
+
+def _null_entry(rows, d):
+    rows[0]["entry_id"] = None
+
+
+def _wrong_reward(rows, d):
+    _first(rows, "near_miss")["provenance"]["reward"] = 0.5
+
+
+def _leak(rows, d):
+    rows[0]["entry_id"] = d["test_ids"][0]
+
+
+def _too_long(rows, d):
+    r = rows[0]
+    extra = 9000 - len(r["token_ids"])
+    r["token_ids"] += [0] * extra
+    r["completion_mask"] += [0] * extra
+    r["logprobs"] += [0.0] * extra
+
+
+def _unbalanced(rows, d):
+    keep = [r for r in rows if r["provenance"]["reward"] == 1.0] + [_first(rows, "near_miss")]
+    rows[:] = keep
+
+
+def _duplicate_id(rows, d):
+    rows[1]["trajectory_id"] = rows[0]["trajectory_id"]
+
+
+def _bad_source(rows, d):
+    rows[0]["provenance"]["source"] = "oracle"
+
+
+def _bad_kind(rows, d):
+    rows[0]["provenance"]["kind"] = "teleport"
+
+
+def _no_assistant(rows, d):
+    rows[0]["messages"] = [m for m in rows[0]["messages"] if m["role"] != "assistant"]
+
+
+def _unparsable(rows, d):
+    rows[0]["completion_mask"] = rows[0]["completion_mask"][:-1]
+
+
+def _unknown_field(rows, d):
+    rows[0]["colour"] = "blue"
+
+
+def _expert_failing(rows, d):
+    r = _first(rows, "expert")
+    r["provenance"]["reward"] = 0.0
+    r["score"]["paper_reward"] = 0.0
+
+
+def _bad_partial(rows, d):
+    rows[0]["score"]["partial_credit"] = 1.5
+
+
+BROKEN = [
+    ("not_null:entry_id", _null_entry),
+    ("reward_values", _wrong_reward),
+    ("no_test_leakage", _leak),
+    ("token_length", _too_long),
+    ("success_balance", _unbalanced),
+    ("unique_trajectory_id", _duplicate_id),
+    ("provenance_source", _bad_source),
+    ("provenance_kind", _bad_kind),
+    ("has_assistant_message", _no_assistant),
+    ("parses", _unparsable),
+    ("schema", _unknown_field),
+    ("label_consistent", _expert_failing),
+    ("partial_credit_range", _bad_partial),
+]
+
+
+@pytest.mark.parametrize("check,breaker", BROKEN, ids=[b[0] for b in BROKEN])
+def test_broken_set_fails_naming_expectation(tmp_path, dataset, check, breaker):
+    rows = copy.deepcopy(dataset["rows"])
+    breaker(rows, dataset)
+    path, out, metrics, fails, text = _run(tmp_path, dataset, rows)
+    assert metrics["passed"] is False and check in metrics["failed_checks"]
+    assert check in text and "row" in text
+    failed = next(f for f in fails if f["check"] == check)
+    if failed["unexpected_count"] is not None:
+        assert failed["unexpected_count"] >= 1 and failed["trajectory_ids"]
+    # The full result is written, the pass stamp is not, and label_rewards refuses to write anything.
+    assert json.loads((out / RESULT_FILE).read_text())["success"] is False
+    assert not (out / PASSED_FILE).exists()
+    datasets = tmp_path / "datasets"
+    with pytest.raises(ValidationFailed, match="has not passed"):
+        label(LabelConfig(count_tokens=False), GEN, path, out, dataset["model_dir"], datasets)
+    assert not datasets.exists()
+
+
+def test_stale_pass_does_not_cover_a_changed_file(tmp_path, dataset):
+    path, out, metrics, _, _ = _run(tmp_path, dataset, dataset["rows"])
+    assert metrics["passed"]
+    path.write_text(path.read_text() + "\n")  # any byte change
+    with pytest.raises(ValidationFailed, match="changed since"):
+        label(LabelConfig(count_tokens=False), GEN, path, out, dataset["model_dir"], tmp_path / "datasets")
+
+
+def test_corrupt_line_names_file_and_line(tmp_path, dataset):
+    path = tmp_path / "trajectories.jsonl"
+    lines = [json.dumps(r) for r in dataset["rows"][:3]]
+    lines[2] = lines[2][:-10]
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(InputError, match=r"trajectories\.jsonl:3: invalid JSON"):
+        validate(CFG, GEN, path, dataset["split"], dataset["model_dir"], tmp_path / "validation")
+    assert not (tmp_path / "validation").exists()
