@@ -28,10 +28,12 @@ test: venv
 test-all: venv
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
 
-# Local stack without Docker (SeaweedFS S3, MLflow, Prefect server + a process worker) on loopback;
-# needs AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment. See docs/operations.md.
+# Local stack without Docker (SeaweedFS S3, MLflow, Prefect server + a process worker) on loopback,
+# see docs/operations.md;
+# needs AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment; other ports: STACK_ARGS="--port-base 30000".
+STACK_ARGS ?=
 stack-up: venv
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo stack up --worker
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo stack up --worker $(STACK_ARGS)
 
 stack-down:
 	$(BIN)/rcgrpo stack down

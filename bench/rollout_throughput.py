@@ -8,7 +8,8 @@ they differ only in how a step's completions are produced:
   `num_return_sequences=G` while the group's prompts are identical, then the active conversations as one
   left-padded batch.
 Arms alternate per round (naive, engine, naive, ...) so machine load hits both alike. Prints model
-tokens/s and rollouts/s of each arm and their ratio (goal: engine >= 3x naive).
+tokens/s (wall-clock, and per CPU-second: steadier on a shared machine with --threads 1) and rollouts/s
+of each arm and their ratio (goal: engine >= 3x naive).
 
 Run: `python bench/rollout_throughput.py --model models/base [--entries 2 --g 4 --protocol official
 --max-new-tokens 32 --temperature 1.0 --rounds 1 --threads 2]`
@@ -69,14 +70,14 @@ class _NaiveSession(Session):
         return result
 
 
-def run_arm(backend: Backend, entries, g: int, proto, sampling: SamplingParams) -> tuple[float, int, int]:
-    """(seconds, model tokens, rollouts) of one GRPO group per entry."""
+def run_arm(backend: Backend, entries, g: int, proto, sampling: SamplingParams) -> tuple[float, float, int, int]:
+    """(wall seconds, CPU seconds, model tokens, rollouts) of one GRPO group per entry."""
     import torch
 
     torch.manual_seed(sampling.seed or 0)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     trajs = [t for e in entries for t in run_group(backend, e, g, proto, sampling)]
-    return time.perf_counter() - t0, sum(t.n_model_tokens for t in trajs), len(trajs)
+    return (time.perf_counter() - t0, time.process_time() - c0, sum(t.n_model_tokens for t in trajs), len(trajs))
 
 
 def main() -> None:
@@ -106,22 +107,22 @@ def main() -> None:
                               max_new_tokens=args.max_new_tokens, seed=args.seed)
     engine = HFBackend(args.model, dtype=args.dtype)
     arms = {"naive": NaiveBackend(engine), "engine": engine}
-    totals = {name: [0.0, 0, 0] for name in arms}
+    totals = {name: [0.0, 0.0, 0, 0] for name in arms}
     print(f"entries {[e.id for e in entries]}, G={args.g}, protocol={args.protocol}, "
           f"max_new_tokens={args.max_new_tokens}, T={args.temperature}, dtype={args.dtype}, "
           f"threads={torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}")
     for rnd in range(args.rounds):
         for name, backend in arms.items():
-            secs, toks, rolls = run_arm(backend, entries, args.g, proto, sampling)
-            for i, v in enumerate((secs, toks, rolls)):
+            wall, cpu, toks, rolls = run_arm(backend, entries, args.g, proto, sampling)
+            for i, v in enumerate((wall, cpu, toks, rolls)):
                 totals[name][i] += v
-            print(f"round {rnd} {name:>6}: {secs:7.1f} s, {toks} model tokens, {toks / secs:6.2f} tok/s, "
-                  f"{rolls / secs:.3f} rollouts/s (load {os.getloadavg()[0]:.1f})")
-    rate = {n: (t[1] / t[0], t[2] / t[0]) for n, t in totals.items()}
-    print(f"naive : {rate['naive'][0]:7.2f} tok/s  {rate['naive'][1]:.3f} rollouts/s")
-    print(f"engine: {rate['engine'][0]:7.2f} tok/s  {rate['engine'][1]:.3f} rollouts/s")
-    print(f"ratio engine/naive: {rate['engine'][0] / rate['naive'][0]:.2f}x tokens/s, "
-          f"{rate['engine'][1] / rate['naive'][1]:.2f}x rollouts/s")
+            print(f"round {rnd} {name:>6}: {wall:7.1f} s wall, {cpu:7.1f} s CPU, {toks} model tokens, "
+                  f"{toks / wall:6.2f} tok/s, {rolls / wall:.3f} rollouts/s (load {os.getloadavg()[0]:.1f})")
+    for name, (wall, cpu, toks, rolls) in totals.items():
+        print(f"{name:>6}: {toks / wall:7.2f} tok/s ({toks / cpu:7.2f} per CPU-s), {rolls / wall:.3f} rollouts/s")
+    (nw, nc, nt, nr), (ew, ec, et, er) = totals["naive"], totals["engine"]
+    print(f"ratio engine/naive: {(et / ew) / (nt / nw):.2f}x tokens/s wall-clock, "
+          f"{(et / ec) / (nt / nc):.2f}x tokens per CPU-second, {(er / ew) / (nr / nw):.2f}x rollouts/s")
 
 
 if __name__ == "__main__":

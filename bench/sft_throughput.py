@@ -11,8 +11,8 @@ Runs alternate (project, defaults, project, ...) so load from other processes hi
 
 Data: `--data` (a label_rewards JSONL) if it exists, else expert chats replayed from BFCL gold calls
 (`engine.replay_calls`, the paper protocol, real observations).
-Run: `python bench/sft_throughput.py --model-dir models/base [--steps 3 --rounds 1 --batch-size 4]`
-(~6-10 min on 2 cores with SmolLM2-135M at batch 4 x ~1k tokens). Goal: ratio >= 1.5.
+Run: `python bench/sft_throughput.py --model-dir models/base [--steps 3 --rounds 1 --batch-size 2]`
+(~10 min on 2 cores with SmolLM2-135M at batch 2 x <= 1280 tokens). Goal: ratio >= 1.5.
 """
 
 from __future__ import annotations

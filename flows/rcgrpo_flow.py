@@ -3,18 +3,21 @@
 What it does, in order:
 1. preflight: the MLflow tracking store must answer (clear error before any training; retried briefly,
    since a server that is just starting is a transient failure);
-2. opens an MLflow parent run (params: flow parameters + the merged params file; tags: git commit) and
+2. with `profile`, materializes it into params.yaml (as `rcgrpo params --profile` does), so DVC reruns
+   exactly the stages whose sections changed;
+3. opens an MLflow parent run (params: flow parameters + the merged params file; tags: git commit) and
    hands its id to every stage through `RCGRPO_PARENT_RUN_ID`, so each stage's own `tracking.stage_run`
    becomes a nested child run;
-3. discovers the stages from `dvc.yaml` with DVC itself (foreach/matrix expanded, topological order), so
+4. discovers the stages from `dvc.yaml` with DVC itself (foreach/matrix expanded, topological order), so
    stages that land later are picked up without touching this file; `stages=[...]` selects some (a
    foreach group by its prefix, e.g. `sft` = every `sft@...`), their upstream stages are included;
-4. `dvc pull` (retried with backoff: S3 is the transient part) so a fresh worker starts from the remote;
-5. one Prefect task per stage: `dvc repro --single-item <stage>` (never retried: training is
+5. pull = `dvc fetch` (network only: retried with backoff, S3 is the transient part) + `dvc checkout`
+   (local, best effort) so a fresh worker starts from the remote;
+6. one Prefect task per stage: `dvc repro --single-item <stage>` (never retried: training is
    deterministic, a retry would only fail again slower); a failing stage fails the flow with the
    stage's own error output; unchanged stages are skipped by DVC (a re-run redoes nothing finished);
-6. `dvc push` (retried with backoff) so other workers and `dvc pull` elsewhere get the outputs;
-7. records `dvc.lock` hashes on the parent run and closes it FINISHED (FAILED on any error).
+7. `dvc push` (retried with backoff) so other workers and `dvc pull` elsewhere get the outputs;
+8. records `dvc.lock` hashes on the parent run and closes it FINISHED (FAILED on any error).
 
 Run locally: `python flows/rcgrpo_flow.py --profile smoke` (or `prefect deployment run rcgrpo/full`
 against a server + worker, see docs/operations.md). Credentials only come from the environment; they are
@@ -137,29 +140,21 @@ def stream(cmd: list[str], cwd: str | Path, env: dict[str, str], log, tail_lines
     return proc.returncode, "\n".join(tail)
 
 
-def stage_env(parent_run_id: str | None, profile: str | None) -> dict[str, str]:
+def stage_env(parent_run_id: str | None) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("MLFLOW_RUN_ID", None)  # would make the stage resume that run instead of nesting
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"  # stage cmds call `rcgrpo` from this venv
     env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("TQDM_MININTERVAL", "15")  # progress bars become log lines: one per 15 s is plenty
     if parent_run_id:
         env["RCGRPO_PARENT_RUN_ID"] = parent_run_id
-    if profile:
-        env["RCGRPO_PROFILE"] = profile
     return env
 
 
-def merged_params(repo_dir: str | Path, profile: str | None) -> dict:
+def read_repo_params(repo_dir: str | Path) -> dict:
     from rcgrpo_tasks.config import read_params
 
-    old = os.environ.get("RCGRPO_PROFILE")
-    try:
-        if profile:
-            os.environ["RCGRPO_PROFILE"] = profile
-        return read_params(Path(repo_dir) / "params.yaml")
-    finally:
-        if profile:
-            os.environ.pop("RCGRPO_PROFILE") if old is None else os.environ.__setitem__("RCGRPO_PROFILE", old)
+    return read_params(Path(repo_dir) / "params.yaml")
 
 
 # -- tasks ----------------------------------------------------------------------------------------------
@@ -185,20 +180,42 @@ def close_parent_run(run_id: str, status: str, tags: dict) -> None:
     tracking.close_run(run_id, status=status, tags=tags)
 
 
+@task(name="apply-profile")
+def apply_profile(repo_dir: str, profile: str) -> None:
+    """Materialize the profile into params.yaml (`rcgrpo params --profile`), so DVC sees exactly which
+    sections changed and reruns those stages. `git checkout params.yaml` returns to the default."""
+    from rcgrpo_tasks.config import apply_profile as materialize
+
+    params = Path(repo_dir) / "params.yaml"
+    materialize(params, profile, params)
+    get_run_logger().warning("profile %r written into %s", profile, params)
+
+
 @task(name="dvc-transfer")
 def dvc_transfer(verb: str, repo_dir: str, targets: list[str], remote: str, retries: int) -> None:
-    """`dvc pull` / `dvc push` of the planned stages' outputs and the run cache."""
+    """`dvc fetch` / `dvc push` of the planned stages' outputs and run cache: network only, so a failure
+    here is transient (S3 down, timeouts) and the task is retried with backoff."""
     log = get_run_logger()
     cmd = [str(BIN / "dvc"), verb, "--run-cache", "--remote", remote, *targets]
-    if verb == "pull":
-        cmd.insert(2, "--allow-missing")  # a first run finds nothing on the remote yet
     attempt = task_run.run_count or 1
     log.info("dvc %s (attempt %d/%d): %s", verb, attempt, retries + 1, " ".join(cmd[1:]))
-    rc, tail = stream(cmd, repo_dir, stage_env(None, None), log.info, tail_lines=4)
+    rc, tail = stream(cmd, repo_dir, stage_env(None), log.info, tail_lines=4)
     if rc != 0:
         short = "\n".join(line[:300] for line in tail.splitlines())
         raise TransferFailed(f"dvc {verb} with remote {remote!r} failed (exit {rc}, attempt {attempt}/"
                              f"{retries + 1}); is the S3 server up? Last output:\n{short}")
+
+
+@task(name="dvc-checkout")
+def dvc_checkout(repo_dir: str, targets: list[str]) -> bool:
+    """Outputs from the (fetched) cache into the workspace. Best effort, never retried: leftovers of a
+    failed stage can block it, and `dvc repro` reruns or restores whatever is still missing."""
+    log = get_run_logger()
+    cmd = [str(BIN / "dvc"), "checkout", "--allow-missing", *targets]
+    rc, tail = stream(cmd, repo_dir, stage_env(None), log.info, tail_lines=6)
+    if rc != 0:
+        log.warning("dvc checkout incomplete (exit %d); the stages will rerun what is missing:\n%s", rc, tail)
+    return rc == 0
 
 
 @task(name="dvc-stage")
@@ -228,19 +245,22 @@ def rcgrpo(
 ) -> dict[str, Any]:
     """Run the DVC pipeline (or `stages` and their upstream) as Prefect tasks under one MLflow parent run.
 
-    profile: overlay name in configs/ (e.g. `smoke`, `paper`) or a path to an overlay YAML.
+    profile: overlay name in configs/ (e.g. `smoke`, `paper`) or a path to an overlay YAML; it is
+        materialized into params.yaml (like `rcgrpo params --profile`) before any stage runs.
     stages: stage names or foreach prefixes; default all. force: rerun even unchanged stages.
     push/pull: sync with the default DVC remote (skipped with a warning when none is configured).
     """
     log = get_run_logger()
     repo = str(Path(repo_dir).resolve())
     uri = check_tracking()
+    if profile:
+        apply_profile(repo, profile)
     order = plan(discover_stages(repo), stages)
     log.info("tracking %s; stages: %s", uri, ", ".join(order))
     from rcgrpo_tasks.tracking import git_commit
 
     params = {"flow": {"profile": profile, "stages": stages, "force": force, "push": push, "pull": pull},
-              "params": merged_params(repo, profile)}
+              "params": read_repo_params(repo)}
     parent = open_parent_run(params, {"git.commit": git_commit(), "prefect.flow_run_id": flow_run.id or "",
                                       "rcgrpo.plan": ",".join(order)})
     remote = ensure_remote(repo)
@@ -252,8 +272,9 @@ def rcgrpo(
     status, error = "FAILED", None
     try:
         if pull and remote:
-            transfer("pull", repo, order, remote, transfer_retries)
-        env = stage_env(parent, profile)
+            transfer("fetch", repo, order, remote, transfer_retries)
+            dvc_checkout(repo, order)
+        env = stage_env(parent)
         for stage in order:
             results[stage] = run_stage.with_options(name=stage, task_run_name=stage)(stage, repo, env, force)
         if push and remote:

@@ -209,21 +209,27 @@ class HFBackend(Backend):
         if merge_adapter and hasattr(model, "merge_and_unload"):
             model = model.merge_and_unload()  # plain weights decode faster than LoRA hooks
         model.to(device).eval()
+        use_cpu_attention(model)
         self._init(model, tokenizer)
         self.info = {"backend": "hf", "model": str(path), "adapter": str(adapter) if adapter else None,
                      "dtype": dtype}
 
     @classmethod
-    def from_model(cls, model, tokenizer) -> "HFBackend":
-        """Wrap an in-memory (possibly PEFT-wrapped, training-mode) model; generation runs in eval mode."""
+    def from_model(cls, model, tokenizer, autocast: bool = False) -> "HFBackend":
+        """Wrap an in-memory (possibly PEFT-wrapped, training-mode) model; generation runs in eval mode.
+
+        `autocast`: run forwards under bf16 autocast where the CPU has native bf16 (faster matmuls on fp32
+        weights; log-probs then bf16-precise).
+        """
         self = cls.__new__(cls)
-        self._init(model, tokenizer)
-        self.info = {"backend": "hf", "model": "<in-memory>", "adapter": None,
+        self._init(model, tokenizer, autocast)
+        self.info = {"backend": "hf", "model": "<in-memory>", "adapter": None, "autocast": self.autocast,
                      "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
         return self
 
-    def _init(self, model, tokenizer) -> None:
+    def _init(self, model, tokenizer, autocast: bool = False) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.autocast = bool(autocast) and (model.device.type != "cpu" or bf16_supported())
         self.max_positions = int(getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_POSITIONS)
         self._stops = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -237,6 +243,41 @@ class HFBackend(Backend):
 
     def session(self) -> Session:
         return HFSession(self)
+
+
+CPU_ATTENTION = "rcgrpo_cpu"
+
+
+def _cpu_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """sdpa, except one-token decode: a GQA-packed matmul + softmax (CPU sdpa with a mask is slow in bf16)."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.shape[2] != 1 or module.training:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    b, h, _, d = query.shape
+    hkv = key.shape[1]
+    scores = torch.matmul(query.reshape(b, hkv, h // hkv, d), key.transpose(2, 3))
+    scores = scores * (scaling if scaling is not None else d**-0.5)
+    if attention_mask is not None:  # (b, 1, 1, L): bool (True = attend) or additive float
+        scores = scores.masked_fill(~attention_mask, float("-inf")) if attention_mask.dtype == torch.bool \
+            else scores + attention_mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    return torch.matmul(probs, value).reshape(b, h, 1, d).transpose(1, 2).contiguous(), None
+
+
+def use_cpu_attention(model) -> bool:
+    """Switch a CPU model to `_cpu_attention` (registered once with transformers' attention interfaces)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if model.device.type != "cpu" or getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    AttentionInterface.register(CPU_ATTENTION, _cpu_attention)
+    AttentionMaskInterface.register(CPU_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(CPU_ATTENTION)
+    return True
 
 
 def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
@@ -275,8 +316,10 @@ def _prefix_groups(prompts: list[list[int]]) -> list[tuple[list[int], int]]:
 class HFSession(Session):
     """One batched KV cache for a set of rows (rollouts); see the module docstring."""
 
-    PREFILL_CHUNK = 256  # bounds the (rows x heads x chunk x cache) attention buffer
-    COMPACT_AT = 0.5  # compact the cache when more than half of it is holes
+    PREFILL_CHUNK = 2048  # max tokens per prefill forward (fewer forwards = faster prefill) ...
+    ATTN_BUDGET = 2**24  # ... bounded so rows x chunk x cache length (x heads) stays ~1 GB
+    COMPACT_AT = 0.5  # compact the cache when more than half of it is holes ...
+    COMPACT_MIN = 512  # ... and it is at least this long
 
     def __init__(self, backend: HFBackend):
         self.b = backend
@@ -366,13 +409,16 @@ class HFSession(Session):
         pos = base + new_mask.cumsum(1) - 1
         pos = torch.where(new_mask.bool(), pos, base.expand_as(pos))
         logits = None
-        for s in range(0, ids.shape[1], self.PREFILL_CHUNK):
-            sl = slice(s, s + self.PREFILL_CHUNK)
+        total = self.mask.shape[1] + ids.shape[1]
+        chunk = max(1, min(self.PREFILL_CHUNK, self.ATTN_BUDGET // (ids.shape[0] * total)))
+        for s in range(0, ids.shape[1], chunk):
+            sl = slice(s, s + chunk)
             self.mask = torch.cat([self.mask, new_mask[:, sl]], dim=1)
-            out = self.b.model(input_ids=ids[:, sl].to(self.b.model.device),
-                               attention_mask=self.mask.to(self.b.model.device),
-                               position_ids=pos[:, sl].to(self.b.model.device), past_key_values=self.cache,
-                               use_cache=True, logits_to_keep=1)
+            dev = self.b.model.device
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.b.autocast):
+                out = self.b.model(input_ids=ids[:, sl].to(dev), attention_mask=self.mask.to(dev),
+                                   position_ids=pos[:, sl].to(dev), past_key_values=self.cache,
+                                   use_cache=True, logits_to_keep=1)
             logits = out.logits[:, -1, :]
         return logits
 
@@ -397,7 +443,7 @@ class HFSession(Session):
 
         rows, length = self.mask.shape
         valid = self.mask.sum(1)
-        if length < 2 * self.PREFILL_CHUNK or valid.sum().item() > (1 - self.COMPACT_AT) * rows * length:
+        if length < self.COMPACT_MIN or valid.sum().item() > (1 - self.COMPACT_AT) * rows * length:
             return
         width = int(valid.max())
         index = torch.zeros((rows, width), dtype=torch.long)

@@ -15,6 +15,12 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 class InputError(ValueError):
     """Bad input file; the message names the file (and line)."""
 
@@ -29,6 +35,8 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     tmp_path = Path(tmp)
     try:
         yield tmp_path
+        if tmp_path.exists():
+            os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get normal permissions
         os.replace(tmp_path, path)
     finally:
         if tmp_path.exists():
@@ -43,6 +51,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)

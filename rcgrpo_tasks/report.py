@@ -7,12 +7,12 @@ SFT+RC-GRPO, RCTP+GRPO, RCTP+RC-GRPO (any subset; unknown labels are appended).
 
 Per row: accuracy (the evaluate stage's `valid`: paper reward under the paper protocol, which is the
 paper's Table 1 view; the official verdict under the official protocol) per category and overall, each
-with a 95% percentile-bootstrap CI over
-entries (2000 resamples, fixed seed; overall resamples within each category, so the category mix stays
-fixed), the official BFCL verdict, mean partial credit and paper reward; for RL rows the training diagnostics (mean fraction of
-zero-std groups, mean controllability gap E[R|high] - E[R|low]); beside them the paper's Table 1 overall
-accuracy (Qwen2.5-7B-Instruct on GPU, 80 held-out entries) where the paper gives it, else `n/a`. The
-paper's numbers are a reference for the shape of the result, not a target for a 135M CPU model.
+with a 95% percentile-bootstrap CI over entries (2000 resamples, fixed seed; overall resamples within
+each category, so the category mix stays fixed); the official BFCL verdict, mean partial credit and
+paper reward; for RL rows the training diagnostics (mean fraction of zero-std groups, mean
+controllability gap E[R|high] - E[R|low]); beside them the paper's Table 1 overall accuracy
+(Qwen2.5-7B-Instruct on GPU, 80 held-out entries) where the paper gives it, else `n/a`. The paper's
+numbers are a reference for the shape of the result, not a target for a 135M CPU model.
 
 Writes: `--table` (Markdown), `--json` (DVC metrics: every number above), `--plot` (PNG: accuracy per
 category per row with CI bars), and logs all three + metrics to MLflow.
@@ -163,14 +163,14 @@ def markdown_table(rows: list[dict]) -> str:
     cats += sorted({c for r in rows for c in r["categories"]} - set(cats))
     names = dict(ROWS)
     head = (["Model", "n"] + [f"{c} acc % [95% CI]" for c in cats]
-            + ["Overall acc % [95% CI]", "Official verdict %", "Partial credit", "Paper reward", "Paper Table 1 overall % (7B, GPU)",
-               "RL frac zero-std groups", "RL controllability gap"])
+            + ["Overall acc % [95% CI]", "Official verdict %", "Partial credit", "Paper reward",
+               "Paper Table 1 overall % (7B, GPU)", "RL frac zero-std groups", "RL controllability gap"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [names.get(r["label"], r["label"]), str(r["n"])] + [_fmt(r["categories"].get(c)) for c in cats]
-        cells += [_fmt(r["overall"]), _num(r["official_accuracy"], ".1f"), _num(r["partial_credit"], ".3f"), _num(r["paper_reward"], ".3f"),
-                  _num(r["paper_table1_overall"]), _num(r.get("rl_mean_frac_zero_std"), ".3f"),
-                  _num(r.get("rl_mean_controllability_gap"), ".3f")]
+        cells += [_fmt(r["overall"]), _num(r["official_accuracy"], ".1f"), _num(r["partial_credit"], ".3f"),
+                  _num(r["paper_reward"], ".3f"), _num(r["paper_table1_overall"]),
+                  _num(r.get("rl_mean_frac_zero_std"), ".3f"), _num(r.get("rl_mean_controllability_gap"), ".3f")]
         lines.append("| " + " | ".join(cells) + " |")
     note = ("\nAccuracy: the evaluate stage's success (`valid`: the paper's binary reward under the paper protocol, "
             "the official verdict under the official one) on the held-out split; \"Official verdict\": BFCL's "

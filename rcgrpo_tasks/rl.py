@@ -98,20 +98,22 @@ class RLConfig:
     """Sampling temperature of rollouts (TRL rescales its log-probs with the same value)."""
     top_p: float = 1.0
     """Nucleus sampling of rollouts."""
-    max_new_tokens: int = 48
+    max_new_tokens: int = 32
     """Tokens per model output (one model step of an episode)."""
-    protocol: str = "paper"
+    protocol: Literal["paper", "official"] = "paper"
     """Rollout protocol: `paper` (merged steps + done()) or `official` (BFCL turn by turn)."""
-    doc_style: str = "compact"
+    doc_style: Literal["compact", "json", "official"] = "compact"
     """Function docs in the prompt: `compact`, `json` or `official`."""
-    system_prompt: str = "bfcl"
+    system_prompt: Literal["bfcl", "short"] = "bfcl"
     """`bfcl` (BFCL's classic instructions) or `short`."""
-    max_episode_steps: int = 3
+    max_episode_steps: int = 2
     """Model outputs per episode (`paper`: ProtocolConfig.max_steps; `official`: per turn)."""
     categories: tuple[str, ...] = ("base", "miss_func", "miss_param", "long_context")
     """Train-split categories to sample entries from."""
     max_entries: int | None = None
     """Use only this many train entries (the shortest prompts first); null = all."""
+    full_finetune: bool = False
+    """Train every weight (the paper; GPU + DeepSpeed) instead of a LoRA on top of the merged init."""
     lora_r: int = 8
     """Rank of the RL LoRA (on top of the merged init)."""
     lora_alpha: int = 16
@@ -238,7 +240,8 @@ def check_reward_tokens(tokenizer, mode: str) -> None:
         return
     for tok in adv.REWARD_TOKENS:
         ids = tokenizer.convert_tokens_to_ids(tok)
-        if ids is None or ids == tokenizer.unk_token_id or len(tokenizer(tok, add_special_tokens=False)["input_ids"]) != 1:
+        single = len(tokenizer(tok, add_special_tokens=False)["input_ids"]) == 1
+        if ids is None or ids == tokenizer.unk_token_id or not single:
             raise ConfigError(f"conditioning {mode!r} needs {tok} as a special token of the init model's tokenizer "
                               "(train the init with `sft` / RCTP, which adds it)")
 
@@ -532,12 +535,12 @@ def _diagnostics_callback(tsv: Path, log_to_mlflow: bool):
                 return
             numeric = {k: v for k, v in logs.items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+            row = _row(logs, state.global_step)
             if log_to_mlflow:
                 from rcgrpo_tasks import tracking
 
-                tracking.log_metrics(numeric, step=state.global_step)
-            rows = [r for r in read_tsv(tsv) if r["step"] < state.global_step] + [_row(logs, state.global_step)]
-            write_tsv(tsv, rows)
+                tracking.log_metrics({**numeric, **_diag_metrics(row)}, step=state.global_step)
+            write_tsv(tsv, [r for r in read_tsv(tsv) if r["step"] < state.global_step] + [row])
 
     return DiagnosticsLogger()
 
@@ -644,8 +647,13 @@ def build_trainer(cfg: RLConfig, spec: RunSpec, callbacks: list | None = None, l
     spec.checkpoints.mkdir(parents=True, exist_ok=True)
     write_json(spec.checkpoints / FINGERPRINT_FILE, {"fingerprint": fp, "run": spec.name})
     rollout = EngineRollout(cfg, mode, {e.id: e for e in entries}, tokenizer)
-    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
+    lora = None
+    if cfg.full_finetune:
+        # No PEFT: TRL builds its reference model from `config._name_or_path`, so that path must BE the init.
+        model = _init_on_disk(model, tokenizer, spec, cfg.dtype)
+    else:
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                          target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is "experimental" in TRL 1.16
     trainer = _trainer_class()(
         model=model, reward_funcs=_reward_funcs(), args=grpo_args(cfg, spec.checkpoints, grad_accum),
@@ -656,43 +664,73 @@ def build_trainer(cfg: RLConfig, spec: RunSpec, callbacks: list | None = None, l
     return trainer, resume, rollout
 
 
-def save_policy(trainer, tokenizer, out: Path, provenance: dict) -> None:
-    """Atomically write the merged policy (init + RL LoRA) and the RL adapter alone (`rl_adapter/`)."""
-    with atomic_dir(out) as tmp:
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        model.save_pretrained(tmp / "rl_adapter")
-        merged = model.merge_and_unload()
-        merged.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+def _init_on_disk(model, tokenizer, spec: RunSpec, dtype: str):
+    """Full fine-tuning: the merged init saved under the checkpoints folder and reloaded from there."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = Path(model.config._name_or_path or "")
+    if spec.adapter_dir is None or src.resolve() == Path(spec.adapter_dir).resolve():
+        return model  # the base, or a full fine-tune folder: its own path is the init already
+    init_dir = spec.checkpoints / "init_merged"
+    if not (init_dir / "config.json").is_file():
+        with atomic_dir(init_dir) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+    return AutoModelForCausalLM.from_pretrained(init_dir, dtype=getattr(torch, dtype))
+
+
+def save_policy(trainer, cfg: RLConfig, spec: RunSpec, provenance: dict) -> None:
+    """Atomically write the policy to `spec.out`: init + RL LoRA merged (+ `rl_adapter/`), or the full model.
+
+    Every process must call it: under DeepSpeed ZeRO-3 `save_model` gathers the sharded weights.
+    """
+    final = spec.checkpoints / "final"
+    if cfg.full_finetune:
+        trainer.save_model(str(final))
+    if not trainer.accelerator.is_main_process:
+        return
+    with atomic_dir(spec.out) as tmp:
+        if cfg.full_finetune:
+            for f in final.iterdir():
+                shutil.move(str(f), tmp / f.name)
+        else:
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            model.save_pretrained(tmp / "rl_adapter")
+            model.merge_and_unload().save_pretrained(tmp)
+        trainer.processing_class.save_pretrained(tmp)
         write_json(tmp / "rcgrpo_model.json", provenance)
 
 
 def train_rl(cfg: RLConfig, spec: RunSpec, callbacks: list | None = None) -> dict:
-    """Run (or resume) one RL run; returns the summary written to `spec.metrics`."""
+    """Run (or resume) one RL run; returns the summary written to `spec.metrics` (main process)."""
+    import contextlib
+
     from rcgrpo_tasks import tracking
 
     mode = spec.mode
+    main_proc = int(os.environ.get("RANK", "0")) == 0  # under `accelerate launch`, one MLflow run (rank 0)
     tags = {"rl.init": spec.init, "rl.algo": spec.algo, "rl.conditioning": mode}
-    with tracking.stage_run(f"rl@{spec.name}", {"rl": as_dict(cfg), "run": {**tags, "adapter": str(spec.adapter_dir)}},
-                            tags=tags):
-        trainer, resume, _ = build_trainer(cfg, spec, callbacks)
+    run = tracking.stage_run(f"rl@{spec.name}", {"rl": as_dict(cfg), "run": {**tags, "adapter": str(spec.adapter_dir)}},
+                             tags=tags) if main_proc else contextlib.nullcontext()
+    with run:
+        trainer, resume, _ = build_trainer(cfg, spec, callbacks, log_to_mlflow=main_proc)
         tsv = spec.checkpoints / "diagnostics.tsv"
-        if resume:  # replay the steps done before the interruption into this run, then continue
+        if resume and main_proc:  # replay the steps done before the interruption into this run
             for r in read_tsv(tsv):
-                tracking.log_metrics({f"rc/{k}": v for k, v in r.items() if k != "step" and not math.isnan(v)},
-                                     step=int(r["step"]))
+                tracking.log_metrics(_diag_metrics(r), step=int(r["step"]))
         t0 = time.perf_counter()
         result = trainer.train(resume_from_checkpoint=resume)
-        if not trainer.accelerator.is_main_process:
+        save_policy(trainer, cfg, spec, {
+            "stage": "rl", "init": spec.init, "algo": spec.algo, "conditioning": mode,
+            "base_model": str(spec.model_dir), "init_adapter": str(spec.adapter_dir) if spec.adapter_dir else None,
+            "steps": trainer.state.global_step, "config": as_dict(cfg)})
+        if not main_proc:
             return {}
         rows = [r for r in read_tsv(tsv) if r["step"] <= trainer.state.global_step]
         summary = {**summarize(rows), "init": spec.init, "algo": spec.algo, "conditioning": mode,
                    "resumed_from": resume, "train_s": time.perf_counter() - t0,
                    "train_loss": result.training_loss}
-        save_policy(trainer, trainer.processing_class, spec.out, {
-            "stage": "rl", "init": spec.init, "algo": spec.algo, "conditioning": mode,
-            "base_model": str(spec.model_dir), "init_adapter": str(spec.adapter_dir) if spec.adapter_dir else None,
-            "steps": trainer.state.global_step, "config": as_dict(cfg)})
         if spec.plots:
             write_tsv(spec.plots, rows)
         if spec.metrics:
@@ -703,6 +741,11 @@ def train_rl(cfg: RLConfig, spec: RunSpec, callbacks: list | None = None) -> dic
             if path and Path(path).is_file():
                 tracking.log_artifact(path)
     return summary
+
+
+def _diag_metrics(row: dict) -> dict:
+    """A TSV row as MLflow metrics `diag/<column>` (the same names live and when replayed after a resume)."""
+    return {f"diag/{k}": v for k, v in row.items() if k != "step" and not math.isnan(v)}
 
 
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])

@@ -72,7 +72,8 @@ class SftConfig:
     max_length: int = 1024
     """Tokens per sequence; longer chats are cut at the end, rows left without assistant tokens dropped."""
     max_examples: int | None = None
-    """Use at most this many rows (balanced round-robin over reward tokens, seeded); None = all."""
+    """Train on this many rows (seeded, round-robin over reward tokens, skipping rows that do not fit
+    `max_length`); None = all."""
     warmup_ratio: float = 0.0
     """Fraction of steps of linear warm-up."""
     lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
@@ -199,31 +200,36 @@ def load_rows(path: str | Path, tokens: tuple[str, ...], require_token: bool) ->
     return rows
 
 
-def select_rows(rows: list[dict], max_examples: int | None, seed: int) -> list[dict]:
-    """At most `max_examples` rows, round-robin over reward tokens (keeps RCTP's 1:1 balance)."""
-    if max_examples is None or max_examples >= len(rows):
-        return rows
-    groups: dict[Any, list[dict]] = {}
+def balanced_order(rows: list[dict], seed: int) -> list[dict]:
+    """All rows, shuffled (seeded) and interleaved round-robin over reward tokens, so any prefix keeps
+    RCTP's balance."""
+    groups: dict[str, list[dict]] = {}
     for row in rows:
-        groups.setdefault(row.get("reward_token"), []).append(row)
+        groups.setdefault(str(row.get("reward_token")), []).append(row)
     rng = random.Random(seed)
-    for group in groups.values():
-        rng.shuffle(group)
+    for key in sorted(groups):
+        rng.shuffle(groups[key])
     out: list[dict] = []
-    order = sorted(groups, key=str)
-    while len(out) < max_examples:
-        for key in order:
-            if groups[key] and len(out) < max_examples:
+    while any(groups.values()):
+        for key in sorted(groups):
+            if groups[key]:
                 out.append(groups[key].pop())
     return out
 
 
-def tokenize_rows(rows: list[dict], tokenizer, max_length: int) -> tuple[list[dict], dict]:
-    """Pre-tokenized TRL rows `{input_ids, assistant_masks}` cut to max_length, and token statistics."""
+def tokenize_rows(rows: list[dict], tokenizer, max_length: int, limit: int | None = None
+                  ) -> tuple[list[dict], dict]:
+    """Pre-tokenized TRL rows `{input_ids, assistant_masks}` cut to max_length, and token statistics.
+
+    Rows left without an assistant token by the cut are skipped; with `limit`, stops at that many usable
+    rows (so a budget of N examples trains on N, not on N minus the ones that did not fit).
+    """
     from rcgrpo_tasks.label_rewards import assistant_token_mask
 
     out, lengths, dropped, cut = [], [], 0, 0
     for row in rows:
+        if limit is not None and len(out) >= limit:
+            break
         ids, mask = assistant_token_mask(tokenizer, row["messages"])
         lengths.append(len(ids))
         if len(ids) > max_length:
@@ -233,8 +239,8 @@ def tokenize_rows(rows: list[dict], tokenizer, max_length: int) -> tuple[list[di
             dropped += 1
             continue
         out.append({"input_ids": ids, "assistant_masks": mask})
-    stats = {"rows": len(rows), "rows_used": len(out), "rows_truncated": cut, "rows_dropped_no_assistant": dropped,
-             "tokens": sum(len(r["input_ids"]) for r in out),
+    stats = {"rows": len(rows), "rows_seen": len(lengths), "rows_used": len(out), "rows_truncated": cut,
+             "rows_dropped_no_assistant": dropped, "tokens": sum(len(r["input_ids"]) for r in out),
              "assistant_tokens": sum(sum(r["assistant_masks"]) for r in out),
              "length_mean": round(sum(lengths) / len(lengths), 1), "length_max": max(lengths)}
     if not out:
@@ -341,7 +347,7 @@ def build_trainer(cfg: SftConfig, model_dir: Path, rows: list[dict], tokens: tup
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, cfg.model_dtype))
     token_ids = add_special_tokens(tokenizer, model, tokens, cfg.seed)
-    train_rows, stats = tokenize_rows(rows, tokenizer, cfg.max_length)
+    train_rows, stats = tokenize_rows(rows, tokenizer, cfg.max_length, cfg.max_examples)
     peft_config = None if cfg.full_finetune else lora_config(cfg, model, token_ids)
     trainer = _trainer_class()(
         model=model, args=args, processing_class=tokenizer,
@@ -417,8 +423,9 @@ def dvc_hashes(paths: list[Path], lock: Path = Path("dvc.lock")) -> dict[str, st
 
 
 def fingerprint(cfg: SftConfig, tokens: tuple[str, ...], spec: RunSpec) -> str:
-    """Params + tokens + input contents: checkpoints resume only under the same fingerprint."""
-    blob = json.dumps({"cfg": as_dict(cfg), "tokens": tokens, "variant": spec.variant,
+    """Params + tokens + input contents + this code: checkpoints resume only under the same fingerprint."""
+    code = hashlib.md5(Path(__file__).read_bytes()).hexdigest()
+    blob = json.dumps({"cfg": as_dict(cfg), "tokens": tokens, "variant": spec.variant, "code": code,
                        "data": file_md5(spec.data), "model": dir_fingerprint(spec.model_dir)}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -517,7 +524,7 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: RunSpec, callba
 
     spec.check()
     state = PartialState()
-    rows = select_rows(load_rows(spec.data, tokens, cfg.require_reward_token), cfg.max_examples, cfg.seed)
+    rows = balanced_order(load_rows(spec.data, tokens, cfg.require_reward_token), cfg.seed)
     fp = fingerprint(cfg, tokens, spec)
     if state.is_main_process:
         last_checkpoint(spec.checkpoints, fp)  # discards another run's checkpoints
@@ -558,8 +565,9 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: RunSpec, callba
         if log_mlflow:
             _log_outputs(trainer, tokenizer, spec, summary, cfg)
     if not cfg.keep_checkpoints:  # the folder (a DVC persist output) stays, with its fingerprint only
-        for ckpt in spec.checkpoints.glob("checkpoint-*"):
-            shutil.rmtree(ckpt, ignore_errors=True)
+        for path in spec.checkpoints.iterdir():
+            if path.name != FINGERPRINT_FILE:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
     return summary
 
 

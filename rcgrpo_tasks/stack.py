@@ -106,8 +106,13 @@ def free_port_base(host: str = "127.0.0.1", span: int = 12, tries: int = 50) -> 
 def make_stack(state_dir: str | Path = ".stack", port_base: int | None = None) -> Stack:
     state = Path(state_dir).resolve()
     saved = state / "stack.json"
-    if saved.is_file() and port_base is None:  # reuse the ports of a stack already there
-        return Stack(state, json.loads(saved.read_text())["ports"])
+    if saved.is_file():
+        recorded = json.loads(saved.read_text())
+        if port_base is None:  # reuse the ports of a stack already there
+            return Stack(state, recorded["ports"])
+        wanted = default_ports(load_services(), port_base)
+        if wanted != recorded["ports"] and any(_alive(r) for r in recorded.get("procs", {}).values()):
+            raise StackError(f"a stack is running from {state} on other ports; `rcgrpo stack down` first")
     return Stack(state, default_ports(load_services(), port_base))
 
 
@@ -156,9 +161,16 @@ def _spawn(stack: Stack, name: str, cmd: list[str], env: dict[str, str], cwd: Pa
     return {"pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(), "cmd": cmd[:2]}
 
 
+def _reap(rec: dict) -> None:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(rec["pid"], os.WNOHANG)  # only succeeds if we are its parent
+
+
 def _kill(recs: list[dict], timeouts: list[float]) -> None:
     """SIGTERM the recorded process groups together; SIGKILL each one still alive after its own timeout
     (SeaweedFS can hang on SIGTERM). Only processes whose pid AND start time match are touched."""
+    for rec in recs:  # a server that died on its own is a zombie until its parent (maybe us) reaps it
+        _reap(rec)
     live = [(r, t) for r, t in zip(recs, timeouts) if _alive(r)]
     killed: set[int] = set()
     for rec, _ in live:
@@ -167,8 +179,7 @@ def _kill(recs: list[dict], timeouts: list[float]) -> None:
     start = time.monotonic()
     while live and time.monotonic() - start < max(t for _, t in live) + 10:
         for rec, limit in live:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(rec["pid"], os.WNOHANG)  # reap it if we are its parent
+            _reap(rec)
             if time.monotonic() - start > limit and rec["pid"] not in killed:
                 killed.add(rec["pid"])
                 with contextlib.suppress(ProcessLookupError):
@@ -268,6 +279,7 @@ def _start_mlflow(stack: Stack) -> dict:
     env = dict(os.environ)
     env.update({k: stack.fill(v) for k, v in stack.services["mlflow_server_env"].items()})
     env.pop("MLFLOW_TRACKING_URI", None)
+    env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")  # GenAI job workers: 4 idle processes
     cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", stack.host,
            "--port", str(stack.ports["mlflow"]), "--workers", "1",
            "--backend-store-uri", f"sqlite:///{stack.state_dir / 'mlflow.db'}",
@@ -348,6 +360,9 @@ def up(stack: Stack, repo: Path | None = None, worker: bool = False) -> dict:
     waves = [["s3"], ["mlflow", "prefect"], ["worker"] if worker else []]
     try:
         for wave in waves:
+            for n in wave:
+                if n in state["procs"]:
+                    _reap(state["procs"][n])
             started = [n for n in wave if not (n in state["procs"] and _alive(state["procs"][n]))]
             for name in started:
                 _check_ports(stack, name)
@@ -379,6 +394,12 @@ def down(stack: Stack, only: list[str] | None = None, timeout: float = 8.0) -> l
     for name in names:
         state["procs"].pop(name)
     _write_state(stack, state)
+    if "s3" in names:  # SeaweedFS leaves its unix sockets behind in the temp folder
+        import tempfile
+
+        for port in (stack.ports[n] + d for n in ("s3", "master", "volume", "filer") for d in (0, 1)):
+            for sock in Path(tempfile.gettempdir()).glob(f"seaweedfs-*-{port}.sock"):
+                sock.unlink(missing_ok=True)
     return names
 
 

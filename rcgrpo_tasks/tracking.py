@@ -46,6 +46,11 @@ def experiment_name() -> str:
     return os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
 
 
+def shown_uri() -> str:
+    """The tracking URI for messages, without any `user:password@` part."""
+    return re.sub(r"//[^/@]*@", "//***@", tracking_uri())
+
+
 def _is_remote(uri: str) -> bool:
     return uri.startswith(("http://", "https://"))
 
@@ -66,7 +71,7 @@ def call(what: str, fn, *args, **kwargs):
     except TrackingError:
         raise
     except Exception as exc:  # MlflowException, requests/OS errors, sqlite errors...
-        raise TrackingError(f"MLflow {what} failed (tracking URI {tracking_uri()}): {exc}") from exc
+        raise TrackingError(f"MLflow {what} failed (tracking URI {shown_uri()}): {exc}") from exc
 
 
 def check_tracking(timeout: float = 5.0) -> str:
@@ -81,7 +86,7 @@ def check_tracking(timeout: float = 5.0) -> str:
                     raise OSError(f"HTTP {resp.status}")
         except Exception as exc:
             raise TrackingError(
-                f"MLflow tracking server {uri} is unreachable ({exc}); start it (`make stack-up`) "
+                f"MLflow tracking server {shown_uri()} is unreachable ({exc}); start it (`make stack-up`) "
                 "or unset MLFLOW_TRACKING_URI to use the local sqlite store") from exc
     _experiment_id()
     return uri
@@ -102,7 +107,7 @@ def _experiment_id() -> str:
     except Exception as exc:  # a concurrent stage may have created it first
         exp = call("get_experiment_by_name", mlflow.get_experiment_by_name, name)
         if exp is None:
-            raise TrackingError(f"MLflow could not create experiment {name!r} at {tracking_uri()}: {exc}")
+            raise TrackingError(f"MLflow could not create experiment {name!r} at {shown_uri()}: {exc}")
         return exp.experiment_id
 
 
@@ -188,14 +193,12 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None) -> None:
 
 
 def log_artifact(path: str | Path, artifact_path: str | None = None) -> None:
-    path = Path(path)
-    mlflow = mlflow_module()
-    if path.is_dir():
-        call("log_artifacts", mlflow.log_artifacts, str(path), artifact_path)
-    elif path.is_file():
-        call("log_artifact", mlflow.log_artifact, str(path), artifact_path)
-    else:
+    """Log a file, or a folder's contents, under `artifact_path`."""
+    path, mlflow = Path(path), mlflow_module()
+    if not path.exists():
         raise TrackingError(f"artifact {path} does not exist")
+    fn = mlflow.log_artifacts if path.is_dir() else mlflow.log_artifact
+    call("log_artifact", fn, str(path), artifact_path)
 
 
 def log_table(rows_or_df: Any, name: str) -> None:
@@ -218,9 +221,8 @@ def open_run(name: str, params: Any = None, tags: Mapping[str, Any] | None = Non
 
     client = mlflow_module().MlflowClient()
     run = call("create_run", client.create_run, _experiment_id(), run_name=name, tags=run_tags(name, tags))
-    items = [Param(k, v) for k, v in safe_params(params).items()]
-    for i in range(0, len(items), 100):  # MLflow's log_batch limit is 100 params per call
-        call("log_batch", client.log_batch, run.info.run_id, params=items[i:i + 100])
+    params = [Param(k, v) for k, v in safe_params(params).items()]
+    call("log_batch", client.log_batch, run.info.run_id, params=params)  # MLflow chunks by 100
     return run.info.run_id
 
 
@@ -229,8 +231,7 @@ def close_run(run_id: str, status: str = "FINISHED", tags: Mapping[str, Any] | N
 
     client = mlflow_module().MlflowClient()
     items = [RunTag(tag_key(k), str(v)[:5000]) for k, v in (tags or {}).items()]
-    for i in range(0, len(items), 100):
-        call("log_batch", client.log_batch, run_id, tags=items[i:i + 100])
+    call("log_batch", client.log_batch, run_id, tags=items)
     call("set_terminated", client.set_terminated, run_id, status)
 
 

@@ -12,6 +12,7 @@ from rcgrpo_tasks.backends import (
     SamplingParams,
     ScriptedBackend,
     VLLMBackend,
+    _prefix_groups,
     _sample,
     load_backend,
 )
@@ -35,7 +36,7 @@ def _check(model, prompts, outs, temperature=1.0):
 
 def test_session_reuse_reorder_drop_and_compaction(backend):
     sess = backend.session()
-    sess.PREFILL_CHUNK, sess.COMPACT_AT = 4, 0.01  # force chunked prefill and compaction
+    sess.PREFILL_CHUNK, sess.COMPACT_AT, sess.COMPACT_MIN = 4, 0.01, 8  # force chunking and compaction
     widths = []
     compact = sess._maybe_compact
 
@@ -62,6 +63,17 @@ def test_session_reuse_reorder_drop_and_compaction(backend):
         _check(backend.model, [seqs[k] for k in keys], outs)
     assert sess.cache is cache and sess.keys == ["c", "a"]
     assert any(after < before for before, after in widths)  # holes were compacted away
+
+
+def test_mixed_prefix_groups_share_prefill_exactly(backend):
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 50, 51, 52], [1, 2, 3, 4, 5, 6, 7, 8, 10],
+               [1, 2, 3, 50, 51, 53, 54], [99]]
+    assert _prefix_groups(prompts) == [([0, 2], 8), ([1, 3], 5), ([4], 0)]
+    sess = backend.session()
+    sp = SamplingParams(temperature=1.0, max_new_tokens=5, seed=0)
+    outs = sess.generate(list(range(5)), prompts, sp)
+    _check(backend.model, prompts, outs)
+    assert sess.covered[2][:8] == prompts[2][:8] and sess.covered[4][:1] == [99]
 
 
 def test_unrelated_prompts_and_stop_tokens(backend):
@@ -166,3 +178,14 @@ def test_vllm_backend_generates_with_logprobs(tiny_model_dir):
     b = VLLMBackend(tiny_model_dir, gpu_memory_utilization=0.3)
     outs = b.generate([[5, 6, 7], [5, 6, 8]], SamplingParams(temperature=1.0, max_new_tokens=5, seed=0))
     assert all(len(o.token_ids) == len(o.logprobs) > 0 for o in outs)
+
+
+def test_autocast_option_runs_close_to_fp32(backend):
+    from rcgrpo_tasks.backends import bf16_supported
+
+    fast = HFBackend.from_model(backend.model, backend.tokenizer, autocast=True)
+    assert fast.autocast == bf16_supported()
+    prompts = [[5, 6, 7, 8, 9, 10]]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=4)
+    exact, approx = backend.generate(prompts, sp)[0], fast.generate(prompts, sp)[0]
+    assert max(abs(a - b) for a, b in zip(exact.logprobs, approx.logprobs)) < 0.05

@@ -43,7 +43,9 @@ def make_repo(root: Path, with_bad: bool = False) -> Path:
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     _dvc(repo, "init", "-q")
     (repo / "stage.py").write_text(STAGE_SCRIPT)
-    (repo / "params.yaml").write_text("profile: null\nprep:\n  n: 1\n")
+    (repo / "params.yaml").write_text("prep:\n  n: 1\n")
+    (repo / "configs").mkdir()
+    (repo / "configs" / "fast.yaml").write_text("prep:\n  n: 2\n")
     bad = f"""
   bad:
     cmd: {PY} stage.py bad out/bad.json
@@ -114,20 +116,21 @@ def test_flow_nested_runs_skip_and_push_pull(tmp_path, harness, env):
     repo = make_repo(tmp_path)
     remote = tmp_path / "remote"
     _dvc(repo, "remote", "add", "--local", "-d", "store", str(remote))
-    result = fl.rcgrpo(stages=["train@x"], repo_dir=str(repo), transfer_retries=0)
+    result = fl.rcgrpo(profile="fast", stages=["train@x"], repo_dir=str(repo), transfer_retries=0)
     assert result["stages"] == {"prep": "ran", "train@x": "ran"}
+    assert "n: 2" in (repo / "params.yaml").read_text()  # the profile was materialized for DVC
     client, runs = _runs()
     parent = client.get_run(result["parent_run_id"])
     assert parent.info.status == "FINISHED"
     assert parent.data.tags["rcgrpo.plan"] == "prep,train@x" and "dvc.lock.sha256" in parent.data.tags
-    assert parent.data.tags["dvc.lock.train/x"] and parent.data.params["params.prep.n"] == "1"
+    assert parent.data.tags["dvc.lock.train/x"] and parent.data.params["params.prep.n"] == "2"
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert sorted(r.info.run_name for r in children) == ["prep", "train_x"]
     assert all(r.data.metrics["score"] > 0 for r in children)
     assert {r.data.tags["dvc.stage"] for r in children} == {"prep", "train@x"}
     assert any(remote.rglob("*")), "dvc push put nothing in the remote"
 
-    again = fl.rcgrpo(stages=["train@x"], repo_dir=str(repo), transfer_retries=0)
+    again = fl.rcgrpo(profile="fast", stages=["train@x"], repo_dir=str(repo), transfer_retries=0)
     assert again["stages"] == {"prep": "skipped", "train@x": "skipped"}
     _, runs2 = _runs()
     assert not [r for r in runs2 if r.data.tags.get("mlflow.parentRunId") == again["parent_run_id"]]
@@ -163,6 +166,7 @@ def test_tracking_down_fails_before_any_stage(tmp_path, harness, monkeypatch):
     assert not (repo / "out").exists()
 
 
+@pytest.mark.slow  # the same fault against real S3 runs in tests/test_stack_integration.py
 def test_push_failure_is_retried_then_fails_clearly(tmp_path, harness, env):
     repo = make_repo(tmp_path)
     blocker = tmp_path / "not_a_dir"
@@ -171,3 +175,15 @@ def test_push_failure_is_retried_then_fails_clearly(tmp_path, harness, env):
     with pytest.raises(fl.TransferFailed, match=r"dvc push .* failed \(exit \d+, attempt 3/3\)"):
         fl.rcgrpo(stages=["prep"], repo_dir=str(repo), pull=False, transfer_retries=2, retry_delay_s=0.1)
     assert (repo / "out/prep.json").exists()  # the stage itself finished; a re-run will skip it
+
+
+def test_remote_from_env_goes_to_config_local_only(tmp_path, monkeypatch):
+    repo = make_repo(tmp_path)
+    assert fl.ensure_remote(repo) is None  # nothing configured, nothing in the env: no remote
+    monkeypatch.setenv("RCGRPO_DVC_REMOTE_URL", "s3://bucket/dvc")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "SECRET-NOT-IN-CONFIG")
+    assert fl.ensure_remote(repo) == "shared"
+    local = (repo / ".dvc" / "config.local").read_text()
+    assert "s3://bucket/dvc" in local and "http://127.0.0.1:9" in local
+    assert "SECRET-NOT-IN-CONFIG" not in local and "shared" not in (repo / ".dvc" / "config").read_text()

@@ -4,6 +4,7 @@ with infra/services.yaml, the one place the local stack also reads."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -130,3 +131,38 @@ def test_images_and_readme_cover_each_path(services):
     readme = (INFRA / "README.md").read_text()
     for section in ("Local stack", "Docker Compose", "GPU host", "Kubernetes"):
         assert f"## {section}" in readme, section
+
+
+def test_stack_stops_only_what_it_started(tmp_path):
+    """`down` touches a pid only if its start time matches the record (a recycled pid is left alone)."""
+    import socket
+    import time
+
+    s = stack.Stack(tmp_path, stack.default_ports(stack.load_services(), stack.free_port_base()))
+    rec = stack._spawn(s, "worker", ["sleep", "60"], {"PATH": "/usr/bin:/bin"})
+    try:
+        state = {"ports": s.ports, "procs": {"worker": dict(rec, create_time=rec["create_time"] - 1000)}}
+        stack._write_state(s, state)
+        assert stack.down(s) == ["worker"] and stack._alive(rec), "killed a process it did not start"
+        stack._write_state(s, {"ports": s.ports, "procs": {"worker": rec}})
+        assert (tmp_path / "pids" / "worker.pid").read_text().strip() == str(rec["pid"])
+        t0 = time.monotonic()
+        assert stack.down(s) == ["worker"]
+        assert not stack._alive(rec) and time.monotonic() - t0 < 10
+        assert json.loads((tmp_path / "stack.json").read_text())["procs"] == {}
+    finally:
+        if stack._alive(rec):
+            os.kill(rec["pid"], 9)
+    with socket.socket() as busy:  # a port already taken fails fast, naming the port
+        busy.bind(("127.0.0.1", s.ports["mlflow"]))
+        busy.listen()
+        with pytest.raises(stack.StackError, match=f"port {s.ports['mlflow']} .*busy"):
+            stack._check_ports(s, "mlflow")
+
+
+def test_stack_requires_credentials_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
+    s = stack.make_stack(tmp_path / "state", port_base=stack.free_port_base())
+    with pytest.raises(stack.StackError, match="AWS_ACCESS_KEY_ID"):
+        stack.up(s)
+    assert not (tmp_path / "state" / "stack.json").exists()

@@ -157,7 +157,8 @@ def test_env_tokens_carry_no_loss_and_cpu_logps_match_trl(rl_env):
     g = torch.Generator().manual_seed(0)
     b, p, c = 2, 7, 9
     env = torch.tensor([[1, 1, 1, 0, 0, 0, 1, 1, 1], [1, 1, 0, 0, 1, 1, 1, 1, 1]])
-    inputs = {"prompt_ids": torch.randint(0, 1000, (b, p), generator=g), "prompt_mask": torch.ones(b, p, dtype=torch.long),
+    inputs = {"prompt_ids": torch.randint(0, 1000, (b, p), generator=g),
+              "prompt_mask": torch.ones(b, p, dtype=torch.long),
               "completion_ids": torch.randint(0, 1000, (b, c), generator=g),
               "completion_mask": torch.ones(b, c, dtype=torch.long), "tool_mask": env,
               "advantages": torch.tensor([1.0, -1.0]), "num_items_in_batch": env.sum()}
@@ -210,6 +211,37 @@ def test_killed_run_resumes_from_last_checkpoint(rl_env, scripted_rewards):
     # Other params: the stale checkpoints are discarded, training starts over.
     cfg2 = rl.RLConfig(**{**TEST_RL, "categories": ("base",), "max_steps": 1, "learning_rate": 1e-3})
     assert rl.train_rl(cfg2, spec)["resumed_from"] is None
+
+
+def test_reference_is_the_init_model(rl_env):
+    """KL anchor = the SFT/RCTP init (adapter merged), not the raw base: LoRA (adapter off) and full FT."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root, model_dir = rl_env
+    adapter_dir = root / "init_adapter"
+    torch.manual_seed(1)
+    init = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                          LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    init.save_pretrained(adapter_dir)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(adapter_dir)
+    ids = torch.randint(0, 1000, (1, 12))
+    with torch.no_grad():
+        expected = init.merge_and_unload()(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(model_dir)(ids).logits
+    assert not torch.allclose(expected, base, atol=1e-4)  # the adapter matters
+    spec = rl.RunSpec(**{**_spec(root, model_dir, "ref", "rctp", "grpo").__dict__, "adapter_dir": adapter_dir})
+    for full in (False, True):
+        cfg = rl.RLConfig(**{**TEST_RL, "categories": ("base",), "full_finetune": full})
+        trainer, _, _ = rl.build_trainer(cfg, spec, log_to_mlflow=False)
+        with torch.no_grad():
+            if full:
+                ref = trainer.ref_model(ids).logits
+            else:
+                with trainer.model.disable_adapter():
+                    ref = trainer.model(ids).logits
+        assert torch.allclose(ref, expected, atol=1e-4), full
 
 
 @pytest.mark.parametrize("override,match", [

@@ -309,11 +309,19 @@ def test_truncation_that_leaves_no_assistant_token_is_an_error(datasets, tiny_mo
     assert stats["rows_truncated"] == len(rows) and all(len(r["input_ids"]) == 48 for r in out)
 
 
-def test_select_rows_keeps_balance():
+def test_balanced_order_and_example_budget(tiny_model_dir):
+    from transformers import AutoTokenizer
+
     rows = [chat(i, HIGH if i < 12 else LOW) for i in range(16)]
-    picked = sft.select_rows(rows, 8, seed=0)
-    assert sorted(r["reward_token"] for r in picked) == [HIGH] * 4 + [LOW] * 4
-    assert sft.select_rows(rows, None, 0) is rows
+    order = sft.balanced_order(rows, seed=0)
+    assert sorted(r["reward_token"] for r in order[:8]) == [HIGH] * 4 + [LOW] * 4
+    assert sorted(r["trajectory_id"] for r in order) == sorted(r["trajectory_id"] for r in rows)
+    assert order == sft.balanced_order(rows, seed=0) and order != sft.balanced_order(rows, seed=1)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    long = chat(99, HIGH)
+    long["messages"][0]["content"] *= 40  # its first assistant token lies beyond max_length
+    out, stats = sft.tokenize_rows([long] + order, tok, max_length=256, limit=5)
+    assert len(out) == 5 and stats["rows_dropped_no_assistant"] == 1 and stats["rows_seen"] == 6
 
 
 def test_untied_embeddings_train_and_restore_both_rows(tiny_model_dir, tmp_path):

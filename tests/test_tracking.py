@@ -109,3 +109,10 @@ def test_flatten_and_safe_params():
     assert flat == {"a.b": 1, "a.c": "[1, 2]", "password": "p"}
     assert tracking.safe_params({"db_password": "x", "max_new_tokens": 5}) == {
         "db_password": tracking.REDACTED, "max_new_tokens": "5"}
+
+
+def test_uri_credentials_never_in_messages(monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://alice:hunter2@127.0.0.1:1")
+    with pytest.raises(tracking.TrackingError) as err:
+        tracking.check_tracking(timeout=1)
+    assert "hunter2" not in str(err.value) and "//***@127.0.0.1:1" in str(err.value)
