@@ -93,7 +93,7 @@ def _advance(r: _Rollout, comp: Completion, renderer: ChatRenderer, backend: Bac
     """Feed one completion to the episode and extend the token sequence with the environment's reply."""
     r.append(comp.token_ids, True, comp.logprobs)
     n_before = len(r.episode.messages)
-    added = r.episode.step(comp.text)
+    r.episode.step(comp.text)  # appends the assistant message and whatever the environment adds
     stop = None
     if comp.finish_reason == "stop" and comp.token_ids:
         stop = renderer.tok.convert_ids_to_tokens(comp.token_ids[-1])

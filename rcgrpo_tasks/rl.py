@@ -661,6 +661,10 @@ def build_trainer(cfg: RLConfig, spec: RunSpec, callbacks: list | None = None, l
         peft_config=lora, rollout_func=rollout,
         callbacks=[_diagnostics_callback(spec.checkpoints / "diagnostics.tsv", log_to_mlflow), *(callbacks or [])],
     )
+    if lora is not None:
+        # The RL LoRA sits on the MERGED init; pointing it at the base folder would make PEFT see the resized
+        # vocabulary and store the whole embedding matrix in every checkpoint (~110 MB each, untrained).
+        trainer.accelerator.unwrap_model(trainer.model).peft_config["default"].base_model_name_or_path = None
     return trainer, resume, rollout
 
 

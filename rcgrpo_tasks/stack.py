@@ -186,6 +186,8 @@ def _kill(recs: list[dict], timeouts: list[float]) -> None:
                     os.killpg(rec["pid"], signal.SIGKILL)
         live = [(r, t) for r, t in live if _alive(r)]
         time.sleep(0.2)
+    for rec in recs:  # the ones that just died are zombies until reaped
+        _reap(rec)
 
 
 def _wait_http(url: str, timeout: float, name: str, stack: Stack, ok=lambda status: status == 200) -> None:

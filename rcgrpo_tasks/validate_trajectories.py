@@ -45,7 +45,8 @@ from rcgrpo_tasks.trajectory import TERMINATIONS, Trajectory, TrajectoryError
 
 PASSED_FILE = "passed.json"
 RESULT_FILE = "validation_result.json"
-TRAJECTORY_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Trajectory))
+# `id` (= entry_id) is what Trajectory.to_json adds so a trajectory file is also a BFCL result file.
+TRAJECTORY_FIELDS: tuple[str, ...] = ("id", *(f.name for f in fields(Trajectory)))
 NULLABLE_FIELDS = frozenset({"reward_token"})
 DERIVED: tuple[str, ...] = ("source", "kind", "reward", "is_success", "partial_credit", "n_tokens",
                             "n_assistant", "parses", "label_consistent")

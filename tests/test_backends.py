@@ -12,10 +12,9 @@ from rcgrpo_tasks.backends import (
     SamplingParams,
     ScriptedBackend,
     VLLMBackend,
-    _prefix_groups,
-    _sample,
     load_backend,
 )
+from rcgrpo_tasks.hf_session import _prefix_groups, _sample
 
 
 @pytest.fixture(scope="module")
