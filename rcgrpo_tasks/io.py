@@ -93,10 +93,16 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 def read_jsonl_lenient(path: str | Path) -> tuple[list[dict], list[str]]:
     """(rows, errors): every bad line becomes an `file:line: message` error; good lines still load."""
+    numbered, errors = read_jsonl_numbered(path)
+    return [row for _, row in numbered], errors
+
+
+def read_jsonl_numbered(path: str | Path) -> tuple[list[tuple[int, dict]], list[str]]:
+    """((line number, row) pairs, errors) of a JSONL file; a missing file raises InputError."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: file not found")
-    rows: list[dict] = []
+    rows: list[tuple[int, dict]] = []
     errors: list[str] = []
     with path.open() as fh:
         for lineno, line in enumerate(fh, 1):
@@ -110,5 +116,5 @@ def read_jsonl_lenient(path: str | Path) -> tuple[list[dict], list[str]]:
             if not isinstance(row, dict):
                 errors.append(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
                 continue
-            rows.append(row)
+            rows.append((lineno, row))
     return rows, errors

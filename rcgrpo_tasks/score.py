@@ -20,7 +20,7 @@ from pathlib import Path
 import typer
 
 from rcgrpo_tasks import bfcl
-from rcgrpo_tasks.io import InputError, write_json, write_jsonl
+from rcgrpo_tasks.io import InputError, read_jsonl_numbered, write_json, write_jsonl
 from rcgrpo_tasks.scoring import score_entry
 
 
@@ -66,27 +66,6 @@ def summarize(verdicts: list[dict]) -> dict:
             "partial_credit": mean("partial_credit"), "paper_reward": mean("paper_reward")}
 
 
-def _read_numbered(path: Path) -> tuple[list[tuple[int, dict]], list[str]]:
-    import json
-
-    if not path.is_file():
-        raise InputError(f"{path}: file not found")
-    rows, errors = [], []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            errors.append(f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})")
-            continue
-        if not isinstance(row, dict):
-            errors.append(f"{path}:{lineno}: expected a JSON object")
-            continue
-        rows.append((lineno, row))
-    return rows, errors
-
-
 def _print_summary(summary: dict) -> None:
     typer.echo(f"{'category':<14}{'n':>5}{'accuracy':>10}{'partial':>10}{'paper R':>10}")
     for cat, s in summary["per_category"].items():
@@ -106,7 +85,7 @@ def main(
 ) -> None:
     """Score a BFCL result JSONL with the official-semantics scorer."""
     try:
-        rows, errors = _read_numbered(results)
+        rows, errors = read_jsonl_numbered(results)
     except InputError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)

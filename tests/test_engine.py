@@ -152,3 +152,25 @@ def test_episode_state_is_isolated_per_rollout(tok):
     a, b = run_group(backend, entry, 2, PAPER, SamplingParams(temperature=0.0))
     obs = [[m["content"] for m in t.messages if m["role"] == "tool"] for t in (a, b)]
     assert obs[0] == obs[1] and "Error" not in obs[0][0]  # second rollout did not see the first one's dir
+
+
+def test_rollout_cli_writes_scorable_trajectories_and_rejects_bad_input(tiny_model_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from rcgrpo_tasks import rollout, score
+    from rcgrpo_tasks.trajectory import read_trajectories
+
+    out = tmp_path / "t.jsonl"
+    base = ["--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "3", "--dtype", "float32"]
+    res = CliRunner().invoke(rollout.app, base + ["--ids", "multi_turn_base_1,multi_turn_miss_param_2", "--g", "1"])
+    assert res.exit_code == 0, res.output
+    assert [t.entry_id for t in read_trajectories(out)] == ["multi_turn_base_1", "multi_turn_miss_param_2"]
+    res = CliRunner().invoke(score.app, [str(out), "-o", str(tmp_path / "scored.jsonl")])
+    assert res.exit_code == 0, res.output  # a G=1 trajectory file is a BFCL result file
+    out.unlink()
+    for bad, needle in ((["--ids", "multi_turn_base_99999"], "unknown entry id"),
+                        (["--ids", "multi_turn_base_1", "--categories", "nope"], "unknown categories"),
+                        (["--ids", "multi_turn_base_1", "--adapter", str(tmp_path)], "adapter")):
+        res = CliRunner().invoke(rollout.app, base + bad)
+        assert res.exit_code == 2 and needle in res.output, res.output
+        assert not out.exists()
