@@ -242,6 +242,20 @@ def test_reference_is_the_init_model(rl_env):
                 with trainer.model.disable_adapter():
                     ref = trainer.model(ids).logits
         assert torch.allclose(ref, expected, atol=1e-4), full
+        if not full:  # the rollout snapshot = the live policy (LoRA merged), here after a fake update
+            live = trainer.accelerator.unwrap_model(trainer.model)
+            for name, prm in live.named_parameters():
+                if "lora_B" in name:
+                    prm.data.normal_(0, 0.05)
+            snap = rl.policy_snapshot(live, torch.float32)
+            for name, prm in live.named_parameters():  # refreshed in place on the next call
+                if "lora_B" in name:
+                    prm.data.normal_(0, 0.05)
+            assert rl.policy_snapshot(live, torch.float32, snap) is snap
+            with torch.no_grad():
+                live_logits, snap_logits = live(ids).logits, snap(ids).logits
+            assert not torch.allclose(live_logits, expected, atol=1e-3)
+            assert torch.allclose(snap_logits, live_logits, atol=1e-4)
 
 
 @pytest.mark.parametrize("override,match", [
