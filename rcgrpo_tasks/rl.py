@@ -417,7 +417,8 @@ def policy_snapshot(model, dtype, snapshot=None):
     """The current policy as a plain model in `dtype`: base weights + LoRA deltas merged (or all weights).
 
     Why: CPU decoding is memory-bound; sampling from the PEFT model reads the fp32 base and runs every LoRA
-    matmul per token, ~2x the CPU time of a merged bf16 copy (measured). The copy is allocated once and
+    matmul per token (measured: ~25% slower rollouts on an idle 2-core box, up to ~2x CPU time when memory
+    bandwidth is shared with other jobs; docs/rl.md). The copy is allocated once and
     refreshed in place before each rollout phase (only LoRA layers change; `get_delta_weight` leaves the
     frozen base, i.e. the KL reference, untouched). Same policy up to bf16 rounding, as vLLM on GPU.
     """
@@ -715,7 +716,9 @@ def build_trainer(cfg: RLConfig, spec: RunSpec, callbacks: list | None = None, l
     if lora is not None:
         # The RL LoRA sits on the MERGED init; pointing it at the base folder would make PEFT see the resized
         # vocabulary and store the whole embedding matrix in every checkpoint (~110 MB each, untrained).
-        trainer.accelerator.unwrap_model(trainer.model).peft_config["default"].base_model_name_or_path = None
+        peft_model = trainer.accelerator.unwrap_model(trainer.model)
+        peft_model.peft_config["default"].base_model_name_or_path = None
+        peft_model.get_base_model().name_or_path = ""  # PEFT refills the field from here on every save
     return trainer, resume, rollout
 
 
