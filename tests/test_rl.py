@@ -256,6 +256,9 @@ def test_reference_is_the_init_model(rl_env):
                 live_logits, snap_logits = live(ids).logits, snap(ids).logits
             assert not torch.allclose(live_logits, expected, atol=1e-3)
             assert torch.allclose(snap_logits, live_logits, atol=1e-4)
+            # the copy decodes with the engine's CPU attention; the training model's config is untouched
+            assert snap.config._attn_implementation == "rcgrpo_cpu"
+            assert live.get_base_model().config._attn_implementation != "rcgrpo_cpu"
 
 
 @pytest.mark.parametrize("override,match", [

@@ -1,0 +1,115 @@
+"""RL rollout phase on CPU: sampling from the live PEFT policy vs from the merged bf16 snapshot (`rl.rollout_dtype`).
+
+Both arms drive the SAME engine (`engine.run_group`, hf backend, same entries, G, sampling seed) with the
+SAME policy: the RL LoRA on top of the init model, as `rl.build_trainer` sets it up. They differ only in the
+model the engine samples from:
+- `live`: the PEFT model itself (fp32 base weights + a LoRA matmul per adapted layer per token) —
+  `rollout_dtype: live`;
+- `snapshot`: `rl.policy_snapshot` — base + LoRA deltas merged into a plain bf16 copy, refreshed in place
+  before every rollout phase (the refresh is timed inside the arm) — `rollout_dtype: auto` on a bf16 CPU.
+The LoRA B matrices are perturbed so the deltas are non-zero (a fresh LoRA is the identity). Arms alternate
+per round (live, snapshot, live, ...) so machine load hits both alike. Prints model tokens/s (wall-clock
+and per CPU-second) and seconds per rollout phase of each arm, and their ratios.
+
+Run: `python bench/rl_snapshot.py --model models/base [--adapter models/sft/rctp --entries 2 --g 4
+--max-new-tokens 32 --max-steps 2 --rounds 3]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+from rcgrpo_tasks import rl
+from rcgrpo_tasks.backends import HFBackend, SamplingParams
+from rcgrpo_tasks.engine import run_group
+
+
+def lora_policy(model_dir: str, adapter: str | None, r: int, seed: int):
+    """(PEFT model, tokenizer): the RL policy as `rl` trains it, with non-zero LoRA deltas."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = rl.load_init_model(Path(model_dir), Path(adapter) if adapter else None, "float32")
+    cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj"], task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 1e-3)
+    return peft_model, tok
+
+
+def run_arm(name: str, policy, tok, state: dict, entries, g: int, proto, sampling):
+    """(wall s, CPU s, model tokens, phases): one rollout phase (one group) per entry."""
+    import torch
+
+    wall = cpu = 0.0
+    toks = 0
+    for entry in entries:
+        torch.manual_seed(sampling.seed or 0)
+        t0, c0 = time.perf_counter(), time.process_time()
+        if name == "snapshot":  # refreshed before every phase, as in EngineRollout._backend
+            state["snap"] = rl.policy_snapshot(policy, torch.bfloat16, state.get("snap"))
+            backend = HFBackend.from_model(state["snap"], tok)
+        else:
+            backend = HFBackend.from_model(policy, tok)
+        trajs = run_group(backend, entry, g, proto, sampling)
+        wall += time.perf_counter() - t0
+        cpu += time.process_time() - c0
+        toks += sum(t.n_model_tokens for t in trajs)
+    return wall, cpu, toks, len(entries)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="models/base")
+    ap.add_argument("--adapter", default=None, help="init adapter (models/sft/rctp); default: the base model")
+    ap.add_argument("--entries-file", default="data/entries.jsonl")
+    ap.add_argument("--split", default="data/split.json")
+    ap.add_argument("--entries", type=int, default=2, help="train entries with the shortest prompts (one group each)")
+    ap.add_argument("--g", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--max-steps", type=int, default=2, help="model outputs per rollout (paper protocol)")
+    ap.add_argument("--lora-r", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    import torch
+
+    from rcgrpo_tasks.backends import bf16_supported
+
+    if not bf16_supported():
+        raise SystemExit("this CPU has no native bf16: rollout_dtype auto samples from the live model here")
+    cfg = rl.RLConfig(max_new_tokens=args.max_new_tokens, max_episode_steps=args.max_steps,
+                      max_entries=args.entries, num_generations=args.g, batch_size=args.g, micro_batch_size=args.g)
+    policy, tok = lora_policy(args.model, args.adapter, args.lora_r, args.seed)
+    entries = rl.train_entries(Path(args.entries_file), Path(args.split), cfg, tok)
+    proto = rl.protocol_config(cfg)
+    sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    print(f"entries {[e.id for e in entries]}, G={args.g}, max_new_tokens={args.max_new_tokens}, "
+          f"outputs<={args.max_steps}, LoRA r={args.lora_r}, threads={torch.get_num_threads()}, "
+          f"load {os.getloadavg()[0]:.1f}")
+    totals = {"live": [0.0, 0.0, 0, 0], "snapshot": [0.0, 0.0, 0, 0]}
+    state: dict = {}
+    for rnd in range(args.rounds):
+        for name in totals:
+            res = run_arm(name, policy, tok, state, entries, args.g, proto, sampling)
+            totals[name] = [a + b for a, b in zip(totals[name], res)]
+            wall, cpu, toks, phases = res
+            print(f"round {rnd} {name:>8}: {wall / phases:6.2f} s/phase wall, {cpu / phases:6.2f} s/phase CPU, "
+                  f"{toks} tokens, {toks / wall:6.2f} tok/s (load {os.getloadavg()[0]:.1f})")
+    (lw, lc, lt, lp), (sw, sc, st, sp) = totals["live"], totals["snapshot"]
+    for name, (w, c, t, p) in totals.items():
+        print(f"{name:>8}: {t / w:7.2f} tok/s wall ({t / c:6.2f} per CPU-s), {w / p:6.2f} s per rollout phase")
+    print(f"ratio snapshot/live: {(st / sw) / (lt / lw):.2f}x tokens/s wall-clock, "
+          f"{(st / sc) / (lt / lc):.2f}x tokens per CPU-second, {(lw / lp) / (sw / sp):.2f}x faster per phase")
+
+
+if __name__ == "__main__":
+    main()
