@@ -198,8 +198,12 @@ class HFBackend(Backend):
         adapter = check_adapter_dir(adapter_dir) if adapter_dir else None
         if dtype == "auto":
             dtype = "bfloat16" if (device != "cpu" or bf16_supported()) else "float32"
+        # An adapter is merged in float32 and the result cast to `dtype`, exactly as `rl` saves its merged
+        # policies: otherwise an RL run that changed nothing (all-zero advantages) would decode differently
+        # from its init only through bf16 merge rounding (measured: greedy outputs diverged).
+        load_dtype = "float32" if adapter and merge_adapter else dtype
         try:  # sft.load_trained is THE loader of trained outputs (reward tokens, resized embeddings)
-            model, tokenizer = sft.load_trained(path, adapter, dtype=dtype)
+            model, tokenizer = sft.load_trained(path, adapter, dtype=load_dtype)
         except ModelLoadError:
             raise
         except Exception as exc:  # OSError, ValueError, peft shape mismatches (RuntimeError), ...
@@ -207,7 +211,9 @@ class HFBackend(Backend):
             raise ModelLoadError(f"{where}model folder {path}: could not load: {exc}") from exc
         if merge_adapter and hasattr(model, "merge_and_unload"):
             model = model.merge_and_unload()  # plain weights decode faster than LoRA hooks
-        model.to(device).eval()
+        import torch
+
+        model.to(device=device, dtype=getattr(torch, dtype)).eval()
         from rcgrpo_tasks.hf_session import use_cpu_attention
 
         use_cpu_attention(model)

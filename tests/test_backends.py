@@ -116,6 +116,28 @@ def test_adapter_folder_matches_in_memory_peft(tiny_model_dir, tmp_path):
     assert base.logprobs != disk.logprobs  # the adapter changed the model
 
 
+def test_bf16_adapter_is_merged_in_fp32_like_a_saved_merged_policy(tiny_model_dir, tmp_path):
+    """evaluate@rctp (adapter) and an RL output saved merged (fp32) must be the same bf16 weights."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    for name, prm in model.named_parameters():
+        if "lora_B" in name:
+            prm.data.normal_(0, 0.3)
+    model.save_pretrained(tmp_path / "adapter")
+    model.merge_and_unload().save_pretrained(tmp_path / "merged")
+    HFBackend(tiny_model_dir).tokenizer.save_pretrained(tmp_path / "merged")
+    via_adapter = HFBackend(tiny_model_dir, tmp_path / "adapter", dtype="bfloat16").model.state_dict()
+    via_merged = HFBackend(tmp_path / "merged", dtype="bfloat16").model.state_dict()
+    assert next(iter(via_adapter.values())).dtype == torch.bfloat16
+    assert via_adapter.keys() == via_merged.keys()
+    assert all(torch.equal(via_adapter[k], via_merged[k]) for k in via_adapter)
+
+
 @pytest.mark.parametrize("case", ["missing", "no_config", "bad_json", "no_peft_type", "no_weights", "shape"])
 def test_bad_model_or_adapter_raise_clear_errors(tiny_model_dir, tmp_path, case):
     adapter = tmp_path / "adapter"
