@@ -8,7 +8,7 @@ lowest first), in one engine group per entry (the shared prompt prefix is prefil
 shared scorer. Reports success rate (paper reward R) per token, E[R|high] - E[R|low] with a paired
 standard error over entries, and the same for partial credit.
 
-Reads: `--model-dir` + `--adapter-dir` (an sft-stage output, loaded with `sft.load_trained`, i.e. `adapters.load_trained`), `--entries`
+Reads: `--model-dir` + `--adapter-dir` (an sft-stage output, loaded by `HFBackend` as evaluate does), `--entries`
 and `--split` (prepare_data; the `test` side), `params.yaml:controllability` and `label_rewards.tokens`.
 Writes: `--metrics` (JSON, also to MLflow), `--trajectories` (JSONL, optional).
 Run: `rcgrpo controllability --model-dir models/base --adapter-dir models/sft/rctp --entries
@@ -101,19 +101,15 @@ def gap_stats(scores: list[dict], high: str, low: str, key: str) -> dict:
 
 
 def load_policy(model_dir: Path, adapter_dir: Path | None, dtype: str, tokens: tuple[str, ...]):
-    """HF backend over the trained model (adapter merged: plain weights decode faster)."""
-    from rcgrpo_tasks.adapters import load_trained
-    from rcgrpo_tasks.backends import HFBackend, bf16_supported
+    """HF backend over the trained model, loaded exactly as `evaluate` loads it (`HFBackend`: adapter merged
+    in float32, then cast to `dtype`), so the gap is measured on the model that evaluate@rctp scores."""
+    from rcgrpo_tasks.backends import HFBackend
 
-    dtype = dtype if dtype != "auto" else ("bfloat16" if bf16_supported() else "float32")
-    model, tokenizer = load_trained(model_dir, adapter_dir, dtype=dtype)
-    if hasattr(model, "merge_and_unload"):
-        model = model.merge_and_unload()
-    model.eval()
+    backend = HFBackend(model_dir, adapter_dir, dtype=dtype)
     for t in tokens:
-        if len(tokenizer(t, add_special_tokens=False)["input_ids"]) != 1:
+        if len(backend.tokenizer(t, add_special_tokens=False)["input_ids"]) != 1:
             raise InputError(f"{adapter_dir or model_dir}: {t} is not a single token; use an sft-stage output")
-    return HFBackend.from_model(model, tokenizer)
+    return backend
 
 
 def measure(cfg: ControllabilityConfig, tokens: tuple[str, ...], backend, entries: list,
