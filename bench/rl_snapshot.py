@@ -27,15 +27,16 @@ from rcgrpo_tasks.backends import HFBackend, SamplingParams
 from rcgrpo_tasks.engine import run_group
 
 
-def lora_policy(model_dir: str, adapter: str | None, r: int, seed: int):
-    """(PEFT model, tokenizer): the RL policy as `rl` trains it, with non-zero LoRA deltas."""
+def lora_policy(model_dir: str, adapter: str | None, cfg: rl.RLConfig, seed: int):
+    """(PEFT model, tokenizer): the RL policy as `rl` trains it (the `cfg` LoRA on the merged init), with
+    non-zero LoRA deltas."""
     import torch
     from peft import LoraConfig, get_peft_model
 
-    model, tok = rl.load_init_model(Path(model_dir), Path(adapter) if adapter else None, "float32")
-    cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                            "up_proj", "down_proj"], task_type="CAUSAL_LM")
-    peft_model = get_peft_model(model, cfg)
+    model, tok = rl.load_init_model(Path(model_dir), Path(adapter) if adapter else None, cfg.dtype)
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, lora)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -87,8 +88,9 @@ def main() -> None:
     if not bf16_supported():
         raise SystemExit("this CPU has no native bf16: rollout_dtype auto samples from the live model here")
     cfg = rl.RLConfig(max_new_tokens=args.max_new_tokens, max_episode_steps=args.max_steps,
-                      max_entries=args.entries, num_generations=args.g, batch_size=args.g, micro_batch_size=args.g)
-    policy, tok = lora_policy(args.model, args.adapter, args.lora_r, args.seed)
+                      max_entries=args.entries, num_generations=args.g, batch_size=args.g, micro_batch_size=args.g,
+                      lora_r=args.lora_r, lora_alpha=2 * args.lora_r)
+    policy, tok = lora_policy(args.model, args.adapter, cfg, args.seed)
     entries = rl.train_entries(Path(args.entries_file), Path(args.split), cfg, tok)
     proto = rl.protocol_config(cfg)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)

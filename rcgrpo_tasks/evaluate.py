@@ -18,9 +18,9 @@ a tracking failure fails the stage (and, the output being atomic, leaves nothing
 Partial credit: `official` = fraction of turns passing (scoring.partial_credit); `paper` = fraction of
 gold calls the model made (multiset, arguments bound to parameter names) — the paper view has no turn
 boundaries, so per-turn credit is undefined there.
-Budget (CPU, SmolLM2-135M, 80 entries): greedy, `max_new_tokens: 96` per output, `max_steps: 8`, 8 rows
-decoded together, entries sharing a system prompt batched so it is prefilled once, bf16 where the CPU
-has it: `dvc repro evaluate@base` took 6.3 min (one thread on a shared 2-core machine under load ~5).
+Budget (CPU, SmolLM2-135M; `params.yaml:evaluate`): greedy, a stratified 32 of the 80 held-out entries,
+<= 6 outputs of <= 64 tokens, 8 rows decoded together, entries sharing a system prompt batched so it is
+prefilled once, bf16 where the CPU has it: 54-147 s per model on 2 idle cores (docs/engine.md).
 """
 
 from __future__ import annotations

@@ -418,7 +418,7 @@ def policy_snapshot(model, dtype, snapshot=None):
     """The current policy as a plain model in `dtype`: base weights + LoRA deltas merged (or all weights).
 
     Why: CPU decoding is memory-bound; sampling from the PEFT model reads the fp32 base and runs every LoRA
-    matmul per token (bench/rl_snapshot.py, idle 2-core box: the snapshot's rollout phase is 2.06x faster,
+    matmul per token (bench/rl_snapshot.py, idle 2-core box: the snapshot's rollout phase is 2.0x faster,
     with the engine's CPU decode attention on the copy; docs/rl.md). The copy is allocated once and
     refreshed in place before each rollout phase (only LoRA layers change; `get_delta_weight` leaves the
     frozen base, i.e. the KL reference, untouched). Same policy up to bf16 rounding, as vLLM on GPU.
