@@ -166,7 +166,8 @@ def main(
         tokens = tuple((read_params(params).get("label_rewards") or {}).get("tokens")
                        or ("<|low_reward|>", "<|high_reward|>"))
         picked = held_out_entries(entries, split, cfg)
-    except (ConfigError, InputError, FileNotFoundError, ValueError) as exc:
+        backend = load_policy(model_dir, adapter_dir, cfg.dtype, (tokens[-1], tokens[0]))  # before any MLflow run
+    except (ConfigError, InputError, FileNotFoundError, ValueError) as exc:  # ModelLoadError is a ValueError
         typer.echo(f"controllability: {exc}", err=True)
         raise typer.Exit(2) from exc
     from rcgrpo_tasks import tracking
@@ -174,7 +175,6 @@ def main(
 
     with tracking.stage_run("controllability", {"controllability": as_dict(cfg), "adapter": str(adapter_dir),
                                                 "tokens": list(tokens)}):
-        backend = load_policy(model_dir, adapter_dir, cfg.dtype, (tokens[-1], tokens[0]))
         result, trajs = measure(cfg, tokens, backend, picked, {"model": str(model_dir), "adapter": str(adapter_dir)})
         write_json(metrics, result)
         if trajectories:

@@ -114,3 +114,23 @@ def test_bad_params_and_missing_split(tmp_path):
     res = CliRunner().invoke(ctl.app, ["--params", str(tmp_path / "params.yaml"), "--split",
                                        str(tmp_path / "none.json"), "--entries", str(tmp_path / "e.jsonl")])
     assert res.exit_code == 2 and ("not found" in res.output)
+
+
+@pytest.mark.parametrize("adapter,match", [("missing", "no adapter_config.json"), ("", "is not a single token")])
+def test_bad_model_fails_before_any_run_and_writes_nothing(tiny_model_dir, tmp_path, monkeypatch, adapter, match):
+    """A missing adapter, or a model without the reward tokens: exit 2 naming the folder, no outputs, no MLflow run."""
+    from typer.testing import CliRunner
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    entries = bfcl.load_entries(["base"])[:2]
+    write_jsonl(tmp_path / "entries.jsonl", (e.to_json() for e in entries))
+    write_json(tmp_path / "split.json", {"train": [entries[0].id], "test": [entries[1].id]})
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {"n_entries": 1, "dtype": "float32"}}))
+    res = CliRunner().invoke(ctl.app, [
+        "--model-dir", str(tiny_model_dir), *(["--adapter-dir", str(tmp_path / adapter)] if adapter else []),
+        "--entries", str(tmp_path / "entries.jsonl"), "--split", str(tmp_path / "split.json"),
+        "--metrics", str(tmp_path / "m.json"), "--trajectories", str(tmp_path / "t.jsonl"),
+        "--params", str(tmp_path / "params.yaml")])
+    assert res.exit_code == 2 and match in res.output, res.output
+    assert not (tmp_path / "m.json").exists() and not (tmp_path / "t.jsonl").exists()
+    assert not (tmp_path / "mlflow.db").exists()
