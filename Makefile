@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv pipeline test test-all bench stack-up stack-down clean-venv
+.PHONY: venv pipeline test test-all lint bench stack-up stack-down clean-venv
 
 venv: $(STAMP)
 
@@ -24,6 +24,12 @@ pipeline: venv
 
 test: venv
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -m "not slow"
+
+# The architecture and style checks CI runs beside the tests (config in pyproject.toml): the import layers
+# (cli -> stages -> train -> data -> engine -> env -> ops) and ruff.
+lint: venv
+	$(BIN)/ruff check .
+	cd $(CURDIR) && $(BIN)/lint-imports
 
 test-all: venv
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q

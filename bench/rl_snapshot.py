@@ -1,18 +1,18 @@
-"""RL rollout phase on CPU: sampling from the live PEFT policy vs from the merged bf16 snapshot (`rl.rollout_dtype`).
+"""RL rollout phase on CPU: sampling from the live PEFT policy vs from the merged bf16 snapshot (`rollout_dtype`).
 
 Both arms drive the SAME engine (`engine.run_group`, hf backend, same entries, G, sampling seed) with the
-SAME policy: the RL LoRA on top of the init model, as `rl.build_trainer` sets it up. They differ only in the
+SAME policy: the RL LoRA on top of the init model, as `grpo_trainer.build_trainer` sets it up. They differ only in the
 model the engine samples from:
 - `live`: the PEFT model itself (fp32 base weights + a LoRA matmul per adapted layer per token) —
   `rollout_dtype: live`;
-- `snapshot`: `rl.policy_snapshot` — base + LoRA deltas merged into a plain bf16 copy, refreshed in place
+- `snapshot`: `grpo.policy_snapshot` — base + LoRA deltas merged into a plain bf16 copy, refreshed in place
   before every rollout phase (the refresh is timed inside the arm) — `rollout_dtype: auto` on a bf16 CPU.
 The LoRA B matrices are perturbed so the deltas are non-zero (a fresh LoRA is the identity). Arms alternate
 per round (live, snapshot, live, ...) so machine load hits both alike. Prints model tokens/s (wall-clock
 and per CPU-second) and seconds per rollout phase of each arm, and their ratios.
 
 Run: `python bench/rl_snapshot.py --model models/base [--adapter models/sft/rctp --entries 2 --g 4
---max-new-tokens 32 --max-steps 2 --rounds 3]`
+--max-new-tokens 32 --max-outputs 2 --rounds 3]`
 """
 
 from __future__ import annotations
@@ -22,20 +22,24 @@ import os
 import time
 from pathlib import Path
 
-from rcgrpo_tasks import rl
-from rcgrpo_tasks.backends import HFBackend, SamplingParams
-from rcgrpo_tasks.engine import run_group
+from rcgrpo_tasks.engine.backend import SamplingParams
+from rcgrpo_tasks.engine.hf import HFBackend
+from rcgrpo_tasks.engine.models import bf16_supported
+from rcgrpo_tasks.engine.rollout import run_group
+from rcgrpo_tasks.env.protocols import PromptConfig
+from rcgrpo_tasks.train import grpo, runs
+from rcgrpo_tasks.train.grpo_trainer import load_init_model
 
 
-def lora_policy(model_dir: str, adapter: str | None, cfg: rl.RLConfig, seed: int):
-    """(PEFT model, tokenizer): the RL policy as `rl` trains it (the `cfg` LoRA on the merged init), with
+def lora_policy(model_dir: str, adapter: str | None, cfg: grpo.RLConfig, seed: int):
+    """(PEFT model, tokenizer): the RL policy as the rl stage trains it (the `cfg` LoRA on the merged init), with
     non-zero LoRA deltas."""
     import torch
     from peft import LoraConfig, get_peft_model
 
-    model, tok = rl.load_init_model(Path(model_dir), Path(adapter) if adapter else None, cfg.dtype)
+    model, tok = load_init_model(Path(model_dir), Path(adapter) if adapter else None, cfg.dtype)
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
+                      target_modules=runs.lora_targets(cfg.lora_target_modules), task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, lora)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -54,8 +58,8 @@ def run_arm(name: str, policy, tok, state: dict, entries, g: int, proto, samplin
     for entry in entries:
         torch.manual_seed(sampling.seed or 0)
         t0, c0 = time.perf_counter(), time.process_time()
-        if name == "snapshot":  # refreshed before every phase, as in EngineRollout._backend
-            state["snap"] = rl.policy_snapshot(policy, torch.bfloat16, state.get("snap"))
+        if name == "snapshot":  # refreshed before every phase, as in EngineRollout.backend
+            state["snap"] = grpo.policy_snapshot(policy, torch.bfloat16, state.get("snap"))
             backend = HFBackend.from_model(state["snap"], tok)
         else:
             backend = HFBackend.from_model(policy, tok)
@@ -75,7 +79,7 @@ def main() -> None:
     ap.add_argument("--entries", type=int, default=2, help="train entries with the shortest prompts (one group each)")
     ap.add_argument("--g", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--max-steps", type=int, default=2, help="model outputs per rollout (paper protocol)")
+    ap.add_argument("--max-outputs", type=int, default=2, help="model outputs per rollout (paper protocol)")
     ap.add_argument("--lora-r", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
@@ -83,19 +87,17 @@ def main() -> None:
 
     import torch
 
-    from rcgrpo_tasks.backends import bf16_supported
-
     if not bf16_supported():
         raise SystemExit("this CPU has no native bf16: rollout_dtype auto samples from the live model here")
-    cfg = rl.RLConfig(max_new_tokens=args.max_new_tokens, max_episode_steps=args.max_steps,
+    cfg = grpo.RLConfig(max_new_tokens=args.max_new_tokens, max_outputs=args.max_outputs,
                       max_entries=args.entries, num_generations=args.g, batch_size=args.g, micro_batch_size=args.g,
                       lora_r=args.lora_r, lora_alpha=2 * args.lora_r)
     policy, tok = lora_policy(args.model, args.adapter, cfg, args.seed)
-    entries = rl.train_entries(Path(args.entries_file), Path(args.split), cfg, tok)
-    proto = rl.protocol_config(cfg)
+    proto = PromptConfig().protocol_config(args.max_outputs)  # the default prompt (paper protocol, compact docs)
+    entries = grpo.train_entries(Path(args.entries_file), Path(args.split), cfg, proto, tok)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
     print(f"entries {[e.id for e in entries]}, G={args.g}, max_new_tokens={args.max_new_tokens}, "
-          f"outputs<={args.max_steps}, LoRA r={args.lora_r}, threads={torch.get_num_threads()}, "
+          f"outputs<={args.max_outputs}, LoRA r={args.lora_r}, threads={torch.get_num_threads()}, "
           f"load {os.getloadavg()[0]:.1f}")
     totals = {"live": [0.0, 0.0, 0, 0], "snapshot": [0.0, 0.0, 0, 0]}
     state: dict = {}

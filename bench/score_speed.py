@@ -15,10 +15,10 @@ import random
 import statistics
 import time
 
-from rcgrpo_tasks import perturb
-from rcgrpo_tasks.bfcl import load_entries
-from rcgrpo_tasks.reference import official_check
-from rcgrpo_tasks.scoring import score_entry
+from rcgrpo_tasks.env import perturb
+from rcgrpo_tasks.env.bfcl import load_entries
+from rcgrpo_tasks.env.reference import official_check
+from rcgrpo_tasks.env.scoring import score_entry
 
 
 def _cases(n_perturbed: int) -> list:

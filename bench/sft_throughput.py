@@ -2,7 +2,7 @@
 
 Both sides get the same pre-tokenized rows (assistant-only labels), the same LoRA, batch size, max length,
 learning rate and seed, so they see the same batches; they differ only in what the project changes for
-CPU speed (see rcgrpo_tasks/sft.py): TRL defaults = gradient checkpointing on, bf16 autocast, the fused
+CPU speed (see rcgrpo_tasks/train/finetune.py): TRL defaults = gradient checkpointing on, bf16 autocast, the fused
 LM head over every position; project = `params.yaml:sft` (no checkpointing, bf16 where the CPU has it,
 LM head on assistant positions only). Tokens/s = non-padding tokens of a step / its wall time, the
 median over the measured steps (the first step of each run is a warm-up and not counted); tokens per
@@ -25,13 +25,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rcgrpo_tasks import sft  # noqa: E402  (after the path insert: runs from a checkout)
+from rcgrpo_tasks.engine.rollout import replay_calls  # noqa: E402
+from rcgrpo_tasks.env import bfcl  # noqa: E402
+from rcgrpo_tasks.env.protocols import ProtocolConfig  # noqa: E402
+from rcgrpo_tasks.ops.config import as_dict, from_dict  # noqa: E402
+from rcgrpo_tasks.ops.io import read_jsonl  # noqa: E402
+from rcgrpo_tasks.train import adapters, finetune  # noqa: E402
+
 
 def replay_rows(model_dir: Path, n: int) -> list[dict]:
     from transformers import AutoTokenizer
-
-    from rcgrpo_tasks import bfcl
-    from rcgrpo_tasks.engine import replay_calls
-    from rcgrpo_tasks.protocols import ProtocolConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     cfg = ProtocolConfig(protocol="paper", doc_style="compact")
@@ -43,8 +47,6 @@ def replay_rows(model_dir: Path, n: int) -> list[dict]:
 
 
 def load_rows(args) -> tuple[list[dict], str]:
-    from rcgrpo_tasks.io import read_jsonl
-
     if args.data and Path(args.data).is_file():
         return read_jsonl(args.data)[: args.rows], str(args.data)
     return replay_rows(args.model_dir, args.rows), f"replayed gold calls of {args.rows} base entries"
@@ -74,22 +76,20 @@ def make_trainer(kind: str, cfg, args, rows: list[dict], tokens: tuple[str, ...]
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from rcgrpo_tasks import sft
-
     timer = step_timer()
     if kind == "project":
-        trainer, _, _, stats = sft.build_trainer(cfg, args.model_dir, rows, tokens, out, [timer])
+        trainer, _, _, stats = finetune.build_trainer(cfg, args.model_dir, rows, tokens, out, [timer])
     else:
         tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
         model = AutoModelForCausalLM.from_pretrained(args.model_dir)
-        ids = sft.add_special_tokens(tokenizer, model, tokens)
-        data, stats = sft.tokenize_rows(rows, tokenizer, cfg.max_length)
+        ids = adapters.add_special_tokens(tokenizer, model, tokens)
+        data, stats = finetune.tokenize_rows(rows, tokenizer, cfg.max_length)
         conf = SFTConfig(output_dir=str(out), per_device_train_batch_size=cfg.batch_size, max_steps=cfg.max_steps,
                          learning_rate=cfg.learning_rate, max_length=cfg.max_length, seed=cfg.seed,
                          report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
         trainer = SFTTrainer(model=model, args=conf, train_dataset=Dataset.from_list(data), processing_class=tokenizer,
-                             peft_config=sft.lora_config(cfg, model, ids), callbacks=[timer])
-        sft.expose_head_bias(trainer.model)
+                             peft_config=finetune.lora_config(cfg, model, ids), callbacks=[timer])
+        adapters.expose_head_bias(trainer.model)
     timer.trainer = trainer
     return trainer, timer, stats
 
@@ -103,7 +103,7 @@ def measure(kind: str, cfg, args, rows, tokens) -> dict:
         a = trainer.args
         knobs = {"gradient_checkpointing": a.gradient_checkpointing, "bf16": a.bf16,
                  "padding_free": getattr(a, "padding_free", False),
-                 "compact_lm_head": bool(getattr(trainer, "_rcgrpo_compact", False))}
+                 "compact_lm_head": bool(getattr(trainer, "compact_lm_head", False))}
     speeds = [n / t for t, n, _ in timer.samples[1:]]
     per_cpu_s = [n / c for _, n, c in timer.samples[1:]]
     return {"kind": kind, "tok_s": speeds, "tok_per_cpu_s": per_cpu_s, "s_per_step": [t for t, _, _ in timer.samples[1:]],
@@ -132,15 +132,12 @@ def main() -> None:
     import torch
     import yaml
 
-    from rcgrpo_tasks import sft
-    from rcgrpo_tasks.config import as_dict, from_dict
-
     torch.manual_seed(0)
     cfg, tokens = sft.load_sft_config(args.params, args.variant)
     cfg = dataclasses.replace(cfg, batch_size=args.batch_size, grad_accum=1, max_length=args.max_length,
                               max_steps=args.steps + 1, max_examples=None, save_steps=10_000)
     overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
-    project_cfg = from_dict(sft.SftConfig, {**as_dict(cfg), **overrides}, where="--set")
+    project_cfg = from_dict(finetune.SftConfig, {**as_dict(cfg), **overrides}, where="--set")
     rows, source = load_rows(args)
     print(f"model {args.model_dir} | data: {source} | batch {cfg.batch_size} x max_length {cfg.max_length} | "
           f"torch threads {torch.get_num_threads()}", flush=True)

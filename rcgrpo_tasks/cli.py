@@ -8,11 +8,14 @@ also runnable as `python -m rcgrpo_tasks.<stage>`.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+
+from rcgrpo_tasks.ops import procs, tracking
 
 # command -> (module, one-line summary). Keep in the order of the pipeline.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "params": ("rcgrpo_tasks.config", "Materialize a profile (configs/<name>.yaml) into params.yaml."),
+    "params": ("rcgrpo_tasks.ops.config", "Materialize a profile (configs/<name>.yaml) into params.yaml."),
     "prepare-data": ("rcgrpo_tasks.prepare_data", "Load BFCL v4 multi-turn from bfcl-eval and split it 90/10 by numeric id."),
     "prepare-model": ("rcgrpo_tasks.prepare_model", "Turn the bundled SmolLM2 GGUF (or a hub id / folder) into a trainable HF folder."),
     "score": ("rcgrpo_tasks.score", "Score a BFCL result JSONL with the official-semantics scorer."),
@@ -22,11 +25,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "validate-trajectories": ("rcgrpo_tasks.validate_trajectories", "Great Expectations quality gate on the trajectory set."),
     "label-rewards": ("rcgrpo_tasks.label_rewards", "Map scores to reward tokens; write the sft and rctp chat datasets."),
     "sft": ("rcgrpo_tasks.sft", "SFT / RCTP fine-tuning with TRL SFTTrainer + PEFT LoRA."),
+    "sample-policy": ("rcgrpo_tasks.sample_policy", "Sample the SFT model on train entries until each has a success and a failure."),
     "controllability": ("rcgrpo_tasks.controllability", "E[R|high] - E[R|low] of a reward-conditioned model on held-out entries."),
     "rl": ("rcgrpo_tasks.rl", "GRPO / RC-GRPO on TRL GRPOTrainer over the multi-turn rollout engine."),
     "report": ("rcgrpo_tasks.report", "Assemble the results table (with CIs and the paper's numbers) and plot."),
     "promote": ("rcgrpo_tasks.promote", "Register the best RC-GRPO adapter and move the `champion` alias if it wins."),
-    "stack": ("rcgrpo_tasks.stack", "Start/stop/check the local stack: Prefect, MLflow, SeaweedFS S3."),
+    "stack": ("rcgrpo_tasks.ops.stack", "Start/stop/check the local stack: Prefect, MLflow, SeaweedFS S3."),
 }
 
 
@@ -36,6 +40,34 @@ def _usage() -> str:
     lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
     lines += ["", "Run `rcgrpo COMMAND --help` for a command's options."]
     return "\n".join(lines)
+
+
+# Commands that open an MLflow run: their tracking server is checked (seconds) before they do any work.
+TRACKED = frozenset({"prepare-model", "generate-trajectories", "validate-trajectories", "label-rewards", "sft",
+                     "sample-policy", "controllability", "rl", "evaluate", "report", "promote"})
+
+
+def guarded(name: str, run) -> int:
+    """Run command `name` (`run()` returns its exit code) the way a pipeline stage must run: under DVC it
+    dies with `dvc repro` (ops.procs.die_with_parent: nothing is written after its parent is gone);
+    SIGTERM/SIGHUP unwind it (temp outputs removed, MLflow run KILLED); a tracked command checks its
+    tracking server first; a tracking failure or a stop is one line on stderr, never a traceback
+    (exit 2 for tracking, 128 + signal for a stop)."""
+    if os.environ.get("DVC_STAGE") or os.environ.get("RCGRPO_DIE_WITH_PARENT"):
+        procs.die_with_parent()
+    handlers = procs.raise_on_terminate()
+    try:
+        if name in TRACKED:
+            tracking.preflight()
+        return run()
+    except tracking.TrackingError as exc:
+        print(f"error: rcgrpo {name}: {exc}", file=sys.stderr)
+        return 2
+    except procs.Terminated as exc:
+        print(f"error: rcgrpo {name} {exc}; stopped, no output published", file=sys.stderr)
+        return 128 + exc.signum
+    finally:
+        procs.restore(handlers)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,11 +83,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rcgrpo: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
-    try:
-        module.app(args=rest, prog_name=f"rcgrpo {name}", standalone_mode=True)
-    except SystemExit as exc:  # typer/click exit codes pass through
-        return int(exc.code or 0) if not isinstance(exc.code, str) else 1
-    return 0
+
+    def run() -> int:
+        try:
+            module.app(args=rest, prog_name=f"rcgrpo {name}", standalone_mode=True)
+        except SystemExit as exc:  # typer/click exit codes pass through
+            return int(exc.code or 0) if not isinstance(exc.code, str) else 1
+        return 0
+
+    return guarded(name, run)
 
 
 if __name__ == "__main__":

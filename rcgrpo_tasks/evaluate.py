@@ -20,7 +20,7 @@ gold calls the model made (multiset, arguments bound to parameter names) — the
 boundaries, so per-turn credit is undefined there.
 Budget (CPU, SmolLM2-135M; `params.yaml:evaluate`): greedy, a stratified 32 of the 80 held-out entries,
 <= 6 outputs of <= 64 tokens, 8 rows decoded together, entries sharing a system prompt batched so it is
-prefilled once, bf16 where the CPU has it: 54-147 s per model on 2 idle cores (docs/engine.md).
+prefilled once, bf16 where the CPU has it (measured cost per model: docs/engine.md).
 """
 
 from __future__ import annotations
@@ -33,19 +33,30 @@ from typing import Literal, Optional
 
 import typer
 
-from rcgrpo_tasks import bfcl
-from rcgrpo_tasks.config import ConfigError, as_dict, load_config
-from rcgrpo_tasks.io import InputError, atomic_dir, write_json, write_jsonl, write_text
+from rcgrpo_tasks.engine.backend import SamplingParams
+from rcgrpo_tasks.engine.backends import load_backend
+from rcgrpo_tasks.engine.compute import load_compute
+from rcgrpo_tasks.engine.rollout import run_rollouts
+from rcgrpo_tasks.engine.trajectory import write_trajectories
+from rcgrpo_tasks.env import bfcl
+from rcgrpo_tasks.env.calls import CallParseError, parse_call_string
+from rcgrpo_tasks.env.entries import read_entries, select_entries
+from rcgrpo_tasks.env.environment import BfclEnvironment
+from rcgrpo_tasks.env.paper import PAPER_TABLE1_OVERALL, ROWS
+from rcgrpo_tasks.env.protocols import PromptConfig
+from rcgrpo_tasks.ops import tracking
+from rcgrpo_tasks.ops.cli import Progress, cli_errors
+from rcgrpo_tasks.ops.config import as_dict, load_config
+from rcgrpo_tasks.ops.io import atomic_dir, write_json, write_jsonl, write_text
+from rcgrpo_tasks.ops.plots import accuracy_plot
+from rcgrpo_tasks.ops.stats import bootstrap_ci
 
 
 @dataclass(frozen=True)
 class EvaluateConfig:
-    protocol: Literal["paper", "official"] = "paper"
-    """Protocol for the held-out split (the paper's Table 1 view: `paper`)."""
-    doc_style: Literal["compact", "json", "official"] = "compact"
-    """Function docs in the prompt; compact fits the 8k-context default model."""
-    system_prompt: Literal["bfcl", "short"] = "bfcl"
-    max_steps: int = 8
+    """params.yaml `evaluate`; the prompt (protocol, doc style, system prompt) is the shared `prompt` section."""
+
+    max_outputs: int = 8
     """paper: model outputs per episode (CPU budget; the longest entries need turns+1 = 9)."""
     max_new_tokens: int = 96
     """Per model output; a full call list of one turn is ~20-60 tokens."""
@@ -66,8 +77,10 @@ class EvaluateConfig:
     n_bootstrap: int = 2000
 
     def __post_init__(self) -> None:
-        if self.max_steps < 1 or self.max_new_tokens < 1 or self.batch_rows < 1 or self.n_bootstrap < 10:
-            raise ValueError("max_steps, max_new_tokens, batch_rows must be >= 1 and n_bootstrap >= 10")
+        if self.max_outputs < 1 or self.max_new_tokens < 1 or self.batch_rows < 1 or self.n_bootstrap < 10:
+            raise ValueError("max_outputs, max_new_tokens, batch_rows must be >= 1 and n_bootstrap >= 10")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
         if self.limit is not None and self.limit < 1:
             raise ValueError("limit must be null or >= 1")
         if self.dtype not in ("float32", "bfloat16", "auto"):
@@ -88,8 +101,6 @@ def stratified(entries: list[bfcl.Entry], limit: int | None) -> list[bfcl.Entry]
 
 def call_recall(entry: bfcl.Entry, result: list) -> float:
     """Fraction of gold calls (multiset, canonically bound) found among the model's calls."""
-    from rcgrpo_tasks.calls import CallParseError, parse_call_string
-    from rcgrpo_tasks.environment import BfclEnvironment
 
     env = BfclEnvironment(entry)
 
@@ -122,8 +133,6 @@ def result_row(traj, entry: bfcl.Entry) -> dict:
 
 def summarize(rows: list[dict], label: str, n_boot: int, seed: int) -> dict:
     """Accuracy (%) per category and overall (stratified) with 95% bootstrap CIs, as report.py draws them."""
-    from rcgrpo_tasks.report import CATEGORY_ORDER, bootstrap_ci
-
     def cell(subset, strata=None):
         vals = [float(r["valid"]) for r in subset]
         lo, hi = bootstrap_ci(vals, strata, n_boot=n_boot, seed=seed)
@@ -131,7 +140,7 @@ def summarize(rows: list[dict], label: str, n_boot: int, seed: int) -> dict:
                 "partial_credit": sum(r["partial_credit"] for r in subset) / len(subset),
                 "paper_reward": sum(r["paper_reward"] for r in subset) / len(subset)}
 
-    cats = [c for c in CATEGORY_ORDER if any(r["category"] == c for r in rows)]
+    cats = [c for c in bfcl.CATEGORIES if any(r["category"] == c for r in rows)]
     overall = cell(rows, [r["category"] for r in rows])
     return {
         "label": label, "n": len(rows), "protocol": rows[0]["protocol"],
@@ -145,15 +154,11 @@ def summarize(rows: list[dict], label: str, n_boot: int, seed: int) -> dict:
     }
 
 
-def run_eval(cfg: EvaluateConfig, backend, entries: list[bfcl.Entry], protocol: str, reward_token: str | None,
+def run_eval(cfg: EvaluateConfig, prompt: PromptConfig, backend, entries: list[bfcl.Entry], reward_token: str | None,
              label: str) -> tuple[list, list[dict], dict]:
-    """(trajectories, per-entry rows, summary) of greedy rollouts of `entries` under `protocol`."""
-    from rcgrpo_tasks.backends import SamplingParams
-    from rcgrpo_tasks.engine import run_rollouts
-    from rcgrpo_tasks.rollout import Progress, protocol_config
-
-    steps = cfg.max_steps if protocol == "paper" else cfg.official_max_steps_per_turn
-    proto = protocol_config(protocol, cfg.doc_style, cfg.system_prompt, steps)
+    """(trajectories, per-entry rows, summary) of greedy rollouts of `entries` under `prompt.protocol`."""
+    protocol = prompt.protocol
+    proto = prompt.protocol_config(cfg.max_outputs if protocol == "paper" else cfg.official_max_steps_per_turn)
     sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                               seed=cfg.seed)
     bar = Progress(len(entries), desc=f"evaluate {label} ({protocol})")
@@ -173,16 +178,14 @@ def run_eval(cfg: EvaluateConfig, backend, entries: list[bfcl.Entry], protocol: 
 
 
 def write_outputs(folder: Path, trajs: list, rows: list[dict], summary: dict) -> None:
-    from rcgrpo_tasks.report import PAPER_TABLE1_OVERALL, plot
-    from rcgrpo_tasks.trajectory import write_trajectories
-
     write_jsonl(folder / "results.jsonl", rows)
     write_trajectories(folder / "trajectories.jsonl", trajs)
     lines = ["category,accuracy,ci_low,ci_high,n"]
     for cat, c in [*summary["categories"].items(), ("overall", summary["overall"])]:
         lines.append(f"{cat},{c['accuracy']:.2f},{c['ci'][0]:.2f},{c['ci'][1]:.2f},{c['n']}")
     write_text(folder / "accuracy.csv", "\n".join(lines) + "\n")
-    plot([{**summary, "paper_table1_overall": PAPER_TABLE1_OVERALL.get(summary["label"])}], folder / "accuracy.png")
+    accuracy_plot([{**summary, "paper_table1_overall": PAPER_TABLE1_OVERALL.get(summary["label"])}],
+                  folder / "accuracy.png", dict(ROWS))
 
 
 def report_markdown(summary: dict, settings: dict, official: dict | None) -> str:
@@ -218,8 +221,6 @@ def flat_metrics(summary: dict, prefix: str = "") -> dict:
 
 
 def _log(folder: Path, rows: list[dict], summary: dict, official: dict | None) -> None:
-    from rcgrpo_tasks import tracking
-
     metrics = flat_metrics(summary)
     if official:
         metrics.update(flat_metrics(official, "official_"))
@@ -244,28 +245,26 @@ def main(
     name: str = typer.Option("", help="label in metrics/report (default: the output folder's name)."),
 ) -> None:
     """Evaluate a model on the held-out split: metrics, report, plot."""
-    from rcgrpo_tasks import tracking
-    from rcgrpo_tasks.backends import ModelLoadError, load_backend
-    from rcgrpo_tasks.rollout import fail, load_entry_pool, select_entries
-
     label = name or out.name
-    try:
+    with cli_errors():
         cfg = load_config(EvaluateConfig, params, "evaluate")
-        pool = load_entry_pool(entries)
-        held_out = stratified(select_entries(pool, split=split, split_name="test"), cfg.limit)
-        kwargs = {"dtype": cfg.dtype} if cfg.backend == "hf" else {}
+        prompt = load_config(PromptConfig, params, "prompt")
+        pool = read_entries(entries)
+        held_out = stratified(select_entries(pool, split=split, side="test"), cfg.limit)
+        compute = load_compute(params)
+        kwargs = {"dtype": cfg.dtype, "device": compute.device} if cfg.backend == "hf" else {}
         backend = load_backend(cfg.backend, model, adapter or None, **kwargs)
-    except (ConfigError, InputError, ModelLoadError, ValueError) as exc:
-        fail(exc)
+    typer.echo(f"evaluate@{label}: decoding on {backend.describe().get('device', cfg.backend)}")
     token = reward_token or None
     settings = {"model": str(model), "adapter": adapter or None, "reward_token": token, **as_dict(cfg),
-                "backend_info": backend.describe()}
+                "prompt": as_dict(prompt), "backend_info": backend.describe()}
     with tracking.stage_run("evaluate", {k: v for k, v in settings.items() if k != "backend_info"},
                             tags={"rcgrpo.eval_label": label}):
-        trajs, rows, summary = run_eval(cfg, backend, held_out, cfg.protocol, token, label)
+        trajs, rows, summary = run_eval(cfg, prompt, backend, held_out, token, label)
         official = None
         if cfg.official_full:
-            o_trajs, o_rows, official = run_eval(cfg, backend, list(pool.values()), "official", token, label)
+            o_trajs, o_rows, official = run_eval(cfg, PromptConfig(**{**as_dict(prompt), "protocol": "official"}), backend,
+                                                list(pool.values()), token, label)
         with atomic_dir(out) as tmp:
             tmp.chmod(0o755)
             write_outputs(tmp, trajs, rows, summary)
@@ -276,7 +275,7 @@ def main(
             write_text(tmp / "report.md", report_markdown(summary, settings, official))
             _log(tmp, rows, summary, official)
     typer.echo(f"{label}: accuracy {summary['accuracy']:.1f}% on {summary['n']} held-out entries "
-               f"({cfg.protocol}); wrote {out}")
+               f"({prompt.protocol}); wrote {out}")
 
 
 if __name__ == "__main__":

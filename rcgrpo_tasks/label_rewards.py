@@ -1,33 +1,42 @@
-"""label_rewards stage: reward tokens for each trajectory, and the two chat datasets TRL fine-tunes on.
+"""label_rewards stage: reward tokens for each trajectory, and the chat datasets TRL fine-tunes on.
 
-Reads `--trajectories` (`data/trajectories.jsonl`), `--validation` (`data/validation/`: refuses to run
-unless its `passed.json` vouches for exactly this file), `--model-dir` (tokenizer + chat template, for
-token counts) and `params.yaml` sections `label_rewards` plus `generate_trajectories.reward`. Writes
-`--out-dir` (`data/datasets/`) atomically with two JSONL datasets, rows
-`{"messages": [...], "trajectory_id", "entry_id", "reward_token", "reward"}`:
-- `sft.jsonl`: successes only (R = 1), no reward token — the paper's SFT baseline;
-- `rctp.jsonl`: every row, its reward token appended to the FIRST user message as
-  `\\n\\n[Reward Goal: <token>]` (`protocols.format_reward_goal`, the same text RL and evaluate use).
-`--metrics` gets row / token counts and class balance per dataset.
+One definition, two datasets (`--dataset`, dvc.yaml foreach `label_rewards@sft` / `label_rewards@rctp`):
+- `sft`: from `--trajectories` (`data/trajectories.jsonl`, the generate set) alone: successes only (R = 1),
+  no reward token — the paper's SFT baseline. It feeds sft@sft, so it must not depend on the SFT model.
+- `rctp`: the generate set plus `--policy` (`data/policy/trajectories.jsonl`: the SFT model's own rollouts
+  from `sample_policy`), chosen by the pairing rule (`data.pairing`; params `failures: near_miss |
+  on_policy | mixed`, `pairing: paired | unpaired`; `unpaired` + `near_miss` is the generate set as is),
+  each row's reward token appended to the FIRST user message as `\\n\\n[Reward Goal: <token>]`
+  (`protocols.format_reward_goal`, the same text RL and evaluate use).
+Rows `{"messages": [...], "trajectory_id", "entry_id", "reward_token", "reward"}` go to `--out`; `--metrics`
+gets row / token counts, class balance and (rctp) the pairing counts. Every input trajectory file must
+carry the GX gate's `passed.json` for exactly that file (`--validation`, `--policy-validation`): leakage,
+unknown ids and label consistency are checked there; the 1:1 balance of the rctp set is checked here
+(paired and on-policy designs are 1:1 by construction; a violation is a bug and fails the stage).
 
 Reward tokens: `signal` (the generate_trajectories reward R, or partial credit) is binned by
-`thresholds` into `tokens` (lowest first). Default binary: R=1 -> `<|high_reward|>`, R=0 ->
-`<|low_reward|>`. A 3-level variant: `signal: partial_credit`, `tokens: [<|low_reward|>, <|mid_reward|>,
-<|high_reward|>]`, `thresholds: [0.5, 1.0]`. For scripted rows under the paper protocol the partial credit
-is the per-turn script's (`provenance.script_score`), since the merged protocol has a single turn.
+`thresholds` into `tokens` (lowest first); a success (R = 1) always gets the highest token and a failure
+never does (so a 3-level partial-credit design cannot put a failure under the success token).
+Default binary: R=1 -> `<|high_reward|>`, R=0 -> `<|low_reward|>`. A 3-level variant: `signal:
+partial_credit`, `tokens: [<|low_reward|>, <|mid_reward|>, <|high_reward|>]`, `thresholds: [0.5, 1.0]`:
+failures with partial credit >= 0.5 get mid. For scripted rows under the paper protocol the partial credit
+is the per-turn script's (`provenance.script_score`), since the merged protocol has a single turn; for
+model rollouts under the paper protocol it is the scorer's per-turn credit of the merged turn (~0).
 
-Loss masks: `assistant_token_mask(tokenizer, messages) -> (input_ids, mask)` is THE mask used for SFT and
-RCTP (the SFT stage imports it): 1 on assistant content tokens and the end-of-turn token that closes them,
+Loss masks: `data.chat.assistant_token_mask(tokenizer, messages) -> (input_ids, mask)` is THE mask used
+for SFT and RCTP: 1 on assistant content tokens and the end-of-turn token that closes them,
 0 on system/user/tool text and template scaffolding (`<|im_start|>assistant\\n`), computed from the chat
 template's own rendering, so it works for any prefix-stable template (SmolLM2/Qwen ChatML included).
 
-Run: `rcgrpo label-rewards --params params.yaml --trajectories data/trajectories.jsonl --validation
-data/validation --model-dir models/base --out-dir data/datasets --metrics metrics/label_rewards.json`
+Run: `rcgrpo label-rewards --params params.yaml --dataset rctp --trajectories data/trajectories.jsonl
+--validation data/validation --policy data/policy/trajectories.jsonl --policy-validation
+data/policy/validation --model-dir models/base --out data/datasets/rctp.jsonl --metrics
+metrics/label_rewards_rctp.json`
 """
 
 from __future__ import annotations
 
-import copy
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -36,9 +45,15 @@ from typing import Any, Literal
 
 import typer
 
-from rcgrpo_tasks.config import ConfigError, as_dict, load_config
-from rcgrpo_tasks.generate_trajectories import GenerateConfig, reward_of
-from rcgrpo_tasks.io import InputError, atomic_dir, read_jsonl, write_json, write_jsonl
+from rcgrpo_tasks.data.chat import assistant_token_mask, strip_reward_goal, with_reward_goal
+from rcgrpo_tasks.data.dataset import GenerateConfig
+from rcgrpo_tasks.data.gate import ValidationFailed, require_passed
+from rcgrpo_tasks.data.pairing import FailureRule, Pairing, check_policy_rows, rctp_rows
+from rcgrpo_tasks.env.scoring import reward_value
+from rcgrpo_tasks.ops import tracking
+from rcgrpo_tasks.ops.cli import GATE_EXIT, cli_errors, fail
+from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config
+from rcgrpo_tasks.ops.io import InputError, atomic_dir, atomic_outputs, read_jsonl, write_json, write_jsonl
 
 DATASETS = ("sft", "rctp")
 
@@ -51,8 +66,16 @@ class LabelConfig:
     """Reward tokens, lowest level first (the paper: low, high)."""
     thresholds: tuple[float, ...] = (0.5,)
     """signal >= thresholds[i] gives tokens[i + 1]; one fewer than tokens, strictly increasing."""
+    failures: FailureRule = "mixed"
+    """rctp: where an entry's failure comes from: `near_miss` | `on_policy` (else drop) | `mixed` (own, else
+    near-miss); data.pairing."""
+    pairing: Pairing = "paired"
+    """rctp: `paired` (every prompt under both tokens) | `unpaired` (one token per prompt; with near_miss:
+    the generate set as is, the pre-issue-17 behaviour)."""
+    seed: int = 0
+    """Seeds the unpaired side assignment and balancing."""
     count_tokens: bool = True
-    """Tokenize every row (chat template + masks) to report token counts; ~10 s for 1.4k rows."""
+    """Tokenize every row (chat template + masks) to report token counts."""
 
     def __post_init__(self) -> None:
         if len(self.tokens) < 2 or len(set(self.tokens)) != len(self.tokens):
@@ -60,99 +83,31 @@ class LabelConfig:
         if len(self.thresholds) != len(self.tokens) - 1:
             raise ValueError(f"thresholds: need {len(self.tokens) - 1} for {len(self.tokens)} tokens, "
                              f"got {list(self.thresholds)}")
+        # Both signals live in [0, 1]; a threshold outside (0, 1] would put every row on one token.
+        if any(not 0.0 < th <= 1.0 for th in self.thresholds):
+            raise ValueError(f"thresholds must lie in (0, 1] (the signal's range), got {list(self.thresholds)}")
         if any(b <= a for a, b in zip(self.thresholds, self.thresholds[1:])):
             raise ValueError(f"thresholds must be strictly increasing, got {list(self.thresholds)}")
         if any(not t.strip() or "]" in t for t in self.tokens):
             raise ValueError("tokens must be non-empty and must not contain ']' (it closes the reward goal)")
 
 
-def token_for(value: float, cfg: LabelConfig) -> str:
-    """The reward token of a signal value: the highest level whose threshold it reaches."""
+def token_for(value: float, cfg: LabelConfig, success: bool | None = None) -> str:
+    """The reward token of a signal value: the highest level whose threshold it reaches. With `success`
+    given, a success gets the highest token and a failure at most the second highest."""
     level = sum(1 for t in cfg.thresholds if value >= t)
+    if success is not None:
+        level = len(cfg.tokens) - 1 if success else min(level, len(cfg.tokens) - 2)
     return cfg.tokens[level]
 
 
 def signal_of(row: dict, cfg: LabelConfig, reward_fn: str) -> float:
     if cfg.signal == "reward":
         value = row["provenance"].get("reward")
-        return float(value if value is not None else reward_of(row["score"], reward_fn))
+        return float(value if value is not None else reward_value(row["score"], reward_fn))
     script = row["provenance"].get("script_score")
     score = script if row["protocol"] == "paper" and script else row["score"]
     return float(score["partial_credit"])
-
-
-# ----------------------------------------------------------------------------------------------------
-# Messages and masks
-
-
-def strip_reward_goal(messages: list[dict], reward_token: str | None) -> list[dict]:
-    """A copy of the chat without the reward goal a conditioned policy was given (if any)."""
-    from rcgrpo_tasks.protocols import format_reward_goal
-
-    out = copy.deepcopy(messages)
-    suffix = format_reward_goal(reward_token)
-    if suffix:
-        first = next(m for m in out if m["role"] == "user")
-        if first["content"].endswith(suffix):
-            first["content"] = first["content"][: -len(suffix)]
-    return out
-
-
-def with_reward_goal(messages: list[dict], token: str) -> list[dict]:
-    """A copy of the chat with `[Reward Goal: <token>]` appended to the first user message."""
-    from rcgrpo_tasks.protocols import format_reward_goal
-
-    out = copy.deepcopy(messages)
-    first = next((m for m in out if m["role"] == "user"), None)
-    if first is None:
-        raise ValueError("trajectory has no user message to attach the reward goal to")
-    first["content"] += format_reward_goal(token)
-    return out
-
-
-def _render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-
-
-def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """(rendered chat, character spans of each assistant reply incl. the template's end-of-turn text)."""
-    text = _render(tokenizer, messages)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        if i == 0:
-            raise ValueError("a chat cannot start with an assistant message")
-        head = _render(tokenizer, messages[:i], generation_prompt=True)
-        upto = _render(tokenizer, messages[: i + 1])
-        if not (text.startswith(head) and text.startswith(upto) and len(upto) > len(head)):
-            raise ValueError("chat template is not prefix-stable; cannot locate assistant tokens")
-        spans.append((len(head), len(upto)))
-    return text, spans
-
-
-def assistant_token_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """(input_ids of the rendered chat, mask): 1 exactly on assistant content + its end-of-turn token.
-
-    Tokens of system/user/tool messages, the `<|im_start|>assistant\\n` header and the newline after
-    `<|im_end|>` get 0. `input_ids` equal `apply_chat_template(messages, tokenize=True)`.
-    """
-    text, spans = assistant_spans(tokenizer, messages)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
-    eos = tokenizer.eos_token_id
-    mask = [0] * len(ids)
-    j = 0
-    for start, end in spans:
-        while j < len(ids) and offsets[j][0] < start:
-            j += 1
-        while j < len(ids) and offsets[j][1] <= end:
-            if offsets[j][1] > offsets[j][0]:
-                mask[j] = 1
-            j += 1
-            if ids[j - 1] == eos:  # the reply's end-of-turn token is learned; what follows is template
-                break
-    return ids, mask
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -165,7 +120,7 @@ def label_rows(rows: list[dict], cfg: LabelConfig, reward_fn: str) -> dict[str, 
     for row in rows:
         reward = float(row["provenance"]["reward"])
         messages = strip_reward_goal(row["messages"], row.get("reward_token"))
-        token = token_for(signal_of(row, cfg, reward_fn), cfg)
+        token = token_for(signal_of(row, cfg, reward_fn), cfg, success=reward == 1.0)
         base = {"trajectory_id": row["trajectory_id"], "entry_id": row["entry_id"], "reward": reward}
         out["rctp"].append({"messages": with_reward_goal(messages, token), **base, "reward_token": token})
         if reward == 1.0:
@@ -190,29 +145,95 @@ def dataset_stats(rows: list[dict], tokenizer: Any | None) -> dict:
     return stats
 
 
-def label(cfg: LabelConfig, gen: GenerateConfig, trajectories: str | Path, validation: str | Path,
-          model_dir: str | Path, out_dir: str | Path) -> dict:
-    """Write out_dir/{sft,rctp}.jsonl; returns the metrics. Raises ValidationFailed before writing anything
-    if the trajectories did not pass the gate."""
-    from rcgrpo_tasks.validate_trajectories import require_passed
+def read_policy(cfg: LabelConfig, policy: str | Path | None, policy_validation: str | Path | None) -> list[dict]:
+    """The gated on-policy samples ([] when none are given and the design needs none)."""
+    if not policy:
+        if cfg.failures != "near_miss":
+            raise ConfigError(f"label_rewards.failures: {cfg.failures!r} needs the on-policy samples "
+                              "(--policy, the sample_policy output)")
+        return []
+    require_passed(policy_validation or Path(policy).parent / "validation", policy)
+    rows = read_jsonl(policy)
+    check_policy_rows(rows, str(policy))
+    return rows
 
-    t0 = time.perf_counter()
+
+def rctp_trajectories(cfg: LabelConfig, generated: list[dict], policy: list[dict]) -> tuple[list[dict], dict]:
+    """The trajectory rows of the RCTP set and its pairing stats; fails on an empty or unbalanced set."""
+    rows, stats = rctp_rows(generated, policy, cfg.failures, cfg.pairing, cfg.seed)
+    if not rows:
+        raise InputError(f"label_rewards: the rctp design (failures {cfg.failures}, pairing {cfg.pairing}) "
+                         f"keeps no row: {stats}")
+    designed = cfg.pairing == "paired" or cfg.failures != "near_miss"
+    if designed and stats["n_success"] != stats["n_failure"]:  # 1:1 by construction: a violation is a bug
+        raise RuntimeError(f"rctp set not 1:1 ({stats['n_success']} successes, {stats['n_failure']} failures)")
+    return rows, stats
+
+
+def _tokenizer(cfg: LabelConfig, model_dir: str | Path):
+    if not cfg.count_tokens:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def build(name: str, cfg: LabelConfig, gen: GenerateConfig, trajectories: str | Path, validation: str | Path,
+          policy: str | Path | None = None, policy_validation: str | Path | None = None) -> tuple[list[dict], dict]:
+    """(dataset rows, pairing stats) of `name`; raises ValidationFailed before anything else if an input
+    trajectory file did not pass the gate."""
+    if name not in DATASETS:
+        raise ConfigError(f"--dataset must be one of {list(DATASETS)}, got {name!r}")
     require_passed(validation, trajectories)
-    rows = read_jsonl(trajectories)
-    datasets = label_rows(rows, cfg, gen.reward)
-    tokenizer = None
-    if cfg.count_tokens:
-        from transformers import AutoTokenizer
+    generated = read_jsonl(trajectories)
+    if name == "sft":
+        return label_rows(generated, cfg, gen.reward)["sft"], {}
+    rows, stats = rctp_trajectories(cfg, generated, read_policy(cfg, policy, policy_validation))
+    return label_rows(rows, cfg, gen.reward)["rctp"], stats
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    metrics = {name: dataset_stats(data, tokenizer) for name, data in datasets.items()}
+
+def label_one(name: str, cfg: LabelConfig, gen: GenerateConfig, trajectories: str | Path, validation: str | Path,
+              model_dir: str | Path, out: str | Path, metrics_out: str | Path | None = None,
+              policy: str | Path | None = None, policy_validation: str | Path | None = None) -> dict:
+    """Write dataset `name` to `out` (and its metrics to `metrics_out`) together; returns the metrics.
+    Nothing is written if an input fails a check."""
+    t0 = time.perf_counter()
+    rows, stats = build(name, cfg, gen, trajectories, validation, policy, policy_validation)
+    metrics = {"dataset": name, **dataset_stats(rows, _tokenizer(cfg, model_dir)),
+               "tokens_used": list(cfg.tokens), "signal": cfg.signal}
+    if stats:
+        metrics["pairing"] = stats
+    metrics["seconds"] = round(time.perf_counter() - t0, 2)
+    with atomic_outputs() as staged:
+        write_jsonl(staged.file(out), rows)
+        if metrics_out is not None:
+            write_json(staged.file(metrics_out), metrics)
+    return metrics
+
+
+def label(cfg: LabelConfig, gen: GenerateConfig, trajectories: str | Path, validation: str | Path,
+          model_dir: str | Path, out_dir: str | Path, policy: str | Path | None = None,
+          policy_validation: str | Path | None = None) -> dict:
+    """Write out_dir/{sft,rctp}.jsonl together; returns the metrics. Raises ValidationFailed before writing
+    anything if an input did not pass the gate."""
+    t0 = time.perf_counter()
+    built = {name: build(name, cfg, gen, trajectories, validation, policy, policy_validation) for name in DATASETS}
+    tokenizer = _tokenizer(cfg, model_dir)
+    metrics: dict[str, Any] = {name: dataset_stats(rows, tokenizer) for name, (rows, _) in built.items()}
+    metrics["rctp"]["pairing"] = built["rctp"][1]
     with atomic_dir(out_dir) as tmp:
-        for name, data in datasets.items():
-            write_jsonl(tmp / f"{name}.jsonl", data)
+        for name, (rows, _) in built.items():
+            write_jsonl(tmp / f"{name}.jsonl", rows)
     metrics["tokens"] = list(cfg.tokens)
     metrics["signal"] = cfg.signal
     metrics["seconds"] = round(time.perf_counter() - t0, 2)
     return metrics
+
+
+def _flat_metrics(record: dict) -> dict:
+    """Numeric metrics under MLflow-safe names (`class_balance.<|high_reward|>` -> `class_balance.high_reward`)."""
+    return {re.sub(r"[^\w\-. :/]", "", k): v for k, v in tracking.flatten(record).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 app = typer.Typer(add_completion=False)
@@ -221,35 +242,33 @@ app = typer.Typer(add_completion=False)
 @app.command()
 def main(
     params: Path = typer.Option(Path("params.yaml"), help="params file (sections `label_rewards`, `generate_trajectories`)."),
-    trajectories: Path = typer.Option(Path("data/trajectories.jsonl"), help="validated trajectory JSONL."),
-    validation: Path = typer.Option(Path("data/validation"), help="validate_trajectories output folder."),
+    dataset: str = typer.Option("rctp", help="sft (experts, no token) | rctp (reward-conditioned, paired)."),
+    trajectories: Path = typer.Option(Path("data/trajectories.jsonl"), help="validated generate-set JSONL."),
+    validation: Path = typer.Option(Path("data/validation"), help="its validate_trajectories folder."),
+    policy: str = typer.Option("", help="rctp: validated on-policy samples (sample_policy); empty = none."),
+    policy_validation: str = typer.Option("", help="their validation folder; empty = <policy folder>/validation."),
     model_dir: Path = typer.Option(Path("models/base"), help="model folder (tokenizer, chat template)."),
-    out_dir: Path = typer.Option(Path("data/datasets"), help="output folder: sft.jsonl, rctp.jsonl."),
-    metrics: Path = typer.Option(Path("metrics/label_rewards.json"), help="output metrics JSON."),
+    out: Path = typer.Option(None, help="output dataset JSONL; default data/datasets/<dataset>.jsonl."),
+    metrics: Path = typer.Option(None, help="output metrics JSON; default metrics/label_rewards_<dataset>.json."),
 ) -> None:
-    """Map scores to reward tokens; write the sft and rctp chat datasets."""
-    from rcgrpo_tasks.validate_trajectories import ValidationFailed
-
-    try:
+    """Map scores to reward tokens; write the sft or the rctp chat dataset."""
+    out = out or Path(f"data/datasets/{dataset}.jsonl")
+    metrics = metrics or Path(f"metrics/label_rewards_{dataset}.json")
+    with cli_errors():
         cfg = load_config(LabelConfig, params, "label_rewards")
         gen = load_config(GenerateConfig, params, "generate_trajectories")
-    except ConfigError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    from rcgrpo_tasks import tracking
-
-    with tracking.stage_run("label_rewards", {"label": as_dict(cfg), "reward": gen.reward}):
+    with tracking.stage_run("label_rewards", {"label": as_dict(cfg), "reward": gen.reward, "dataset": dataset},
+                            tags={"rcgrpo.dataset": dataset}), cli_errors():
         try:
-            record = label(cfg, gen, trajectories, validation, model_dir, out_dir)
-        except (InputError, ValidationFailed) as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(1) from exc
-        write_json(metrics, record)
-        flat = {f"{name}.{k}": v for name in DATASETS for k, v in record[name].items() if isinstance(v, (int, float))}
-        flat.update({f"{name}.tokens.{k}": v for name in DATASETS for k, v in record[name].get("tokens", {}).items()})
-        tracking.log_metrics(flat)
-        tracking.log_dict(record, "label_rewards_metrics.json")
-    typer.echo(f"wrote {out_dir}: sft {record['sft']['n_rows']} rows, rctp {record['rctp']['n_rows']} rows "
-               f"{record['rctp']['class_balance']} in {record['seconds']} s")
+            record = label_one(dataset, cfg, gen, trajectories, validation, model_dir, out, metrics, policy or None,
+                               policy_validation or None)
+        except ValidationFailed as exc:
+            fail(exc, GATE_EXIT)
+        tracking.log_metrics(_flat_metrics(record))
+        tracking.log_dict(record, f"label_rewards_{dataset}_metrics.json")
+    typer.echo(f"wrote {out}: {record['n_rows']} rows {record['class_balance']}"
+               + (f", {record['pairing']['prompts_used']} prompts ({cfg.failures}, {cfg.pairing})"
+                  if "pairing" in record else "") + f" in {record['seconds']} s")
 
 
 if __name__ == "__main__":

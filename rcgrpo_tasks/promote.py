@@ -1,31 +1,46 @@
-"""Stage `promote`: register the best RC-GRPO adapter and move the registry alias `champion` if it wins.
+"""Stage `promote`: register the best candidate and move the registry alias `champion` only when a PAIRED
+comparison with the champion, entry by entry, says it is better.
 
-Reads a metrics JSON (the `report` stage's `report.json`, or any JSON holding one held-out accuracy per
-candidate, located by `metric_key` with `{label}` substituted) and one model folder per candidate
-(`--candidate LABEL=DIR`, e.g. `rctp-rc_grpo=models/rl/rctp-rc_grpo`). The candidate with the highest
-held-out accuracy is logged as the `model` artifact of an MLflow `promote` run and registered as a new
-version of `model_name`. The alias (`champion`) moves to it only if its accuracy beats the current
-champion's by more than `min_improvement`: a tie keeps the current champion; no champion (or a champion
-whose accuracy was never recorded) means the candidate becomes champion. The decision, the reason and
-both numbers go to the run (metrics + tags), to the version's tags, and to `--out` (JSON, DVC metric).
+Reads, per candidate (`--candidate LABEL=MODEL_DIR`, e.g. `rctp-rc_grpo=models/rl/rctp-rc_grpo`), its
+evaluation folder `--eval-dir/LABEL` (the evaluate stage's `results.jsonl`: one row per held-out entry
+with `id`, `protocol`, `valid`) and the params file (the profile it was generated with, `rcgrpo params`).
+The candidate with the highest accuracy is logged as the `model` artifact of an MLflow `promote` run and
+registered as a new version of `model_name` carrying its evaluation record: its per-entry results (run
+artifact `eval/results.jsonl`) and version tags `eval.protocol`, `eval.profile`, `eval.entries_sha256`,
+`eval.n`, `heldout_accuracy`.
 
-Run: `rcgrpo promote --params params.yaml --report results/report/report.json \
-  --candidate rctp-rc_grpo=models/rl/rctp-rc_grpo --out results/promote/decision.json`.
+The gate (`paired_gate`): the champion's per-entry results (its version's record, or `--champion-eval`
+when the champion was just re-evaluated, as the `retrain` flow does) are paired with the candidate's by
+entry id. A different protocol, profile or entry set makes the comparison meaningless: it is REFUSED
+(alias kept, decision `refused`, the reason says what differs and how to fix it). Otherwise the alias
+moves only when the lower bound of the paired bootstrap CI (ops.stats, `n_bootstrap`, `level`) of the
+accuracy difference, candidate - champion in percentage points, is above `min_improvement`. No champion:
+the candidate becomes champion. A champion registered before per-entry records existed is replaced, and
+the reason says so. The decision, the reason, both accuracies and the CI go to the run (metrics + tags),
+the version's tags and `--out` (JSON, DVC metric).
+
+Run: `rcgrpo promote --params params.yaml --eval-dir results/eval \
+  --candidate rctp-rc_grpo=models/rl/rctp-rc_grpo --out metrics/promote.json`.
 Departs from the paper: the paper has no registry; this is the project's deployment gate.
 """
 
 from __future__ import annotations
 
-import math
+import hashlib
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import typer
 
-from rcgrpo_tasks.config import ConfigError, load_config
-from rcgrpo_tasks.io import InputError, write_json
+from rcgrpo_tasks.ops import tracking
+from rcgrpo_tasks.ops.config import ConfigError, current_profile, load_config
+from rcgrpo_tasks.ops.io import InputError, read_jsonl, write_json
+from rcgrpo_tasks.ops.stats import paired_bootstrap_ci
 
 ACC_TAG = "heldout_accuracy"
+RESULTS_ARTIFACT = "eval/results.jsonl"
+EVAL_TAGS = ("eval.protocol", "eval.profile", "eval.entries_sha256", "eval.n")
 
 
 @dataclass(frozen=True)
@@ -33,56 +48,133 @@ class PromoteConfig:
     model_name: str = "rcgrpo-agent"
     """Registered model name in the MLflow registry."""
     alias: str = "champion"
-    """Alias that points at the serving model; moved only when the candidate wins."""
+    """Alias that points at the serving model; moved only when the candidate wins the paired gate."""
     metric_key: str = "rows.{label}.overall.accuracy"
-    """Dotted path to a candidate's held-out accuracy in the metrics JSON; `{label}` = candidate label."""
+    """Unused since the paired gate (it reads per-entry results); kept so params files carrying it load."""
     min_improvement: float = 0.0
-    """The candidate must beat the champion by strictly more than this (same unit as the metric)."""
+    """Percentage points the paired CI's lower bound of (candidate - champion) accuracy must exceed."""
+    n_bootstrap: int = 2000
+    """Bootstrap resamples of the paired per-entry differences."""
+    level: float = 0.95
+    """Confidence level of the paired CI."""
+    seed: int = 0
+    """Seed of the bootstrap (a rerun reproduces the decision)."""
 
     def __post_init__(self) -> None:
         if not self.model_name or not self.alias:
             raise ValueError("model_name and alias must be non-empty")
         if self.min_improvement < 0:
             raise ValueError(f"min_improvement must be >= 0, got {self.min_improvement}")
+        if self.n_bootstrap < 100:
+            raise ValueError(f"n_bootstrap must be >= 100, got {self.n_bootstrap}")
+        if not 0.5 <= self.level < 1:
+            raise ValueError(f"level must be in [0.5, 1), got {self.level}")
 
 
-def read_accuracy(metrics: dict, key: str, label: str, where: str = "metrics") -> float:
-    node = metrics
-    path = key.format(label=label)
-    for part in path.split("."):
-        if not isinstance(node, dict) or part not in node:
-            raise InputError(f"{where}: no value at {path!r} (candidate {label!r})")
-        node = node[part]
+@dataclass(frozen=True)
+class EvalRecord:
+    """One model's per-entry held-out results and the conditions they were produced under."""
+
+    label: str
+    protocol: str
+    profile: str
+    results: dict[str, float]  # entry id -> 1.0 (valid) / 0.0
+    source: str
+
+    @property
+    def entries_sha256(self) -> str:
+        return hashlib.sha256("\n".join(sorted(self.results)).encode()).hexdigest()[:16]
+
+    @property
+    def accuracy(self) -> float:
+        """Accuracy in %, as evaluate and report print it."""
+        return 100.0 * sum(self.results.values()) / len(self.results)
+
+    def tags(self) -> dict[str, str]:
+        return {"eval.protocol": self.protocol, "eval.profile": self.profile,
+                "eval.entries_sha256": self.entries_sha256, "eval.n": str(len(self.results)),
+                ACC_TAG: f"{self.accuracy:.6g}"}
+
+
+def parse_results(rows: list[dict], label: str, profile: str, where: str) -> EvalRecord:
+    """EvalRecord from evaluate's per-entry rows; a row without a string `id` / boolean `valid`, a
+    duplicate id, mixed protocols or no rows raise InputError naming `where`."""
+    results: dict[str, float] = {}
+    protocols = set()
+    for i, row in enumerate(rows, 1):
+        entry_id, valid = row.get("id"), row.get("valid")
+        if not isinstance(entry_id, str) or not isinstance(valid, bool):
+            raise InputError(f"{where}: row {i} needs a string 'id' and a boolean 'valid'")
+        if entry_id in results:
+            raise InputError(f"{where}: row {i}: duplicate entry id {entry_id!r}")
+        results[entry_id] = float(valid)
+        protocols.add(str(row.get("protocol", "")))
+    if not results:
+        raise InputError(f"{where}: no per-entry results")
+    if len(protocols) != 1:
+        raise InputError(f"{where}: rows mix protocols {sorted(protocols)}")
+    return EvalRecord(label, protocols.pop(), profile, results, where)
+
+
+def read_eval(folder: Path, label: str, profile: str) -> EvalRecord:
+    """The evaluate stage's `results.jsonl` in `folder`."""
+    path = Path(folder) / "results.jsonl"
+    return parse_results(read_jsonl(path), label, profile, str(path))
+
+
+def incomparable(candidate: EvalRecord, champion: EvalRecord) -> str | None:
+    """Why the two records cannot be paired (None: same protocol, profile and entries)."""
+    for field in ("protocol", "profile"):
+        a, b = getattr(candidate, field), getattr(champion, field)
+        if a != b:
+            return (f"{field} differs: candidate {a!r}, champion {b!r}; evaluate both under the same {field} "
+                    "(the retrain flow re-evaluates the champion) before comparing")
+    if set(candidate.results) != set(champion.results):
+        shared = len(set(candidate.results) & set(champion.results))
+        return (f"entry sets differ: candidate {len(candidate.results)}, champion {len(champion.results)}, "
+                f"{shared} shared; evaluate both on the same held-out entries")
+    return None
+
+
+def paired_gate(candidate: EvalRecord, champion: EvalRecord | None, cfg: PromoteConfig) -> dict:
+    """{'decision': promoted|kept|refused, 'reason', 'diff', 'ci'} of the candidate against the champion.
+    Pure: the CI is a paired bootstrap over the shared entries, in percentage points."""
+    if champion is None:
+        return {"decision": "promoted", "reason": "no champion yet", "diff": None, "ci": None}
+    why = incomparable(candidate, champion)
+    if why is not None:
+        return {"decision": "refused", "reason": f"comparison refused: {why}", "diff": None, "ci": None}
+    ids = sorted(candidate.results)
+    diff, lo, hi = paired_bootstrap_ci([100 * candidate.results[i] for i in ids],
+                                       [100 * champion.results[i] for i in ids],
+                                       n_boot=cfg.n_bootstrap, seed=cfg.seed, level=cfg.level)
+    ci = f"{diff:+.2f} pp, {cfg.level:.0%} CI [{lo:+.2f}, {hi:+.2f}] over {len(ids)} paired entries"
+    if lo > cfg.min_improvement:
+        return {"decision": "promoted", "reason": f"candidate beats champion: {ci}", "diff": diff, "ci": [lo, hi]}
+    return {"decision": "kept", "reason": f"not better by more than {cfg.min_improvement:g} pp: {ci}",
+            "diff": diff, "ci": [lo, hi]}
+
+
+def _champion(client, name: str, alias: str):
+    """The version the alias points at (None if no registered model or no alias yet)."""
     try:
-        value = float(node)
-    except (TypeError, ValueError) as exc:
-        raise InputError(f"{where}: {path!r} is not a number: {node!r}") from exc
-    if math.isnan(value):
-        raise InputError(f"{where}: {path!r} is NaN")
-    return value
-
-
-def decide(candidate: float, champion: float | None, min_improvement: float = 0.0) -> tuple[bool, str]:
-    """(promote?, reason). Pure: ties keep the champion; a missing champion loses by default."""
-    if champion is None or math.isnan(champion):
-        return True, "no comparable champion"
-    if candidate > champion + min_improvement:
-        return True, f"candidate {candidate:.4g} beats champion {champion:.4g}"
-    if candidate == champion:
-        return False, f"tie at {candidate:.4g}: champion kept"
-    return False, f"candidate {candidate:.4g} does not beat champion {champion:.4g} (+{min_improvement:g})"
-
-
-def _champion(client, name: str, alias: str) -> tuple[object | None, float | None]:
-    """The version the alias points at and its recorded accuracy (None if no alias / no number)."""
-    try:
-        version = client.get_model_version_by_alias(name, alias)
+        return client.get_model_version_by_alias(name, alias)
     except Exception as exc:  # RESOURCE_DOES_NOT_EXIST: no registered model or no alias yet
         if "RESOURCE_DOES_NOT_EXIST" in str(exc) or "not found" in str(exc).lower():
-            return None, None
+            return None
         raise
-    value = version.tags.get(ACC_TAG)
-    return version, float(value) if value is not None else None
+
+
+def champion_record(client, version) -> EvalRecord | None:
+    """The per-entry record a version was registered with (None: a version from before the paired gate)."""
+    if not all(t in version.tags for t in EVAL_TAGS) or not version.run_id:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = client.download_artifacts(version.run_id, RESULTS_ARTIFACT, tmp)
+        rows = read_jsonl(path)
+    where = f"{version.name} v{version.version} ({RESULTS_ARTIFACT})"
+    record = parse_results(rows, f"v{version.version}", version.tags["eval.profile"], where)
+    return EvalRecord(record.label, version.tags["eval.protocol"], record.profile, record.results, where)
 
 
 def _register(client, name: str, source: str, run_id: str, tags: dict):
@@ -97,41 +189,48 @@ def _register(client, name: str, source: str, run_id: str, tags: dict):
     return client.create_model_version(name, source=source, run_id=run_id, tags=tags)
 
 
-def promote(cfg: PromoteConfig, metrics: dict, candidates: dict[str, Path], where: str = "metrics") -> dict:
-    """Register the best candidate and move the alias if it wins; returns the decision record."""
-    from rcgrpo_tasks import tracking
-
+def promote(cfg: PromoteConfig, candidates: dict[str, tuple[Path, EvalRecord]],
+            champion_eval: EvalRecord | None = None) -> dict:
+    """Register the best candidate and move the alias if it wins the paired gate; returns the decision.
+    `champion_eval`: the champion's fresh per-entry record (else the one stored with its version)."""
     if not candidates:
         raise InputError("no --candidate given")
-    scores = {label: read_accuracy(metrics, cfg.metric_key, label, where) for label in candidates}
-    best = max(scores, key=lambda label: scores[label])
-    model_dir = Path(candidates[best])
+    best = max(candidates, key=lambda label: candidates[label][1].accuracy)
+    model_dir, cand = Path(candidates[best][0]), candidates[best][1]
     if not model_dir.is_dir() or not any(model_dir.iterdir()):
         raise InputError(f"{model_dir}: model folder of candidate {best!r} is missing or empty")
     with tracking.stage_run("promote", cfg, tags={"promote.candidate": best}) as run:
         client = tracking.mlflow_module().MlflowClient()
-        old, old_acc = tracking.call("read champion", _champion, client, cfg.model_name, cfg.alias)
+        old = tracking.call("read champion", _champion, client, cfg.model_name, cfg.alias)
+        champ = champion_eval
+        if champ is None and old is not None:
+            champ = tracking.call("read champion results", champion_record, client, old)
         tracking.log_artifact(model_dir, "model")
+        tracking.log_artifact(Path(cand.source), "eval")
         version = tracking.call("register model version", _register, client, cfg.model_name,
-                                f"{run.info.artifact_uri}/model", run.info.run_id,
-                                {ACC_TAG: str(scores[best]), "label": best})
-        promoted, reason = decide(scores[best], old_acc, cfg.min_improvement)
-        if old is not None and old_acc is None:
-            reason = f"champion v{old.version} has no recorded {ACC_TAG}: replaced"
-        if promoted:
-            tracking.call("set alias", client.set_registered_model_alias, cfg.model_name, cfg.alias,
-                           version.version)
+                                f"{run.info.artifact_uri}/model", run.info.run_id, {**cand.tags(), "label": best})
+        gate = paired_gate(cand, champ, cfg)
+        if old is not None and champ is None:
+            gate = {**gate, "decision": "promoted",
+                    "reason": f"champion v{old.version} has no per-entry record (registered before the paired gate): replaced"}
+        if gate["decision"] == "promoted":
+            tracking.call("set alias", client.set_registered_model_alias, cfg.model_name, cfg.alias, version.version)
         record = {"model_name": cfg.model_name, "alias": cfg.alias, "candidate": best,
-                  "candidate_version": int(version.version), "candidate_accuracy": scores[best],
+                  "candidate_version": int(version.version), "candidate_accuracy": cand.accuracy,
                   "champion_version": int(old.version) if old is not None else None,
-                  "champion_accuracy": old_acc, "promoted": promoted, "reason": reason,
-                  "all_candidates": scores, "run_id": run.info.run_id}
-        tracking.log_metrics({"candidate_accuracy": scores[best], "champion_accuracy": old_acc,
-                              "promoted": int(promoted)})
-        tracking.set_tags({"promote.decision": "promoted" if promoted else "kept", "promote.reason": reason})
+                  "champion_accuracy": champ.accuracy if champ is not None else None,
+                  "promoted": gate["decision"] == "promoted", **gate, "protocol": cand.protocol,
+                  "profile": cand.profile, "n_entries": len(cand.results),
+                  "all_candidates": {label: c.accuracy for label, (_, c) in candidates.items()},
+                  "run_id": run.info.run_id}
+        tracking.log_metrics({"candidate_accuracy": cand.accuracy, "champion_accuracy": record["champion_accuracy"],
+                              "promoted": int(record["promoted"]), "paired_diff": gate["diff"],
+                              "paired_ci_low": gate["ci"][0] if gate["ci"] else None,
+                              "paired_ci_high": gate["ci"][1] if gate["ci"] else None})
+        tracking.set_tags({"promote.decision": gate["decision"], "promote.reason": gate["reason"][:5000]})
         tracking.log_dict(record, "decision.json")
         tracking.call("tag version", client.set_model_version_tag, cfg.model_name, version.version,
-                       "promote.decision", "promoted" if promoted else "kept")
+                      "promote.decision", gate["decision"])
     return record
 
 
@@ -140,30 +239,32 @@ app = typer.Typer(add_completion=False)
 
 @app.command()
 def main(
-    params: Path = typer.Option(Path("params.yaml"), help="Params file (section `promote`)."),
-    report: Path = typer.Option(..., help="Metrics JSON with the candidates' held-out accuracy."),
-    candidate: list[str] = typer.Option(..., help="LABEL=MODEL_DIR of a candidate adapter (repeat)."),
-    out: Path = typer.Option(Path("results/promote/decision.json"), help="Output: decision JSON."),
+    params: Path = typer.Option(Path("params.yaml"), help="Params file (section `promote`; its profile)."),
+    candidate: list[str] = typer.Option(..., help="LABEL=MODEL_DIR of a candidate (repeat)."),
+    eval_dir: Path = typer.Option(Path("results/eval"), help="Evaluate outputs: EVAL_DIR/LABEL/results.jsonl."),
+    champion_eval: Path = typer.Option(None, help="Folder with the champion's fresh results.jsonl (same "
+                                                  "entries, protocol and profile); default: its stored record."),
+    out: Path = typer.Option(Path("metrics/promote.json"), help="Output: decision JSON."),
+    report: Path = typer.Option(None, hidden=True, help="Ignored (the gate reads per-entry results)."),
 ) -> None:
-    """Register the best RC-GRPO adapter and move the `champion` alias if it wins."""
-    import json
-
-    from rcgrpo_tasks.tracking import TrackingError
-
+    """Register the best candidate and move the `champion` alias if it wins the paired gate."""
     try:
         cfg = load_config(PromoteConfig, params, "promote")
+        profile = current_profile(params)
         pairs = dict(c.split("=", 1) for c in candidate if "=" in c)
         if len(pairs) != len(candidate):
             raise InputError(f"--candidate must be LABEL=DIR, got {candidate}")
-        if not report.is_file():
-            raise InputError(f"{report}: metrics JSON not found; run the report stage")
-        record = promote(cfg, json.loads(report.read_text()), {k: Path(v) for k, v in pairs.items()}, str(report))
-    except (ConfigError, InputError, TrackingError, json.JSONDecodeError) as exc:
-        typer.echo(f"promote: {exc}", err=True)
+        cands = {label: (Path(d), read_eval(eval_dir / label, label, profile)) for label, d in pairs.items()}
+        champ = read_eval(champion_eval, "champion", profile) if champion_eval else None
+        record = promote(cfg, cands, champ)
+    except (ConfigError, InputError, tracking.TrackingError) as exc:
+        typer.echo(f"error: promote: {exc}", err=True)
         raise typer.Exit(2) from exc
     write_json(out, record)
-    typer.echo(f"{record['candidate']} v{record['candidate_version']}: "
-               f"{'PROMOTED' if record['promoted'] else 'kept champion'} ({record['reason']})")
+    if record["decision"] == "refused":
+        typer.echo(f"warning: promote: {record['reason']}", err=True)
+    typer.echo(f"{record['candidate']} v{record['candidate_version']}: {record['decision'].upper()} "
+               f"({record['reason']})")
 
 
 if __name__ == "__main__":

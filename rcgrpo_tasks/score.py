@@ -7,9 +7,11 @@ Writes one line per scored entry: `id`, `category`, `valid`, `error_type`, `part
 `paper_reward`; prints per-category and overall accuracy (official: correct / entries of the category,
 overall = mean of categories) and, with `--summary`, writes it as JSON.
 
-Bad lines (invalid JSON, no `id`/`result`, unknown id, duplicate id) are reported one by one on stderr
-with file:line and skipped; every other line is still scored, and the exit status is 1. Outputs are
-written atomically. Scoring never evaluates the call strings (rcgrpo_tasks.calls parses literals only).
+Bad lines (invalid JSON or UTF-8, nesting too deep, a line over the reader's cap, not an object, no
+`id`/`result`, unknown id, duplicate id, a result the scorer cannot handle) are reported one by one on
+stderr with file:line and skipped; every other line is still scored, and the exit status is 1. The
+verdicts and the summary are published together (`atomic_outputs`) or not at all; an unwritable output
+exits 2 naming the path. Scoring never evaluates the call strings (env.calls parses literals only).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from pathlib import Path
 
 import typer
 
-from rcgrpo_tasks import bfcl
-from rcgrpo_tasks.io import InputError, read_jsonl_numbered, write_json, write_jsonl
-from rcgrpo_tasks.scoring import score_entry
+from rcgrpo_tasks.env import bfcl
+from rcgrpo_tasks.env.scoring import score_entry
+from rcgrpo_tasks.ops.io import InputError, atomic_outputs, read_jsonl_numbered, write_json, write_jsonl
 
 
 def score_rows(rows: list[tuple[int, dict]], path: str, entries: dict[str, bfcl.Entry]) -> tuple[list[dict], list[str]]:
@@ -43,7 +45,11 @@ def score_rows(rows: list[tuple[int, dict]], path: str, entries: dict[str, bfcl.
             continue
         seen.add(entry_id)
         entry = entries[entry_id]
-        s = score_entry(entry, row["result"])
+        try:
+            s = score_entry(entry, row["result"])
+        except Exception as exc:  # model output is data: a shape the scorer chokes on is one bad line
+            errors.append(f"{path}:{lineno}: result could not be scored ({type(exc).__name__}: {exc})"[:500])
+            continue
         verdicts.append({"id": entry_id, "category": entry.category, "valid": s.valid, "error_type": s.error_type,
                          "partial_credit": s.partial_credit, "paper_reward": s.paper_reward})
     return verdicts, errors
@@ -88,13 +94,18 @@ def main(
         rows, errors = read_jsonl_numbered(results)
     except InputError as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from exc
     verdicts, row_errors = score_rows(rows, str(results), bfcl.entries_by_id())
     errors += row_errors
-    write_jsonl(output, verdicts)
     summ = summarize(verdicts)
-    if summary:
-        write_json(summary, summ)
+    try:
+        with atomic_outputs() as out:
+            write_jsonl(out.file(output), verdicts)
+            if summary:
+                write_json(out.file(summary), summ)
+    except InputError as exc:  # OutputError: unwritable path, file too large, a concurrent writer
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
     _print_summary(summ)
     for e in errors:
         typer.echo(f"error: {e}", err=True)

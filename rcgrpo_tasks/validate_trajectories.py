@@ -17,18 +17,18 @@ success flag, token count, assistant message count, parses, label consistency). 
 names them in messages): schema (exact column set), non-null fields, reward in {0, 1}, partial credit in
 [0, 1], provenance source/kind/protocol in their allowed sets, >=1 assistant message, every row parses as a
 Trajectory, token length within the model's context (minus room for the reward goal), expert rows score 1
-and near-miss rows 0, success fraction within tolerance, unique trajectory ids, no held-out entry id.
+and near-miss rows 0, success fraction within tolerance (not with `--no-balance`: raw on-policy samples from
+sample_policy have the model's own success rate), unique trajectory ids, no held-out entry id, every id in
+the train split.
 
 A failed suite exits 1 with a summary: which check, how many rows, example values / trajectory ids.
-GX is imported lazily (~4.5 s). Run: `rcgrpo validate-trajectories --params params.yaml --trajectories
+GX is imported lazily (its import is slow). Run: `rcgrpo validate-trajectories --params params.yaml --trajectories
 data/trajectories.jsonl --split data/split.json --model-dir models/base --out-dir data/validation
 --metrics metrics/validate_trajectories.json`
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -36,15 +36,18 @@ from typing import Any
 
 import typer
 
-from rcgrpo_tasks.config import ConfigError, as_dict, load_config
-from rcgrpo_tasks.generate_trajectories import (
-    GOAL_RESERVE, KINDS, SOURCES, GenerateConfig, read_split, model_context, reward_of,
-)
-from rcgrpo_tasks.io import InputError, atomic_dir, read_jsonl, write_json
-from rcgrpo_tasks.trajectory import TERMINATIONS, Trajectory, TrajectoryError
+from rcgrpo_tasks.data.dataset import KINDS, SOURCES, GenerateConfig
+from rcgrpo_tasks.data.gate import PASSED_FILE, RESULT_FILE, stamp
+from rcgrpo_tasks.engine.models import model_context
+from rcgrpo_tasks.engine.trajectory import TERMINATIONS, Trajectory, TrajectoryError
+from rcgrpo_tasks.env.entries import read_split
+from rcgrpo_tasks.env.protocols import GOAL_RESERVE, PromptConfig
+from rcgrpo_tasks.env.scoring import reward_value
+from rcgrpo_tasks.ops import tracking
+from rcgrpo_tasks.ops.cli import GATE_EXIT, cli_errors
+from rcgrpo_tasks.ops.config import as_dict, load_config
+from rcgrpo_tasks.ops.io import atomic_dir, read_jsonl, write_json
 
-PASSED_FILE = "passed.json"
-RESULT_FILE = "validation_result.json"
 # `id` (= entry_id) is what Trajectory.to_json adds so a trajectory file is also a BFCL result file.
 TRAJECTORY_FIELDS: tuple[str, ...] = ("id", *(f.name for f in fields(Trajectory)))
 NULLABLE_FIELDS = frozenset({"reward_token"})
@@ -65,7 +68,7 @@ class ValidateConfig:
     max_examples: int = 5
     """Example values / ids per failed expectation in the summary."""
     data_docs: bool = True
-    """Also build GX's HTML data docs under out-dir/data_docs (~4 MB, <1 s)."""
+    """Also build GX's HTML data docs under out-dir/data_docs."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.success_tolerance < 1.0:
@@ -74,22 +77,6 @@ class ValidateConfig:
             raise ValueError("max_tokens must be >= 1 or null")
         if self.goal_reserve < 0 or self.min_rows < 0 or self.max_examples < 1:
             raise ValueError("goal_reserve, min_rows must be >= 0 and max_examples >= 1")
-
-
-class ValidationFailed(RuntimeError):
-    """The expectation suite failed; the message is the readable summary."""
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-# ----------------------------------------------------------------------------------------------------
-# Rows -> one flat record per trajectory
 
 
 def _size(value: Any) -> Any:
@@ -109,7 +96,7 @@ def _flat(row: dict, reward_fn: str) -> dict:
         parses = False
     reward = prov.get("reward")
     try:
-        recomputed = reward_of(score, reward_fn)
+        recomputed = reward_value(score, reward_fn)
     except (KeyError, TypeError, ValueError):
         recomputed = None
     expected = {"expert": 1.0, "near_miss": 0.0}.get(prov.get("source"), reward)
@@ -137,8 +124,13 @@ def trajectory_frame(rows: list[dict], reward_fn: str):
 # The suite
 
 
-def build_expectations(gx, cfg: ValidateConfig, gen: GenerateConfig, test_ids: list[str], max_tokens: int) -> list:
-    """The expectation suite; every expectation carries `meta.check`, the name used in messages."""
+def build_expectations(gx, cfg: ValidateConfig, gen: GenerateConfig, protocol: str, split: dict[str, list[str]],
+                       max_tokens: int, balance: bool = True) -> list:
+    """The expectation suite; every expectation carries `meta.check`, the name used in messages.
+
+    `balance=False` leaves out `success_balance`: for raw on-policy samples (sample_policy), whose success
+    rate is the model's, not a configured mix (label_rewards checks the 1:1 of the set it builds from them).
+    """
     E = gx.expectations
 
     def named(check: str, exp):
@@ -159,23 +151,25 @@ def build_expectations(gx, cfg: ValidateConfig, gen: GenerateConfig, test_ids: l
                                                                        max_value=1.0)),
         named("provenance_source", E.ExpectColumnValuesToBeInSet(column="source", value_set=list(SOURCES))),
         named("provenance_kind", E.ExpectColumnValuesToBeInSet(column="kind", value_set=list(KINDS))),
-        named("protocol", E.ExpectColumnValuesToBeInSet(column="protocol", value_set=[gen.protocol])),
+        named("protocol", E.ExpectColumnValuesToBeInSet(column="protocol", value_set=[protocol])),
         named("termination", E.ExpectColumnValuesToBeInSet(column="termination", value_set=list(TERMINATIONS))),
         named("has_assistant_message", E.ExpectColumnValuesToBeBetween(column="n_assistant", min_value=1)),
         named("parses", E.ExpectColumnValuesToBeInSet(column="parses", value_set=[True])),
         named("token_length", E.ExpectColumnValuesToBeBetween(column="n_tokens", min_value=1, max_value=max_tokens)),
         named("label_consistent", E.ExpectColumnValuesToBeInSet(column="label_consistent", value_set=[True])),
-        named("success_balance", E.ExpectColumnMeanToBeBetween(
+        *([named("success_balance", E.ExpectColumnMeanToBeBetween(
             column="is_success", min_value=max(0.0, gen.success_fraction - cfg.success_tolerance),
-            max_value=min(1.0, gen.success_fraction + cfg.success_tolerance))),
+            max_value=min(1.0, gen.success_fraction + cfg.success_tolerance)))] if balance else []),
         named("unique_trajectory_id", E.ExpectColumnValuesToBeUnique(column="trajectory_id")),
-        named("no_test_leakage", E.ExpectColumnValuesToNotBeInSet(column="entry_id", value_set=sorted(test_ids))),
+        named("no_test_leakage", E.ExpectColumnValuesToNotBeInSet(column="entry_id", value_set=sorted(split["test"]))),
+        # Rows of entries the split does not know (typos, another data version) are not vouched for.
+        named("known_entry_id", E.ExpectColumnValuesToBeInSet(column="entry_id", value_set=sorted(split["train"]))),
     ]
     return out
 
 
 def import_gx():
-    """great_expectations, imported on first use (~4.5 s), with its usage analytics off."""
+    """great_expectations, imported on first use, with its usage analytics off."""
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")  # no phoning home from a pipeline stage
     import great_expectations as gx
 
@@ -255,26 +249,27 @@ def summary(fails: list[dict], n_expectations: int, path: Path, n_rows: int) -> 
 # The stage
 
 
-def validate(cfg: ValidateConfig, gen: GenerateConfig, trajectories: str | Path, split_path: str | Path,
-             model_dir: str | Path, out_dir: str | Path) -> tuple[dict, list[dict], str]:
+def validate(cfg: ValidateConfig, gen: GenerateConfig, prompt: PromptConfig, trajectories: str | Path,
+             split_path: str | Path, model_dir: str | Path, out_dir: str | Path,
+             balance: bool = True) -> tuple[dict, list[dict], str]:
     """Run the gate; writes out_dir (result JSON, data docs, passed.json only on success).
+    `balance=False`: no success-balance check (raw on-policy samples, see `build_expectations`).
 
     Returns (metrics, failures, summary text). Corrupt input raises InputError naming file and line.
     """
     trajectories = Path(trajectories)
     rows = read_jsonl(trajectories)
-    test_ids = read_split(split_path)["test"]
+    split = read_split(split_path)
     max_tokens = cfg.max_tokens or model_context(model_dir) - cfg.goal_reserve
     df = trajectory_frame(rows, gen.reward)
     expectations = None
     with atomic_dir(out_dir) as tmp:
-        expectations = build_expectations(import_gx(), cfg, gen, test_ids, max_tokens)
+        expectations = build_expectations(import_gx(), cfg, gen, prompt.protocol, split, max_tokens, balance)
         result = run_suite(df, expectations, tmp / "data_docs" if cfg.data_docs else None)
         write_json(tmp / RESULT_FILE, result)
         fails = failures(result, df, cfg.max_examples)
         if not fails:
-            write_json(tmp / PASSED_FILE, {"trajectories": str(trajectories), "sha256": file_sha256(trajectories),
-                                           "n_rows": len(rows)})
+            write_json(tmp / PASSED_FILE, stamp(trajectories, len(rows)))
     n_success = int(df["is_success"].sum()) if "is_success" in df else 0
     metrics = {
         "passed": not fails, "n_rows": len(rows), "n_expectations": len(expectations),
@@ -288,19 +283,6 @@ def validate(cfg: ValidateConfig, gen: GenerateConfig, trajectories: str | Path,
     return metrics, fails, text
 
 
-def require_passed(validation_dir: str | Path, trajectories: str | Path) -> dict:
-    """Raise ValidationFailed unless `validation_dir/passed.json` vouches for this exact file."""
-    stamp = Path(validation_dir) / PASSED_FILE
-    if not stamp.is_file():
-        raise ValidationFailed(f"{trajectories} has not passed validate_trajectories ({stamp} missing; "
-                               f"see {Path(validation_dir) / RESULT_FILE})")
-    record = json.loads(stamp.read_text())
-    if record.get("sha256") != file_sha256(trajectories):
-        raise ValidationFailed(f"{trajectories} changed since it passed validation ({stamp}); re-run "
-                               "validate_trajectories")
-    return record
-
-
 app = typer.Typer(add_completion=False)
 
 
@@ -312,28 +294,23 @@ def main(
     model_dir: Path = typer.Option(Path("models/base"), help="model folder (context length)."),
     out_dir: Path = typer.Option(Path("data/validation"), help="output folder: result JSON, data docs, passed.json."),
     metrics: Path = typer.Option(Path("metrics/validate_trajectories.json"), help="output metrics JSON."),
+    balance: bool = typer.Option(True, help="check the success balance; --no-balance for raw on-policy samples."),
 ) -> None:
     """Great Expectations quality gate on the trajectory set."""
-    try:
+    with cli_errors():
         cfg = load_config(ValidateConfig, params, "validate_trajectories")
         gen = load_config(GenerateConfig, params, "generate_trajectories")
-    except ConfigError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    from rcgrpo_tasks import tracking
-
+        prompt = load_config(PromptConfig, params, "prompt")
     with tracking.stage_run("validate_trajectories", {"validate": as_dict(cfg), "reward": gen.reward,
-                                                      "success_fraction": gen.success_fraction}):
-        try:
-            record, fails, text = validate(cfg, gen, trajectories, split, model_dir, out_dir)
-        except InputError as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(1) from exc
+                                                      "success_fraction": gen.success_fraction,
+                                                      "protocol": prompt.protocol}), cli_errors():
+        record, fails, text = validate(cfg, gen, prompt, trajectories, split, model_dir, out_dir, balance)
         write_json(metrics, record)
         tracking.log_metrics({k: v for k, v in record.items() if isinstance(v, (int, float))})
         tracking.log_artifact(out_dir / RESULT_FILE)
         if fails:
             typer.echo(f"{text}\nfull result: {out_dir / RESULT_FILE}", err=True)
-            raise typer.Exit(1)
+            raise typer.Exit(GATE_EXIT)
     typer.echo(f"{trajectories}: all {record['n_expectations']} expectations passed ({record['n_rows']} rows, "
                f"success fraction {record['success_fraction']}); wrote {out_dir}")
 

@@ -6,8 +6,10 @@ import math
 
 import pytest
 
-from rcgrpo_tasks import advantages as adv
-from rcgrpo_tasks.advantages import HIGH_TOKEN, LOW_TOKEN
+from rcgrpo_tasks.train import advantages as adv
+
+LEVELS = ("<|low_reward|>", "<|high_reward|>")  # label_rewards.tokens: lowest first, highest last
+LOW_TOKEN, HIGH_TOKEN = LEVELS
 
 
 def _obedient_rewards(tokens):
@@ -18,7 +20,7 @@ def _obedient_rewards(tokens):
 def test_rc_group_split_by_token_has_signal_where_grpo_has_none():
     g = 4
     # GRPO from an RCTP init: every rollout conditioned on high -> this policy always succeeds.
-    fixed = adv.sample_reward_tokens(g, "fixed")
+    fixed = adv.sample_reward_tokens(g, "fixed", levels=LEVELS)
     grpo_rewards = _obedient_rewards(fixed)
     grpo_adv = adv.group_advantages(grpo_rewards, g)
     assert all(abs(a) < 1e-9 for a in grpo_adv)
@@ -31,7 +33,7 @@ def test_rc_group_split_by_token_has_signal_where_grpo_has_none():
     assert all(abs(a) > 0.5 for a in rc_adv)
     assert [a > 0 for a in rc_adv] == [t == HIGH_TOKEN for t in rc]
     assert adv.zero_std_fraction(rc_rewards, g) == 0.0
-    assert adv.controllability_gap(rc_rewards, rc) == 1.0
+    assert adv.controllability_gap(rc_rewards, rc, levels=LEVELS) == 1.0
     assert adv.advantage_spread(rc_adv) > adv.advantage_spread(grpo_adv)
 
 
@@ -57,13 +59,13 @@ def test_token_sampling_frequency_matches_p():
     # Binomial test with a fixed seed: n=20000 draws, |freq - p| within 4 standard errors for every p.
     n = 20_000
     for p in (0.5, 0.2, 0.8):
-        tokens = adv.sample_reward_tokens(n, "rc", p=p, seed=1234)
+        tokens = adv.sample_reward_tokens(n, "rc", p=p, seed=1234, levels=LEVELS)
         freq = sum(t == HIGH_TOKEN for t in tokens) / n
         se = math.sqrt(p * (1 - p) / n)
         assert abs(freq - p) < 4 * se, (p, freq)
         assert set(tokens) == {HIGH_TOKEN, LOW_TOKEN}
     # Per-group draws across many seeds (as the trainer makes them): all-high groups occur (i.i.d.).
-    groups = [adv.sample_reward_tokens(4, "rc", 0.5, adv.token_seed(0, step)) for step in range(400)]
+    groups = [adv.sample_reward_tokens(4, "rc", 0.5, adv.token_seed(0, step), levels=LEVELS) for step in range(400)]
     all_high = sum(all(t == HIGH_TOKEN for t in grp) for grp in groups) / len(groups)
     assert abs(all_high - 1 / 16) < 4 * math.sqrt((1 / 16) * (15 / 16) / 400)
 
@@ -71,17 +73,17 @@ def test_token_sampling_frequency_matches_p():
 def test_token_draws_are_deterministic_per_step():
     s1, s2 = adv.token_seed(7, 3), adv.token_seed(7, 3)
     assert s1 == s2 and adv.token_seed(7, 4) != s1 and adv.token_seed(7, 3, process=1) != s1
-    assert adv.sample_reward_tokens(16, "rc", 0.5, s1) == adv.sample_reward_tokens(16, "rc", 0.5, s2)
+    assert adv.sample_reward_tokens(16, "rc", 0.5, s1, levels=LEVELS) == adv.sample_reward_tokens(16, "rc", 0.5, s2, levels=LEVELS)
 
 
 def test_modes_and_bad_values():
-    assert adv.sample_reward_tokens(3, "none") == [None, None, None]
-    assert adv.sample_reward_tokens(2, "fixed") == [HIGH_TOKEN, HIGH_TOKEN]
+    assert adv.sample_reward_tokens(3, "none", levels=LEVELS) == [None, None, None]
+    assert adv.sample_reward_tokens(2, "fixed", levels=LEVELS) == [HIGH_TOKEN, HIGH_TOKEN]
     for p in (0.0, 1.0, -0.1, 1.5):
         with pytest.raises(ValueError, match="in \\(0, 1\\)"):
-            adv.sample_reward_tokens(4, "rc", p=p)
+            adv.sample_reward_tokens(4, "rc", p=p, levels=LEVELS)
     with pytest.raises(ValueError, match="mode"):
-        adv.sample_reward_tokens(4, "sometimes")
+        adv.sample_reward_tokens(4, "sometimes", levels=LEVELS)
     with pytest.raises(ValueError, match="groups of 4"):
         adv.group_advantages([1.0, 0.0, 1.0], 4)
     assert adv.conditioning_for("sft", "grpo") == "none"
@@ -92,9 +94,9 @@ def test_modes_and_bad_values():
 def test_reward_by_token_and_gap():
     rewards = [1.0, 0.0, 1.0, 1.0]
     tokens = [HIGH_TOKEN, LOW_TOKEN, LOW_TOKEN, HIGH_TOKEN]
-    assert adv.reward_by_token(rewards, tokens) == {"high": 1.0, "low": 0.5}
-    assert adv.controllability_gap(rewards, tokens) == 0.5
-    assert math.isnan(adv.controllability_gap(rewards, [HIGH_TOKEN] * 4))
+    assert adv.reward_by_token(rewards, tokens, levels=LEVELS) == {"high": 1.0, "low": 0.5}
+    assert adv.controllability_gap(rewards, tokens, levels=LEVELS) == 0.5
+    assert math.isnan(adv.controllability_gap(rewards, [HIGH_TOKEN] * 4, levels=LEVELS))
 
 
 def test_trajectory_fields_mask_env_tokens():
@@ -111,3 +113,14 @@ def test_trajectory_fields_mask_env_tokens():
         adv.trajectory_fields(token_ids, 5, mask, logprobs)
     with pytest.raises(ValueError, match="lengths differ"):
         adv.trajectory_fields(token_ids, 4, mask[:-1], logprobs)
+
+
+def test_levels_are_label_rewards_tokens_and_rl_uses_their_ends():
+    three = ("<|low_reward|>", "<|mid_reward|>", "<|high_reward|>")
+    assert adv.reward_levels(three) == ("<|low_reward|>", "<|high_reward|>")
+    assert set(adv.sample_reward_tokens(64, "rc", 0.5, 3, levels=three)) == {"<|low_reward|>", "<|high_reward|>"}
+    assert adv.sample_reward_tokens(1, "fixed", levels=("<a>", "<b>")) == ["<b>"]
+    assert adv.reward_by_token([1.0, 0.0], ["<b>", "<a>"], levels=("<a>", "<b>")) == {"high": 1.0, "low": 0.0}
+    for bad in ((), ("<a>",), ("<a>", "<a>")):
+        with pytest.raises(ValueError, match="distinct"):
+            adv.reward_levels(bad)

@@ -6,15 +6,12 @@ import json
 
 import pytest
 
-from rcgrpo_tasks.backends import (
-    HFBackend,
-    ModelLoadError,
-    SamplingParams,
-    ScriptedBackend,
-    VLLMBackend,
-    load_backend,
-)
-from rcgrpo_tasks.hf_session import _prefix_groups, _sample
+from rcgrpo_tasks.engine.backend import SamplingParams, ScriptedBackend
+from rcgrpo_tasks.engine.backends import load_backend
+from rcgrpo_tasks.engine.hf import HFBackend, prefix_groups
+from rcgrpo_tasks.engine.models import ModelLoadError
+from rcgrpo_tasks.engine.sampling import sample_tokens
+from rcgrpo_tasks.engine.vllm import VLLMBackend
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +37,9 @@ def test_session_reuse_reorder_drop_and_compaction(backend):
     compact = sess._maybe_compact
 
     def recording():
-        before = sess.mask.shape[1]
+        before = sess.cache.n
         compact()
-        widths.append((before, sess.mask.shape[1]))
+        widths.append((before, sess.cache.n))
 
     sess._maybe_compact = recording
     sp = SamplingParams(temperature=1.0, max_new_tokens=7, seed=3)
@@ -67,7 +64,7 @@ def test_session_reuse_reorder_drop_and_compaction(backend):
 def test_mixed_prefix_groups_share_prefill_exactly(backend):
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 50, 51, 52], [1, 2, 3, 4, 5, 6, 7, 8, 10],
                [1, 2, 3, 50, 51, 53, 54], [99]]
-    assert _prefix_groups(prompts) == [([0, 2], 8), ([1, 3], 5), ([4], 0)]
+    assert prefix_groups(prompts) == [([0, 2], 8), ([1, 3], 5), ([4], 0)]
     sess = backend.session()
     sp = SamplingParams(temperature=1.0, max_new_tokens=5, seed=0)
     outs = sess.generate(list(range(5)), prompts, sp)
@@ -86,12 +83,11 @@ def test_unrelated_prompts_and_stop_tokens(backend):
 def test_top_p_keeps_only_the_nucleus():
     import torch
 
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    gen = torch.Generator().manual_seed(0)
-    sp = SamplingParams(temperature=1.0, top_p=0.7)
-    picks = {int(_sample(logits, sp, gen)[0]) for _ in range(200)}
-    assert picks == {0, 1}
-    tok, lp = _sample(logits, SamplingParams(temperature=0.0), gen)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(200, -1)
+    seeds, positions = torch.full((200,), 7), torch.arange(200)
+    picks = sample_tokens(logits, SamplingParams(temperature=1.0, top_p=0.7), seeds, positions)[0].tolist()
+    assert set(picks) == {0, 1} and 0.25 < picks.count(1) / 200 < 0.5  # nucleus {0.5, 0.3}: P(1) = 0.375
+    tok, lp = sample_tokens(logits[:1], SamplingParams(temperature=0.0))
     assert int(tok) == 0 and float(lp) == pytest.approx(float(torch.log(torch.tensor(0.5))), abs=1e-6)
 
 
@@ -202,7 +198,7 @@ def test_vllm_backend_generates_with_logprobs(tiny_model_dir):
 
 
 def test_autocast_option_runs_close_to_fp32(backend):
-    from rcgrpo_tasks.backends import bf16_supported
+    from rcgrpo_tasks.engine.models import bf16_supported
 
     fast = HFBackend.from_model(backend.model, backend.tokenizer, autocast=True)
     assert fast.autocast == bf16_supported()

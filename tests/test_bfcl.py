@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rcgrpo_tasks import bfcl
+from rcgrpo_tasks.env import bfcl
 
 
 def test_four_categories_of_200_with_ground_truth_per_turn():

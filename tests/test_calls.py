@@ -4,7 +4,7 @@ import builtins
 
 import pytest
 
-from rcgrpo_tasks.calls import Call, CallParseError, format_calls, parse_call_string, parse_calls
+from rcgrpo_tasks.env.calls import Call, CallParseError, format_calls, parse_call_string, parse_calls
 
 
 def test_parses_bfcl_call_list_with_literals():
@@ -57,8 +57,8 @@ def test_rejects_non_literals_with_clear_error(text, needle):
 
 def test_adversarial_strings_execute_nothing(monkeypatch, tmp_path):
     """Plant side effects that any evaluation of the text would trigger; none may happen."""
-    from rcgrpo_tasks.bfcl import get_entry
-    from rcgrpo_tasks.environment import BfclEnvironment
+    from rcgrpo_tasks.env.bfcl import get_entry
+    from rcgrpo_tasks.env.environment import BfclEnvironment
 
     marker = tmp_path / "pwned"
     fired = []

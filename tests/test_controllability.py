@@ -1,29 +1,97 @@
-"""controllability stage: the gap statistic, a token-obedient scripted policy (gap = its success rate), and
-the CLI on a tiny model trained by the sft stage (real engine, real scorer, temp MLflow)."""
+"""controllability stage: the gap statistic and its bootstrap CI, the zero-variance formula on hand-built
+rates (against brute-force enumeration), a token-obedient scripted policy (gap = its success rate, in both
+arms), and the CLI on a tiny model trained by the sft stage (real engine, real scorer, temp MLflow)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
 import pytest
 import yaml
 
-from rcgrpo_tasks import bfcl, controllability as ctl
-from rcgrpo_tasks.io import write_json, write_jsonl
+from rcgrpo_tasks import controllability as ctl
+from rcgrpo_tasks.env import bfcl
+from rcgrpo_tasks.ops.config import ConfigError
+from rcgrpo_tasks.ops.io import InputError, write_json, write_jsonl
 
 HIGH, LOW = "<|high_reward|>", "<|low_reward|>"
 TOKENS = (LOW, HIGH)
+RL = {"temperature": 1.0, "top_p": 1.0, "num_generations": 4, "p_high": 0.5, "learning_rate": 1e-5}
+
+
+def _scores(rows):
+    return [{"entry_id": e, "reward_token": t, "r": r} for e, t, r in rows]
 
 
 def test_gap_stats_pairs_by_entry():
-    scores = [{"entry_id": e, "reward_token": t, "r": r} for e, t, r in [
-        ("a", HIGH, 1), ("a", LOW, 0), ("b", HIGH, 1), ("b", LOW, 1), ("c", HIGH, 0), ("c", LOW, 0),
-        ("d", HIGH, 1)]]  # d has no low rollout: in the means, not in the paired gap
+    scores = _scores([("a", HIGH, 1), ("a", LOW, 0), ("b", HIGH, 1), ("b", LOW, 1), ("c", HIGH, 0), ("c", LOW, 0),
+                      ("d", HIGH, 1)])  # d has no low rollout: in the means, not in the paired gap
     s = ctl.gap_stats(scores, HIGH, LOW, "r")
     assert s["high"] == pytest.approx(3 / 4) and s["low"] == pytest.approx(1 / 3)
     assert s["gap"] == pytest.approx(1 / 3)
     assert s["gap_se"] == pytest.approx(math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2 / 3))
+    lo, hi = s["gap_ci"]
+    assert lo == 0.0 and hi == 1.0  # resamples of {1, 0, 0}: every mean from 0 to 1 occurs
+
+
+def test_gap_ci_over_entries_of_sampled_means():
+    """Several samples per token: the unit is the entry (per-entry means), and the CI tightens with entries."""
+    rows = []
+    for i in range(40):  # every entry: high 2/2 successes, low 1/2 -> per-entry gap 0.5 exactly
+        rows += [(f"e{i}", HIGH, 1), (f"e{i}", HIGH, 1), (f"e{i}", LOW, 1), (f"e{i}", LOW, 0)]
+    s = ctl.gap_stats(_scores(rows), HIGH, LOW, "r")
+    assert s["gap"] == pytest.approx(0.5) and s["gap_ci"] == [pytest.approx(0.5), pytest.approx(0.5)]
+    noisy = [(f"e{i}", t, r) for i in range(40) for t, r in ((HIGH, i % 2), (LOW, 0))]  # gaps 0, 1, 0, 1, ...
+    s = ctl.gap_stats(_scores(noisy), HIGH, LOW, "r", n_boot=500)
+    lo, hi = s["gap_ci"]
+    assert s["gap"] == pytest.approx(0.5) and 0.25 < lo < 0.5 < hi < 0.75
+    assert ctl.gap_stats(_scores(noisy), HIGH, LOW, "r", n_boot=500) == s  # seeded: reproducible
+
+
+def _brute_force(p_h: float, p_l: float, g: int, q: float) -> float:
+    """P(all G rewards equal) by enumerating every (token, outcome) assignment of the G rollouts."""
+    total = 0.0
+    for tokens in itertools.product((1, 0), repeat=g):
+        p_tok = math.prod(q if t else 1 - q for t in tokens)
+        for outcome in ((1,) * g, (0,) * g):
+            total += p_tok * math.prod((p_h if t else p_l) if o else 1 - (p_h if t else p_l)
+                                       for t, o in zip(tokens, outcome))
+    return total
+
+
+@pytest.mark.parametrize("p_h,p_l,g,q", [(1.0, 0.0, 2, 0.5), (0.7, 0.2, 5, 0.5), (0.9, 0.9, 4, 0.3),
+                                         (0.0, 0.0, 3, 0.5), (0.5, 0.1, 1, 0.5)])
+def test_zero_variance_share_exact(p_h, p_l, g, q):
+    all_high, mixed = ctl.zero_variance_share(p_h, p_l, g, q)
+    assert all_high == pytest.approx(p_h ** g + (1 - p_h) ** g)
+    assert mixed == pytest.approx(_brute_force(p_h, p_l, g, q))
+    m = q * p_h + (1 - q) * p_l  # the binomial theorem's closed form
+    assert mixed == pytest.approx(m ** g + (1 - m) ** g)
+
+
+def test_zero_variance_share_hand_built():
+    # A perfectly obedient entry: all-high groups always succeed (no signal); mixed G=2 groups are
+    # uniform only when both tokens match (1/2).
+    assert ctl.zero_variance_share(1.0, 0.0, 2, 0.5) == (1.0, 0.5)
+    # A token-blind entry: the tokens change nothing.
+    a, m = ctl.zero_variance_share(0.3, 0.3, 5, 0.5)
+    assert a == pytest.approx(m) == pytest.approx(0.3 ** 5 + 0.7 ** 5)
+    z = ctl.zero_variance_stats([1.0, 0.3], [0.0, 0.3], g=2, q=0.5, n_boot=200)
+    assert z["all_high"] == pytest.approx((1.0 + 0.58) / 2) and z["mixed"] == pytest.approx((0.5 + 0.58) / 2)
+    assert z["mixed_minus_all_high"] == pytest.approx(-0.25)
+    lo, hi = z["mixed_minus_all_high_ci"]
+    assert lo == pytest.approx(-0.5) and hi == pytest.approx(0.0)
+
+
+def test_rl_sampling_reads_rl_section():
+    rl = ctl.rl_sampling({"rl": RL}, "p.yaml")
+    assert (rl.temperature, rl.num_generations, rl.p_high) == (1.0, 4, 0.5)
+    with pytest.raises(ConfigError, match="missing"):
+        ctl.rl_sampling({"rl": {"temperature": 1.0}}, "p.yaml")
+    with pytest.raises(ConfigError, match="p_high"):
+        ctl.rl_sampling({"rl": {**RL, "p_high": 1.0}}, "p.yaml")
 
 
 @pytest.fixture(scope="module")
@@ -40,29 +108,41 @@ def test_obedient_policy_has_full_gap(tok, protocol):
     """A policy that replays the gold calls only when asked for a high reward: gap = 1 on entries whose gold
     replay succeeds, and the low-conditioned rollouts score 0. (Partial credit is per BFCL turn, so only the
     official protocol, turn by turn, can earn it.)"""
-    from rcgrpo_tasks.backends import ScriptedBackend
-    from rcgrpo_tasks.engine import replay_steps
-    from rcgrpo_tasks.protocols import ProtocolConfig
+    from rcgrpo_tasks.engine.backend import ScriptedBackend
+    from rcgrpo_tasks.engine.rollout import replay_steps
+    from rcgrpo_tasks.env.protocols import PromptConfig
 
     entries = bfcl.load_entries(["base"])[:2]
-    cfg = ctl.ControllabilityConfig(n_entries=2, protocol=protocol, max_steps=20, max_new_tokens=4000)
-    steps = {"max_steps": 20} if protocol == "paper" else {}
-    proto = ProtocolConfig(protocol=protocol, doc_style="compact", **steps)
+    cfg = ctl.ControllabilityConfig(n_entries=2, max_outputs=20, max_new_tokens=4000)
+    prompt = PromptConfig(protocol=protocol, doc_style="compact")
+    proto = prompt.protocol_config(20) if protocol == "paper" else PromptConfig(protocol=protocol).protocol_config(20)
     gold = {e.id: replay_steps(e, proto, e.ground_truth) for e in entries}
     high_id = tok.convert_tokens_to_ids(HIGH)
     starts: dict = {}
 
     def policy(key, step, ids):
-        entry_id = starts.setdefault(key, next(e.id for e in entries if e.turns[0][0]["content"][:40] in tok.decode(ids)))
+        if step == 0:  # keys restart in every session: find the entry from the prompt at each start
+            starts[key] = next(e.id for e in entries if e.turns[0][0]["content"][:40] in tok.decode(ids))
+        entry_id = starts[key]
         texts = gold[entry_id] if high_id in ids else []
         return texts[step] if step < len(texts) else ""
 
     backend = ScriptedBackend(tok, policy)
-    metrics, trajs = ctl.measure(cfg, TOKENS, backend, entries)
-    assert [t.reward_token for t in trajs] == [HIGH, LOW, HIGH, LOW]
-    assert metrics["success_rate_high"] == 1.0 and metrics["success_rate_low"] == 0.0
-    assert metrics["gap"] == 1.0
-    assert metrics["partial_credit_gap"] == (1.0 if protocol == "official" else 0.0)
+    rl = ctl.RLSampling(temperature=1.0, top_p=1.0, num_generations=4, p_high=0.5)
+    metrics, trajs = ctl.measure(cfg, prompt, TOKENS, backend, entries, rl)
+    # greedy arm (1 per token) then the sampled arm (2 per token), each high first per entry
+    assert [t.reward_token for t in trajs] == [HIGH, LOW] * 2 + [HIGH, HIGH, LOW, LOW] * 2
+    assert [t.provenance["arm"] for t in trajs] == ["greedy"] * 4 + ["sampled"] * 8
+    for name in ("greedy", "sampled"):
+        arm = metrics[name]
+        assert arm["success_rate_high"] == 1.0 and arm["success_rate_low"] == 0.0
+        assert arm["gap"] == 1.0 and arm["gap_ci"] == [1.0, 1.0]
+        assert arm["partial_credit_gap"] == (1.0 if protocol == "official" else 0.0)
+    assert metrics["sampled"]["samples_per_token"] == 2 and metrics["sampled"]["temperature"] == 1.0
+    assert metrics["greedy"]["identical_outputs"] == 0
+    # p_h = 1, p_l = 0: all-high groups never vary; mixed G=4 groups only when all 4 tokens agree (2 / 16).
+    z = metrics["zero_variance"]
+    assert z["all_high"] == 1.0 and z["mixed"] == pytest.approx(0.125) and z["G"] == 4
     assert metrics["entries"] == [e.id for e in entries]
 
 
@@ -71,6 +151,7 @@ def test_cli_on_tiny_rctp_model(tiny_model_dir, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from rcgrpo_tasks import sft
+    from rcgrpo_tasks.train.finetune import SftConfig, SftRun
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     monkeypatch.setenv("MLFLOW_ARTIFACT_ROOT", str(tmp_path / "mlartifacts"))
@@ -79,17 +160,18 @@ def test_cli_on_tiny_rctp_model(tiny_model_dir, tmp_path, monkeypatch):
     from test_sft import chat  # the hand-made rctp rows
 
     write_jsonl(tmp_path / "rctp.jsonl", [chat(i, HIGH if i % 2 else LOW) for i in range(8)])
-    cfg = sft.SftConfig(learning_rate=1e-2, max_steps=1, batch_size=4, max_length=128, lora_r=4, lora_alpha=8,
-                        log_model=False, require_reward_token=True)
-    spec = sft.RunSpec("rctp", tiny_model_dir, tmp_path / "rctp.jsonl", tmp_path / "adapter", tmp_path / "ck")
-    sft.train_variant(cfg, TOKENS, spec, log_mlflow=False)
+    cfg = SftConfig(learning_rate=1e-2, max_steps=1, batch_size=4, max_length=128, lora_r=4, lora_alpha=8,
+                    log_model=False, require_reward_token=True)
+    spec = SftRun("rctp", tiny_model_dir, tmp_path / "rctp.jsonl", tmp_path / "adapter", tmp_path / "ck")
+    sft.train_variant(cfg, TOKENS, spec, track=False)
 
     entries = bfcl.load_entries(["base"])[:3]
     write_jsonl(tmp_path / "entries.jsonl", (e.to_json() for e in entries))
     write_json(tmp_path / "split.json", {"train": [entries[0].id], "test": [e.id for e in entries[1:]]})
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({
-        "controllability": {"n_entries": 2, "max_steps": 1, "max_new_tokens": 3, "system_prompt": "short",
-                            "dtype": "float32"},
+        "controllability": {"n_entries": 2, "samples_per_token": 2, "max_outputs": 1, "max_new_tokens": 3,
+                            "dtype": "float32", "n_bootstrap": 50},
+        "prompt": {"system_prompt": "short"}, "rl": RL,
         "label_rewards": {"tokens": list(TOKENS)}}))
     res = CliRunner().invoke(ctl.app, [
         "--model-dir", str(tiny_model_dir), "--adapter-dir", str(tmp_path / "adapter"),
@@ -99,9 +181,15 @@ def test_cli_on_tiny_rctp_model(tiny_model_dir, tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     m = json.loads((tmp_path / "m.json").read_text())
     assert m["entries"] == [e.id for e in entries[1:]] and m["n_entries"] == 2
-    assert 0.0 <= m["success_rate_high"] <= 1.0 and -1.0 <= m["gap"] <= 1.0
-    rows = (tmp_path / "t.jsonl").read_text().splitlines()
-    assert [json.loads(r)["reward_token"] for r in rows] == [HIGH, LOW, HIGH, LOW]
+    for arm in ("greedy", "sampled"):
+        lo, hi = m[arm]["gap_ci"]
+        assert 0.0 <= m[arm]["success_rate_high"] <= 1.0 and -1.0 <= lo <= m[arm]["gap"] <= hi <= 1.0
+    assert m["sampled"]["temperature"] == RL["temperature"] and m["zero_variance"]["G"] == RL["num_generations"]
+    assert 0.0 <= m["zero_variance"]["all_high"] <= 1.0 and 0 <= m["greedy"]["identical_outputs"] <= 2
+    rows = [json.loads(r) for r in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert [r["reward_token"] for r in rows] == [HIGH, LOW] * 2 + [HIGH, HIGH, LOW, LOW] * 2
+    sampled = [r["provenance"]["sampling"]["temperature"] for r in rows if r["provenance"]["arm"] == "sampled"]
+    assert sampled == [RL["temperature"]] * 8
 
 
 def test_bad_params_and_missing_split(tmp_path):
@@ -110,7 +198,10 @@ def test_bad_params_and_missing_split(tmp_path):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {"n_entries": 0}}))
     res = CliRunner().invoke(ctl.app, ["--params", str(tmp_path / "params.yaml")])
     assert res.exit_code == 2 and "n_entries" in res.output
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {}}))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {}, "prompt": {}}))
+    res = CliRunner().invoke(ctl.app, ["--params", str(tmp_path / "params.yaml")])
+    assert res.exit_code == 2 and "rl: missing" in res.output  # sampled as RL samples: rl settings required
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {}, "prompt": {}, "rl": RL}))
     res = CliRunner().invoke(ctl.app, ["--params", str(tmp_path / "params.yaml"), "--split",
                                        str(tmp_path / "none.json"), "--entries", str(tmp_path / "e.jsonl")])
     assert res.exit_code == 2 and ("not found" in res.output)
@@ -125,7 +216,8 @@ def test_bad_model_fails_before_any_run_and_writes_nothing(tiny_model_dir, tmp_p
     entries = bfcl.load_entries(["base"])[:2]
     write_jsonl(tmp_path / "entries.jsonl", (e.to_json() for e in entries))
     write_json(tmp_path / "split.json", {"train": [entries[0].id], "test": [entries[1].id]})
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {"n_entries": 1, "dtype": "float32"}}))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {"n_entries": 1, "dtype": "float32"},
+                                                          "prompt": {}, "rl": RL}))
     res = CliRunner().invoke(ctl.app, [
         "--model-dir", str(tiny_model_dir), *(["--adapter-dir", str(tmp_path / adapter)] if adapter else []),
         "--entries", str(tmp_path / "entries.jsonl"), "--split", str(tmp_path / "split.json"),
@@ -134,3 +226,26 @@ def test_bad_model_fails_before_any_run_and_writes_nothing(tiny_model_dir, tmp_p
     assert res.exit_code == 2 and match in res.output, res.output
     assert not (tmp_path / "m.json").exists() and not (tmp_path / "t.jsonl").exists()
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_report_table_carries_the_controllability_columns(tmp_path):
+    """report --controllability rctp=metrics.json: the RCTP row gets both gaps with CIs and the shares."""
+    from rcgrpo_tasks.report import build_report, markdown_table
+
+    for label in ("sft", "rctp"):
+        write_jsonl(tmp_path / label / "results.jsonl", [
+            {"id": f"multi_turn_base_{i}", "category": "base", "valid": i == 0, "paper_reward": float(i == 0),
+             "partial_credit": 0.0} for i in range(3)])
+    ctl_json = {"sampled": {"gap": 0.25, "gap_ci": [0.05, 0.5]}, "greedy": {"gap": 0.0, "gap_ci": [0.0, 0.0]},
+                "zero_variance": {"G": 5, "all_high": 0.92, "mixed": 0.61}}
+    write_json(tmp_path / "ctl.json", ctl_json)
+    rows = build_report([("sft", tmp_path / "sft"), ("rctp", tmp_path / "rctp")], [], 0,
+                        [("rctp", tmp_path / "ctl.json")])
+    table = markdown_table(rows)
+    rctp_line = next(line for line in table.splitlines() if line.startswith("| RCTP"))
+    sft_line = next(line for line in table.splitlines() if line.startswith("| SFT"))
+    assert "Ctl gap sampled [95% CI]" in table
+    assert "+0.250 [+0.050, +0.500]" in rctp_line and "+0.000 [+0.000, +0.000]" in rctp_line
+    assert "0.920 / 0.610 (G=5)" in rctp_line and sft_line.endswith("| n/a | n/a | n/a |")
+    with pytest.raises(InputError, match="controllability metrics not found"):
+        build_report([("rctp", tmp_path / "rctp")], [], 0, [("rctp", tmp_path / "none.json")])

@@ -6,14 +6,15 @@ import collections
 
 import pytest
 
-from rcgrpo_tasks import bfcl
-from rcgrpo_tasks.backends import HFBackend, SamplingParams, ScriptedBackend
-from rcgrpo_tasks.engine import replay_calls, run_group, run_rollouts
-from rcgrpo_tasks.protocols import ProtocolConfig
-from rcgrpo_tasks.trajectory import Trajectory
+from rcgrpo_tasks.env import bfcl
+from rcgrpo_tasks.engine.hf import HFBackend
+from rcgrpo_tasks.engine.backend import SamplingParams, ScriptedBackend
+from rcgrpo_tasks.engine.rollout import replay_calls, run_group, run_rollouts
+from rcgrpo_tasks.env.protocols import ProtocolConfig
+from rcgrpo_tasks.engine.trajectory import Trajectory
 
 OFFICIAL = ProtocolConfig(protocol="official")
-PAPER = ProtocolConfig(protocol="paper", max_steps=4)
+PAPER = ProtocolConfig(protocol="paper", max_outputs=4)
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +128,8 @@ def test_context_limit_drops_unseen_next_turn(tok):
 
 
 def test_trajectory_roundtrip_and_validation(tok, tmp_path):
-    from rcgrpo_tasks.io import InputError
-    from rcgrpo_tasks.trajectory import TrajectoryError, read_trajectories, write_trajectories
+    from rcgrpo_tasks.ops.io import InputError
+    from rcgrpo_tasks.engine.trajectory import TrajectoryError, read_trajectories, write_trajectories
 
     entry = bfcl.get_entry("multi_turn_long_context_0")
     traj = replay_calls(entry, PAPER, entry.ground_truth, tok, reward_token="<|low_reward|>")
@@ -158,7 +159,7 @@ def test_rollout_cli_writes_scorable_trajectories_and_rejects_bad_input(tiny_mod
     from typer.testing import CliRunner
 
     from rcgrpo_tasks import rollout, score
-    from rcgrpo_tasks.trajectory import read_trajectories
+    from rcgrpo_tasks.engine.trajectory import read_trajectories
 
     out = tmp_path / "t.jsonl"
     base = ["--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "3", "--dtype", "float32"]

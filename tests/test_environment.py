@@ -4,8 +4,8 @@ import gc
 import json
 import tracemalloc
 
-from rcgrpo_tasks.bfcl import get_entry, load_entries
-from rcgrpo_tasks.environment import BfclEnvironment
+from rcgrpo_tasks.env.bfcl import get_entry, load_entries
+from rcgrpo_tasks.env.environment import BfclEnvironment
 
 
 def test_two_environments_of_one_entry_do_not_share_state():

@@ -7,12 +7,15 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from rcgrpo_tasks import bfcl, evaluate
-from rcgrpo_tasks.config import ConfigError, load_config
+from rcgrpo_tasks import evaluate
+from rcgrpo_tasks.env import bfcl
+from rcgrpo_tasks.ops.config import ConfigError, load_config
 
-PARAMS = """evaluate:
+PARAMS = """prompt:
+  protocol: paper
+evaluate:
   limit: 4
-  max_steps: 2
+  max_outputs: 2
   max_new_tokens: 4
   dtype: float32
   n_bootstrap: 50
@@ -85,7 +88,7 @@ def test_bad_input_fails_clearly_without_outputs(workdir, tiny_model_dir, case):
 
 
 def test_tracking_failure_fails_stage_without_outputs(workdir, tiny_model_dir, monkeypatch):
-    from rcgrpo_tasks import tracking
+    from rcgrpo_tasks.ops import tracking
 
     def broken(*a, **k):
         raise tracking.TrackingError("MLflow log_metrics failed (test)")

@@ -19,16 +19,26 @@ from flows import rcgrpo_flow as fl  # noqa: E402
 
 PY = sys.executable
 STAGE_SCRIPT = """
-import json, sys
+import json, os, sys, time
 from pathlib import Path
-from rcgrpo_tasks import tracking
+from rcgrpo_tasks.cli import guarded
+from rcgrpo_tasks.ops import tracking
 name, out = sys.argv[1], Path(sys.argv[2])
-if name == "bad":
-    sys.exit("bad stage: deliberate failure XYZZY")
-with tracking.stage_run(name, {"lr": 0.1, "name": name}):
-    tracking.log_metrics({"score": len(name)})
-out.parent.mkdir(parents=True, exist_ok=True)
-out.write_text(json.dumps({"stage": name}))
+
+def body():
+    with tracking.stage_run(name.split("_")[0], {"lr": 0.1, "name": name}):  # train_x under train@x
+        tracking.log_metrics({"score": len(name)})
+        if name == "bad":
+            print("some progress on stdout")
+            sys.exit("bad stage: deliberate failure XYZZY")
+        if name == "slow":
+            Path("slow.pid").write_text(str(os.getpid()))
+            time.sleep(120)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"stage": name}))
+    return 0
+
+sys.exit(guarded("stage", body))
 """
 
 
@@ -37,7 +47,7 @@ def _dvc(repo: Path, *args: str) -> None:
     assert out.returncode == 0, f"dvc {args} failed:\n{out.stdout}\n{out.stderr}"
 
 
-def make_repo(root: Path, with_bad: bool = False) -> Path:
+def make_repo(root: Path, with_bad: bool = False, with_slow: bool = False) -> Path:
     repo = root / "repo"
     repo.mkdir()
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
@@ -51,6 +61,10 @@ def make_repo(root: Path, with_bad: bool = False) -> Path:
     cmd: {PY} stage.py bad out/bad.json
     deps: [out/prep.json]
     outs: [out/bad.json]""" if with_bad else ""
+    bad += f"""
+  slow:
+    cmd: {PY} stage.py slow out/slow.json
+    outs: [out/slow.json]""" if with_slow else ""
     (repo / "dvc.yaml").write_text(textwrap.dedent(f"""\
         stages:
           prep:
@@ -71,6 +85,10 @@ def make_repo(root: Path, with_bad: bool = False) -> Path:
             cmd: {PY} stage.py grid out/grid_${{item.m}}_${{item.k}}.json
             deps: ["out/train_${{item.m}}.json"]
             outs: ["out/grid_${{item.m}}_${{item.k}}.json"]""") + bad + "\n")
+    (repo / ".gitignore").write_text("/out\n")
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"], cwd=repo,
+                   check=True)  # the committed params.yaml is the pristine base every profile starts from
     return repo
 
 
@@ -121,11 +139,15 @@ def test_flow_nested_runs_skip_and_push_pull(tmp_path, harness, env):
     assert "n: 2" in (repo / "params.yaml").read_text()  # the profile was materialized for DVC
     client, runs = _runs()
     parent = client.get_run(result["parent_run_id"])
-    assert parent.info.status == "FINISHED"
+    assert parent.info.status == "FINISHED" and parent.info.run_name == "pipeline@fast"
     assert parent.data.tags["rcgrpo.plan"] == "prep,train@x" and "dvc.lock.sha256" in parent.data.tags
     assert parent.data.tags["dvc.lock.train/x"] and parent.data.params["params.prep.n"] == "2"
+    assert parent.data.tags["rcgrpo.profile"] == "fast" and len(parent.data.tags["rcgrpo.params_sha256"]) == 16
+    assert parent.data.tags["git.commit"] != "unknown"
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert sorted(r.info.run_name for r in children) == ["prep", "train_x"]
+    assert sorted(r.info.run_name for r in children) == ["prep", "train@x"]  # <stage>@<variant>
+    exp = client.get_experiment_by_name("flow-test")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI opens on the runs
     assert all(r.data.metrics["score"] > 0 for r in children)
     assert {r.data.tags["dvc.stage"] for r in children} == {"prep", "train@x"}
     assert any(remote.rglob("*")), "dvc push put nothing in the remote"
@@ -143,12 +165,77 @@ def test_flow_nested_runs_skip_and_push_pull(tmp_path, harness, env):
 
 def test_failing_stage_fails_flow_with_its_own_error(tmp_path, harness, env):
     repo = make_repo(tmp_path, with_bad=True)
-    with pytest.raises(fl.StageFailed, match="XYZZY"):
+    with pytest.raises(fl.StageFailed) as err:
         fl.rcgrpo(stages=["bad"], repo_dir=str(repo), push=False, pull=False)
+    first = str(err.value).splitlines()[0]
+    assert first == "stage 'bad' failed (exit 1): bad stage: deliberate failure XYZZY"  # what --watch shows
+    assert "--- last stderr lines of bad ---" in str(err.value)
+    assert "some progress on stdout" not in str(err.value)  # stderr only: the cause, not the chatter
     client, runs = _runs()
-    parents = [r for r in runs if r.info.run_name == "rcgrpo-flow"]
+    parents = [r for r in runs if r.info.run_name == "pipeline@default"]
     assert parents[0].info.status == "FAILED" and "XYZZY" in parents[0].data.tags["rcgrpo.error"]
+    assert parents[0].data.tags["rcgrpo.failed_stage"] == "bad"
+    bad = [r for r in runs if r.info.run_name == "bad"][0]
+    assert bad.info.status == "FAILED" and "XYZZY" in bad.data.tags["rcgrpo.error"]
     assert (repo / "out/prep.json").exists() and not (repo / "out/bad.json").exists()
+
+
+def test_failure_message_names_stage_exit_code_and_cause():
+    err = "Traceback...\nValueError: boom\nERROR: failed to reproduce 'x': failed to run: rcgrpo x, exited with 3"
+    msg = fl.failure_message("x", 255, err)
+    assert msg.splitlines()[0] == "stage 'x' failed (exit 3): ValueError: boom"
+    assert fl.failure_message("y", 1, "").startswith("stage 'y' failed (exit 1): no error output")
+
+
+def test_unknown_profile_fails_first_and_leaves_params_untouched(tmp_path, harness, env):
+    from rcgrpo_tasks.ops.config import ConfigError
+
+    repo = make_repo(tmp_path)
+    before = (repo / "params.yaml").read_bytes()
+    with pytest.raises(ConfigError, match=r"unknown profile 'fsat'; valid profiles: default, fast"):
+        fl.rcgrpo(profile="fsat", repo_dir=str(repo), push=False, pull=False)
+    assert (repo / "params.yaml").read_bytes() == before and not (repo / "out").exists()
+    import os
+
+    import mlflow
+
+    client = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    assert client.get_experiment_by_name("flow-test") is None  # failed before any tracking
+
+
+def test_profile_never_leaks_into_the_next_run(tmp_path, harness, env):
+    repo = make_repo(tmp_path)
+    pristine = (repo / "params.yaml").read_bytes()
+    fl.rcgrpo(profile="fast", stages=["prep"], repo_dir=str(repo), push=False, pull=False)
+    assert "n: 2" in (repo / "params.yaml").read_text()
+    result = fl.rcgrpo(stages=["prep"], repo_dir=str(repo), push=False, pull=False)  # default profile
+    assert (repo / "params.yaml").read_bytes() == pristine and result["stages"] == {"prep": "ran"}
+    client, _ = _runs()
+    assert client.get_run(result["parent_run_id"]).data.tags["rcgrpo.profile"] == "default"
+
+
+def test_stage_timeout_stops_the_whole_group_and_ends_its_run_killed(tmp_path, harness, env):
+    import time
+
+    from rcgrpo_tasks.ops import procs
+
+    repo = make_repo(tmp_path, with_slow=True)
+    t0 = time.monotonic()
+    with pytest.raises(BaseException) as err:
+        fl.rcgrpo(stages=["slow"], repo_dir=str(repo), push=False, pull=False, stage_timeout_s=30)
+    assert "timed out" in str(err.value).lower() and time.monotonic() - t0 < 90
+    pid = int((repo / "slow.pid").read_text())
+    deadline = time.monotonic() + 10
+    while procs.alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not procs.alive(pid), "the stage outlived its cancelled task"
+    assert not procs.group_alive(pid)  # nor did anything else of its process group
+    assert not (repo / "out/slow.json").exists()
+    _, runs = _runs()
+    slow = [r for r in runs if r.info.run_name == "slow"][0]
+    assert slow.info.status == "KILLED" and "SIGTERM" in slow.data.tags["rcgrpo.error"]
+    parent = [r for r in runs if r.info.run_name == "pipeline@default"][0]
+    assert parent.info.status == "KILLED"
 
 
 def test_tracking_down_fails_before_any_stage(tmp_path, harness, monkeypatch):
@@ -159,7 +246,7 @@ def test_tracking_down_fails_before_any_stage(tmp_path, harness, monkeypatch):
         port = s.getsockname()[1]
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
     repo = make_repo(tmp_path)
-    from rcgrpo_tasks.tracking import TrackingError
+    from rcgrpo_tasks.ops.tracking import TrackingError
 
     with pytest.raises(TrackingError, match="unreachable"):
         fl.rcgrpo(repo_dir=str(repo), push=False, pull=False)

@@ -7,15 +7,17 @@ import random
 
 import pytest
 
-from rcgrpo_tasks.bfcl import Entry, load_entries
-from rcgrpo_tasks.calls import parse_call_string
-from rcgrpo_tasks.config import ConfigError, from_dict
-from rcgrpo_tasks.generate_trajectories import (
-    GenerateConfig, allocate, draw_failures, generate, load_train_entries,
-)
-from rcgrpo_tasks.io import InputError
-from rcgrpo_tasks.perturb import PERTURBATIONS, entry_functions, perturb
-from rcgrpo_tasks.scoring import score_entry
+from rcgrpo_tasks.data.dataset import GenerateConfig, allocate, check_prompt, draw_failures, generate
+from rcgrpo_tasks.env.bfcl import Entry, load_entries
+from rcgrpo_tasks.env.calls import parse_call_string
+from rcgrpo_tasks.env.entries import split_entries
+from rcgrpo_tasks.env.perturb import PERTURBATIONS, entry_functions, perturb
+from rcgrpo_tasks.env.protocols import PromptConfig
+from rcgrpo_tasks.env.scoring import score_entry
+from rcgrpo_tasks.ops.config import ConfigError, from_dict
+from rcgrpo_tasks.ops.io import InputError
+
+PAPER = PromptConfig()
 
 
 @pytest.fixture(scope="module")
@@ -101,13 +103,19 @@ def test_draw_failures_hands_short_quota_to_others():
     {"success_fraction": 1.0},
     {"failure_mix": {"policy": 1.0, "teleport": 1.0}},
     {"failure_mix": {"policy": 0.0}},
-    {"protocol": "paper", "reward": "official"},
+    {"reward": "partial_credit"},
     {"near_miss_attempts": 0},
     {"colour": "blue"},
 ])
 def test_bad_generate_config_rejected(bad):
     with pytest.raises(ConfigError):
         from_dict(GenerateConfig, bad, "params.yaml:generate_trajectories")
+
+
+def test_official_verdict_needs_the_official_prompt():
+    with pytest.raises(ConfigError, match="official_verdict"):
+        check_prompt(GenerateConfig(reward="official_verdict"), PromptConfig(protocol="paper"))
+    check_prompt(GenerateConfig(reward="official_verdict"), PromptConfig(protocol="official"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -130,18 +138,18 @@ def test_corrupt_entries_line_names_file_and_line(tmp_path, entries):
     lines = path.read_text().splitlines()
     lines[1] = lines[1][:50]  # truncated JSON on line 2
     path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(InputError, match=r"entries\.jsonl:2: invalid JSON"):
-        load_train_entries(path, split)
+    with pytest.raises(InputError, match=r"entries\.jsonl:2"):
+        split_entries(path, split, "train")
 
 
 def test_split_must_match_entries(tmp_path, entries):
     path, split = write_inputs(tmp_path, entries, 3)
     split.write_text(json.dumps({"train": ["multi_turn_base_999"], "test": []}))
     with pytest.raises(InputError, match="not in"):
-        load_train_entries(path, split)
+        split_entries(path, split, "train")
     split.write_text(json.dumps({"train": [entries[0].id], "test": [entries[0].id]}))
     with pytest.raises(InputError, match="both train and test"):
-        load_train_entries(path, split)
+        split_entries(path, split, "train")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -153,7 +161,7 @@ def generated(tmp_path_factory, entries, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("generate")
     entries_path, split = write_inputs(tmp, entries[::25], n_train=12, n_test=4)
     cfg = GenerateConfig(policy_entries=0)
-    rows, metrics = generate(cfg, entries_path, split, tiny_model_dir)
+    rows, metrics = generate(cfg, PAPER, entries_path, split, tiny_model_dir)
     return {"cfg": cfg, "rows": rows, "metrics": metrics, "entries_path": entries_path, "split": split,
             "by_id": {e.id: e for e in entries}}
 
@@ -190,15 +198,15 @@ def test_balanced_with_provenance_and_unique_ids(generated):
 
 
 def test_generation_is_deterministic(generated, tiny_model_dir):
-    again, _ = generate(generated["cfg"], generated["entries_path"], generated["split"], tiny_model_dir)
+    again, _ = generate(generated["cfg"], PAPER, generated["entries_path"], generated["split"], tiny_model_dir)
     strip = lambda ts: [{**t.to_json(), "wall_time_s": 0} for t in ts]  # noqa: E731
     assert strip(again) == strip(generated["rows"])
 
 
 def test_official_protocol_and_verdict(tmp_path, entries, tiny_model_dir):
     entries_path, split = write_inputs(tmp_path, entries[1::100], n_train=4)
-    cfg = GenerateConfig(protocol="official", reward="official", policy_entries=0)
-    rows, m = generate(cfg, entries_path, split, tiny_model_dir)
+    cfg = GenerateConfig(reward="official_verdict", policy_entries=0)
+    rows, m = generate(cfg, PromptConfig(protocol="official"), entries_path, split, tiny_model_dir)
     assert m["n_success"] == m["n_failure"] > 0
     for t in rows:
         assert t.protocol == "official" and len(t.result) == len(generated_turns(entries, t.entry_id))
@@ -213,7 +221,7 @@ def test_policy_rows_record_their_sampler(tmp_path, entries, tiny_model_dir):
     entries_path, split = write_inputs(tmp_path, entries[::100], n_train=3)
     cfg = GenerateConfig(policy_entries=1, policy_samples=2, max_new_tokens=4, temperature=0.7,
                          policy_dtype="float32", failure_mix={"policy": 1.0, "dropped_call": 1.0})
-    rows, m = generate(cfg, entries_path, split, tiny_model_dir)
+    rows, m = generate(cfg, PAPER, entries_path, split, tiny_model_dir)
     assert m["policy"]["n"] == 2
     policy = [t for t in rows if t.provenance["source"] == "policy"]
     assert policy and m["by_kind"].get("policy") == len(policy)
@@ -226,7 +234,7 @@ def test_policy_rows_record_their_sampler(tmp_path, entries, tiny_model_dir):
 
 def test_max_entries_samples_train_only(tmp_path, entries, tiny_model_dir):
     entries_path, split = write_inputs(tmp_path, entries[::60], n_train=8, n_test=5)
-    rows, m = generate(GenerateConfig(policy_entries=0, max_entries=3), entries_path, split, tiny_model_dir)
+    rows, m = generate(GenerateConfig(policy_entries=0, max_entries=3), PAPER, entries_path, split, tiny_model_dir)
     test_ids = set(json.loads(split.read_text())["test"])
     assert m["n_entries_used"] == 3 and m["n_train_entries"] == 8
     assert len({t.entry_id for t in rows if t.provenance["source"] == "expert"}) <= 3

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rcgrpo_tasks import stack
+from rcgrpo_tasks.ops import stack
 
 ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"
@@ -79,14 +79,17 @@ def test_prefect_yaml_deployments(services):
     cfg = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     assert cfg["prefect-version"] == prefect.__version__
     deps = {d["name"]: d for d in cfg["deployments"]}
-    assert {"full", "full-gpu"} <= set(deps)
+    assert {"full", "full-gpu", "retrain"} <= set(deps)
     for d in deps.values():
         path, func = d["entrypoint"].split(":")
         src = (ROOT / path).read_text()
-        assert f"def {func}(" in src and '@flow(name="rcgrpo"' in src
+        assert f"def {func}(" in src and f'@flow(name="{func}"' in src
+        assert (d.get("parameters") or {}).get("profile"), f"{d['name']}: every deployment pins its profile"
     assert deps["full"]["work_pool"]["name"] == services["work_pools"]["cpu"]
     assert deps["full-gpu"]["work_pool"]["name"] == services["work_pools"]["gpu"]
-    (weekly,) = deps["full"]["schedules"]
+    assert deps["full-gpu"]["parameters"]["profile"] == "gpu"  # the one-GPU profile: no model hub needed
+    assert not deps["full"].get("schedules"), "the weekly cron retrains (deployment `retrain`), not `full`"
+    (weekly,) = deps["retrain"]["schedules"]
     assert weekly["active"] is False
     fields = weekly["cron"].split()
     assert len(fields) == 5 and fields[2] == "*" and fields[3] == "*" and fields[4] != "*"
@@ -102,11 +105,13 @@ def test_flow_parameters_are_typed_and_deployment_params_valid():
 
     sys.path.insert(0, str(ROOT))
     from flows.rcgrpo_flow import rcgrpo
+    from flows.retrain_flow import retrain
 
-    schema = rcgrpo.parameters.model_dump()["properties"]
-    assert {"profile", "stages", "force", "push"} <= set(schema)
+    flows = {"rcgrpo": rcgrpo, "retrain": retrain}
+    assert {"profile", "stages", "force", "push"} <= set(rcgrpo.parameters.model_dump()["properties"])
     cfg = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     for d in cfg["deployments"]:
+        schema = flows[d["entrypoint"].split(":")[1]].parameters.model_dump()["properties"]
         assert set(d.get("parameters") or {}) <= set(schema), d["name"]
 
 

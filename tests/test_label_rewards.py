@@ -1,4 +1,6 @@
-"""label_rewards: reward tokens, the sft / rctp datasets, and assistant-only loss masks (real SmolLM2 tokenizer)."""
+"""label_rewards: reward tokens, the pairing rule of the rctp set (hand-built rows), the sft / rctp datasets,
+assistant-only loss masks (real SmolLM2 tokenizer), and the data chain generate -> validate -> sample_policy
+-> validate (on-policy file) -> label through the stage CLIs."""
 
 from __future__ import annotations
 
@@ -6,11 +8,17 @@ import json
 
 import pytest
 
-from rcgrpo_tasks.config import ConfigError, from_dict
+from rcgrpo_tasks.data.chat import assistant_token_mask, strip_reward_goal, with_reward_goal
+from rcgrpo_tasks.data.pairing import check_policy_rows, rctp_rows
+from rcgrpo_tasks.env.protocols import format_reward_goal
 from rcgrpo_tasks.label_rewards import (
-    LabelConfig, assistant_token_mask, label_rows, strip_reward_goal, token_for, with_reward_goal,
+    LabelConfig,
+    label_rows,
+    read_policy,
+    token_for,
 )
-from rcgrpo_tasks.protocols import format_reward_goal
+from rcgrpo_tasks.ops.config import ConfigError, from_dict
+from rcgrpo_tasks.ops.io import InputError
 
 CHAT = [
     {"role": "system", "content": "You call functions."},
@@ -37,6 +45,10 @@ def test_token_levels_binary_and_three_level():
                         thresholds=(0.5, 1.0))
     assert [token_for(v, three) for v in (0.0, 0.49, 0.5, 0.99, 1.0)] == [
         "<|low_reward|>", "<|low_reward|>", "<|mid_reward|>", "<|mid_reward|>", "<|high_reward|>"]
+    # With the outcome known: a success always gets the top token, a failure never does.
+    assert token_for(0.2, three, success=True) == "<|high_reward|>"
+    assert token_for(1.0, three, success=False) == "<|mid_reward|>"
+    assert token_for(0.4, three, success=False) == "<|low_reward|>"
 
 
 @pytest.mark.parametrize("bad", [
@@ -45,6 +57,8 @@ def test_token_levels_binary_and_three_level():
     {"tokens": ["<|a|>", "<|b|>", "<|c|>"], "thresholds": [0.5, 0.5]},
     {"tokens": ["<|a|>", "<|a|>"], "thresholds": [0.5]},
     {"signal": "vibes"},
+    {"failures": "whatever"},
+    {"pairing": "sometimes"},
 ])
 def test_bad_label_config_rejected(bad):
     with pytest.raises(ConfigError):
@@ -77,10 +91,12 @@ def test_label_rows_sft_successes_only_rctp_all_rows():
         assert set(r) == {"messages", "trajectory_id", "entry_id", "reward_token", "reward"}
         first = next(m for m in r["messages"] if m["role"] == "user")["content"]
         assert first.count("[Reward Goal:") == 1 and first.endswith(format_reward_goal(r["reward_token"]))
-    # 3 levels on partial credit: the paper protocol uses the per-turn script's partial credit (0.75).
+    # 3 levels on partial credit: the paper protocol uses the per-turn script's partial credit (0.75): the
+    # failures get mid; the success gets high whatever its partial credit.
     three = LabelConfig(signal="partial_credit", tokens=("<|low_reward|>", "<|mid_reward|>", "<|high_reward|>"),
                         thresholds=(0.5, 1.0))
-    assert {r["reward_token"] for r in label_rows(rows, three, "paper_reward")["rctp"]} == {"<|mid_reward|>"}
+    assert [r["reward_token"] for r in label_rows(rows, three, "paper_reward")["rctp"]] == [
+        "<|high_reward|>", "<|mid_reward|>", "<|mid_reward|>"]
 
 
 def test_mask_covers_exactly_assistant_replies(tok):
@@ -126,6 +142,74 @@ def test_dataset_rows_are_json_serialisable():
 
 
 # ---------------------------------------------------------------------------------------------------
+# The pairing rule of the rctp set, on hand-built rows
+
+
+def _traj(entry: str, source: str, reward: float, i: int = 0) -> dict:
+    kind = {"expert": "expert", "near_miss": "wrong_function", "policy": "on_policy", "base": "policy"}[source]
+    return {"trajectory_id": f"{entry}.{kind}.{i}", "entry_id": entry, "protocol": "paper", "reward_token": None,
+            "messages": CHAT, "score": {"paper_reward": reward, "partial_credit": 0.0},
+            "provenance": {"source": "policy" if source == "base" else source, "kind": kind, "reward": reward,
+                           "script_score": None}}
+
+
+# A: own success and failures; B: own failures only (expert success); C: own successes only (near-miss
+# fallback); D: own failure, no expert; E: not sampled; F: own success, no near-miss. A also has a
+# base-policy failure in the generate set, which the paired designs never use.
+GENERATED = [_traj("A", "expert", 1.0), _traj("A", "base", 0.0), _traj("B", "expert", 1.0), _traj("B", "near_miss", 0.0),
+             _traj("C", "expert", 1.0), _traj("C", "near_miss", 0.0), _traj("E", "expert", 1.0),
+             _traj("E", "near_miss", 0.0), _traj("F", "expert", 1.0)]
+POLICY = [_traj("A", "policy", 0.0, 0), _traj("A", "policy", 1.0, 1), _traj("A", "policy", 0.0, 2),
+          _traj("B", "policy", 0.0, 0), _traj("B", "policy", 0.0, 1), _traj("C", "policy", 1.0, 0),
+          _traj("C", "policy", 1.0, 1), _traj("D", "policy", 0.0, 0), _traj("F", "policy", 1.0, 0)]
+
+
+def _ids(rows):
+    return [r["trajectory_id"] for r in rows]
+
+
+@pytest.mark.parametrize("failures,expected,dropped", [
+    ("mixed", ["A.on_policy.1", "A.on_policy.0", "B.expert.0", "B.on_policy.0", "C.on_policy.0",
+               "C.wrong_function.0"], {"no_failure": 1, "no_success": 1}),
+    ("on_policy", ["A.on_policy.1", "A.on_policy.0", "B.expert.0", "B.on_policy.0"],
+     {"no_failure": 2, "no_success": 1}),
+    ("near_miss", ["B.expert.0", "B.wrong_function.0", "C.on_policy.0", "C.wrong_function.0", "E.expert.0",
+                   "E.wrong_function.0"], {"no_failure": 2}),
+])
+def test_paired_rule_every_prompt_under_both_tokens(failures, expected, dropped):
+    """Own success first, else the expert; the failure by the rule; entries lacking either are dropped."""
+    rows, stats = rctp_rows(GENERATED, POLICY, failures, "paired")
+    assert _ids(rows) == expected and stats["dropped"] == dropped
+    assert stats["n_success"] == stats["n_failure"] == stats["prompts_used"] == stats["prompts_under_both_outcomes"]
+    data = label_rows(rows, LabelConfig(), "paper_reward")["rctp"]
+    tokens: dict[str, list[str]] = {}
+    for r in data:
+        tokens.setdefault(r["entry_id"], []).append(r["reward_token"])
+    assert all(sorted(t) == ["<|high_reward|>", "<|low_reward|>"] for t in tokens.values())
+
+
+def test_unpaired_one_token_per_prompt_balanced():
+    rows, stats = rctp_rows(GENERATED, POLICY, "mixed", "unpaired", seed=3)
+    entries = [r["entry_id"] for r in rows]
+    assert len(entries) == len(set(entries)) == 4  # one row per prompt; A, B, C, D, F usable, one left out
+    assert stats["n_success"] == stats["n_failure"] == 2 and stats["dropped"] == {"balance": 1}
+    assert stats["prompts_under_both_outcomes"] == 0
+    assert "D" in entries and next(r for r in rows if r["entry_id"] == "D")["provenance"]["reward"] == 0.0
+    assert rctp_rows(GENERATED, POLICY, "mixed", "unpaired", seed=3)[0] == rows  # seeded
+    # unpaired + near_miss = today's behaviour: the generate set as it is, no on-policy row
+    same, stats = rctp_rows(GENERATED, POLICY, "near_miss", "unpaired")
+    assert same == GENERATED and stats["failure_sources"] == {"near_miss": 3, "policy": 1}
+
+
+def test_policy_input_checks():
+    with pytest.raises(InputError, match="not an on-policy sample"):
+        check_policy_rows(GENERATED, "data/policy/trajectories.jsonl")
+    with pytest.raises(ConfigError, match="needs the on-policy samples"):
+        read_policy(LabelConfig(failures="mixed"), None, None)
+    assert read_policy(LabelConfig(failures="near_miss", pairing="paired"), None, None) == []
+
+
+# ---------------------------------------------------------------------------------------------------
 # On real generated trajectories, and the three stage CLIs end to end
 
 
@@ -135,6 +219,9 @@ def _params(tmp_path, **over):
     params = {
         "generate_trajectories": {"policy_entries": 0, **over.get("generate", {})},
         "validate_trajectories": {"data_docs": False, **over.get("validate", {})},
+        "sample_policy": {"n_entries": 3, "samples_per_entry": 1, "max_samples_per_entry": 2, "max_outputs": 1,
+                          "max_new_tokens": 4, "dtype": "float32", "batch_rows": 4},
+        "prompt": {},
         "label_rewards": {},
     }
     path = tmp_path / "params.yaml"
@@ -144,12 +231,13 @@ def _params(tmp_path, **over):
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory, tiny_model_dir):
-    """generate -> validate -> label through their Typer CLIs (as `dvc repro` runs them)."""
+    """generate -> validate -> sample_policy -> validate --no-balance -> label sft / rctp through their Typer
+    CLIs (as `dvc repro` runs them); the tiny random model's samples all fail."""
+    from test_generate_trajectories import write_inputs
     from typer.testing import CliRunner
 
-    from rcgrpo_tasks import generate_trajectories, label_rewards, validate_trajectories
-    from rcgrpo_tasks.bfcl import load_entries
-    from test_generate_trajectories import write_inputs
+    from rcgrpo_tasks import generate_trajectories, label_rewards, sample_policy, validate_trajectories
+    from rcgrpo_tasks.env.bfcl import load_entries
 
     tmp = tmp_path_factory.mktemp("chain")
     mp = pytest.MonkeyPatch()
@@ -160,19 +248,35 @@ def chain(tmp_path_factory, tiny_model_dir):
     params = _params(tmp)
     runner = CliRunner()
     common = ["--params", str(params), "--model-dir", str(tiny_model_dir)]
-    results = {
-        "generate": runner.invoke(generate_trajectories.app, common + [
+    policy = tmp / "policy" / "trajectories.jsonl"
+    steps = [
+        ("generate", generate_trajectories.app, common + [
             "--entries", str(entries), "--split", str(split), "--out", str(tmp / "traj.jsonl"),
             "--metrics", str(tmp / "m_gen.json")]),
-        "validate": runner.invoke(validate_trajectories.app, common + [
+        ("validate", validate_trajectories.app, common + [
             "--trajectories", str(tmp / "traj.jsonl"), "--split", str(split), "--out-dir", str(tmp / "validation"),
             "--metrics", str(tmp / "m_val.json")]),
-        "label": runner.invoke(label_rewards.app, common + [
-            "--trajectories", str(tmp / "traj.jsonl"), "--validation", str(tmp / "validation"),
-            "--out-dir", str(tmp / "datasets"), "--metrics", str(tmp / "m_label.json")]),
-    }
-    yield {"tmp": tmp, "results": results, "split": split, "runner": runner, "common": common}
+        ("label_sft", label_rewards.app, common + [
+            "--dataset", "sft", "--trajectories", str(tmp / "traj.jsonl"), "--validation", str(tmp / "validation"),
+            "--out", str(tmp / "datasets" / "sft.jsonl"), "--metrics", str(tmp / "m_label_sft.json")]),
+        ("sample", sample_policy.app, common + [
+            "--adapter-dir", "", "--entries", str(entries), "--split", str(split), "--out", str(policy),
+            "--metrics", str(tmp / "m_sample.json")]),
+        ("validate_policy", validate_trajectories.app, common + [
+            "--trajectories", str(policy), "--split", str(split), "--out-dir", str(tmp / "policy" / "validation"),
+            "--metrics", str(tmp / "m_val_policy.json"), "--no-balance"]),
+        ("label_rctp", label_rewards.app, common + [
+            "--dataset", "rctp", "--trajectories", str(tmp / "traj.jsonl"), "--validation", str(tmp / "validation"),
+            "--policy", str(policy), "--policy-validation", str(tmp / "policy" / "validation"),
+            "--out", str(tmp / "datasets" / "rctp.jsonl"), "--metrics", str(tmp / "m_label_rctp.json")]),
+    ]
+    results = {name: runner.invoke(app, args) for name, app, args in steps}
+    yield {"tmp": tmp, "results": results, "split": split, "runner": runner, "common": common, "policy": policy}
     mp.undo()
+
+
+def _read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_cli_chain_writes_datasets_and_metrics(chain):
@@ -181,20 +285,76 @@ def test_cli_chain_writes_datasets_and_metrics(chain):
         assert res.exit_code == 0, f"{name}: {res.output}"
     gen = json.loads((tmp / "m_gen.json").read_text())
     val = json.loads((tmp / "m_val.json").read_text())
-    lab = json.loads((tmp / "m_label.json").read_text())
+    sft = json.loads((tmp / "m_label_sft.json").read_text())
+    rctp = json.loads((tmp / "m_label_rctp.json").read_text())
+    sample = json.loads((tmp / "m_sample.json").read_text())
     assert val["passed"] is True and val["n_rows"] == gen["n_rows"]
-    assert lab["rctp"]["n_rows"] == gen["n_rows"] and lab["sft"]["n_rows"] == gen["n_success"]
-    assert lab["rctp"]["class_balance"] == {"<|high_reward|>": gen["n_success"], "<|low_reward|>": gen["n_failure"]}
-    assert 0 < lab["rctp"]["tokens"]["assistant"] < lab["rctp"]["tokens"]["total"]
+    assert sft["n_rows"] == gen["n_success"] and sft["class_balance"] == {"None": gen["n_success"]}
+    # The tiny random model never succeeds: every entry is sampled to the cap, and every rctp pair is
+    # (expert, own failure): the default design, failures mixed + paired.
+    assert sample["n_entries"] == 3 and sample["samples"] == 6 and sample["rounds"] == 2
+    assert sample["entries_only_failure"] == 3 and sample["success_rate_first_round"] == 0.0
+    pairing = rctp["pairing"]
+    assert pairing["prompts_used"] == pairing["prompts_under_both_outcomes"] >= 1
+    assert rctp["n_rows"] == 2 * pairing["prompts_used"]
+    assert rctp["class_balance"] == {"<|high_reward|>": pairing["prompts_used"], "<|low_reward|>": pairing["prompts_used"]}
+    assert pairing["success_sources"] == {"expert": pairing["prompts_used"]}
+    assert pairing["failure_sources"] == {"policy": pairing["prompts_used"]}
+    assert 0 < rctp["tokens"]["assistant"] < rctp["tokens"]["total"]
+
+
+def test_on_policy_rows_carry_provenance_and_pass_the_gate(chain):
+    tmp = chain["tmp"]
+    rows = _read(chain["policy"])
+    val = json.loads((tmp / "m_val_policy.json").read_text())
+    assert val["passed"] is True and "success_balance" not in val["failed_checks"] and val["success_fraction"] == 0.0
+    train = set(json.loads(chain["split"].read_text())["train"])
+    for i, r in enumerate(rows):
+        p = r["provenance"]
+        assert (p["source"], p["kind"], p["generator"]) == ("policy", "on_policy", "policy")
+        assert p["sample_index"] == i % 2 and p["round"] == i % 2 and p["seed"] == 0 and p["adapter"] is None
+        assert p["sampling"]["temperature"] == 0.7 and p["reward"] == r["score"]["paper_reward"]
+        assert r["trajectory_id"] == f"{r['entry_id']}.on_policy.{p['sample_index']}" and r["entry_id"] in train
+    rctp = _read(tmp / "datasets" / "rctp.jsonl")
+    by_id = {r["trajectory_id"]: r for r in rows}
+    for row in rctp:
+        if row["reward_token"] == "<|low_reward|>":
+            assert by_id[row["trajectory_id"]]["messages"][-1] == row["messages"][-1]  # the model's own failure
+
+
+def test_raw_samples_fail_the_balance_check_and_a_leak_blocks_rctp(chain, tmp_path):
+    """Without --no-balance the raw samples (all failures here) fail `success_balance`; a held-out id among
+    the on-policy rows fails the gate and label_rewards@rctp refuses to write anything."""
+    from rcgrpo_tasks import label_rewards, validate_trajectories
+
+    runner, common, tmp = chain["runner"], chain["common"], chain["tmp"]
+    res = runner.invoke(validate_trajectories.app, common + [
+        "--trajectories", str(chain["policy"]), "--split", str(chain["split"]), "--out-dir",
+        str(tmp_path / "v_bal"), "--metrics", str(tmp_path / "m_bal.json")])
+    assert res.exit_code == 1 and "success_balance" in res.output
+    rows = _read(chain["policy"])
+    rows[0]["entry_id"] = rows[0]["id"] = json.loads(chain["split"].read_text())["test"][0]
+    bad = tmp_path / "policy.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = runner.invoke(validate_trajectories.app, common + [
+        "--trajectories", str(bad), "--split", str(chain["split"]), "--out-dir", str(tmp_path / "validation"),
+        "--metrics", str(tmp_path / "m_val.json"), "--no-balance"])
+    assert res.exit_code == 1 and "no_test_leakage" in res.output
+    res = runner.invoke(label_rewards.app, common + [
+        "--dataset", "rctp", "--trajectories", str(tmp / "traj.jsonl"), "--validation", str(tmp / "validation"),
+        "--policy", str(bad), "--policy-validation", str(tmp_path / "validation"),
+        "--out", str(tmp_path / "rctp.jsonl"), "--metrics", str(tmp_path / "m.json")])
+    assert res.exit_code == 1 and "has not passed validate_trajectories" in res.output
+    assert not (tmp_path / "rctp.jsonl").exists() and not (tmp_path / "m.json").exists()
 
 
 def test_real_datasets_masks_match_engine_and_template(chain, tok):
-    from rcgrpo_tasks.trajectory import read_trajectories
+    from rcgrpo_tasks.engine.trajectory import read_trajectories
 
     tmp = chain["tmp"]
     trajs = {t.trajectory_id: t for t in read_trajectories(tmp / "traj.jsonl")}
-    sft = [json.loads(line) for line in (tmp / "datasets" / "sft.jsonl").read_text().splitlines()]
-    rctp = [json.loads(line) for line in (tmp / "datasets" / "rctp.jsonl").read_text().splitlines()]
+    sft = _read(tmp / "datasets" / "sft.jsonl")
+    rctp = _read(tmp / "datasets" / "rctp.jsonl")
     for row in sft:  # no goal: the template round trip gives exactly the engine's tokens and mask
         ids, mask = assistant_token_mask(tok, row["messages"])
         t = trajs[row["trajectory_id"]]
@@ -211,7 +371,7 @@ def test_cli_gate_failure_is_readable_and_blocks_labelling(chain, tmp_path):
     from rcgrpo_tasks import label_rewards, validate_trajectories
 
     runner, common = chain["runner"], chain["common"]
-    rows = [json.loads(line) for line in (chain["tmp"] / "traj.jsonl").read_text().splitlines()]
+    rows = _read(chain["tmp"] / "traj.jsonl")
     rows[0]["entry_id"] = json.loads(chain["split"].read_text())["test"][0]  # leak a held-out id
     bad = tmp_path / "traj.jsonl"
     bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -223,7 +383,7 @@ def test_cli_gate_failure_is_readable_and_blocks_labelling(chain, tmp_path):
     assert rows[0]["trajectory_id"] in res.output and "validation_result.json" in res.output
     assert json.loads((tmp_path / "m_val.json").read_text())["passed"] is False
     res = runner.invoke(label_rewards.app, common + [
-        "--trajectories", str(bad), "--validation", str(tmp_path / "validation"),
-        "--out-dir", str(tmp_path / "datasets"), "--metrics", str(tmp_path / "m_label.json")])
+        "--dataset", "sft", "--trajectories", str(bad), "--validation", str(tmp_path / "validation"),
+        "--out", str(tmp_path / "datasets" / "sft.jsonl"), "--metrics", str(tmp_path / "m_label.json")])
     assert res.exit_code == 1 and "has not passed validate_trajectories" in res.output
     assert not (tmp_path / "datasets").exists() and not (tmp_path / "m_label.json").exists()

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from rcgrpo_tasks.bfcl import Entry, category_of, numeric_id
-from rcgrpo_tasks.config import ConfigError, from_dict
+from rcgrpo_tasks.env.bfcl import Entry, category_of, numeric_id
+from rcgrpo_tasks.ops.config import ConfigError, from_dict
 from rcgrpo_tasks.prepare_data import PrepareDataConfig, prepare, split_metrics
 
 

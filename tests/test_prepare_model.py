@@ -19,6 +19,8 @@ def test_embedded_gguf_to_folder_reloads_fast_and_generates(tmp_path):
     out = tmp_path / "base"
     record = pm.prepare_model(pm.PrepareModelConfig(), out)
     assert record["n_parameters"] > 100e6 and record["max_position_embeddings"] == 8192
+    pm.prepare_model(pm.PrepareModelConfig(), tmp_path / "again")
+    assert _files(out) == _files(tmp_path / "again")  # the lock reproduces on every run and machine
     assert json.loads((out / pm.PROVENANCE_FILE).read_text())["config"]["source"] == "embedded"
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     times = []
@@ -56,6 +58,26 @@ def test_missing_gguf_and_offline_hub_id(tmp_path, monkeypatch):
     with pytest.raises(pm.ModelSourceError, match="could not load"):
         pm.prepare_model(pm.PrepareModelConfig(source="Qwen/Qwen2.5-7B-Instruct-not-cached"), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def _files(folder):
+    """{name: (bytes, mode)} of every file in a folder."""
+    return {p.name: (p.read_bytes(), p.stat().st_mode & 0o777) for p in sorted(folder.iterdir())}
+
+
+def test_same_bytes_on_every_run(tiny_model_dir, tmp_path):
+    """Two runs (different folders, different wall times) write byte-identical folders: a fresh clone
+    reproduces the hash dvc.lock records. The first cause found: the wall time in rcgrpo_model.json."""
+    cfg = pm.PrepareModelConfig(source=str(tiny_model_dir))
+    first = pm.prepare_model(cfg, tmp_path / "a")
+    time.sleep(0.05)
+    pm.prepare_model(cfg, tmp_path / "b")
+    a, b = _files(tmp_path / "a"), _files(tmp_path / "b")
+    assert sorted(a) == sorted(b) and {"model.safetensors", pm.PROVENANCE_FILE} <= set(a)
+    for name in a:
+        assert a[name] == b[name], f"{name} differs between two runs"
+    assert all(mode == 0o644 for _, mode in a.values())  # safetensors' 0600 would lock out other users
+    assert "seconds" in first and "seconds" not in json.loads(a[pm.PROVENANCE_FILE][0])
 
 
 def test_local_folder_source_resaves_in_dtype(tiny_model_dir, tmp_path):

@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from rcgrpo_tasks import bfcl
-from rcgrpo_tasks.backends import SamplingParams, ScriptedBackend
-from rcgrpo_tasks.calls import parse_call_string
-from rcgrpo_tasks.engine import replay_calls, run_episodes, run_group
-from rcgrpo_tasks.protocols import (
+from rcgrpo_tasks.engine.backend import SamplingParams, ScriptedBackend
+from rcgrpo_tasks.engine.rollout import replay_calls, run_episodes, run_group
+from rcgrpo_tasks.env import bfcl
+from rcgrpo_tasks.env.calls import parse_call_string
+from rcgrpo_tasks.env.protocols import (
     BFCL_CLASSIC,
     BFCL_MAX_STEPS_PER_TURN,
     PAPER_INSTRUCTION,
@@ -25,7 +25,7 @@ from rcgrpo_tasks.protocols import (
 )
 
 OFFICIAL = ProtocolConfig(protocol="official")
-PAPER = ProtocolConfig(protocol="paper", max_steps=6)
+PAPER = ProtocolConfig(protocol="paper", max_outputs=6)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=512)
 
 
@@ -163,8 +163,8 @@ def test_paper_prose_wrong_and_step_limit(tok):
     assert malformed.termination == "completed" and malformed.result == [[]]
     backend = ScriptedBackend(tok, lambda key, step, ids: "[ls()]")
     loop = run_group(backend, entry, 1, PAPER, GREEDY)[0]
-    assert loop.termination == "step_limit" and loop.n_steps == PAPER.max_steps
-    assert len(loop.result[0]) == PAPER.max_steps
+    assert loop.termination == "step_limit" and loop.n_steps == PAPER.max_outputs
+    assert len(loop.result[0]) == PAPER.max_outputs
     # calls before done() in the same output still run
     last = _run(tok, entry, PAPER, gold[:-1] + [gold[-1][:-1] + ", done()]"])
     assert last.termination == "done" and last.score["paper_reward"] == 1.0

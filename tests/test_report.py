@@ -8,7 +8,9 @@ import random
 import pytest
 
 from rcgrpo_tasks import report
-from rcgrpo_tasks.io import InputError, write_jsonl
+from rcgrpo_tasks.ops.io import InputError, write_jsonl
+from rcgrpo_tasks.ops.plots import accuracy_figure, accuracy_plot
+from rcgrpo_tasks.ops.stats import bootstrap_ci, paired_bootstrap_ci
 
 
 def _eval_dir(tmp_path, label, acc_by_cat, n=20, seed=0):
@@ -30,12 +32,12 @@ def _eval_dir(tmp_path, label, acc_by_cat, n=20, seed=0):
 
 def test_bootstrap_ci_brackets_the_mean_and_shrinks_with_n():
     vals = [1.0] * 30 + [0.0] * 70
-    lo, hi = report.bootstrap_ci(vals, seed=1)
+    lo, hi = bootstrap_ci(vals, seed=1)
     assert lo < 0.3 < hi
     assert 0.18 < lo < 0.26 and 0.34 < hi < 0.42  # ~ +-1.96*sqrt(.3*.7/100) = +-0.09
-    lo4, hi4 = report.bootstrap_ci(vals * 4, seed=1)
+    lo4, hi4 = bootstrap_ci(vals * 4, seed=1)
     assert hi4 - lo4 < (hi - lo) * 0.7
-    assert report.bootstrap_ci([1.0] * 10) == (1.0, 1.0)
+    assert bootstrap_ci([1.0] * 10) == (1.0, 1.0)
 
 
 def test_report_rows_order_paper_column_and_outputs(tmp_path):
@@ -57,7 +59,7 @@ def test_report_rows_order_paper_column_and_outputs(tmp_path):
     md = report.markdown_table(rows)
     assert "RCTP+RC-GRPO" in md and "85.00" in md and "n/a" in md and "7B, GPU" in md
     png = tmp_path / "out" / "acc.png"
-    report.plot(rows, png)
+    accuracy_plot(rows, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -80,3 +82,36 @@ def test_bad_inputs_are_clear(tmp_path):
     write_jsonl(tmp_path / "results.jsonl", [{"foo": 1}])
     with pytest.raises(InputError, match="entry_id"):
         report.load_eval("x", tmp_path)
+
+
+def _row(label, acc, ci, partial, paper=None):
+    return {"label": label, "n": 80, "overall": {"accuracy": acc, "ci": list(ci)}, "partial_credit": partial,
+            "paper_table1_overall": paper}
+
+
+@pytest.mark.parametrize("acc,ci", [(0.0, (0.0, 0.0)), (85.0, (77.5, 92.5))])
+def test_accuracy_plot_is_readable_at_zero_and_at_85(acc, ci):
+    """Every bar carries its value (a 0 % bar is labelled, not an empty plot), the axis covers the values
+    shown (CI and paper star) and the partial-credit panel sits beside it."""
+    import matplotlib.pyplot as plt
+
+    rows = [_row("base", acc, ci, 0.25, paper=11.25), _row("rctp-rc_grpo", acc, ci, 0.5, paper=85.0)]
+    fig = accuracy_figure(rows, {"base": "Base"})
+    ax, bx = fig.axes
+    texts = [t.get_text() for t in ax.texts]
+    assert texts.count(f"{acc:.1f}%") == 2
+    assert ax.get_xlim()[1] >= max(ci[1], 85.0) or ax.get_xlim()[1] == 100.0
+    assert [t.get_text() for t in bx.texts] == ["0.500", "0.250"]
+    assert any("Base (n=80)" == t.get_text() for t in ax.get_yticklabels())
+    plt.close(fig)
+
+
+def test_paired_bootstrap_ci_keeps_pairs():
+    a = [1.0, 1.0, 0.0, 1.0] * 10
+    diff, lo, hi = paired_bootstrap_ci(a, a)
+    assert (diff, lo, hi) == (0.0, 0.0, 0.0)  # identical arms: no spread at all when paired
+    b = [0.0] * 40
+    diff, lo, hi = paired_bootstrap_ci(a, b)
+    assert diff == 0.75 and 0 < lo <= 0.75 <= hi
+    with pytest.raises(ValueError):
+        paired_bootstrap_ci([1.0], [1.0, 0.0])

@@ -11,14 +11,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rcgrpo_tasks import advantages as adv
 from rcgrpo_tasks import rl
-from rcgrpo_tasks.config import ConfigError, load_config
+from rcgrpo_tasks.env.protocols import PromptConfig
+from rcgrpo_tasks.ops.config import ConfigError, load_config
+from rcgrpo_tasks.train import advantages as adv
+from rcgrpo_tasks.train import grpo, grpo_trainer, runs
 
 # Small enough for seconds per step on 2 cores; G=2 and one entry per step.
 TEST_RL = dict(num_generations=2, batch_size=2, micro_batch_size=2, max_steps=2, learning_rate=5e-3, beta=0.1,
-               max_new_tokens=6, max_episode_steps=2, categories=["base"], max_entries=2, system_prompt="short",
+               max_new_tokens=6, max_outputs=2, categories=["base"], max_entries=2,
                lora_r=4, lora_alpha=8, save_steps=1, bf16=False)
+PROTOCOL = PromptConfig(system_prompt="short").protocol_config(TEST_RL["max_outputs"])
+LEVELS = ("<|low_reward|>", "<|high_reward|>")  # label_rewards.tokens: lowest first
+HIGH = LEVELS[-1]
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +31,13 @@ def rl_env(tmp_path_factory, tiny_model_dir):
     """Tiny model with the reward tokens, a 2-entry train split, a temp MLflow store."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rcgrpo_tasks import bfcl
-    from rcgrpo_tasks.io import write_json, write_jsonl
+    from rcgrpo_tasks.env import bfcl
+    from rcgrpo_tasks.ops.io import write_json, write_jsonl
 
     root = tmp_path_factory.mktemp("rl")
     model_dir = root / "model"
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    tok.add_special_tokens({"additional_special_tokens": list(adv.REWARD_TOKENS)})
+    tok.add_special_tokens({"additional_special_tokens": list(LEVELS)})
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     model.resize_token_embeddings(len(tok), mean_resizing=False)
     model.save_pretrained(model_dir)
@@ -49,8 +54,8 @@ def rl_env(tmp_path_factory, tiny_model_dir):
     mp.undo()
 
 
-def _spec(root: Path, model_dir: Path, name: str, init: str, algo: str) -> rl.RunSpec:
-    return rl.RunSpec(init=init, algo=algo, model_dir=model_dir, adapter_dir=None, entries=root / "entries.jsonl",
+def _spec(root: Path, model_dir: Path, name: str, init: str, algo: str) -> grpo_trainer.RLRun:
+    return grpo_trainer.RLRun(init=init, algo=algo, model_dir=model_dir, adapter_dir=None, entries=root / "entries.jsonl",
                       split=root / "split.json", out=root / "out" / name, checkpoints=root / "ckpt" / name,
                       metrics=root / "res" / name / "metrics.json", plots=root / "res" / name / "diag.tsv")
 
@@ -60,7 +65,7 @@ def scripted_rewards(monkeypatch):
     """A random tiny model never succeeds, so every group would be zero-std and nothing would move. Keep
     the real engine and scorer, then overwrite the paper reward with a rule: an "obedient" conditioned
     policy (high -> 1, low -> 0) and, without a split by token, alternating success within the group."""
-    from rcgrpo_tasks import engine
+    from rcgrpo_tasks.engine import rollout as engine
 
     real, calls = engine.run_group, []
 
@@ -68,7 +73,7 @@ def scripted_rewards(monkeypatch):
         trajs = real(backend, entry, n, protocol_cfg, sampling, reward_tokens, provenance)
         mixed = len(set(reward_tokens)) > 1
         for i, t in enumerate(trajs):
-            r = float(t.reward_token == adv.HIGH_TOKEN) if mixed else float(i % 2 == 0)
+            r = float(t.reward_token == HIGH) if mixed else float(i % 2 == 0)
             t.score = {**t.score, "paper_reward": r}
         calls.append(trajs)
         return trajs
@@ -101,10 +106,10 @@ def test_two_rl_steps_per_mode(rl_env, scripted_rewards, monkeypatch, init, algo
     import mlflow
 
     root, model_dir = rl_env
-    cfg = rl.RLConfig(**{**TEST_RL, "categories": ("base",)})
+    cfg = grpo.RLConfig(**{**TEST_RL, "categories": ("base",)})
     spec = _spec(root, model_dir, f"{init}-{algo}", init, algo)
     box = _capture_trainer(monkeypatch)
-    summary = rl.train_rl(cfg, spec)
+    summary = rl.train_rl(cfg, PROTOCOL, LEVELS, spec)
 
     assert spec.mode == mode and summary["conditioning"] == mode
     assert summary["steps"] == 2 and math.isfinite(summary["train_loss"])
@@ -116,8 +121,8 @@ def test_two_rl_steps_per_mode(rl_env, scripted_rewards, monkeypatch, init, algo
     # Rollouts were conditioned as the mode says, and the token is inside each rollout's prompt ids.
     trajs = [t for group in scripted_rewards for t in group]
     tokens = {t.reward_token for t in trajs}
-    assert tokens <= ({None} if mode == "none" else {adv.HIGH_TOKEN} if mode == "fixed" else set(adv.REWARD_TOKENS))
-    tok_ids = {t: box["trainer"].processing_class.convert_tokens_to_ids(t) for t in adv.REWARD_TOKENS}
+    assert tokens <= ({None} if mode == "none" else {HIGH} if mode == "fixed" else set(LEVELS))
+    tok_ids = {t: box["trainer"].processing_class.convert_tokens_to_ids(t) for t in LEVELS}
     for t in trajs:
         prompt = t.token_ids[: t.prompt_len]
         assert all((tid in prompt) == (t.reward_token == tok) for tok, tid in tok_ids.items())
@@ -127,18 +132,26 @@ def test_two_rl_steps_per_mode(rl_env, scripted_rewards, monkeypatch, init, algo
     expected = adv.group_advantages([t.score["paper_reward"] for t in last], cfg.num_generations)
     assert box["trainer"].last_advantages == pytest.approx(expected, abs=1e-4)
     # Diagnostics: TSV (dvc plots) + summary + MLflow, every step.
-    rows = rl.read_tsv(spec.plots)
+    rows = runs.read_tsv(spec.plots)
     assert [r["step"] for r in rows] == [1, 2]
-    for col in ("reward", "frac_zero_std", "adv_abs_mean", "kl", "clip_ratio", "model_tokens", "n_calls",
+    for col in ("reward", "frac_zero_std", "adv_abs_mean", "adv_std", "kl", "clip_ratio", "model_tokens", "n_calls",
                 "env_errors", "rollout_tokens_per_s", "step_time", "reward_official", "reward_partial"):
         assert all(not math.isnan(r[col]) for r in rows), col
     if mode == "rc":
         assert all(r["reward_high"] >= r["reward_low"] for r in rows if not math.isnan(r["controllability_gap"]))
     metrics = json.loads(spec.metrics.read_text())
     assert metrics["steps"] == 2 and metrics["mean_frac_zero_std"] is not None
+    # The mechanism with CIs over steps, and where it ran (this host: the CPU).
+    zero = metrics["mechanism"]["frac_zero_std"]
+    assert zero["steps"] == 2 and zero["ci_low"] <= zero["mean"] <= zero["ci_high"]
+    assert zero["mean"] == pytest.approx(metrics["mean_frac_zero_std"])
+    gap = metrics["mechanism"]["controllability_gap"]
+    assert (gap["steps"] > 0) == (mode == "rc")  # one token only under GRPO: no gap
+    assert metrics["placement"]["device"] == "cpu" and metrics["micro_batch"] == cfg.micro_batch_size
     client = mlflow.MlflowClient()
     run = mlflow.search_runs(experiment_names=["test-rl"], filter_string=f"tags.`rl.algo` = '{algo}' and "
                              f"tags.`rl.init` = '{init}'", output_format="list")[0]
+    assert run.data.params["placement.device"] == "cpu" and run.data.params["compute.device"] == "auto"
     history = client.get_metric_history(run.info.run_id, "rc/frac_zero_std")
     assert sorted(m.step for m in history) == [1, 2]
     assert client.get_metric_history(run.info.run_id, "kl") and client.get_metric_history(run.info.run_id, "step_time")
@@ -150,8 +163,9 @@ def test_env_tokens_carry_no_loss_and_cpu_logps_match_trl(rl_env):
     from trl import GRPOTrainer
 
     root, model_dir = rl_env
-    cfg = rl.RLConfig(**{**TEST_RL, "categories": ("base",)})
-    trainer, _, _ = rl.build_trainer(cfg, _spec(root, model_dir, "mask", "rctp", "rc_grpo"), log_to_mlflow=False)
+    cfg = grpo.RLConfig(**{**TEST_RL, "categories": ("base",)})
+    trainer, _, _ = grpo_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "mask", "rctp", "rc_grpo"),
+                                            track=False)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     g = torch.Generator().manual_seed(0)
@@ -189,7 +203,7 @@ def test_killed_run_resumes_from_last_checkpoint(rl_env, scripted_rewards):
     from transformers import TrainerCallback
 
     root, model_dir = rl_env
-    cfg = rl.RLConfig(**{**TEST_RL, "categories": ("base",)})
+    cfg = grpo.RLConfig(**{**TEST_RL, "categories": ("base",)})
     spec = _spec(root, model_dir, "resume", "rctp", "rc_grpo")
     shutil.rmtree(spec.checkpoints, ignore_errors=True)
 
@@ -199,18 +213,49 @@ def test_killed_run_resumes_from_last_checkpoint(rl_env, scripted_rewards):
                 raise KeyboardInterrupt("simulated kill after checkpoint-1")
 
     with pytest.raises(KeyboardInterrupt):
-        rl.train_rl(cfg, spec, callbacks=[Kill()])
+        rl.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[Kill()])
     assert (spec.checkpoints / "checkpoint-1").is_dir() and not spec.out.exists()
     n_before = len(scripted_rewards)
-    summary = rl.train_rl(cfg, spec)
+    summary = rl.train_rl(cfg, PROTOCOL, LEVELS, spec)
     assert summary["resumed_from"].endswith("checkpoint-1")
     assert len(scripted_rewards) - n_before == 1  # only step 2 was rolled out again
-    assert [r["step"] for r in rl.read_tsv(spec.plots)] == [1, 2]
+    assert [r["step"] for r in runs.read_tsv(spec.plots)] == [1, 2]
     state = json.loads((spec.checkpoints / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["global_step"] == 2 and spec.out.is_dir()
     # Other params: the stale checkpoints are discarded, training starts over.
-    cfg2 = rl.RLConfig(**{**TEST_RL, "categories": ("base",), "max_steps": 1, "learning_rate": 1e-3})
-    assert rl.train_rl(cfg2, spec)["resumed_from"] is None
+    cfg2 = grpo.RLConfig(**{**TEST_RL, "categories": ("base",), "max_steps": 1, "learning_rate": 1e-3})
+    assert rl.train_rl(cfg2, PROTOCOL, LEVELS, spec)["resumed_from"] is None
+
+
+def test_sigterm_checkpoints_the_step_and_the_rerun_replays_it(rl_env, scripted_rewards):
+    """SIGTERM during step 1 (dvc / Prefect cancel): step 1 is finished and checkpointed off the save_steps
+    grid, nothing is written, exit status 143, the MLflow run FAILED; the re-run resumes at step 2 and its
+    MLflow run holds both steps (step 1 replayed from the checkpoint's log history)."""
+    import os
+    import signal
+
+    import mlflow
+    from transformers import TrainerCallback
+
+    class Term(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    root, model_dir = rl_env
+    cfg = grpo.RLConfig(**{**TEST_RL, "categories": ("base",), "save_steps": 2})
+    spec = _spec(root, model_dir, "sigterm", "sft", "rc_grpo")
+    with pytest.raises(runs.Interrupted) as info:
+        rl.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[Term()])
+    assert info.value.code == 143 and not spec.out.exists() and not spec.metrics.exists()
+    assert sorted(p.name for p in spec.checkpoints.glob("checkpoint-*")) == ["checkpoint-1"]
+    summary = rl.train_rl(cfg, PROTOCOL, LEVELS, spec)
+    assert summary["resumed_from"].endswith("checkpoint-1") and summary["steps"] == 2
+    done, killed = mlflow.search_runs(experiment_names=["test-rl"], filter_string="tags.`rl.init` = 'sft' and "
+                                      "tags.`rl.algo` = 'rc_grpo'", order_by=["start_time DESC"], output_format="list")
+    assert (done.info.status, killed.info.status) == ("FINISHED", "FAILED")
+    history = mlflow.MlflowClient().get_metric_history(done.info.run_id, "diag/reward")
+    assert sorted(m.step for m in history) == [1, 2]
 
 
 def test_reference_is_the_init_model(rl_env):
@@ -231,10 +276,10 @@ def test_reference_is_the_init_model(rl_env):
         expected = init.merge_and_unload()(ids).logits
         base = AutoModelForCausalLM.from_pretrained(model_dir)(ids).logits
     assert not torch.allclose(expected, base, atol=1e-4)  # the adapter matters
-    spec = rl.RunSpec(**{**_spec(root, model_dir, "ref", "rctp", "grpo").__dict__, "adapter_dir": adapter_dir})
+    spec = grpo_trainer.RLRun(**{**_spec(root, model_dir, "ref", "rctp", "grpo").__dict__, "adapter_dir": adapter_dir})
     for full in (False, True):
-        cfg = rl.RLConfig(**{**TEST_RL, "categories": ("base",), "full_finetune": full})
-        trainer, _, _ = rl.build_trainer(cfg, spec, log_to_mlflow=False)
+        cfg = grpo.RLConfig(**{**TEST_RL, "categories": ("base",), "full_finetune": full})
+        trainer, _, _ = grpo_trainer.build_trainer(cfg, PROTOCOL, LEVELS, spec, track=False)
         with torch.no_grad():
             if full:
                 ref = trainer.ref_model(ids).logits
@@ -247,11 +292,12 @@ def test_reference_is_the_init_model(rl_env):
             for name, prm in live.named_parameters():
                 if "lora_B" in name:
                     prm.data.normal_(0, 0.05)
-            snap = rl.policy_snapshot(live, torch.float32)
+            snap = grpo.policy_snapshot(live, torch.float32)
             for name, prm in live.named_parameters():  # refreshed in place on the next call
                 if "lora_B" in name:
                     prm.data.normal_(0, 0.05)
-            assert rl.policy_snapshot(live, torch.float32, snap) is snap
+            assert grpo.policy_snapshot(live, torch.float32, snap) is snap
+            assert next(snap.parameters()).device == next(live.parameters()).device  # on the policy's device
             with torch.no_grad():
                 live_logits, snap_logits = live(ids).logits, snap(ids).logits
             assert not torch.allclose(live_logits, expected, atol=1e-3)
@@ -275,16 +321,103 @@ def test_bad_params_fail_before_training(tmp_path, override, match):
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"rl": {**TEST_RL, **override}}))
     with pytest.raises(ConfigError, match=match):
-        load_config(rl.RLConfig, params, "rl")
+        load_config(grpo.RLConfig, params, "rl")
     res = CliRunner().invoke(rl.app, ["--init", "rctp", "--algo", "rc_grpo", "--out", str(tmp_path / "o"),
                                       "--checkpoints", str(tmp_path / "c"), "--params", str(params)])
     assert res.exit_code == 2 and "rl:" in res.output
     assert not (tmp_path / "c").exists() and not (tmp_path / "o").exists()
 
 
+def test_cuda_without_cuda_fails_before_training(rl_env, tmp_path, monkeypatch):
+    import torch
+    from typer.testing import CliRunner
+
+    root, model_dir = rl_env
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"rl": TEST_RL, "prompt": {"system_prompt": "short"},
+                                      "label_rewards": {"tokens": list(LEVELS)}, "compute": {"device": "cuda"}}))
+    res = CliRunner().invoke(rl.app, ["--init", "rctp", "--algo", "rc_grpo", "--model-dir", str(model_dir),
+                                      "--entries", str(root / "entries.jsonl"), "--split", str(root / "split.json"),
+                                      "--out", str(tmp_path / "o"), "--checkpoints", str(tmp_path / "c"),
+                                      "--params", str(params)])
+    assert res.exit_code == 2 and "CUDA is not available" in res.output
+    assert not (tmp_path / "c").exists() and not (tmp_path / "o").exists()
+
+
+def test_fitted_micro_batch_keeps_the_generation_batch_and_the_run(rl_env):
+    """What `fit_micro_batch` retries with: half the micro-batch, twice the accumulation, the same rollouts
+    per step, on the CPU asked for, and the same checkpoint fingerprint (it resumes the same run)."""
+    import torch
+
+    root, model_dir = rl_env
+    cfg = grpo.RLConfig(**{**TEST_RL, "categories": ("base",)})
+    spec = _spec(root, model_dir, "fit", "rctp", "rc_grpo")
+    stamps = []
+    for micro in (None, 1):
+        trainer, _, _ = grpo_trainer.build_trainer(cfg, PROTOCOL, LEVELS, spec, track=False,
+                                                   device=torch.device("cpu"), micro_batch=micro)
+        args = trainer.args
+        stamps.append(json.loads((spec.checkpoints / runs.FINGERPRINT_FILE).read_text())["fingerprint"])
+        assert args.use_cpu and args.generation_batch_size == cfg.batch_size
+        assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == ((2, 1) if micro is None else (1, 2))
+    assert stamps[0] == stamps[1]
+
+
+@pytest.mark.gpu
+def test_rollout_snapshot_lives_on_the_gpu(tiny_model_dir):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    policy = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir).cuda(),
+                            LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    snap = grpo.policy_snapshot(policy, torch.bfloat16)
+    assert {p.device.type for p in snap.parameters()} == {"cuda"} and next(snap.parameters()).dtype == torch.bfloat16
+    assert snap.config._attn_implementation != "rcgrpo_cpu"  # the CPU decode attention stays on the CPU
+    ids = torch.randint(0, 1000, (1, 12), device="cuda")
+    with torch.no_grad():
+        ref = policy(ids).logits.float()
+        torch.testing.assert_close(snap(ids).logits.float(), ref, atol=0.1, rtol=0.05)  # bf16 rounding
+
+
 def test_world_size_must_keep_groups_whole():
-    cfg = rl.RLConfig(num_generations=5, batch_size=20, micro_batch_size=5)
-    assert [rl.check_world(cfg, w) for w in (1, 2, 4)] == [4, 2, 1]  # gradient-accumulation steps
+    cfg = grpo.RLConfig(num_generations=5, batch_size=20, micro_batch_size=5)
+    assert [grpo.check_world(cfg, w) for w in (1, 2, 4)] == [4, 2, 1]  # gradient-accumulation steps
     for world in (3, 8):
         with pytest.raises(ConfigError, match="whole groups"):
-            rl.check_world(cfg, world)
+            grpo.check_world(cfg, world)
+
+
+def test_vllm_backends_over_trl_engines_without_vllm(tiny_model_dir):
+    """The GPU path's engine backends, built as `grpo.trl_vllm_backend` builds them (no vLLM here): colocate
+    wraps TRL's engine through the constructor; server mode sends one request per row with its own cap and
+    detects the stop token."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from rcgrpo_tasks.engine.backend import SamplingParams
+    from rcgrpo_tasks.engine.vllm import VLLMBackend, VLLMServerBackend
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(max_model_len=4096)))
+    colocate = VLLMBackend.from_llm(llm, tok, model="<trl colocate>")
+    assert colocate.llm is llm and colocate.max_positions == 4096 and colocate.lora is None
+    assert colocate.describe() == {"backend": "vllm", "model": "<trl colocate>", "adapter": None}
+
+    calls, body = [], tok.encode("get done", add_special_tokens=False)[:2]
+
+    class Client:  # TRL's VLLMClient.generate interface
+        def generate(self, prompts, n, temperature, top_p, max_tokens, logprobs):
+            calls.append((prompts, max_tokens))
+            ids = [*body, tok.eos_token_id][:max_tokens]
+            return {"completion_ids": [ids], "logprobs": [[[-0.5]] * len(ids)]}
+
+    server = VLLMServerBackend(Client(), tok, max_positions=128)
+    out = server.session().generate(["a", "b"], [[1, 2], [3]], SamplingParams(max_new_tokens=3), max_new_tokens=[3, 2])
+    assert calls == [([[1, 2]], 3), ([[3]], 2)]
+    assert [c.finish_reason for c in out] == ["stop", "length"]
+    assert out[0].logprobs == [-0.5] * 3 and out[0].text == tok.decode(body) == out[1].text != ""

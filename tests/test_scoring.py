@@ -4,10 +4,10 @@ import random
 
 import pytest
 
-from rcgrpo_tasks import perturb
-from rcgrpo_tasks.bfcl import get_entry, load_entries
-from rcgrpo_tasks.reference import official_check
-from rcgrpo_tasks.scoring import score_entry
+from rcgrpo_tasks.env import perturb
+from rcgrpo_tasks.env.bfcl import get_entry, load_entries
+from rcgrpo_tasks.env.reference import official_check
+from rcgrpo_tasks.env.scoring import score_entry
 
 ENTRIES = load_entries()
 

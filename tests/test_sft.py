@@ -11,8 +11,10 @@ import pytest
 import yaml
 
 from rcgrpo_tasks import sft
-from rcgrpo_tasks.config import ConfigError
-from rcgrpo_tasks.io import InputError, write_jsonl
+from rcgrpo_tasks.engine import models
+from rcgrpo_tasks.ops.config import ConfigError
+from rcgrpo_tasks.ops.io import InputError, write_jsonl
+from rcgrpo_tasks.train import adapters, finetune, runs
 
 HIGH, LOW = "<|high_reward|>", "<|low_reward|>"
 TOKENS = (LOW, HIGH)
@@ -45,14 +47,14 @@ def datasets(tmp_path_factory) -> Path:
     return root
 
 
-def spec(root: Path, model_dir: Path, variant: str, data: Path, name: str | None = None) -> sft.RunSpec:
+def spec(root: Path, model_dir: Path, variant: str, data: Path, name: str | None = None) -> finetune.SftRun:
     name = name or variant
-    return sft.RunSpec(variant, model_dir, data, root / "out" / name, root / "ckpt" / name,
+    return finetune.SftRun(variant, model_dir, data, root / "out" / name, root / "ckpt" / name,
                        root / "res" / f"{name}.json", root / "res" / f"{name}.tsv")
 
 
-def config(**overrides) -> sft.SftConfig:
-    return sft.SftConfig(**{**TINY, **overrides})
+def config(**overrides) -> finetune.SftConfig:
+    return finetune.SftConfig(**{**TINY, **overrides})
 
 
 def snapshot():
@@ -83,7 +85,7 @@ def test_variant_end_to_end(variant, datasets, tiny_model_dir, tmp_path):
     snap = snapshot()
     cfg = config(require_reward_token=variant == "rctp", keep_checkpoints=True)
     s = spec(tmp_path, tiny_model_dir, variant, datasets / f"{variant}.jsonl")
-    summary = sft.train_variant(cfg, TOKENS, s, callbacks=[snap], log_mlflow=False)
+    summary = sft.train_variant(cfg, TOKENS, s, callbacks=[snap], track=False)
 
     assert summary["steps"] == 6 and summary["resumed_from"] is None
     assert summary["loss_last"] < summary["loss_first"] - 0.05, summary
@@ -95,14 +97,14 @@ def test_variant_end_to_end(variant, datasets, tiny_model_dir, tmp_path):
     rows = [line.split("\t") for line in s.plots.read_text().splitlines()]
     assert rows[0][:3] == ["step", "epoch", "loss"] and len(rows) == 7
     assert json.loads(s.metrics.read_text())["steps"] == 6
-    meta = json.loads((s.out / sft.META_FILE).read_text())
+    meta = json.loads((s.out / finetune.META_FILE).read_text())
     assert meta["variant"] == variant and set(meta["special_tokens"]) == set(TOKENS)
     assert (s.out / "adapter_config.json").is_file() and (s.out / "tokenizer.json").is_file()
     # small adapter: LoRA + the two trainable rows, never the resized 49k-row embedding matrices
     assert (s.out / "adapter_model.safetensors").stat().st_size < 2_000_000
     assert sorted(p.name for p in s.checkpoints.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
 
-    model, tokenizer = sft.load_trained(tiny_model_dir, s.out)
+    model, tokenizer = models.load_trained(tiny_model_dir, s.out)
     trained = {n: p for n, p in model.named_parameters() if "lora_B" in n or "trainable_tokens_delta" in n}
     for name, value in snap.after.items():
         if name in trained:
@@ -120,19 +122,19 @@ def test_reward_tokens_single_ids_after_reload(datasets, tiny_model_dir, tmp_pat
     base_tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert len(base_tok(HIGH, add_special_tokens=False)["input_ids"]) > 1  # not in SmolLM2's vocabulary
     s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
-    summary = sft.train_variant(config(max_steps=2), TOKENS, s, log_mlflow=False)
+    summary = sft.train_variant(config(max_steps=2), TOKENS, s, track=False)
     assert not list(s.checkpoints.glob("checkpoint-*"))  # cleaned after success (keep_checkpoints: false)
     ids = summary["special_tokens"]
     assert len(set(ids.values())) == 2 and min(ids.values()) >= len(base_tok)
 
-    model, tok = sft.load_trained(tiny_model_dir, s.out)
+    model, tok = models.load_trained(tiny_model_dir, s.out)
     prompt = tok.apply_chat_template(chat(3, HIGH)["messages"][:2], tokenize=False, add_generation_prompt=True)
     enc = tok(prompt, add_special_tokens=False, return_tensors="pt")
     assert (enc["input_ids"][0] == ids[HIGH]).sum() == 1
     for t in TOKENS:
         assert tok(t, add_special_tokens=False)["input_ids"] == [ids[t]]
     model.eval()
-    again, _ = sft.load_trained(tiny_model_dir, s.out)
+    again, _ = models.load_trained(tiny_model_dir, s.out)
     again.eval()
     with torch.no_grad():
         torch.testing.assert_close(model(**enc).logits, again(**enc).logits)
@@ -142,10 +144,10 @@ def test_reward_tokens_single_ids_after_reload(datasets, tiny_model_dir, tmp_pat
 
 def test_assistant_only_labels(datasets, tiny_model_dir, tmp_path):
     """The labels TRL trains on are exactly the assistant replies (+ their end-of-turn token)."""
-    from rcgrpo_tasks.label_rewards import assistant_token_mask
+    from rcgrpo_tasks.data.chat import assistant_token_mask
 
-    rows = sft.load_rows(datasets / "rctp.jsonl", TOKENS, True)
-    trainer, tok, _, stats = sft.build_trainer(config(), tiny_model_dir, rows[:2], TOKENS, tmp_path / "ck")
+    rows = finetune.load_rows(datasets / "rctp.jsonl", TOKENS, True)
+    trainer, tok, _, stats = finetune.build_trainer(config(), tiny_model_dir, rows[:2], TOKENS, tmp_path / "ck")
     ex = trainer.train_dataset[0]
     ids, mask = assistant_token_mask(tok, rows[0]["messages"])
     assert ex["input_ids"] == ids
@@ -171,13 +173,13 @@ def test_resume_matches_uninterrupted_run(datasets, tiny_model_dir, tmp_path):
     data = datasets / "rctp.jsonl"
     cfg = config(lora_dropout=0.1)  # dropout: the RNG state must be restored too
     full = spec(tmp_path, tiny_model_dir, "rctp", data, "full")
-    sft.train_variant(cfg, TOKENS, full, log_mlflow=False)
+    sft.train_variant(cfg, TOKENS, full, track=False)
 
     cut = spec(tmp_path, tiny_model_dir, "rctp", data, "cut")
     with pytest.raises(Killed):
-        sft.train_variant(cfg, TOKENS, cut, callbacks=[KillAfterSave()], log_mlflow=False)
+        sft.train_variant(cfg, TOKENS, cut, callbacks=[KillAfterSave()], track=False)
     assert not cut.out.exists() and (cut.checkpoints / "checkpoint-4" / "trainer_state.json").is_file()
-    summary = sft.train_variant(cfg, TOKENS, cut, log_mlflow=False)
+    summary = sft.train_variant(cfg, TOKENS, cut, track=False)
     assert summary["resumed_from"].endswith("checkpoint-4") and summary["steps"] == 6
 
     a = load_file(full.out / "adapter_model.safetensors")
@@ -190,17 +192,54 @@ def test_resume_matches_uninterrupted_run(datasets, tiny_model_dir, tmp_path):
     assert len(curve_cut) == 6 and [float(x) for x in curve_cut] == pytest.approx([float(x) for x in curve_full], rel=1e-3)
 
 
+def test_sigterm_checkpoints_the_current_step_and_exits_143(datasets, tiny_model_dir, tmp_path):
+    """SIGTERM mid-run (dvc / Prefect cancel): the step under way is finished and checkpointed (off the
+    save_steps grid), nothing is written, the run ends with exit status 143; the re-run resumes there."""
+    import os
+    import signal
+
+    from transformers import TrainerCallback
+
+    class Term(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2:  # during step 3
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
+    cfg = config(save_steps=4)
+    with pytest.raises(runs.Interrupted) as info:
+        sft.train_variant(cfg, TOKENS, s, callbacks=[Term()], track=False)
+    assert info.value.code == 143 and signal.getsignal(signal.SIGTERM) is before
+    assert not s.out.exists() and not s.metrics.exists() and not s.plots.exists()
+    assert sorted(p.name for p in s.checkpoints.glob("checkpoint-*")) == ["checkpoint-3"]
+    summary = sft.train_variant(cfg, TOKENS, s, track=False)
+    assert summary["resumed_from"].endswith("checkpoint-3") and summary["steps"] == 6
+
+
+def test_sigterm_outside_the_training_loop_exits_at_once():
+    import os
+    import signal
+    import time
+
+    with runs.stop_on_signal() as stop, pytest.raises(runs.Interrupted) as info:
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100):
+            time.sleep(0.01)
+    assert info.value.code == 143 and stop.received is None
+
+
 def test_checkpoints_of_other_params_are_discarded(tmp_path):
     ck = tmp_path / "ck"
     (ck / "checkpoint-2").mkdir(parents=True)
     (ck / "checkpoint-2" / "trainer_state.json").write_text("{}")
     (ck / "checkpoint-3").mkdir()  # killed while being written: no trainer_state.json
-    assert sft.last_checkpoint(ck, "fp-a") is None  # no fingerprint file: not ours
+    assert runs.last_checkpoint(ck, "fp-a") is None  # no fingerprint file: not ours
     (ck / "checkpoint-2").mkdir()
     (ck / "checkpoint-2" / "trainer_state.json").write_text("{}")
     (ck / "checkpoint-3").mkdir()
-    assert sft.last_checkpoint(ck, "fp-a").endswith("checkpoint-2")
-    assert sft.last_checkpoint(ck, "fp-b") is None and not (ck / "checkpoint-2").exists()
+    assert runs.last_checkpoint(ck, "fp-a").endswith("checkpoint-2")
+    assert runs.last_checkpoint(ck, "fp-b") is None and not (ck / "checkpoint-2").exists()
 
 
 # ------------------------------------------------------------------------------------------ MLflow
@@ -216,21 +255,22 @@ def test_mlflow_run_logs_params_steps_and_loadable_model(datasets, tiny_model_di
     monkeypatch.delenv("RCGRPO_PARENT_RUN_ID", raising=False)
     monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")  # sampling thread: not in a 3 s run
     s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
-    sft.train_variant(config(max_steps=3, log_model=True), TOKENS, s, log_mlflow=True)
+    sft.train_variant(config(max_steps=3, log_model=True), TOKENS, s, track=True)
 
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
     run = mlflow.search_runs(experiment_names=["test-sft"], output_format="list")[0]
     assert run.info.run_name == "sft@rctp" and run.info.status == "FINISHED"
     assert run.data.params["sft.learning_rate"] == "0.01"
-    assert run.data.params["inputs.data_md5"] == sft.file_md5(s.data)
+    assert run.data.params["inputs.data_md5"] == runs.file_md5(s.data)
+    assert run.data.params["placement.device"] == "cpu" and run.data.params["compute.device"] == "auto"
     history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "loss")
     assert [m.step for m in history] == [1, 2, 3]
     for key in ("learning_rate", "grad_norm", "tokens_per_s", "summary/loss_last"):
         assert key in run.data.metrics
     model_uri = next(m.model_uri for m in mlflow.search_logged_models(output_format="list")
                      if m.source_run_id == run.info.run_id)
-    model, tok = sft.load_logged_model(model_uri)
-    ref, _ = sft.load_trained(tiny_model_dir, s.out)
+    model, tok = adapters.load_logged_model(model_uri)
+    ref, _ = models.load_trained(tiny_model_dir, s.out)
     ids = tok(f"hi {HIGH}", return_tensors="pt")
     model.eval(), ref.eval()
     with torch.no_grad():
@@ -295,17 +335,17 @@ def test_bad_rows_name_file_and_row(mutate, message, tmp_path):
     mutate(rows[1])
     write_jsonl(tmp_path / "d.jsonl", rows)
     with pytest.raises(InputError, match=rf"d\.jsonl: row 2: .*{message[:12].replace('[', '.').replace('`', '.')}"):
-        sft.load_rows(tmp_path / "d.jsonl", TOKENS, require_token=True)
+        finetune.load_rows(tmp_path / "d.jsonl", TOKENS, require_token=True)
 
 
 def test_truncation_that_leaves_no_assistant_token_is_an_error(datasets, tiny_model_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    rows = sft.load_rows(datasets / "sft.jsonl", TOKENS, False)
+    rows = finetune.load_rows(datasets / "sft.jsonl", TOKENS, False)
     with pytest.raises(InputError, match="raise sft.max_length"):
-        sft.tokenize_rows(rows, tok, max_length=20)
-    out, stats = sft.tokenize_rows(rows, tok, max_length=48)
+        finetune.tokenize_rows(rows, tok, max_length=20)
+    out, stats = finetune.tokenize_rows(rows, tok, max_length=48)
     assert stats["rows_truncated"] == len(rows) and all(len(r["input_ids"]) == 48 for r in out)
 
 
@@ -313,14 +353,14 @@ def test_balanced_order_and_example_budget(tiny_model_dir):
     from transformers import AutoTokenizer
 
     rows = [chat(i, HIGH if i < 12 else LOW) for i in range(16)]
-    order = sft.balanced_order(rows, seed=0)
+    order = finetune.balanced_order(rows, seed=0)
     assert sorted(r["reward_token"] for r in order[:8]) == [HIGH] * 4 + [LOW] * 4
     assert sorted(r["trajectory_id"] for r in order) == sorted(r["trajectory_id"] for r in rows)
-    assert order == sft.balanced_order(rows, seed=0) and order != sft.balanced_order(rows, seed=1)
+    assert order == finetune.balanced_order(rows, seed=0) and order != finetune.balanced_order(rows, seed=1)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     long = chat(99, HIGH)
     long["messages"][0]["content"] *= 40  # its first assistant token lies beyond max_length
-    out, stats = sft.tokenize_rows([long] + order, tok, max_length=256, limit=5)
+    out, stats = finetune.tokenize_rows([long] + order, tok, max_length=256, limit=5)
     assert len(out) == 5 and stats["rows_dropped_no_assistant"] == 1 and stats["rows_seen"] == 6
 
 
@@ -335,18 +375,65 @@ def test_untied_embeddings_train_and_restore_both_rows(tiny_model_dir, tmp_path)
     model.save_pretrained(tmp_path / "base")
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     tok.save_pretrained(tmp_path / "base")
-    ids = sft.add_special_tokens(tok, model, TOKENS)
-    peft = get_peft_model(model, sft.lora_config(config(), model, ids))
+    ids = adapters.add_special_tokens(tok, model, TOKENS)
+    peft = get_peft_model(model, finetune.lora_config(config(), model, ids))
     with torch.no_grad():
         for name, p in peft.named_parameters():
             if "trainable_tokens_delta" in name:
                 p.add_(1.0)
-    with sft.small_adapter_saves(peft, tok):
+    with adapters.small_adapter_saves(peft, tok):
         peft.save_pretrained(tmp_path / "adapter")
     names = {n for n, _ in peft.named_parameters() if "trainable_tokens_delta" in n}
     assert any("lm_head" in n for n in names) and any("embed_tokens" in n for n in names)
-    loaded, _ = sft.load_trained(tmp_path / "base", tmp_path / "adapter")
+    loaded, _ = models.load_trained(tmp_path / "base", tmp_path / "adapter")
     x = torch.tensor([[5, ids[0], 7, ids[1]]])
     peft.eval(), loaded.eval()
     with torch.no_grad():
         torch.testing.assert_close(peft(input_ids=x).logits, loaded(input_ids=x).logits)
+
+
+# ------------------------------------------------------------------------------------------ placement
+
+
+def test_out_of_memory_halves_the_micro_batch_and_keeps_the_effective_batch(datasets, tiny_model_dir, tmp_path):
+    """A (fake) CUDA OOM in the first step: retried at half the micro-batch and twice the accumulation, with
+    a warning, until it fits; the run then consumes rows exactly as the requested batch would."""
+    import torch
+    from transformers import TrainerCallback
+
+    from rcgrpo_tasks.engine.device import MemorySplitWarning
+
+    class FakeOOM(TrainerCallback):
+        def __init__(self):
+            self.sizes = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.sizes.append((args.per_device_train_batch_size, args.gradient_accumulation_steps))
+            if args.per_device_train_batch_size > 1:  # only one chat fits
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    cb = FakeOOM()
+    s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
+    with pytest.warns(MemorySplitWarning, match="retrying at 2 x 2"):
+        summary = sft.train_variant(config(batch_size=4, grad_accum=1, max_steps=2), TOKENS, s, callbacks=[cb],
+                                    track=False)
+    assert cb.sizes[:2] == [(4, 1), (2, 2)] and set(cb.sizes[2:]) == {(1, 4)}
+    assert summary["micro_batch"] == 1 and summary["grad_accum"] == 4 and summary["steps"] == 2
+    assert summary["epochs"] == pytest.approx(2 * 4 / 16)  # 4 chats per step, as requested (not 1)
+    assert summary["placement"] == {"device": "cpu", "dtype": "float32"}
+    assert json.loads(s.metrics.read_text())["placement"]["device"] == "cpu"
+
+
+def test_cuda_without_cuda_fails_before_training(datasets, tiny_model_dir, tmp_path, monkeypatch):
+    import torch
+    from typer.testing import CliRunner
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    params = write_params(tmp_path)
+    data = yaml.safe_load(params.read_text())
+    params.write_text(yaml.safe_dump({**data, "compute": {"device": "cuda"}}))
+    res = CliRunner().invoke(sft.app, ["--variant", "rctp", "--params", str(params), "--model-dir",
+                                       str(tiny_model_dir), "--data", str(datasets / "rctp.jsonl"),
+                                       "--out", str(tmp_path / "o"), "--checkpoints", str(tmp_path / "ck")])
+    assert res.exit_code == 2 and "CUDA is not available" in res.output
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "o").exists()

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rcgrpo_tasks import stack as st
+from rcgrpo_tasks.ops import stack as st
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +36,7 @@ KEY, SECRET = f"rcgrpoKEY{secrets.token_hex(6)}", f"rcgrpoSECRET{secrets.token_h
 PROBE = """
 import sys
 from pathlib import Path
-from rcgrpo_tasks import tracking
+from rcgrpo_tasks.ops import tracking
 out = Path("probe"); out.mkdir(exist_ok=True)
 (out / "summary.txt").write_text("probe ok\\n")
 with tracking.stage_run("probe", {"n": 3, "note": "no secrets here"}):
@@ -141,7 +141,7 @@ def first_run(lab):
 def test_parent_run_nested_runs_metrics_and_s3_artifacts(lab, first_run):
     client = _mlflow(lab)
     parent = client.get_run(first_run["result"]["parent_run_id"])
-    assert parent.info.status == "FINISHED" and parent.info.run_name == "rcgrpo-flow"
+    assert parent.info.status == "FINISHED" and parent.info.run_name == "pipeline@smoke"
     assert "dvc.lock.sha256" in parent.data.tags and "git.commit" in parent.data.tags
     assert parent.data.params["flow.profile"] == "smoke"
     exp = client.get_experiment_by_name("rcgrpo")
@@ -182,11 +182,13 @@ def test_registry_alias_moves_only_for_a_better_model(lab, first_run):
     params = root / "promote_params.yaml"
     params.write_text("promote:\n  model_name: rcgrpo-agent-it\n")
     decisions = []
-    for acc in (40.0, 35.0):
-        report = root / f"report_{acc}.json"
-        report.write_text(json.dumps({"rows": {"rctp-rc_grpo": {"overall": {"accuracy": acc}}}}))
+    for acc in (40.0, 35.0):  # per-entry results (the paired gate): 16 then 14 of 40 entries solved
+        evals = root / f"eval_{acc}" / "rctp-rc_grpo"
+        evals.mkdir(parents=True, exist_ok=True)
+        rows = [{"id": f"multi_turn_base_{i}", "protocol": "paper", "valid": i < acc * 0.4} for i in range(40)]
+        (evals / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         out_json = root / f"decision_{acc}.json"
-        out = run([str(BIN / "rcgrpo"), "promote", "--params", str(params), "--report", str(report),
+        out = run([str(BIN / "rcgrpo"), "promote", "--params", str(params), "--eval-dir", str(evals.parent),
                    "--candidate", f"rctp-rc_grpo={model}", "--out", str(out_json)], root, env, lab["log"])
         assert out.returncode == 0, out.stdout + out.stderr
         decisions.append(json.loads(out_json.read_text()))

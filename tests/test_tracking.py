@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rcgrpo_tasks import tracking
+from rcgrpo_tasks.ops import tracking
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +74,7 @@ def test_body_error_marks_run_failed_and_propagates(store):
     with pytest.raises(ZeroDivisionError):
         with tracking.stage_run("boom", None) as run:
             run_id = run.info.run_id
-            1 / 0
+            _ = 1 / 0
     assert _client().get_run(run_id).info.status == "FAILED"
 
 
@@ -116,3 +116,113 @@ def test_uri_credentials_never_in_messages(monkeypatch):
     with pytest.raises(tracking.TrackingError) as err:
         tracking.check_tracking(timeout=1)
     assert "hunter2" not in str(err.value) and "//***@127.0.0.1:1" in str(err.value)
+
+
+# -- issue 18: runs comparable, never RUNNING, never silent ------------------------------------------------
+
+REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+def _script(body: str, *args: str, **popen):
+    import subprocess
+    import sys
+    import textwrap
+
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(body), *args], cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def test_experiment_kind_opens_the_ui_on_runs(store, monkeypatch):
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "made-elsewhere")
+    exp_id = _client().create_experiment("made-elsewhere")  # e.g. by an older version: no kind tag
+    assert tracking.experiment_id() == exp_id
+    assert _client().get_experiment(exp_id).tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
+
+
+def test_runs_are_named_stage_at_variant(store, monkeypatch):
+    assert tracking.run_name("evaluate", "sft") == "evaluate@sft"
+    assert tracking.run_name("sft@rctp") == "sft@rctp"
+    monkeypatch.setenv("DVC_STAGE", "evaluate@rctp-rc_grpo")
+    assert tracking.run_name("evaluate") == "evaluate@rctp-rc_grpo"
+    assert tracking.run_name("report") == "report"  # another stage's key is not this one's variant
+    monkeypatch.setenv("DVC_STAGE", "sub/dvc.yaml:evaluate@base")
+    with tracking.stage_run("evaluate", {"x": 1}) as run:
+        run_id = run.info.run_id
+    got = _client().get_run(run_id)
+    assert got.info.run_name == "evaluate@base" and got.data.tags["rcgrpo.variant"] == "base"
+
+
+def test_failed_run_carries_the_error_as_a_tag(store):
+    with pytest.raises(ValueError):
+        with tracking.stage_run("explode", None) as run:
+            raise ValueError("the input was bad:\n  line 3")
+    got = _client().get_run(run.info.run_id)
+    assert got.info.status == "FAILED"
+    assert got.data.tags[tracking.ERROR_TAG] == "ValueError: the input was bad: line 3"
+
+
+def test_http_calls_are_bounded(monkeypatch):
+    for key in tracking.HTTP_LIMITS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "5")  # a user's own choice wins
+    tracking.mlflow_module()
+    import os
+
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "10" and os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "5"
+    with tracking._quick():
+        assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "0"
+    assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "5"
+
+
+SLEEPER = """
+import sys, time
+from rcgrpo_tasks.cli import guarded
+from rcgrpo_tasks.ops import tracking
+
+def body():
+    if sys.argv[1] == "forget":  # opened, never closed: the atexit hook must end it
+        print(tracking.stage_run("forgotten").__enter__().info.run_id, flush=True)
+        return 0
+    with tracking.stage_run("sleeper", {"n": 1}) as run:
+        print(run.info.run_id, flush=True)
+        time.sleep(60)
+    return 0
+
+sys.exit(guarded("sleeper", body))
+"""
+
+
+def test_sigterm_ends_the_stage_run_killed_with_one_line(store):
+    import signal
+
+    proc = _script(SLEEPER, "sleep")
+    run_id = proc.stdout.readline().strip()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert err.strip() == "error: rcgrpo sleeper terminated by SIGTERM; stopped, no output published"
+    got = _client().get_run(run_id)
+    assert got.info.status == "KILLED" and "SIGTERM" in got.data.tags[tracking.ERROR_TAG]
+
+
+def test_sigkilled_stage_run_is_reaped_by_the_next_stage(store):
+    import signal
+
+    proc = _script(SLEEPER, "sleep")
+    run_id = proc.stdout.readline().strip()
+    proc.send_signal(signal.SIGKILL)  # no handler runs: the run stays RUNNING...
+    proc.communicate(timeout=60)
+    assert _client().get_run(run_id).info.status == "RUNNING"
+    with tracking.stage_run("next_stage", None):  # ...until any later stage (or the flow's end) reaps it
+        pass
+    got = _client().get_run(run_id)
+    assert got.info.status == "KILLED" and "process ended" in got.data.tags[tracking.ERROR_TAG]
+
+
+def test_a_run_left_open_at_exit_ends_failed(store):
+    proc = _script(SLEEPER, "forget")
+    run_id = proc.stdout.readline().strip()
+    proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    got = _client().get_run(run_id)  # not FINISHED, as MLflow's own exit hook would have it
+    assert got.info.status == "FAILED" and "still open" in got.data.tags[tracking.ERROR_TAG]

@@ -7,17 +7,18 @@ import copy
 import json
 
 import pytest
-
-from rcgrpo_tasks.bfcl import load_entries
-from rcgrpo_tasks.generate_trajectories import GenerateConfig, generate
-from rcgrpo_tasks.io import InputError
-from rcgrpo_tasks.label_rewards import LabelConfig, label
-from rcgrpo_tasks.validate_trajectories import (
-    PASSED_FILE, RESULT_FILE, ValidateConfig, ValidationFailed, validate,
-)
 from test_generate_trajectories import write_inputs
 
+from rcgrpo_tasks.data.dataset import GenerateConfig, generate
+from rcgrpo_tasks.data.gate import PASSED_FILE, RESULT_FILE, ValidationFailed
+from rcgrpo_tasks.env.bfcl import load_entries
+from rcgrpo_tasks.env.protocols import PromptConfig
+from rcgrpo_tasks.label_rewards import LabelConfig, label
+from rcgrpo_tasks.ops.io import InputError
+from rcgrpo_tasks.validate_trajectories import ValidateConfig, validate
+
 GEN = GenerateConfig(policy_entries=0)
+PROMPT = PromptConfig()
 CFG = ValidateConfig(data_docs=False)
 
 
@@ -26,7 +27,7 @@ def dataset(tmp_path_factory, tiny_model_dir):
     """A real generated set: 6 train entries (experts + verified near-misses), 4 held-out ids."""
     tmp = tmp_path_factory.mktemp("validate")
     entries_path, split = write_inputs(tmp, load_entries()[::50], n_train=6, n_test=4)
-    rows, _ = generate(GEN, entries_path, split, tiny_model_dir)
+    rows, _ = generate(GEN, PROMPT, entries_path, split, tiny_model_dir)
     return {"rows": [t.to_json() for t in rows], "split": split, "model_dir": tiny_model_dir,
             "test_ids": json.loads(split.read_text())["test"]}
 
@@ -35,7 +36,7 @@ def _run(tmp_path, dataset, rows, cfg=CFG):
     path = tmp_path / "trajectories.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "validation"
-    metrics, fails, text = validate(cfg, GEN, path, dataset["split"], dataset["model_dir"], out)
+    metrics, fails, text = validate(cfg, GEN, PROMPT, path, dataset["split"], dataset["model_dir"], out)
     return path, out, metrics, fails, text
 
 
@@ -64,6 +65,12 @@ def _wrong_reward(rows, d):
 
 def _leak(rows, d):
     rows[0]["entry_id"] = d["test_ids"][0]
+
+
+def _unknown_entry(rows, d):
+    for r in rows:  # every row of one entry moved to an id the split does not know (issue 18: was vouched for)
+        if r["entry_id"] == rows[0]["entry_id"]:
+            r["entry_id"] = r["id"] = "multi_turn_base_99999"
 
 
 def _too_long(rows, d):
@@ -117,6 +124,7 @@ BROKEN = [
     ("not_null:entry_id", _null_entry),
     ("reward_values", _wrong_reward),
     ("no_test_leakage", _leak),
+    ("known_entry_id", _unknown_entry),
     ("token_length", _too_long),
     ("success_balance", _unbalanced),
     ("unique_trajectory_id", _duplicate_id),
@@ -162,6 +170,6 @@ def test_corrupt_line_names_file_and_line(tmp_path, dataset):
     lines = [json.dumps(r) for r in dataset["rows"][:3]]
     lines[2] = lines[2][:-10]
     path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(InputError, match=r"trajectories\.jsonl:3: invalid JSON"):
-        validate(CFG, GEN, path, dataset["split"], dataset["model_dir"], tmp_path / "validation")
+    with pytest.raises(InputError, match=r"trajectories\.jsonl:3"):
+        validate(CFG, GEN, PROMPT, path, dataset["split"], dataset["model_dir"], tmp_path / "validation")
     assert not (tmp_path / "validation").exists()

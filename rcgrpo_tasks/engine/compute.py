@@ -1,0 +1,48 @@
+"""The params.yaml `compute` section: where every stage that decodes or trains runs (issue 16).
+
+- `ComputeConfig(device="auto")`: `auto` | `cpu` | `cuda` | `cuda:N`; `resolve()` turns it into a
+  `torch.device` through `rcgrpo_tasks.engine.device.resolve_device` (CUDA asked for where there is none
+  is a ConfigError: a run never falls back to the CPU silently).
+- `load_compute(params_path)`: the section of a params file; a file without the section gets the defaults
+  (params files written before the section existed keep working), unknown keys are a ConfigError.
+The method is `resolve()`, not `device()`: the dataclass field is `device` (the params key).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from rcgrpo_tasks.engine.device import DEVICE_SETTINGS, resolve_device
+from rcgrpo_tasks.ops.config import ConfigError, from_dict, read_params
+
+SECTION = "compute"
+_SETTING = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+@dataclass(frozen=True)
+class ComputeConfig:
+    device: str = "auto"
+    """`auto` (CUDA when available, else the CPU) | `cpu` | `cuda` | `cuda:N`."""
+
+    def __post_init__(self) -> None:
+        # The format is checked here (no torch import); availability only when resolved.
+        if not _SETTING.match(str(self.device).strip().lower()):
+            raise ValueError(f"device {self.device!r}: expected {DEVICE_SETTINGS}")
+
+    def resolve(self):
+        """The `torch.device` this setting names on this machine (ConfigError when it is absent)."""
+        return resolve_device(self.device)
+
+
+def load_compute(params_path: str | Path) -> ComputeConfig:
+    """The `compute` section of `params_path` (defaults when the file has none); bad keys or values raise
+    ConfigError naming the file and field."""
+    data = read_params(params_path)
+    section = data.get(SECTION)
+    if section is None:
+        return ComputeConfig()
+    if not isinstance(section, dict):
+        raise ConfigError(f"{params_path}:{SECTION}: expected a mapping, got {type(section).__name__}")
+    return from_dict(ComputeConfig, section, where=f"{params_path}:{SECTION}")

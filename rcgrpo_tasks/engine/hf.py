@@ -1,0 +1,442 @@
+"""The `hf` backend: a transformers model decoded by hand over one preallocated KV cache per session.
+
+- Placement: `HFBackend(..., device="auto")` (`rcgrpo_tasks.engine.device.resolve_device`: CUDA when
+  available; a CUDA request without CUDA is a ConfigError, never a silent CPU run); `from_model` keeps the
+  model where it is. `describe()` says where it runs (device, dtype).
+- Batching: every row of a `generate` call is decoded together (the rollout loop hands over every group of
+  a batch); rows sharing a prompt prefix (a GRPO group's system prompt + task) prefill it once at batch 1
+  and copy it, all rows laid out left-padded in one cache (`rcgrpo_tasks.engine.kvcache`).
+- KV reuse: a later call appends only each row's new tokens (observations, next user turn), never
+  re-prefilling. Rows of different lengths share the cache through masked holes (position ids count real
+  tokens), compacted once holes exceed `COMPACT_AT`; rows whose keys disappear are dropped.
+- Decode loop: one step = one forward of every row + sampling + bookkeeping, all device tensors updated in
+  place; the host only checks "any row still live?" (every step on CPU, every `STOP_CHECK` steps on CUDA,
+  where an idle row costs nothing) and reads the tokens once at the end. On CUDA the step is captured as a
+  CUDA graph (`cuda_graphs`, default on there) and replayed; on CPU it runs eagerly.
+- Sampling: `rcgrpo_tasks.engine.sampling` (counter-based noise per row: the same tokens whatever the batch).
+- `rcgrpo_cpu` attention (CPU models the backend loads itself): sdpa for prefill, a GQA-packed
+  matmul-softmax for one-token decode (CPU sdpa with a padding mask is ~3x slower in bf16).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Hashable, Sequence
+from pathlib import Path
+
+from rcgrpo_tasks.engine.backend import DEFAULT_MAX_POSITIONS, Backend, Completion, SamplingParams, Session, decode_text, stop_token_ids
+from rcgrpo_tasks.engine.device import placement, resolve_device
+from rcgrpo_tasks.engine.graphs import StepGraph
+from rcgrpo_tasks.engine.kvcache import decode_mask, plan_capacity, prefill_mask, slot_cache_class
+from rcgrpo_tasks.engine.models import ModelLoadError, bf16_supported, check_adapter_dir, check_model_dir, load_trained
+from rcgrpo_tasks.engine.sampling import row_seed, sample_tokens
+
+CPU_ATTENTION = "rcgrpo_cpu"
+BOOL_MASK_ATTENTION = ("sdpa", CPU_ATTENTION, "flex_attention")
+"""Attention implementations that take a bool mask (True = attend); `eager` adds a float mask instead."""
+
+
+def _cpu_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """sdpa, except one-token decode: a GQA-packed matmul + softmax (CPU sdpa with a mask is slow in bf16)."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.shape[2] != 1 or module.training:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    b, h, _, d = query.shape
+    hkv = key.shape[1]
+    scores = torch.matmul(query.reshape(b, hkv, h // hkv, d), key.transpose(2, 3))
+    scores = scores * (scaling if scaling is not None else d**-0.5)
+    if attention_mask is not None:  # (b, 1, 1, L): bool (True = attend) or additive float
+        scores = scores.masked_fill(~attention_mask, float("-inf")) if attention_mask.dtype == torch.bool \
+            else scores + attention_mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    return torch.matmul(probs, value).reshape(b, h, 1, d).transpose(1, 2).contiguous(), None
+
+
+def use_cpu_attention(model) -> bool:
+    """Switch a CPU model to `_cpu_attention` (registered once with transformers' attention interfaces)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if model.device.type != "cpu" or getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    AttentionInterface.register(CPU_ATTENTION, _cpu_attention)
+    AttentionMaskInterface.register(CPU_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(CPU_ATTENTION)
+    return True
+
+
+def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
+    """Length of the longest common prefix, leaving every row at least one token of its own."""
+    limit = min(len(s) for s in seqs) - 1
+    first = seqs[0]
+    for i in range(max(limit, 0)):
+        t = first[i]
+        if any(s[i] != t for s in seqs):
+            return i
+    return max(limit, 0)
+
+
+def prefix_groups(prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+    """Rows grouped by shared prompt prefix: [(row indices, prefix length)].
+
+    Greedy over the lexicographically sorted prompts: a row joins the current group when prefilling the
+    group's (possibly shorter) common prefix once saves at least as many tokens as before. A GRPO group
+    becomes one group; entries sharing a system prompt share it.
+    """
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i])
+    groups: list[tuple[list[int], int]] = []
+    cur, lcp = [order[0]], len(prompts[order[0]]) - 1
+    for i in order[1:]:
+        new = min(lcp, _common_prefix([prompts[cur[-1]], prompts[i]]))
+        if new > 0 and len(cur) * new >= (len(cur) - 1) * lcp:
+            cur.append(i)
+            lcp = new
+        else:
+            groups.append((cur, lcp))
+            cur, lcp = [i], len(prompts[i]) - 1
+    groups.append((cur, lcp))
+    return groups
+
+
+class _Rows:
+    """A cache and its per-row bookkeeping on the model's device: `mask` (rows, capacity) bool = real token,
+    `nreal` (rows,) int64 = real tokens per row (= the next token's position id)."""
+
+    def __init__(self, rows: int, capacity: int, device):
+        import torch
+
+        self.cache = slot_cache_class()(rows, capacity)
+        self.mask = torch.zeros((rows, capacity), dtype=torch.bool, device=device)
+        self.nreal = torch.zeros(rows, dtype=torch.int64, device=device)
+
+    def reserve(self, needed: int) -> None:
+        """Room for `needed` columns (cache buffers and mask grow together)."""
+        import torch
+
+        old = self.cache.capacity
+        if self.cache.reserve(needed):
+            mask = torch.zeros((self.mask.shape[0], self.cache.capacity), dtype=torch.bool, device=self.mask.device)
+            mask[:, :old] = self.mask
+            self.mask = mask
+
+
+class HFSession(Session):
+    """One batched KV cache for a set of rows (rollouts); see the module docstring."""
+
+    PREFILL_CHUNK = 2048  # max tokens per prefill forward (fewer forwards = faster prefill) ...
+    ATTN_BUDGET = 2**24  # ... bounded so rows x chunk x cache length (x heads) stays ~1 GB
+    COMPACT_AT = 0.5  # compact the cache when more than half of it is holes ...
+    COMPACT_MIN = 512  # ... and it is at least this long
+
+    def __init__(self, backend: HFBackend):
+        self.b = backend
+        self.st: _Rows | None = None
+        self.keys: list[Hashable] = []
+        self.covered: list[list[int]] = []  # per row: token ids whose K/V are in the cache
+        self.seeds: dict[Hashable, int] = {}
+        self.base_seed: int | None = None
+
+    def close(self) -> None:
+        self.st = None
+
+    def seed_rows(self, seeds) -> None:
+        self.seeds.update(seeds)
+
+    @property
+    def cache(self):
+        return self.st.cache if self.st else None
+
+    def generate(self, keys, prompts, sampling, max_new_tokens=None):
+        import torch
+
+        if not prompts:
+            return []
+        caps = list(max_new_tokens) if max_new_tokens is not None else [sampling.max_new_tokens] * len(prompts)
+        if self.base_seed is None:
+            self.base_seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+        model = self.b.model
+        was_training = model.training
+        model.eval()  # no dropout while sampling, even for the model TRL is training
+        try:
+            with torch.inference_mode():
+                self._align(list(keys), [list(p) for p in prompts], max(caps))
+                logits = self._prefill([p[len(c):] for p, c in zip(prompts, self.covered)], max(caps))
+                return self._decode(logits, sampling, caps)
+        finally:
+            model.train(was_training)
+
+    # -- cache bookkeeping ---------------------------------------------------------------------------
+    def _align(self, keys: list, prompts: list[list[int]], reserve: int) -> None:
+        """Keep/reorder cached rows that each prompt extends; otherwise start over from shared prefixes."""
+        import torch
+
+        if self.st is not None and all(k in self.keys for k in keys):
+            idx = [self.keys.index(k) for k in keys]
+            if all(len(self.covered[i]) < len(p) and p[:len(self.covered[i])] == self.covered[i]
+                   for i, p in zip(idx, prompts)):
+                if idx != list(range(len(self.keys))):
+                    index = torch.tensor(idx, device=self.st.mask.device)
+                    self.st.cache.select_rows(index)
+                    self.st.mask, self.st.nreal = self.st.mask[index], self.st.nreal[index]
+                    self.covered = [self.covered[i] for i in idx]
+                self.keys = keys
+                return
+        self.keys = keys
+        self._prefill_prefixes(prompts, prefix_groups(prompts), reserve)
+
+    def _prefill_prefixes(self, prompts: list[list[int]], groups: list[tuple[list[int], int]], reserve: int) -> None:
+        """Prefill each group's shared prefix once (batch 1) and copy it into its rows, right-aligned at column
+        `width` (the longest prefix), in a cache sized for the whole call."""
+        import torch
+
+        dev = self.b.model.device
+        prefix_len = {i: n for rows, n in groups for i in rows}
+        width = max(prefix_len.values())
+        longest_rest = max(len(p) - prefix_len[i] for i, p in enumerate(prompts))
+        self.st = st = _Rows(len(prompts), plan_capacity(0, width + longest_rest + reserve), dev)
+        for rows, n in groups:
+            if not n:
+                continue
+            one = _Rows(1, n, dev)
+            self._append(one, torch.tensor([prompts[rows[0]][:n]]), torch.ones((1, n), dtype=torch.bool))
+            index = torch.tensor(rows, device=dev)
+            st.cache.place(one.cache, index, width - n)
+            st.mask[index, width - n:width] = True
+            st.nreal[index] = n
+            del one
+        st.cache.n = width
+        self.covered = [list(p[:prefix_len[i]]) for i, p in enumerate(prompts)]
+
+    def _append(self, st: _Rows, ids, new_mask):
+        """Append `ids` (rows, S; CPU) with `new_mask` (bool) to `st` chunk by chunk; logits of the last column."""
+        import torch
+
+        dev = self.b.model.device
+        ids, new_mask = ids.to(dev), new_mask.to(dev)
+        pos = st.nreal[:, None] + new_mask.long().cumsum(1) - 1
+        pos = torch.where(new_mask, pos, st.nreal[:, None])
+        rows, width = ids.shape
+        chunk = max(1, min(self.PREFILL_CHUNK, self.ATTN_BUDGET // (rows * (st.cache.n + width))))
+        logits = None
+        for s in range(0, width, chunk):
+            q = min(chunk, width - s)
+            start = st.cache.n
+            st.mask[:, start:start + q] = new_mask[:, s:s + q]
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.b.autocast):
+                out = self.b.model(input_ids=ids[:, s:s + q], position_ids=pos[:, s:s + q],
+                                   attention_mask=prefill_mask(st.mask, start, q, self.b.additive_mask),
+                                   past_key_values=st.cache, use_cache=True, logits_to_keep=1)
+            st.cache.advance(q)
+            logits = out.logits[:, -1, :]
+        st.nreal += new_mask.sum(1)
+        return logits
+
+    def _prefill(self, suffixes: list[list[int]], reserve: int):
+        """Append each row's new tokens (left-padded so every row ends at the last column)."""
+        import torch
+
+        width = max(len(s) for s in suffixes)
+        ids = torch.full((len(suffixes), width), self.b.pad_id, dtype=torch.long)
+        new_mask = torch.zeros((len(suffixes), width), dtype=torch.bool)
+        for i, s in enumerate(suffixes):
+            ids[i, width - len(s):] = torch.tensor(s)
+            new_mask[i, width - len(s):] = True
+            self.covered[i] = self.covered[i] + s
+        self.st.reserve(self.st.cache.n + width + reserve)
+        logits = self._append(self.st, ids, new_mask)
+        self._maybe_compact()
+        return logits
+
+    def _maybe_compact(self) -> None:
+        """Drop holes (rows re-left-padded) once they dominate the cache; attention cost follows its length."""
+        import torch
+
+        st = self.st
+        n, rows = st.cache.n, st.mask.shape[0]
+        valid = st.mask[:, :n].sum(1)
+        if n < self.COMPACT_MIN or int(valid.sum()) > (1 - self.COMPACT_AT) * rows * n:
+            return
+        width = int(valid.max())
+        keep, index = torch.sort(st.mask[:, :n].to(torch.uint8), dim=1, stable=True)  # holes first, order kept
+        st.cache.gather_columns(index[:, n - width:], width)
+        st.mask = torch.zeros_like(st.mask)
+        st.mask[:, :width] = keep[:, n - width:].bool()
+
+    # -- decoding --------------------------------------------------------------------------------------
+    def _decode(self, logits, sampling: SamplingParams, caps: list[int]) -> list[Completion]:
+        import torch
+
+        st, dev = self.st, self.b.model.device
+        steps = max(caps)
+        d = _DecodeState(st, caps, steps, self._row_seeds(), sorted(self.b.stop_ids), dev)
+        d.record(*sample_tokens(logits, sampling, d.seeds, st.nreal))
+        runner = self._runner(d, sampling)
+        check = self.b.stop_check_every
+        done = 1
+        for t in range(1, steps):
+            if t % check == 0 and not bool(d.live.any()):
+                break
+            runner(t)
+            done += 1
+        st.cache.n += done - 1  # every step but the first sampled one fed a column
+        return self._completions(d.out_tok[:, :done].tolist(), d.out_lp[:, :done].tolist())
+
+    def _row_seeds(self):
+        import torch
+
+        vals = [self.seeds[k] if k in self.seeds else row_seed(self.base_seed, k) for k in self.keys]
+        return torch.tensor(vals, dtype=torch.int64, device=self.b.model.device)
+
+    def _step(self, d: _DecodeState, sampling: SamplingParams, attend: int) -> None:
+        """One decode step on device tensors only (graph-safe): feed each live row's last token, sample the next."""
+        import torch
+
+        st = self.st
+        feed = torch.where(d.live, d.tok, self.b.pad_id)[:, None]
+        st.mask.index_copy_(1, d.write_at, d.live[:, None])
+        st.cache.write_at, st.cache.attend = d.write_at, attend
+        try:
+            with torch.autocast(st.mask.device.type, dtype=torch.bfloat16, enabled=self.b.autocast,
+                                cache_enabled=False):
+                out = self.b.model(input_ids=feed, position_ids=st.nreal[:, None],
+                                   attention_mask=decode_mask(st.mask, attend, self.b.additive_mask),
+                                   past_key_values=st.cache, use_cache=True, logits_to_keep=1)
+        finally:
+            st.cache.write_at = None
+        st.nreal.add_(d.live.long())
+        d.write_at.add_(1)
+        d.t.add_(1)
+        d.record(*sample_tokens(out.logits[:, -1, :], sampling, d.seeds, st.nreal))
+
+    def _runner(self, d: _DecodeState, sampling: SamplingParams):
+        """`step(t)`: eager on CPU (attention over the columns in use); on CUDA a captured graph of `_step`
+        over the whole capacity, captured after one eager step (the warm-up) and replayed."""
+        st = self.st
+        if not self.b.cuda_graphs:
+            return lambda t: self._step(d, sampling, st.cache.n + t)
+        graph = StepGraph(lambda: self._step(d, sampling, st.cache.capacity), st.mask.device)
+        return lambda t: graph.run()
+
+    def _completions(self, toks: list[list[int]], lps: list[list[float]]) -> list[Completion]:
+        """Per row: the tokens it sampled (recorded while live); all but the last were fed to the cache."""
+        stops, tokz = self.b.stop_ids, self.b.tokenizer
+        out = []
+        for i, (row, lp) in enumerate(zip(toks, lps)):
+            k = next((j for j, t in enumerate(row) if t < 0), len(row))
+            ids, lp = row[:k], lp[:k]
+            self.covered[i] += ids[:-1]
+            finish = "stop" if ids[-1] in stops else "length"
+            out.append(Completion(ids, lp, decode_text(tokz, ids, stops), finish))
+        return out
+
+
+class _DecodeState:
+    """A call's decode state as device tensors updated in place (what a captured graph reads and writes)."""
+
+    def __init__(self, st: _Rows, caps: list[int], steps: int, seeds, stops: list[int], dev):
+        import torch
+
+        rows = len(caps)
+        self.caps = torch.tensor(caps, dtype=torch.int64, device=dev)
+        self.stops = torch.tensor(stops or [-1], dtype=torch.int64, device=dev)
+        self.seeds = seeds
+        self.tok = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.live = torch.ones(rows, dtype=torch.bool, device=dev)
+        self.t = torch.zeros(1, dtype=torch.int64, device=dev)  # the step being recorded
+        self.write_at = torch.full((1,), st.cache.n, dtype=torch.int64, device=dev)  # the column a step feeds
+        self.out_tok = torch.full((rows, steps), -1, dtype=torch.int64, device=dev)
+        self.out_lp = torch.zeros((rows, steps), dtype=torch.float32, device=dev)
+
+    def record(self, tok, lp) -> None:
+        """Store step t's tokens for the rows live at it; a row stays live unless it stopped or hit its cap."""
+        import torch
+
+        self.out_tok.index_copy_(1, self.t, torch.where(self.live, tok, -1)[:, None])
+        self.out_lp.index_copy_(1, self.t, lp[:, None])
+        stopped = (tok[:, None] == self.stops[None, :]).any(dim=1)
+        self.live &= ~stopped & (self.t + 1 < self.caps)
+        self.tok.copy_(tok)
+
+
+class HFBackend(Backend):
+    """transformers model + tokenizer on `device` (auto | cpu | cuda | cuda:N); `dtype`: float32 | bfloat16 |
+    auto (bf16 on CUDA and on CPUs with native bf16). `cuda_graphs`: capture the decode step on CUDA
+    (None = on for CUDA; never used on CPU)."""
+
+    name = "hf"
+    STOP_CHECK_CUDA = 8
+    """On CUDA the host asks "any row live?" every this many steps (a sync stalls the GPU queue)."""
+
+    def __init__(self, model_dir: str | Path, adapter_dir: str | Path | None = None, dtype: str = "float32",
+                 device: str = "auto", merge_adapter: bool = True, cuda_graphs: bool | None = None):
+        import torch
+
+        place = resolve_device(device)  # before loading: a bad device fails fast
+        path = check_model_dir(model_dir)
+        adapter = check_adapter_dir(adapter_dir) if adapter_dir else None
+        if dtype == "auto":
+            native = torch.cuda.is_bf16_supported() if place.type == "cuda" else bf16_supported()
+            dtype = "bfloat16" if native else "float32"
+        # An adapter is merged in float32 and the result cast to `dtype`, exactly as `rl` saves its merged
+        # policies: otherwise an RL run that changed nothing (all-zero advantages) would decode differently
+        # from its init only through bf16 merge rounding (measured: greedy outputs diverged).
+        load_dtype = "float32" if adapter and merge_adapter else dtype
+        try:  # load_trained is THE loader of trained outputs (reward tokens, resized embeddings)
+            model, tokenizer = load_trained(path, adapter, dtype=load_dtype)
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # OSError, ValueError, peft shape mismatches (RuntimeError), ...
+            where = f"adapter {adapter} on " if adapter else ""
+            raise ModelLoadError(f"{where}model folder {path}: could not load: {exc}") from exc
+        if merge_adapter and hasattr(model, "merge_and_unload"):
+            model = model.merge_and_unload()  # plain weights decode faster than LoRA hooks
+        model.to(device=place, dtype=getattr(torch, dtype)).eval()
+        use_cpu_attention(model)
+        self._init(model, tokenizer, cuda_graphs=cuda_graphs)
+        self.info = {"backend": "hf", "model": str(path), "adapter": str(adapter) if adapter else None,
+                     **placement(model)}
+
+    @classmethod
+    def from_model(cls, model, tokenizer, autocast: bool = False, cuda_graphs: bool | None = None) -> "HFBackend":
+        """Wrap an in-memory (possibly PEFT-wrapped, training-mode) model where it is; generation runs in eval mode.
+
+        `autocast`: run forwards under bf16 autocast where the device has native bf16 (faster matmuls on fp32
+        weights; log-probs then bf16-precise).
+        """
+        self = cls.__new__(cls)
+        self._init(model, tokenizer, autocast, cuda_graphs)
+        self.info = {"backend": "hf", "model": "<in-memory>", "adapter": None, "autocast": self.autocast,
+                     **placement(model)}
+        return self
+
+    def _init(self, model, tokenizer, autocast: bool = False, cuda_graphs: bool | None = None) -> None:
+        import torch
+
+        self.model, self.tokenizer = model, tokenizer
+        on_cuda = model.device.type == "cuda"
+        self.autocast = bool(autocast) and (on_cuda or bf16_supported())
+        self.cuda_graphs = on_cuda and cuda_graphs is not False
+        self.stop_check_every = self.STOP_CHECK_CUDA if on_cuda else 1
+        self.max_positions = int(getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_POSITIONS)
+        self._stops = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        attn = getattr(model.config, "_attn_implementation", None) or "eager"
+        self.additive_mask = None if attn in BOOL_MASK_ATTENTION else next(model.parameters()).dtype
+        if attn not in BOOL_MASK_ATTENTION + ("eager",):
+            raise ModelLoadError(f"hf backend: attention {attn!r} cannot take its padding mask; load the model "
+                                 f"with attn_implementation='sdpa' or 'eager'")
+        if self.additive_mask is not None and self.autocast:
+            self.additive_mask = torch.bfloat16
+
+    @property
+    def stop_ids(self) -> set[int]:
+        return self._stops
+
+    def describe(self) -> dict:
+        return dict(self.info)
+
+    def session(self) -> Session:
+        return HFSession(self)

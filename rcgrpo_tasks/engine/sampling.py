@@ -1,0 +1,84 @@
+"""Token sampling for the `hf` session: counter-based randomness, so a row's samples do not depend on its batch.
+
+Each row has a 63-bit seed; the noise for (row, token position, vocabulary id) is a hash of the three
+(splitmix64's finaliser in int64 arithmetic, identical on CPU and CUDA), turned into Gumbel noise, and the
+sampled token is `argmax(log softmax(logits / T) + gumbel)` over the top-p nucleus: an exact draw from the
+nucleus renormalised, as `torch.multinomial` would make (Gumbel-max trick). What this buys:
+- a rollout samples the same tokens whether it is decoded alone, with its group, with every group of a
+  batch, or in one half of a batch split after an out-of-memory error (up to float rounding of the logits);
+- no generator state: a CUDA graph can capture the whole decode step, and CPU and CUDA draw the same noise.
+Departure from the previous sampler (a `torch.Generator` per session): seeded runs sample other tokens
+than before. Greedy (T = 0) is an argmax, as before. The uniform draws have 24 bits: a token whose
+log-probability is ~20 nats below the best one's can never be drawn (a probability below 1e-8 ignored).
+Log-probs are those of `softmax(logits / T)`; top-p truncation is not folded in (what TRL recomputes).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Hashable
+
+MASK63 = (1 << 63) - 1
+_GOLDEN = -7046029254386353131  # 0x9e3779b97f4a7c15 as int64: odd, spreads consecutive counters
+_M1 = -4658895280553007687  # 0xbf58476d1ce4e5b9
+_M2 = -7723592293110705685  # 0x94d049bb133111eb
+_NOISE_BITS = 24
+
+
+def mix64(x: int) -> int:
+    """splitmix64's finaliser on a Python int (reference for `mix64_tensor`, and for seeds)."""
+    x &= (1 << 64) - 1
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return x ^ (x >> 31)
+
+
+def row_seed(seed: int, index: Hashable) -> int:
+    """A row's 63-bit seed from a base seed and the row's identity (an int, or any value via crc32 of repr)."""
+    salt = index if isinstance(index, int) else zlib.crc32(repr(index).encode())
+    return mix64(mix64(seed & ((1 << 64) - 1)) ^ (salt & ((1 << 64) - 1))) & MASK63
+
+
+def mix64_tensor(z):
+    """`mix64` on an int64 tensor: wrapping multiplies, logical right shifts (arithmetic ones, masked)."""
+    z = z ^ ((z >> 30) & ((1 << 34) - 1))
+    z = z * _M1
+    z = z ^ ((z >> 27) & ((1 << 37) - 1))
+    z = z * _M2
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
+
+
+def uniform_noise(seeds, positions, vocab: int):
+    """(rows, vocab) float32 uniforms in (0, 1) from int64 `seeds` and `positions` (rows,): pure functions."""
+    import torch
+
+    row = mix64_tensor(seeds ^ (positions * _GOLDEN))  # (rows,)
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64) * _GOLDEN
+    z = mix64_tensor(row[:, None] + ids[None, :])
+    bits = (z >> (64 - _NOISE_BITS)) & ((1 << _NOISE_BITS) - 1)
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << _NOISE_BITS))
+
+
+def sample_tokens(logits, sampling, seeds=None, positions=None):
+    """(token, log-prob under softmax(logits / T)) per row; greedy (argmax) when T == 0.
+
+    `seeds`, `positions`: int64 tensors (rows,) on the logits' device (the row's seed and the sampled
+    token's index in its sequence); needed when T > 0. Pure tensor ops, no host sync.
+    """
+    import torch
+
+    logits = logits.float()
+    if sampling.temperature == 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = logp.argmax(dim=-1)
+        return tok, logp.gather(1, tok[:, None]).squeeze(1)
+    logp = torch.log_softmax(logits / sampling.temperature, dim=-1)
+    scores = logp
+    if sampling.top_p < 1.0:
+        sorted_p, order = logp.exp().sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p > sampling.top_p  # keep the smallest set reaching top_p
+        drop = torch.zeros_like(drop).scatter(1, order, drop)
+        scores = logp.masked_fill(drop, float("-inf"))
+    gumbel = -torch.log(-torch.log(uniform_noise(seeds, positions, logits.shape[-1])))
+    tok = (scores + gumbel).argmax(dim=-1)
+    return tok, logp.gather(1, tok[:, None]).squeeze(1)

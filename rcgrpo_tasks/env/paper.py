@@ -1,0 +1,20 @@
+"""The RC-GRPO paper's reference numbers and the report's row names (arXiv 2602.03025, Table 1).
+
+Qwen2.5-7B-Instruct, BFCL v4 multi-turn, 80 held-out entries, overall accuracy (%). Only the cells the
+paper reports; every other row is n/a. A reference for the shape of the result, not a target for the
+embedded 135M model.
+"""
+
+from __future__ import annotations
+
+ROWS: tuple[tuple[str, str], ...] = (
+    ("base", "Base"), ("sft", "SFT"), ("rctp", "RCTP"), ("sft-grpo", "SFT+GRPO"),
+    ("sft-rc_grpo", "SFT+RC-GRPO"), ("rctp-grpo", "RCTP+GRPO"), ("rctp-rc_grpo", "RCTP+RC-GRPO"),
+)
+PAPER_TABLE1_OVERALL: dict[str, float] = {"base": 11.25, "sft-grpo": 48.75, "rctp-grpo": 73.75,
+                                          "rctp-rc_grpo": 85.00}
+
+
+def row_name(label: str) -> str:
+    """`rctp-rc_grpo` -> `RCTP+RC-GRPO`; unknown labels as they are."""
+    return dict(ROWS).get(label, label)

@@ -1,0 +1,401 @@
+"""THE input reader and output writer of the package: hostile lines become `file:line` errors, outputs
+appear all at once or not at all, and two writers of one output never both succeed.
+
+Reading (`read_jsonl*`, `read_json`): bytes are read with a per-line cap (`MAX_LINE_BYTES`), decoded as
+strict UTF-8 (a BOM on line 1 is accepted), parsed with the standard `json` module; invalid UTF-8, bad
+JSON, nesting deeper than the interpreter's recursion limit (`[[[...]]]`, which makes `json` raise
+RecursionError), a line over the cap, and a line that is not an object each become one
+`file:line: reason` error. Strict readers (`read_jsonl`, `read_jsonl_numbered(strict=True)`) raise
+InputError on the first bad line, before the caller has written anything; lenient ones return
+`(rows, errors)` so a scorer can keep every good line. OS errors (missing file, permissions, a folder)
+become InputError naming the path. NaN/Infinity are accepted, as Python's own `json.dumps` writes them.
+
+Writing (`atomic_outputs`, `atomic_path`, `atomic_dir`, `write_*`): every output is built in a temp
+sibling (same filesystem) and renamed into place when the body succeeds; `atomic_outputs` publishes
+several outputs together (datasets and metrics) and rolls the already-renamed ones back if a later rename
+fails. Each output holds an exclusive `fcntl` lock on `.<name>.lock` beside it while it is written, so a
+second process writing the same output fails at once with a message naming the holder's pid. OS errors
+(read-only folder, file too large, disk full) become OutputError naming the final path, not the temp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+MAX_LINE_BYTES = 64 << 20
+"""Longest JSONL line accepted (64 MiB): far above any trajectory row, far below a memory blow-up."""
+MAX_JSON_BYTES = 256 << 20
+"""Largest single JSON document `read_json` accepts."""
+_CHUNK = 1 << 20
+
+
+class InputError(ValueError):
+    """Bad input file; the message names the file (and line)."""
+
+
+class OutputError(InputError):
+    """An output could not be written (permissions, size, disk, a concurrent writer); names the path.
+
+    A subclass of InputError so every stage's existing `except InputError` exits 2 with the message."""
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# -- reading ---------------------------------------------------------------------------------------------
+
+def parse_json_bytes(raw: bytes, first: bool = False) -> tuple[object, str | None]:
+    """(value, None) or (None, reason) for one JSON document given as bytes; never raises on bad data."""
+    try:
+        text = raw.decode("utf-8-sig" if first else "utf-8")
+    except UnicodeDecodeError as exc:
+        return None, f"invalid UTF-8 at byte {exc.start}"
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as exc:
+        return None, f"invalid JSON ({exc.msg} at column {exc.colno})"
+    except RecursionError:
+        return None, "invalid JSON (nested too deeply)"
+
+
+def _open_input(path: Path):
+    """Open `path` for binary reading; every OS failure becomes InputError naming the path."""
+    if not path.exists():
+        raise InputError(f"{path}: file not found")
+    if path.is_dir():
+        raise InputError(f"{path}: is a folder, expected a file")
+    try:
+        return path.open("rb")
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+
+
+def _lines(fh, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, bytes) per line; bytes is None for a line longer than the cap (skipped unread)."""
+    lineno = 0
+    while True:
+        raw = fh.readline(max_line_bytes + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+            while (rest := fh.readline(_CHUNK)) and not rest.endswith(b"\n"):
+                pass  # drain the rest of the huge line in bounded chunks
+            yield lineno, None
+            continue
+        yield lineno, raw
+
+
+def scan_jsonl(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, dict | None, str | None]]:
+    """Stream `(line number, row, None)` for good lines and `(line number, None, "file:line: reason")` for
+    bad ones; blank lines are skipped. Raises InputError only when the file itself cannot be read."""
+    path = Path(path)
+    with _open_input(path) as fh:
+        try:
+            for lineno, raw in _lines(fh, max_line_bytes):
+                if raw is None:
+                    yield lineno, None, f"{path}:{lineno}: line longer than {max_line_bytes} bytes"
+                    continue
+                if not raw.strip():
+                    continue
+                row, reason = parse_json_bytes(raw, first=lineno == 1)
+                if reason is None and not isinstance(row, dict):
+                    reason = f"expected a JSON object, got {type(row).__name__}"
+                yield lineno, (row if reason is None else None), (f"{path}:{lineno}: {reason}" if reason else None)
+        except OSError as exc:  # e.g. EIO, or the file vanished under us
+            raise InputError(f"{path}: read failed ({exc.strerror or exc})") from exc
+
+
+def read_jsonl_numbered(path: str | Path, strict: bool = False,
+                        max_line_bytes: int = MAX_LINE_BYTES) -> tuple[list[tuple[int, dict]], list[str]]:
+    """((line number, row) pairs, `file:line: reason` errors). strict: raise InputError at the first bad
+    line instead (the caller has then written nothing). A missing/unreadable file raises InputError."""
+    rows: list[tuple[int, dict]] = []
+    errors: list[str] = []
+    for lineno, row, error in scan_jsonl(path, max_line_bytes):
+        if error is not None:
+            if strict:
+                raise InputError(error)
+            errors.append(error)
+        else:
+            rows.append((lineno, row))
+    return rows, errors
+
+
+def read_jsonl_lenient(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES) -> tuple[list[dict], list[str]]:
+    """(rows, errors): every bad line becomes a `file:line: reason` error; good lines still load."""
+    numbered, errors = read_jsonl_numbered(path, max_line_bytes=max_line_bytes)
+    return [row for _, row in numbered], errors
+
+
+def read_jsonl(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES) -> list[dict]:
+    """All rows of a JSONL file; the first bad line raises InputError naming file and line."""
+    return [row for _, row in read_jsonl_numbered(path, strict=True, max_line_bytes=max_line_bytes)[0]]
+
+
+def read_json(path: str | Path, max_bytes: int = MAX_JSON_BYTES, want: type | None = dict) -> object:
+    """One JSON document (a JSON object unless `want` says otherwise); any problem raises InputError
+    naming the file: missing, unreadable, too large, invalid UTF-8, invalid or too deeply nested JSON."""
+    path = Path(path)
+    with _open_input(path) as fh:
+        try:
+            raw = fh.read(max_bytes + 1)
+        except OSError as exc:
+            raise InputError(f"{path}: read failed ({exc.strerror or exc})") from exc
+    if len(raw) > max_bytes:
+        raise InputError(f"{path}: larger than {max_bytes} bytes")
+    value, reason = parse_json_bytes(raw, first=True)
+    if reason is not None:
+        raise InputError(f"{path}: {reason}")
+    if want is not None and not isinstance(value, want):
+        raise InputError(f"{path}: expected a JSON {want.__name__}, got {type(value).__name__}")
+    return value
+
+
+# -- writing ---------------------------------------------------------------------------------------------
+
+_HELD: dict[str, tuple[int, int]] = {}  # lock path -> (fd, depth): re-entrant within one process
+_TEMPS: dict[Path, Path] = {}  # staged temp -> its final output, so nested writers name the real path
+
+
+def public_path(path: str | Path) -> Path:
+    """`path` with any staged temp prefix replaced by the output it will become (for messages)."""
+    path = Path(path)
+    changed = True
+    while changed:
+        changed = False
+        for tmp, final in _TEMPS.items():
+            if path == tmp or tmp in path.parents:
+                path, changed = final / path.relative_to(tmp), True
+                break
+    return path
+
+
+def _write_error(path: Path, exc: OSError) -> OutputError:
+    """OutputError naming the final output path (never the temp) and the OS reason."""
+    path = public_path(path)
+    reason = exc.strerror or str(exc)
+    hint = {errno.EACCES: "no write permission", errno.EPERM: "no write permission",
+            errno.EROFS: "read-only filesystem", errno.EFBIG: "file too large (size limit)",
+            errno.ENOSPC: "disk full"}.get(exc.errno or -1)
+    return OutputError(f"cannot write {path}: {hint + ' - ' if hint else ''}{reason}")
+
+
+def lock_path(path: str | Path) -> Path:
+    """The lock file guarding output `path`: `.<name>.lock` in the same folder."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.lock")
+
+
+@contextlib.contextmanager
+def output_lock(path: str | Path) -> Iterator[Path]:
+    """Hold an exclusive lock on output `path` (re-entrant in this process). A second process gets an
+    OutputError at once naming the output and the holder's pid. The lock file is removed on release; the
+    inode check after `flock` makes that safe (a waiter that locked a just-removed file retries)."""
+    path = Path(path)
+    lock = lock_path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _write_error(path, exc) from exc
+    key = str(lock.resolve())
+    if key in _HELD:
+        fd, depth = _HELD[key]
+        _HELD[key] = (fd, depth + 1)
+        try:
+            yield lock
+        finally:
+            fd, depth = _HELD[key]
+            _HELD[key] = (fd, depth - 1)
+        return
+    try:
+        fd = _acquire(lock, path)
+    except OSError as exc:
+        raise _write_error(path, exc) from exc
+    _HELD[key] = (fd, 1)
+    try:
+        yield lock
+    finally:
+        del _HELD[key]
+        with contextlib.suppress(OSError):
+            lock.unlink()
+        os.close(fd)
+
+
+def _acquire(lock: Path, path: Path) -> int:
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise OutputError(f"{path} is being written by another process (pid {holder}, lock {lock}); "
+                              "two writers to one output are refused: wait for it or choose another output") from None
+        try:
+            same = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
+        os.close(fd)  # the previous holder removed the file between our open and flock: retry
+
+
+class OutputSet:
+    """Outputs staged by `atomic_outputs`: `file(path)` / `dir(path)` return the temp to write into."""
+
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        self._stack = stack
+        self.staged: list[tuple[Path, Path]] = []  # (final, temp)
+
+    def _stage(self, path: str | Path, make) -> Path:
+        path = Path(path)
+        if any(final == path for final, _ in self.staged):
+            raise ValueError(f"output {path} staged twice")
+        self._stack.enter_context(output_lock(path))
+        try:
+            tmp = Path(make(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        except OSError as exc:
+            raise _write_error(path, exc) from exc
+        self.staged.append((path, tmp))
+        _TEMPS[tmp] = path
+        return tmp
+
+    def file(self, path: str | Path) -> Path:
+        """Temp file (created empty) that becomes `path` on commit."""
+        def make(**kw):
+            fd, name = tempfile.mkstemp(**kw)
+            os.close(fd)
+            return name
+        return self._stage(path, make)
+
+    def dir(self, path: str | Path) -> Path:
+        """Temp folder (created empty) that replaces folder `path` on commit."""
+        return self._stage(path, tempfile.mkdtemp)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _commit(staged: list[tuple[Path, Path]]) -> None:
+    """Rename every temp into place; on any failure undo the renames already done and restore the old
+    outputs, so the set is published whole or not at all (barring a crash inside this loop)."""
+    mask = _umask()
+    done: list[tuple[Path, Path, Path | None]] = []  # (final, temp, backup of the old output)
+    try:
+        for final, tmp in staged:
+            if not tmp.exists():
+                raise FileNotFoundError(errno.ENOENT, "its temporary was removed before commit", str(tmp))
+            os.chmod(tmp, (0o777 if tmp.is_dir() else 0o666) & ~mask)  # mkstemp/mkdtemp are owner-only
+            backup = None
+            if final.exists() or final.is_symlink():
+                backup = final.with_name(f".{final.name}.old.{os.getpid()}")
+                _remove(backup)
+                os.replace(final, backup)
+            try:
+                os.replace(tmp, final)
+            except OSError:
+                if backup is not None:
+                    os.replace(backup, final)
+                raise
+            done.append((final, tmp, backup))
+    except OSError as exc:
+        failed = final
+        for final, tmp, backup in reversed(done):
+            with contextlib.suppress(OSError):
+                os.replace(final, tmp)
+                if backup is not None:
+                    os.replace(backup, final)
+        raise _write_error(failed, exc) from exc
+    for _, _, backup in done:
+        if backup is not None:
+            _remove(backup)
+
+
+def _translate(exc: OSError, staged: list[tuple[Path, Path]]) -> OutputError | None:
+    """An OSError from writing a temp, renamed to the output it belongs to (None: not ours)."""
+    name = str(exc.filename or "")
+    for final, tmp in staged:
+        if name and (name == str(tmp) or name.startswith(f"{tmp}{os.sep}")):
+            return _write_error(final, exc)
+    if not name and exc.errno in (errno.EFBIG, errno.ENOSPC, errno.EROFS, errno.EDQUOT):
+        return _write_error(Path(", ".join(str(public_path(f)) for f, _ in staged) or "output"), exc)
+    return None
+
+
+@contextlib.contextmanager
+def atomic_outputs() -> Iterator[OutputSet]:
+    """Stage several outputs and publish them together when the body succeeds:
+
+        with atomic_outputs() as out:
+            write_jsonl(out.file(dataset), rows)      # any writer works on the temp path
+            d = out.dir(folder); ...                  # a folder output
+            write_json(out.file(metrics), record)
+
+    The body's error (or a failed rename) leaves every previous output untouched and no temp behind.
+    OS errors name the final output path; a concurrent writer of any of the outputs gets OutputError."""
+    with contextlib.ExitStack() as stack:
+        outputs = OutputSet(stack)
+        try:
+            yield outputs
+            _commit(outputs.staged)
+        except OSError as exc:
+            translated = _translate(exc, outputs.staged)
+            if translated is None:
+                raise
+            raise translated from exc
+        finally:
+            for _, tmp in outputs.staged:
+                _TEMPS.pop(tmp, None)
+                if tmp.exists() or tmp.is_symlink():
+                    _remove(tmp)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temp file path next to `path`; on success rename it to `path`, on error delete it."""
+    with atomic_outputs() as out:
+        yield out.file(path)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yield a temp directory next to `path`; on success replace `path` with it, on error delete it."""
+    with atomic_outputs() as out:
+        yield out.dir(path)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_json(path: str | Path, obj: object) -> None:
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def write_jsonl(path: str | Path, rows: Iterable[dict]) -> int:
+    n = 0
+    with atomic_path(path) as tmp, tmp.open("w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+            n += 1
+    return n

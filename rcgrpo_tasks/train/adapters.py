@@ -1,0 +1,258 @@
+"""Trainable reward tokens on PEFT adapters: add them, train through TRL, save small, load back.
+
+Shared by the sft stage (training), controllability / RL / evaluate (loading) and the bench:
+- `add_special_tokens`: reward tokens (and any extra) as special tokens with single ids; embeddings grown;
+  their rows start at the old rows' mean (`mean_resizing`) or apart from each other (`apart_rows`).
+- `token_lr_groups` / `scale_row_updates`: the token rows' own learning rate (`token_lr_multiplier`).
+- `load_logged_model(uri)`: `rcgrpo_tasks.engine.models.load_trained` (THE loader of an sft-stage output)
+  for an adapter logged to MLflow.
+- `small_adapter_saves`: adapters without PEFT's copy of the resized embedding matrices (the trained rows
+  are in the adapter as trainable tokens); `log_model`: the adapter as an `mlflow.transformers` model.
+- `compact_head_loss`, `expose_head_bias`: the CPU loss path and a PEFT/TRL compatibility shim.
+Heavy imports (torch, transformers, peft, mlflow) happen inside the functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from pathlib import Path
+
+from rcgrpo_tasks.engine.models import load_trained
+from rcgrpo_tasks.ops.tracking import TrackingError
+
+REWARD_TOKEN_INITS = ("mean_resizing", "apart")
+
+
+def add_special_tokens(tokenizer, model, tokens: tuple[str, ...], seed: int = 0, init: str = "mean_resizing",
+                       levels: tuple[str, ...] = ()) -> list[int]:
+    """Add `tokens` as special tokens (single ids), grow the embeddings if needed; returns their ids.
+
+    New rows are drawn from the old rows' mean and covariance (transformers' `mean_resizing`) under `seed`,
+    so a run and its resumption start from the same rows. `init="apart"` then overwrites the rows of the
+    tokens this call added (input and, when untied, output embeddings) with `apart_rows`: `levels` (the
+    reward tokens, lowest first) spread along one direction, any other added token on its own direction."""
+    import torch
+
+    if init not in REWARD_TOKEN_INITS:
+        raise ValueError(f"reward_token_init must be one of {REWARD_TOKEN_INITS}, got {init!r}")
+    old_vocab = len(tokenizer)
+    new = [t for t in tokens if t not in tokenizer.get_vocab()]
+    if new:
+        tokenizer.add_special_tokens({"extra_special_tokens": new}, replace_extra_special_tokens=False)
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]
+    for tok, i in zip(tokens, ids):
+        if tokenizer(tok, add_special_tokens=False)["input_ids"] != [i]:
+            raise RuntimeError(f"{tok} does not encode to the single id {i}")
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        # Never shrink: Qwen-style checkpoints carry spare rows beyond the tokenizer.
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model.resize_token_embeddings(len(tokenizer))
+    if init == "apart" and new:
+        order = [t for t in levels if t in new] + [t for t in new if t not in levels]
+        n_levels = sum(t in levels for t in new)
+        rows = [tokenizer.convert_tokens_to_ids(t) for t in order]
+        generator = torch.Generator().manual_seed(seed)
+        matrices = {id(m.weight): m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings())
+                    if m is not None}  # tied embeddings: one matrix
+        with torch.no_grad():
+            for weight in matrices.values():
+                values = apart_rows(weight[:old_vocab], n_levels, len(rows) - n_levels, generator)
+                weight[rows] = values.to(weight.dtype)
+    return ids
+
+
+def apart_rows(old, n_levels: int, n_other: int, generator):
+    """(n_levels + n_other, d) embedding rows for new tokens that start apart from each other.
+
+    Why: `mean_resizing` puts every new row at the old rows' mean (its covariance is scaled by 1e-9), so
+    `<|low_reward|>` and `<|high_reward|>` start as the same vector (cosine ~1) and the model first has to
+    learn to tell them apart; issue 17 measured no gap after RCTP. Here each row sits at the typical
+    distance `r` of a real token from the mean mu (r = RMS of |e_i - mu| over the old rows `old` (V, d)), so
+    no new token is louder or quieter than a real one:
+    - levels: mu + s_j * r * u, s_j evenly spaced in [-1, 1] (lowest level -1, highest +1; two levels are
+      antipodal: cosine (|mu|^2 - r^2) / (|mu|^2 + r^2), about -1 when r >> |mu|, as in trained models);
+    - other tokens: mu + r * v_k, each v_k its own direction.
+    Directions are drawn from the old rows' own spread (a random combination of the centred rows, i.e. a
+    sample of N(0, Cov)), so they point where real tokens differ, not into directions the network never
+    reads; then made orthogonal to mu and to each other and normalised. Seeded by `generator`.
+    """
+    import torch
+
+    rows = old.detach().float()
+    mu = rows.mean(0)
+    centred = rows - mu
+    r = centred.pow(2).sum(1).mean().sqrt()
+    basis = [mu / mu.norm().clamp_min(1e-12)]
+    directions = []
+    for _ in range(int(n_levels > 0) + n_other):
+        v = centred.T @ torch.randn(rows.shape[0], generator=generator)
+        for b in basis:  # Gram-Schmidt against the mean and the earlier directions
+            v = v - (v @ b) * b
+        v = v / v.norm().clamp_min(1e-12)
+        basis.append(v)
+        directions.append(v)
+    out = []
+    if n_levels:
+        u = directions.pop(0)
+        steps = torch.linspace(-1.0, 1.0, n_levels) if n_levels > 1 else torch.ones(1)
+        out += [mu + s * r * u for s in steps]
+    out += [mu + r * v for v in directions]
+    return torch.stack(out) if out else rows[:0]
+
+
+def trainable_token_params(model) -> list:
+    """The PEFT trainable-token rows of `model` (`trainable_tokens_delta` parameters that require grad;
+    with tied embeddings the head shares the input's, listed once)."""
+    seen, out = set(), []
+    for name, param in model.named_parameters():
+        if "trainable_tokens_delta" in name and param.requires_grad and id(param) not in seen:
+            seen.add(id(param))
+            out.append(param)
+    return out
+
+
+def token_lr_groups(optimizer, params: list, multiplier: float) -> None:
+    """Move `params` out of the optimizer's groups into groups of their own with `lr` x `multiplier` (each
+    keeps the rest of its former group's settings, e.g. weight decay). Call it on a fresh optimizer, before
+    the learning-rate scheduler is built: the scheduler then scales every group's own initial lr."""
+    wanted = {id(p) for p in params}
+    extra = []
+    for group in optimizer.param_groups:
+        moved = [p for p in group["params"] if id(p) in wanted]
+        if moved:
+            group["params"] = [p for p in group["params"] if id(p) not in wanted]
+            extra.append({**{k: v for k, v in group.items() if k != "params"}, "params": moved,
+                          "lr": group["lr"] * multiplier, "rcgrpo_token_rows": True})
+    for group in extra:
+        optimizer.add_param_group(group)
+
+
+def scale_row_updates(optimizer, weights: list, rows: list[int], multiplier: float) -> None:
+    """Full fine-tuning: make every optimizer step move `rows` of each matrix in `weights` `multiplier`
+    times as far (the token rows live inside the embedding matrix, so they cannot have a group of their own).
+
+    Why the step and not the gradient: Adam normalises the gradient, so scaling it barely changes the
+    update. The step of AdamW (and Adam, SGD) on a row is lr x (direction from optimizer state + decoupled
+    decay), and the optimizer state does not depend on lr, so multiplying each step's change of the rows
+    by k is exactly training those rows at k x lr. Hooks on the optimizer: the rows are saved before each
+    step and their change is scaled after it (a step skipped by the fp16 scaler runs neither)."""
+    import torch
+
+    saved: list = []
+    index = torch.tensor(rows, dtype=torch.long)
+
+    def before(opt, args, kwargs):
+        saved[:] = [w.detach()[index.to(w.device)].clone() for w in weights]
+
+    def after(opt, args, kwargs):
+        with torch.no_grad():
+            for w, old in zip(weights, saved):
+                i = index.to(w.device)
+                w[i] = old + multiplier * (w[i] - old)
+        saved.clear()
+
+    optimizer.register_step_pre_hook(before)
+    optimizer.register_step_post_hook(after)
+
+
+def compact_head_loss(trainer, model, inputs: dict, num_items_in_batch=None):
+    """Token-mean NLL projecting only the labelled (assistant) positions through the LM head.
+
+    TRL's fused head scores every position on devices without Triton; assistant tokens are a small share
+    of these chats (long system prompts and tool outputs), so this skips most of the 49k-wide head work.
+    Same loss and the same logged metrics (entropy, token accuracy, token count) as TRL's path.
+    """
+    import torch
+    from peft import PeftModel
+
+    inner = trainer.accelerator.unwrap_model(model)
+    hf = inner.get_base_model() if isinstance(inner, PeftModel) else inner
+    backbone = getattr(hf, hf.base_model_prefix)
+    kwargs = {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids") if k in inputs}
+    target = inputs["labels"][:, 1:]
+    mask = target != -100
+    with trainer.accelerator.autocast():
+        hidden = backbone(**kwargs, use_cache=False).last_hidden_state[:, :-1]
+        logits = hf.get_output_embeddings()(hidden[mask])
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    tgt = target[mask]
+    nll = -logp.gather(-1, tgt[:, None]).squeeze(-1)
+    denom = num_items_in_batch if num_items_in_batch is not None else mask.sum().clamp(min=1)
+    loss = nll.sum() / denom
+    with torch.no_grad():
+        n = max(int(mask.sum()), 1)
+        metrics = trainer._metrics["train"]
+        metrics["entropy"].append(float(-(logp.exp() * logp).sum() / n))
+        metrics["mean_token_accuracy"].append(float((logp.argmax(-1) == tgt).sum() / n))
+        seen = inputs["attention_mask"].sum() if "attention_mask" in inputs else inputs["position_ids"].size(1)
+        trainer._total_train_tokens += int(seen)
+        metrics["num_tokens"] = [trainer._total_train_tokens]
+    return loss
+
+
+@contextlib.contextmanager
+def small_adapter_saves(model, tokenizer=None):
+    """Make `model.save_pretrained` (as called by Trainer checkpoints and mlflow) skip PEFT's full copy of
+    the resized embedding matrices: the special-token rows are in the adapter already (trainable tokens).
+    With `tokenizer`, every save also writes it next to the adapter."""
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        yield
+        return
+    original = model.save_pretrained
+
+    @functools.wraps(original)
+    def save_pretrained(path, *args, **kwargs):
+        original(path, *args, **{**kwargs, "save_embedding_layers": False})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+
+    model.save_pretrained = save_pretrained
+    try:
+        yield
+    finally:
+        del model.save_pretrained
+
+
+def expose_head_bias(model) -> None:
+    """TRL's fused LM head reads `lm_head.weight` and `lm_head.bias`; PEFT's trainable-tokens wrapper
+    serves `.weight` (merged with the trained rows) but raises on `.bias`. Give it the base layer's bias."""
+    head = model.get_output_embeddings()
+    adapter = getattr(head, "token_adapter", None)
+    if adapter is not None and "bias" not in vars(head):
+        head.bias = getattr(adapter.base_layer, "bias", None)
+
+
+def log_model(model, tokenizer, model_dir: Path) -> None:
+    """The PEFT model as an `mlflow.transformers` model referencing the LOCAL base folder (loads offline).
+
+    Load it back with `load_logged_model(uri)`: the base needs its embeddings grown to the adapter's
+    tokenizer first, which mlflow's own loader does not do (its `peft/` folder is a `load_trained` folder).
+    """
+    import importlib.metadata as md
+
+    import mlflow
+
+    # Explicit requirements: mlflow's inference would pin torchvision, which this CPU stack does not have.
+    reqs = [f"{p}=={md.version(p)}" for p in ("torch", "transformers", "peft", "accelerate")]
+    try:
+        with small_adapter_saves(model, tokenizer):
+            mlflow.transformers.log_model(
+                transformers_model={"model": model, "tokenizer": tokenizer}, name="model", task="text-generation",
+                base_model_path=str(Path(model_dir).resolve()), pip_requirements=reqs)
+    except Exception as exc:
+        raise TrackingError(f"MLflow log_model (transformers, PEFT) failed: {exc}") from exc
+
+
+def load_logged_model(model_uri: str, dtype: str = "float32"):
+    """(model, tokenizer) from an MLflow model logged by `log_model` (e.g. `runs:/<id>/model`)."""
+    import mlflow
+    import yaml
+
+    local = Path(mlflow.artifacts.download_artifacts(model_uri))
+    flavor = yaml.safe_load((local / "MLmodel").read_text())["flavors"]["transformers"]
+    base = flavor.get("model_local_base") or flavor.get("source_model_name")
+    return load_trained(base, local / flavor.get("peft_adaptor", "peft"), dtype=dtype)

@@ -1,0 +1,430 @@
+"""SFT / RCTP fine-tuning on TRL's `SFTTrainer` + PEFT LoRA: the config, the rows, the trainer (the sft stage
+runs it; docs/training.md).
+
+- `SftConfig` (params.yaml `sft`, per-variant overrides via `resolve`); `SftRun` (one run's paths).
+- Rows: `load_rows` validates a label_rewards chat dataset; `balanced_order` interleaves reward tokens;
+  `tokenize_rows` pre-tokenizes with THE assistant-token mask (`data.chat.assistant_token_mask`): SmolLM2's
+  template has no `{% generation %}` markers, so TRL gets `input_ids` + `assistant_masks`.
+- `build_trainer`: base + reward tokens as special tokens (embeddings grown; rows at the mean or apart,
+  `reward_token_init`) + LoRA whose `trainable_token_indices` train those rows, on the resolved device;
+  `RcgrpoSFTTrainer` adds trained tokens/s to the logs, the token rows' own learning rate
+  (`token_lr_multiplier`), the CPU loss path over assistant positions only (`adapters.compact_head_loss`)
+  and small adapter saves.
+- `save_trained` writes the adapter (or full model) + tokenizer atomically; `curve` / `summarize` the results.
+CPU speed: bf16 autocast where the CPU has native bf16, no gradient checkpointing (TRL's default turns it
+on), the LM head on assistant positions only (TRL's fused head scores every position off-GPU);
+bench/sft_throughput.py measures it. Departure from the paper: LoRA (+ trainable reward-token rows)
+instead of full fine-tuning by default.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from rcgrpo_tasks.data.chat import assistant_token_mask
+from rcgrpo_tasks.env.protocols import format_reward_goal
+from rcgrpo_tasks.ops.config import ConfigError, as_dict, from_dict
+from rcgrpo_tasks.ops.io import InputError, atomic_dir, read_jsonl, write_json
+from rcgrpo_tasks.train import runs
+from rcgrpo_tasks.train.adapters import (
+    REWARD_TOKEN_INITS,
+    add_special_tokens,
+    compact_head_loss,
+    expose_head_bias,
+    scale_row_updates,
+    small_adapter_saves,
+    token_lr_groups,
+    trainable_token_params,
+)
+
+META_FILE = "rcgrpo_sft.json"
+"""Written into every output folder: stage, variant, base model, special-token ids, config, input hashes."""
+ROLES = {"system", "user", "assistant", "tool"}
+PLOT_COLUMNS = ("step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_s", "num_tokens",
+                "mean_token_accuracy", "entropy")
+
+
+@dataclass(frozen=True)
+class SftConfig:
+    learning_rate: float = 2e-4
+    """Peak learning rate (AdamW). The paper: 1e-5 with full fine-tuning of a 7B model."""
+    num_epochs: float = 1.0
+    """Passes over the dataset (the paper: 2 for SFT, 5 for RCTP); `max_steps` > 0 caps it."""
+    max_steps: int = -1
+    """Optimizer steps; > 0 overrides `num_epochs` (the embedded CPU budget)."""
+    batch_size: int = 2
+    """Sequences per device per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (effective batch = batch_size x grad_accum x devices)."""
+    max_length: int = 1024
+    """Tokens per sequence; longer chats are cut at the end, rows left without assistant tokens dropped."""
+    max_examples: int | None = None
+    """Train on this many rows (seeded, round-robin over reward tokens, skipping rows that do not fit
+    `max_length`); None = all."""
+    warmup_ratio: float = 0.0
+    """Fraction of steps of linear warm-up."""
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    """Learning-rate schedule after warm-up."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm."""
+    seed: int = 0
+    """Seed of the data order, LoRA init and dropout."""
+    full_finetune: bool = False
+    """Train every weight (GPU, accelerate/DeepSpeed) instead of LoRA; output is a full model folder."""
+    lora_r: int = 16
+    """LoRA rank."""
+    lora_alpha: int = 32
+    """LoRA scaling numerator (scale = alpha / r)."""
+    lora_dropout: float = 0.05
+    """Dropout on the LoRA input."""
+    lora_target_modules: tuple[str, ...] = runs.LORA_TARGETS
+    """Module names that get LoRA (or ("all-linear",))."""
+    extra_special_tokens: tuple[str, ...] = ()
+    """Special tokens added besides the reward tokens of `label_rewards.tokens`."""
+    reward_token_init: Literal["mean_resizing", "apart"] = "mean_resizing"
+    """Rows of the added tokens: `mean_resizing` = at the old rows' mean (transformers; the reward tokens
+    start as one vector), `apart` = spread apart at a real token's distance from the mean
+    (`adapters.apart_rows`, seeded by `seed`)."""
+    token_lr_multiplier: float = 1.0
+    """Learning rate of the added tokens' rows = this x `learning_rate` (LoRA: their own optimizer group;
+    full fine-tuning: their steps scaled, `adapters.scale_row_updates`). 1.0 = one lr for everything."""
+    require_reward_token: bool = False
+    """Every row must carry a reward token (RCTP) — guards against training RCTP on the SFT file."""
+    bf16: bool | None = None
+    """bf16 autocast; None = where supported (GPU, or a CPU with AVX512-BF16/AMX)."""
+    model_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype the base weights are loaded in (bf16 halves memory; LoRA weights stay float32)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward: less memory, slower; only when memory demands it."""
+    padding_free: bool = False
+    """Flatten each batch into one sequence (no padding; block-diagonal attention)."""
+    compact_lm_head: bool = True
+    """On CPU, project only assistant positions through the LM head (TRL scores all of them there)."""
+    save_steps: int = 10
+    """Checkpoint every this many optimizer steps (resume point)."""
+    save_total_limit: int = 2
+    """Checkpoints kept (2: a checkpoint being written when killed never leaves zero complete ones)."""
+    keep_checkpoints: bool = False
+    """Keep the checkpoints after a successful run (default: delete them, the adapter is the output)."""
+    logging_steps: int = 1
+    """Log loss / lr / grad norm / tokens/s every this many steps."""
+    deepspeed: str | None = None
+    """DeepSpeed JSON config (e.g. configs/ds_zero3.json) when launched with `accelerate launch`/torchrun."""
+    log_model: bool = True
+    """Log the final adapter to MLflow with `mlflow.transformers` (base = the local model folder)."""
+    variants: dict = field(default_factory=dict)
+    """Per-variant overrides, e.g. {rctp: {num_epochs: 5, require_reward_token: true}}."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.learning_rate > 0 and math.isfinite(self.learning_rate), f"learning_rate must be > 0, got {self.learning_rate}"),
+            (self.num_epochs > 0 or self.max_steps > 0, "num_epochs must be > 0 (or set max_steps > 0)"),
+            (self.max_steps == -1 or self.max_steps > 0, f"max_steps must be -1 or > 0, got {self.max_steps}"),
+            (self.batch_size >= 1 and self.grad_accum >= 1, "batch_size and grad_accum must be >= 1"),
+            (self.max_length >= 16, f"max_length must be >= 16, got {self.max_length}"),
+            (self.max_examples is None or self.max_examples >= 1, "max_examples must be >= 1 or null"),
+            (0 <= self.warmup_ratio < 1, f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}"),
+            (self.weight_decay >= 0 and self.max_grad_norm > 0, "weight_decay >= 0 and max_grad_norm > 0 required"),
+            (self.lora_r >= 1, f"lora_r (LoRA rank) must be >= 1, got {self.lora_r}"),
+            (self.lora_alpha > 0, f"lora_alpha must be > 0, got {self.lora_alpha}"),
+            (0 <= self.lora_dropout < 1, f"lora_dropout must be in [0, 1), got {self.lora_dropout}"),
+            (bool(self.lora_target_modules), "lora_target_modules must not be empty"),
+            (self.save_steps >= 1 and self.save_total_limit >= 1 and self.logging_steps >= 1,
+             "save_steps, save_total_limit and logging_steps must be >= 1"),
+            (all(isinstance(v, dict) for v in self.variants.values()), "variants: each value must be a mapping"),
+            (self.reward_token_init in REWARD_TOKEN_INITS, f"reward_token_init must be one of {REWARD_TOKEN_INITS}"),
+            (self.token_lr_multiplier > 0 and math.isfinite(self.token_lr_multiplier),
+             f"token_lr_multiplier must be > 0, got {self.token_lr_multiplier}"),
+            (self.token_lr_multiplier == 1.0 or not (self.full_finetune and self.deepspeed),
+             "token_lr_multiplier != 1 with full_finetune needs whole embedding rows: not under DeepSpeed"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    def resolve(self, variant: str) -> SftConfig:
+        """This config with `variants[variant]` applied (validated like the base section)."""
+        if variant not in self.variants:
+            raise ConfigError(f"sft: unknown variant {variant!r}; configured: {sorted(self.variants)}")
+        merged = {**as_dict(self), **self.variants[variant], "variants": {}}
+        return from_dict(SftConfig, merged, where=f"sft.variants.{variant}")
+
+
+@dataclass(frozen=True)
+class SftRun(runs.RunSpec):
+    """One sft run: the variant and its paths (CLI arguments; `dvc.yaml` foreach varies them)."""
+
+    variant: str
+    model_dir: Path
+    data: Path
+    out: Path
+    checkpoints: Path
+    metrics: Path | None = None
+    plots: Path | None = None
+
+    def check(self) -> None:
+        """Inputs exist — checked before anything heavy is imported or trained."""
+        if not (Path(self.model_dir) / "config.json").is_file():
+            raise InputError(f"--model-dir {self.model_dir}: no config.json (run `dvc repro prepare_model`)")
+        if not Path(self.data).is_file():
+            raise InputError(f"--data {self.data}: dataset not found (run `dvc repro label_rewards`)")
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+def _row_error(row: Any, tokens: set[str], require_token: bool) -> str | None:
+    msgs = row.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        return "`messages` must be a non-empty list"
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            return f"messages[{i}] must be {{role: one of {sorted(ROLES)}, content: str}}"
+    if not any(m["role"] == "assistant" for m in msgs):
+        return "no assistant message (nothing to learn)"
+    token = row.get("reward_token")
+    if token is None:
+        return "`reward_token` missing (this variant trains on reward-conditioned rows)" if require_token else None
+    if token not in tokens:
+        return f"reward_token {token!r} is not a configured token {sorted(tokens)} (label_rewards.tokens)"
+    first = next((m for m in msgs if m["role"] == "user"), None)
+    if first is None or not first["content"].endswith(format_reward_goal(token)):
+        return f"first user message does not end with the reward goal for {token}"
+    return None
+
+
+def load_rows(path: str | Path, tokens: tuple[str, ...], require_token: bool) -> list[dict]:
+    """Validated rows of a label_rewards dataset; the first bad row raises InputError naming file:line."""
+    path = Path(path)
+    rows = read_jsonl(path)
+    if not rows:
+        raise InputError(f"{path}: dataset is empty")
+    for lineno, row in enumerate(rows, 1):
+        error = _row_error(row, set(tokens), require_token)
+        if error:
+            raise InputError(f"{path}: row {lineno}: {error}")
+    return rows
+
+
+def balanced_order(rows: list[dict], seed: int) -> list[dict]:
+    """All rows, shuffled (seeded) and interleaved round-robin over reward tokens, so any prefix keeps
+    RCTP's balance."""
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(str(row.get("reward_token")), []).append(row)
+    rng = random.Random(seed)
+    for key in sorted(groups):
+        rng.shuffle(groups[key])
+    out: list[dict] = []
+    while any(groups.values()):
+        for key in sorted(groups):
+            if groups[key]:
+                out.append(groups[key].pop())
+    return out
+
+
+def tokenize_rows(rows: list[dict], tokenizer, max_length: int, limit: int | None = None
+                  ) -> tuple[list[dict], dict]:
+    """Pre-tokenized TRL rows `{input_ids, assistant_masks}` cut to max_length, and token statistics.
+
+    Rows left without an assistant token by the cut are skipped; with `limit`, stops at that many usable
+    rows (so a budget of N examples trains on N, not on N minus the ones that did not fit).
+    """
+    out, lengths, dropped, cut = [], [], 0, 0
+    for row in rows:
+        if limit is not None and len(out) >= limit:
+            break
+        ids, mask = assistant_token_mask(tokenizer, row["messages"])
+        lengths.append(len(ids))
+        if len(ids) > max_length:
+            cut += 1
+            ids, mask = ids[:max_length], mask[:max_length]
+        if not any(mask):
+            dropped += 1
+            continue
+        out.append({"input_ids": ids, "assistant_masks": mask})
+    stats = {"rows": len(rows), "rows_seen": len(lengths), "rows_used": len(out), "rows_truncated": cut,
+             "rows_dropped_no_assistant": dropped, "tokens": sum(len(r["input_ids"]) for r in out),
+             "assistant_tokens": sum(sum(r["assistant_masks"]) for r in out),
+             "length_mean": round(sum(lengths) / len(lengths), 1), "length_max": max(lengths)}
+    if not out:
+        raise InputError(f"no row keeps an assistant token within max_length={max_length} "
+                         f"(longest chat {stats['length_max']} tokens): raise sft.max_length")
+    return out, stats
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+
+
+def lora_config(cfg: SftConfig, model, token_ids: list[int]):
+    """LoRA on `lora_target_modules` + the special-token rows as PEFT trainable tokens.
+
+    Tied embeddings (SmolLM2): the input rows, tied into the LM head by PEFT. Untied (Qwen): the rows of
+    both the input embedding and the LM head, so the saved adapter restores them exactly on load.
+    """
+    from peft import LoraConfig
+
+    tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
+    if tied:
+        indices: list[int] | dict[str, list[int]] = list(token_ids)
+    else:
+        names = {id(m): n for n, m in model.named_modules()}
+        indices = {names[id(model.get_input_embeddings())].split(".")[-1]: list(token_ids),
+                   names[id(model.get_output_embeddings())].split(".")[-1]: list(token_ids)}
+    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=runs.lora_targets(cfg.lora_target_modules), trainable_token_indices=indices,
+                      task_type="CAUSAL_LM")
+
+
+def trainer_args(cfg: SftConfig, ckpt_dir: Path, bf16: bool, device=None):
+    """TRL `SFTConfig` of a run: checkpoints under `ckpt_dir`, no reporting (MLflow goes through callbacks),
+    on `device` (`runs.train_device`; None = CUDA when available)."""
+    from trl import SFTConfig
+
+    return SFTConfig(
+        output_dir=str(ckpt_dir), learning_rate=cfg.learning_rate, num_train_epochs=cfg.num_epochs,
+        max_steps=cfg.max_steps, per_device_train_batch_size=cfg.batch_size,
+        gradient_accumulation_steps=cfg.grad_accum, lr_scheduler_type=cfg.lr_scheduler,
+        warmup_steps=cfg.warmup_ratio, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+        seed=cfg.seed, data_seed=cfg.seed, bf16=bf16, gradient_checkpointing=cfg.gradient_checkpointing,
+        max_length=None if cfg.padding_free else cfg.max_length, padding_free=cfg.padding_free,
+        logging_steps=cfg.logging_steps, save_strategy="steps", save_steps=cfg.save_steps,
+        save_total_limit=cfg.save_total_limit, report_to=[], use_cpu=runs.use_cpu(device),
+        deepspeed=cfg.deepspeed, disable_tqdm=True, dataloader_num_workers=0,
+    )
+
+
+class RcgrpoSFTTrainerMixin:
+    """SFTTrainer that also logs trained tokens/s (tokens of the batches since the last log / wall time),
+    computes the CPU loss over assistant positions only (`compact_lm_head`) and saves small adapters."""
+
+    compact_lm_head = True
+    token_lr: tuple[float, list[int]] = (1.0, [])
+    """(multiplier, token ids): the added tokens' rows train at multiplier x lr (`SftConfig.token_lr_multiplier`)."""
+
+    def create_optimizer(self, model=None):
+        fresh = self.optimizer is None
+        optimizer = super().create_optimizer(model)
+        multiplier, ids = self.token_lr
+        if fresh and multiplier != 1.0 and ids:
+            inner = self.accelerator.unwrap_model(model if model is not None else self.model)
+            params = trainable_token_params(inner)
+            if params:  # LoRA: PEFT's trainable-token rows are parameters of their own
+                token_lr_groups(optimizer, params, multiplier)
+            else:  # full fine-tuning: rows of the (input and, if untied, output) embedding matrices
+                mats = {id(m.weight): m.weight for m in (inner.get_input_embeddings(), inner.get_output_embeddings())
+                        if m is not None and m.weight.requires_grad}
+                scale_row_updates(optimizer, list(mats.values()), ids, multiplier)
+        return optimizer
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        now = time.perf_counter()
+        if "loss" in logs and self.model.training:
+            last_t, last_n = getattr(self, "_rcgrpo_tick", (self._rcgrpo_t0, 0))
+            tokens = self._total_train_tokens
+            logs["tokens_per_s"] = (tokens - last_n) / max(now - last_t, 1e-9)
+            self._rcgrpo_tick = (now, tokens)
+        super().log(logs, start_time)
+
+    def train(self, *args, **kwargs):
+        self._rcgrpo_t0 = time.perf_counter()
+        return super().train(*args, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs or not self.model.training or not self._compact_head():
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return compact_head_loss(self, model, inputs, num_items_in_batch)
+
+    def _compact_head(self) -> bool:
+        # Off-CPU TRL's Triton kernel already scores only the labelled positions; under DDP/DeepSpeed the
+        # forward must go through the wrapped module.
+        return (self.compact_lm_head and self.accelerator.num_processes == 1 and not self.is_deepspeed_enabled
+                and self.accelerator.device.type == "cpu")
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        with small_adapter_saves(self.accelerator.unwrap_model(self.model)):
+            super()._save(output_dir, state_dict)
+
+
+def build_trainer(cfg: SftConfig, model_dir: Path, rows: list[dict], tokens: tuple[str, ...], ckpt_dir: Path,
+                  callbacks: list | None = None, device=None):
+    """(trainer, tokenizer, special-token ids, data stats): base + added tokens + LoRA, ready to train on
+    `device` (None = CUDA when available). The reward tokens are `tokens` minus `cfg.extra_special_tokens`,
+    lowest first (`reward_token_init: apart` spreads them in that order)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # first: under ZeRO-3 the model loads sharded
+    args = trainer_args(cfg, ckpt_dir, runs.resolve_bf16(cfg.bf16, device), device)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, cfg.model_dtype))
+    levels = tuple(t for t in tokens if t not in cfg.extra_special_tokens)
+    token_ids = add_special_tokens(tokenizer, model, tokens, cfg.seed, cfg.reward_token_init, levels)
+    train_rows, stats = tokenize_rows(rows, tokenizer, cfg.max_length, cfg.max_examples)
+    peft_config = None if cfg.full_finetune else lora_config(cfg, model, token_ids)
+    trainer = runs.lazy_subclass(RcgrpoSFTTrainerMixin, "trl.SFTTrainer")(
+        model=model, args=args, processing_class=tokenizer,
+        train_dataset=Dataset.from_list(train_rows), peft_config=peft_config, callbacks=callbacks or [])
+    expose_head_bias(trainer.model)
+    trainer.compact_lm_head = cfg.compact_lm_head
+    trainer.token_lr = (cfg.token_lr_multiplier, list(token_ids))
+    return trainer, tokenizer, token_ids, stats
+
+
+def fingerprint(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun) -> str:
+    """Params + tokens + input contents + this training code: checkpoints resume only under the same one."""
+    return runs.fingerprint(cfg, tokens=tokens, variant=spec.variant, code=Path(__file__),
+                            data=Path(spec.data), model=Path(spec.model_dir))
+
+
+# ---------------------------------------------------------------------------------------------- results
+
+
+def save_trained(trainer, out: Path, meta: dict) -> None:
+    """Atomically write the adapter (or full model) + tokenizer + `meta` (META_FILE). Every process calls it:
+    under DeepSpeed it is collective."""
+    staging = out.with_name(f".{out.name}.staging")
+    main = trainer.accelerator.is_main_process
+    if main and staging.exists():
+        shutil.rmtree(staging)
+    trainer.accelerator.wait_for_everyone()
+    trainer.save_model(str(staging))  # gathers ZeRO-3 shards; saves the tokenizer; small adapter (_save)
+    if main:
+        (staging / "training_args.bin").unlink(missing_ok=True)
+        write_json(staging / META_FILE, meta)
+        with atomic_dir(out) as tmp:
+            tmp.rmdir()
+            staging.rename(tmp)
+
+
+def curve(log_history: list[dict]) -> list[dict]:
+    """Per-step training rows (PLOT_COLUMNS, the `dvc plots` TSV) from the Trainer's log history (it
+    survives a resume)."""
+    rows = {}
+    for entry in log_history:
+        if "loss" in entry and "step" in entry:
+            rows[entry["step"]] = {c: entry.get(c) for c in PLOT_COLUMNS}
+    return [rows[k] for k in sorted(rows)]
+
+
+def summarize(trainer, result, stats: dict, rows: list[dict], seconds: float) -> dict:
+    """Run summary: steps, epochs, loss (mean of the first / last fifth of the logged steps), tokens/s (the
+    first log, which includes warm-up, left out), wall time, trainable parameters, data statistics."""
+    losses = [r["loss"] for r in rows if r.get("loss") is not None]
+    speeds = [r["tokens_per_s"] for r in rows[1:] if r.get("tokens_per_s")]
+    k = max(1, len(losses) // 5)
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    return {"steps": trainer.state.global_step, "epochs": round(trainer.state.epoch or 0.0, 4),
+            "train_loss": result.training_loss, "loss_first": sum(losses[:k]) / k if losses else None,
+            "loss_last": sum(losses[-k:]) / k if losses else None,
+            "tokens_per_s": sum(speeds) / len(speeds) if speeds else None, "train_s": round(seconds, 2),
+            "trainable_params": trainable, "data": stats}

@@ -1,0 +1,340 @@
+"""GRPO / RC-GRPO settings and the rollout function TRL calls: multi-turn BFCL episodes on the project engine.
+
+- `RLConfig` (params.yaml `rl`) and `check_world` (groups must not straddle processes).
+- `train_entries`: the train-split entries a run samples from (`env.entries`, the one reader of the split).
+- `EngineRollout`: TRL's `rollout_func`. Per call it draws the rollouts' reward tokens (`advantages`),
+  runs one engine group (`engine.rollout.run_group`) per entry on the current policy, records the rollout
+  diagnostics on the trainer and hands TRL prompt ids (system + first user message, with the rollout's own
+  reward token), completion ids (everything after: model and environment tokens), `env_mask`
+  (environment tokens carry no loss), the sampling log-probs and every reward (`env.scoring.REWARDS`).
+- The policy it samples from: a merged low-precision copy on the policy's own device, refreshed every
+  generation (`policy_snapshot`, `rollout_dtype`), or the live model; with vLLM, TRL's engine
+  (`trl_vllm_backend`).
+The trainer itself (`RCGRPOTrainer`, `build_trainer`) is in `grpo_trainer.py`.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from rcgrpo_tasks.engine import rollout as engine_rollout
+from rcgrpo_tasks.engine.backend import SamplingParams
+from rcgrpo_tasks.engine.hf import HFBackend, use_cpu_attention
+from rcgrpo_tasks.engine.models import bf16_supported
+from rcgrpo_tasks.engine.vllm import VLLMBackend, VLLMServerBackend
+from rcgrpo_tasks.env.entries import split_entries
+from rcgrpo_tasks.env.protocols import ProtocolConfig, initial_messages
+from rcgrpo_tasks.env.scoring import REWARDS, Reward, reward_value
+from rcgrpo_tasks.ops.config import ConfigError
+from rcgrpo_tasks.train import advantages as adv
+from rcgrpo_tasks.train import runs
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    num_generations: int = 4
+    """G: rollouts per entry (group size). Paper: 5."""
+    batch_size: int = 4
+    """Rollouts per optimizer step (= entries per step x G); must be a multiple of G. Paper: 256 prompts."""
+    micro_batch_size: int = 4
+    """Rollouts per forward/backward on one device; batch_size must be a multiple (grad accumulation)."""
+    max_steps: int = 2
+    """Optimizer steps. Paper: 400."""
+    learning_rate: float = 1e-5
+    """LoRA learning rate (paper, full fine-tuning: 1e-6)."""
+    lr_scheduler: str = "constant"
+    """transformers scheduler name."""
+    beta: float = 0.1
+    """KL coefficient to the init (SFT/RCTP) model. Paper: 0.1."""
+    epsilon: float = 0.2
+    """PPO clip range. Paper: 0.2."""
+    num_iterations: int = 1
+    """PPO epochs per generation batch (mu); with 1 the ratio is 1 and nothing is clipped."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """TRL advantage scaling: `group` = GRPO's (r - mean) / std over the group."""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
+    """TRL loss aggregation; `grpo` = per-sequence token mean, then batch mean (the GRPO paper's)."""
+    p_high: float = 0.5
+    """RC-GRPO: P(highest reward token) of each rollout's i.i.d. token. Paper: 0.5."""
+    reward: Reward = "paper_reward"
+    """Reward that drives the advantage (`env.scoring.Reward`); the other two are logged."""
+    temperature: float = 1.0
+    """Sampling temperature of rollouts (TRL rescales its log-probs with the same value)."""
+    top_p: float = 1.0
+    """Nucleus sampling of rollouts."""
+    max_new_tokens: int = 32
+    """Tokens per model output (one model step of an episode)."""
+    max_outputs: int = 2
+    """Model outputs per episode (`paper` protocol) or per turn (`official`); the prompt is params `prompt`."""
+    categories: tuple[str, ...] = ("base", "miss_func", "miss_param", "long_context")
+    """Train-split categories to sample entries from."""
+    max_entries: int | None = None
+    """Use only this many train entries (the shortest prompts first); null = all."""
+    full_finetune: bool = False
+    """Train every weight (the paper; GPU + DeepSpeed) instead of a LoRA on top of the merged init."""
+    lora_r: int = 8
+    """Rank of the RL LoRA (on top of the merged init)."""
+    lora_alpha: int = 16
+    """LoRA alpha."""
+    lora_dropout: float = 0.0
+    """LoRA dropout (0: rollouts and training see the same policy)."""
+    lora_target_modules: tuple[str, ...] = runs.LORA_TARGETS
+    """Modules the RL LoRA adapts (or ("all-linear",))."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype the merged init weights are held in (LoRA weights stay float32)."""
+    rollout_dtype: Literal["auto", "live", "float32", "bfloat16"] = "auto"
+    """Rollouts (without vLLM) sample from a merged copy of the policy in this dtype, refreshed every
+    generation; `live` = from the training model itself; `auto` = bfloat16 on a bf16-capable CPU, else live."""
+    bf16: bool | None = None
+    """bf16 autocast for the trainer's forward/backward; None = where supported (GPU, CPU with AVX512-BF16/AMX)."""
+    gradient_checkpointing: bool = False
+    """Trade compute for memory (on for 7B on GPU)."""
+    save_steps: int = 1
+    """Checkpoint every N optimizer steps (resume point)."""
+    save_total_limit: int = 2
+    """Checkpoints kept."""
+    use_vllm: bool = False
+    """GPU: rollouts on TRL's vLLM engine (`vllm_mode`)."""
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    """`colocate` (vLLM inside the trainer processes) or `server` (`trl vllm-serve`)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """colocate: GPU memory fraction for vLLM."""
+    deepspeed: str | None = None
+    """DeepSpeed JSON (GPU; e.g. configs/ds_zero3.json under `accelerate launch`)."""
+    seed: int = 0
+    """Seed of LoRA init, entry order, reward tokens and sampling."""
+    extra: dict = field(default_factory=dict)
+    """Extra GRPOConfig keyword arguments (escape hatch, e.g. deepspeed config path, bf16)."""
+
+    def __post_init__(self) -> None:
+        g = self.num_generations
+        if g < 2:
+            raise ValueError(f"num_generations (G) must be >= 2 for a group advantage, got {g}")
+        if not 0.0 < self.p_high < 1.0:
+            raise ValueError(f"p_high must be in (0, 1) (exclusive), got {self.p_high}")
+        if self.batch_size < g or self.batch_size % g:
+            raise ValueError(f"batch_size ({self.batch_size}) must be a positive multiple of num_generations ({g})")
+        if self.micro_batch_size < 1 or self.batch_size % self.micro_batch_size:
+            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size "
+                             f"({self.micro_batch_size})")
+        for name in ("max_steps", "save_steps", "num_iterations", "max_new_tokens", "max_outputs", "lora_r"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.learning_rate <= 0 or self.beta < 0 or not 0 < self.epsilon < 1:
+            raise ValueError("need learning_rate > 0, beta >= 0 and 0 < epsilon < 1")
+        if not 0 < self.temperature or not 0 < self.top_p <= 1:
+            raise ValueError("need temperature > 0 and 0 < top_p <= 1")
+        if self.max_entries is not None and self.max_entries * g < self.batch_size:
+            raise ValueError(f"max_entries ({self.max_entries}) x G < batch_size: a step needs "
+                             f"{self.batch_size // g} distinct entries")
+
+    @property
+    def entries_per_step(self) -> int:
+        return self.batch_size // self.num_generations
+
+
+def check_world(cfg: RLConfig, world_size: int) -> int:
+    """Gradient-accumulation steps for `world_size` processes; groups must not straddle processes."""
+    per_proc = cfg.batch_size // world_size if cfg.batch_size % world_size == 0 else 0
+    if not per_proc or per_proc % cfg.num_generations or per_proc % cfg.micro_batch_size:
+        raise ConfigError(f"rl: batch_size {cfg.batch_size} must split into {world_size} process(es) of whole "
+                          f"groups (G={cfg.num_generations}) and micro-batches ({cfg.micro_batch_size})")
+    return per_proc // cfg.micro_batch_size
+
+
+def train_entries(entries_path: Path, split_path: Path, cfg: RLConfig, protocol: ProtocolConfig,
+                  tokenizer=None) -> list:
+    """Train-split entries of `cfg.categories` (with `max_entries`: those with the shortest prompts, counted
+    in `tokenizer` tokens, else characters); too few for one step is a ConfigError."""
+    entries = split_entries(entries_path, split_path, "train", cfg.categories)
+    if cfg.max_entries is not None:
+        entries.sort(key=lambda e: (_prompt_length(e, protocol, tokenizer), e.id))
+        entries = entries[: cfg.max_entries]
+    if len(entries) < cfg.entries_per_step:
+        raise ConfigError(f"{split_path}: {len(entries)} train entries in {cfg.categories}, need at least "
+                          f"{cfg.entries_per_step} per step")
+    return entries
+
+
+def _prompt_length(entry, protocol: ProtocolConfig, tokenizer) -> int:
+    text = "".join(m["content"] for m in initial_messages(entry, protocol))
+    return len(tokenizer(text)["input_ids"]) if tokenizer is not None else len(text)
+
+
+# ---------------------------------------------------------------- the policy rollouts sample from
+
+
+def rollout_dtype(setting: str, device_type: str):
+    """torch dtype of the rollout snapshot, or None to sample from the live training model."""
+    import torch
+
+    if setting == "auto":
+        return torch.bfloat16 if device_type == "cpu" and bf16_supported() else None
+    return None if setting == "live" else getattr(torch, setting)
+
+
+def policy_snapshot(model, dtype, snapshot=None):
+    """The current policy as a plain model in `dtype`: base weights + LoRA deltas merged (or all weights).
+
+    Why: CPU decoding is memory-bound; sampling from the PEFT model reads the fp32 base and runs every LoRA
+    matmul per token (bench/rl_snapshot.py compares the two; docs/rl.md has the measurement). The copy is
+    allocated once, on the policy's own device (CPU or GPU: a CPU copy of a GPU policy would decode on
+    the CPU), and refreshed in place before each rollout phase (only LoRA layers change; `get_delta_weight`
+    leaves the frozen base, i.e. the KL reference, untouched); on the CPU it decodes with the engine's CPU
+    attention. Same policy up to bf16 rounding, as vLLM on GPU.
+    """
+    import torch
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoModelForCausalLM
+
+    peft = hasattr(model, "get_base_model")
+    base = model.get_base_model() if peft else model
+    fresh = snapshot is None
+    if fresh:
+        with torch.device(next(base.parameters()).device):  # built there: buffers (rotary) included
+            snapshot = AutoModelForCausalLM.from_config(copy.deepcopy(base.config), dtype=dtype)
+        snapshot.eval().requires_grad_(False)
+        use_cpu_attention(snapshot)  # CPU only: a sampling-only copy gets the engine's faster decode attention
+    with torch.no_grad():
+        for name, param in snapshot.named_parameters():
+            module_name, _, leaf = name.rpartition(".")
+            module = base.get_submodule(module_name)
+            if isinstance(module, LoraLayer) and leaf == "weight":
+                adapter = module.active_adapters[0]
+                param.copy_(module.base_layer.weight + module.get_delta_weight(adapter))
+            elif fresh or not peft:  # frozen under LoRA: copied once
+                param.copy_(base.get_parameter(name) if not isinstance(module, LoraLayer)
+                            else getattr(module.base_layer, leaf))
+    return snapshot
+
+
+def trl_vllm_backend(trainer, tokenizer):
+    """GPU path (not run on CPU): the rollout engine's vLLM backend over the vLLM engine TRL manages.
+
+    TRL pushes the policy's weights into its vLLM before each `rollout_func` call (`sync_weights`), so the
+    engine samples from the current policy. `colocate`: TRL's in-process `vllm.LLM` (prefix caching,
+    token-id prompts, sampled log-probs). `server` (`trl vllm-serve`): only the main process holds TRL's
+    weight-sync client; every process sends its own completions to the server through a plain `VLLMClient`
+    (no communicator).
+    """
+    gen = trainer.vllm_generation
+    if gen.mode == "colocate":
+        return VLLMBackend.from_llm(gen.llm, tokenizer, model="<trl colocate>")
+    from trl.generation.vllm_client import VLLMClient
+
+    args = trainer.args
+    client = VLLMClient(base_url=args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}")
+    return VLLMServerBackend(client, tokenizer, max_positions=args.vllm_max_model_length or 8192,
+                             model="<trl server>")
+
+
+# ---------------------------------------------------------------- TRL's rollout function
+
+
+def _n_calls(result) -> int:
+    return sum(len(step) for turn in result for step in turn)
+
+
+def _env_errors(messages) -> int:
+    return sum(m.get("role") == "tool" and str(m.get("content", "")).startswith("Error during execution")
+               for m in messages)
+
+
+class EngineRollout:
+    """TRL `rollout_func`: one engine group per run of identical entry ids in the (per-process) batch.
+
+    `levels`: the reward tokens (label_rewards.tokens, lowest first); `protocol`: the episode settings
+    (params `prompt` with `max_outputs`)."""
+
+    def __init__(self, cfg: RLConfig, protocol: ProtocolConfig, mode: adv.Conditioning, levels: tuple[str, ...],
+                 entries: dict, tokenizer):
+        self.cfg, self.protocol, self.mode, self.levels = cfg, protocol, mode, tuple(levels)
+        self.entries, self.tokenizer = entries, tokenizer
+        self.last: list = []  # trajectories of the latest call (tests, debugging)
+        self.snapshot = None  # CPU: merged low-precision copy of the policy that the engine samples from
+
+    def backend(self, trainer):
+        """The engine backend over the current policy: TRL's vLLM, the refreshed snapshot, or the live model."""
+        if trainer.use_vllm:
+            return trl_vllm_backend(trainer, self.tokenizer)
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        dtype = rollout_dtype(self.cfg.rollout_dtype, next(model.parameters()).device.type)
+        if dtype is not None:
+            self.snapshot = policy_snapshot(model, dtype, self.snapshot)
+            model = self.snapshot
+        return HFBackend.from_model(model, self.tokenizer)
+
+    def __call__(self, prompts: list, trainer) -> dict:
+        step, proc = trainer.state.global_step, trainer.accelerator.process_index
+        tokens = adv.sample_reward_tokens(len(prompts), self.mode, self.cfg.p_high,
+                                          adv.token_seed(self.cfg.seed, step, proc), levels=self.levels)
+        sampling = SamplingParams(temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+                                  max_new_tokens=self.cfg.max_new_tokens,
+                                  seed=adv.token_seed(self.cfg.seed, step, proc, call=1))
+        model = trainer.model
+        was_training = model.training
+        model.eval()  # no dropout when sampling from the live model; TRL reads its mode before and after
+        t0 = time.perf_counter()
+        try:
+            backend = self.backend(trainer)
+            trajs = []
+            for start in range(0, len(prompts), g := self.cfg.num_generations):
+                group = prompts[start : start + g]
+                if len(group) != g or len(set(group)) != 1:  # TRL lays out whole groups; check, never guess
+                    raise RuntimeError(f"rollout batch is not whole groups of G={g}: {prompts}")
+                trajs += engine_rollout.run_group(backend, self.entries[group[0]], n=g, protocol_cfg=self.protocol,
+                                                  sampling=sampling, reward_tokens=tokens[start : start + g])
+        finally:
+            model.train(was_training)
+        elapsed = time.perf_counter() - t0
+        self.last = trajs
+        for name, value in self.metrics(trajs, elapsed).items():
+            trainer.record_metric(name, value)
+        return self.to_trl(trajs)
+
+    def to_trl(self, trajs) -> dict:
+        """TRL's rollout fields, plus `r_<reward>` for every reward (TRL passes them to the reward functions)."""
+        keys = ("prompt_ids", "completion_ids", "logprobs", "env_mask", "reward_token", "entry_id")
+        out: dict[str, list] = {k: [] for k in keys + tuple(f"r_{name}" for name in REWARDS)}
+        eos = self.tokenizer.eos_token_id
+        for t in trajs:
+            p, c, m, lp = adv.trajectory_fields(t.token_ids, t.prompt_len, t.completion_mask, t.logprobs)
+            if not c:  # nothing generated (e.g. context limit at once): one masked token keeps TRL's shapes
+                c, m, lp = [eos], [0], [0.0]
+            out["prompt_ids"].append(p)
+            out["completion_ids"].append(c)
+            out["env_mask"].append(m)
+            out["logprobs"].append(lp)
+            for name in REWARDS:
+                out[f"r_{name}"].append(reward_value(t.score, name))
+            out["reward_token"].append(t.reward_token)
+            out["entry_id"].append(t.entry_id)
+        return out
+
+    def metrics(self, trajs, elapsed: float) -> dict:
+        """Rollout diagnostics of one call (`rc/...`): reward overall and per token, controllability gap,
+        zero-std groups, model tokens, calls, steps, environment errors, rollout speed."""
+        rewards = [reward_value(t.score, self.cfg.reward) if t.score else float("nan") for t in trajs]
+        tokens = [t.reward_token for t in trajs]
+        by = adv.reward_by_token(rewards, tokens, levels=self.levels)
+        n_tok = sum(t.n_model_tokens for t in trajs)
+        n = len(trajs)
+        return {
+            "rc/reward": sum(rewards) / n,
+            "rc/reward_high": by.get("high", float("nan")),
+            "rc/reward_low": by.get("low", float("nan")),
+            "rc/reward_none": by.get("none", float("nan")),
+            "rc/controllability_gap": adv.controllability_gap(rewards, tokens, levels=self.levels),
+            "rc/frac_zero_std": adv.zero_std_fraction(rewards, self.cfg.num_generations),
+            "rc/model_tokens": n_tok / n,
+            "rc/n_calls": sum(_n_calls(t.result) for t in trajs) / n,
+            "rc/n_steps": sum(t.n_steps for t in trajs) / n,
+            "rc/env_errors": sum(_env_errors(t.messages) for t in trajs) / n,
+            "rc/frac_terminated_error": sum(t.termination == "error" for t in trajs) / n,
+            "rc/rollout_tokens_per_s": n_tok / elapsed if elapsed > 0 else float("nan"),
+            "rc/rollout_s": elapsed,
+        }

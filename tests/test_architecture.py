@@ -1,0 +1,62 @@
+"""The package's shape (issue 11): layers point one way, no import cycles, no private names crossing modules,
+no in-function imports of the package, no module over 500 lines. `lint-imports` checks the layer contract in
+pyproject.toml; these tests check what a layer contract cannot express."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import grimp
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "rcgrpo_tasks"
+MODULES = sorted(PKG.rglob("*.py"))
+MAX_LINES = 500
+
+
+def _name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _package_imports(tree: ast.AST):
+    """(node, imported module, names) of every import of the package, at any depth."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rcgrpo_tasks"):
+            yield node, node.module, [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("rcgrpo_tasks"):
+                    yield node, alias.name, []
+
+
+def test_no_import_cycles_counting_in_function_imports():
+    graph = grimp.build_graph("rcgrpo_tasks")  # grimp reads every import statement, nested ones included
+    cycles = []
+    for module in sorted(graph.modules):
+        for imported in graph.find_modules_directly_imported_by(module):
+            back = graph.find_shortest_chain(importer=imported, imported=module)
+            if back:
+                cycles.append((module, *back))
+    assert not cycles, f"import cycles: {cycles[:5]}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PKG)))
+def test_module_shape(path: Path):
+    text = path.read_text()
+    assert len(text.splitlines()) <= MAX_LINES, f"{path.name}: over {MAX_LINES} lines"
+    tree = ast.parse(text)
+    top_level = {id(n) for n in tree.body}
+    for node, module, names in _package_imports(tree):
+        assert id(node) in top_level, f"{path.name}:{node.lineno}: in-function import of {module}"
+        private = [n for n in names if n.startswith("_")]
+        assert not private, f"{path.name}:{node.lineno}: private name(s) {private} imported from {module}"
+
+
+def test_the_checker_sees_in_function_imports(tmp_path):
+    """The shape test would catch a lazy package import and a private name (guards the test itself)."""
+    tree = ast.parse("def f():\n    from rcgrpo_tasks.env.bfcl import _read_jsonl\n")
+    (node, module, names), = list(_package_imports(tree))
+    assert module == "rcgrpo_tasks.env.bfcl" and names == ["_read_jsonl"] and node not in tree.body

@@ -1,0 +1,105 @@
+"""Placement of the training stages (issue 16): the `compute` section, the training device (explicit CPU,
+CUDA absent, GPU index), and the micro-batch that fits (halved on a memory error, effective batch kept)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from rcgrpo_tasks.engine.compute import ComputeConfig, load_compute
+from rcgrpo_tasks.engine.device import MemorySplitWarning
+from rcgrpo_tasks.ops.config import ConfigError
+from rcgrpo_tasks.train import runs
+
+
+def _params(tmp_path, data) -> str:
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_compute_section_defaults_values_and_unknown_keys(tmp_path):
+    assert load_compute(_params(tmp_path, {"sft": {}})) == ComputeConfig(device="auto")  # no section: defaults
+    assert load_compute(_params(tmp_path, {"compute": None})).device == "auto"
+    assert load_compute(_params(tmp_path, {"compute": {"device": "cuda:1"}})).device == "cuda:1"
+    with pytest.raises(ConfigError, match=r"params.yaml:compute: unknown key\(s\) \['devices'\]"):
+        load_compute(_params(tmp_path, {"compute": {"devices": "cpu"}}))
+    with pytest.raises(ConfigError, match=r"params.yaml:compute: device 'gpu': expected auto \| cpu \| cuda"):
+        load_compute(_params(tmp_path, {"compute": {"device": "gpu"}}))
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_compute(_params(tmp_path, {"compute": "cpu"}))
+
+
+def test_training_device_never_falls_back(monkeypatch):
+    import torch
+
+    assert ComputeConfig("cpu").resolve() == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert runs.train_device("auto") == torch.device("cpu") and runs.use_cpu(torch.device("cpu"))
+    with pytest.raises(ConfigError, match="CUDA is not available"):
+        runs.train_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    # An explicit cpu on a CUDA host forces the CPU (accelerate would otherwise pick the GPU).
+    assert runs.train_device("cpu") == torch.device("cpu") and runs.use_cpu(torch.device("cpu"))
+    assert not runs.use_cpu(torch.device("cuda")) and not runs.use_cpu(None)
+    assert runs.train_device("cuda") == torch.device("cuda") and runs.train_device("cuda:0") == torch.device("cuda:0")
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES=1"):  # the Trainer would train on cuda:0
+        runs.train_device("cuda:1")
+
+
+def test_explicit_cpu_reaches_the_training_arguments(tmp_path):
+    import torch
+
+    from rcgrpo_tasks.train import finetune
+
+    args = finetune.trainer_args(finetune.SftConfig(max_steps=1), tmp_path / "ck", False, torch.device("cpu"))
+    assert args.use_cpu and args.device.type == "cpu"
+
+
+@pytest.mark.parametrize("micro, steps", [(8, [4, 2, 1]), (10, [5, 1]), (6, [3, 1]), (1, [])])
+def test_smaller_micro_batch_divides(micro, steps):
+    seen, m = [], micro
+    while (m := runs.smaller_micro_batch(m)) is not None:
+        seen.append(m)
+    assert seen == steps
+
+
+def test_fit_micro_batch_keeps_the_effective_batch():
+    import torch
+
+    tried = []
+
+    def attempt(micro, accum):
+        tried.append((micro, accum))
+        if micro > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return "done"
+
+    with pytest.warns(MemorySplitWarning, match=r"retrying at 4 x 2 .*same effective batch"):
+        result = runs.fit_micro_batch(attempt, 8, 1, "sft@x")
+    assert result == ("done", 2, 4) and tried == [(8, 1), (4, 2), (2, 4)]
+    assert {m * a for m, a in tried} == {8}
+
+
+def test_fit_micro_batch_gives_up_on_other_errors_and_at_one():
+    import torch
+
+    calls = []
+
+    def broken(micro, accum):
+        calls.append(micro)
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="shapes"):
+        runs.fit_micro_batch(broken, 4, 1, "x")
+    assert calls == [4]  # not a memory error: no retry
+
+    def never_fits(micro, accum):
+        calls.append(micro)
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    calls.clear()
+    with pytest.warns(MemorySplitWarning), pytest.raises(torch.OutOfMemoryError):
+        runs.fit_micro_batch(never_fits, 4, 1, "x")
+    assert calls == [4, 2, 1]
