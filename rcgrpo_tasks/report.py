@@ -37,8 +37,8 @@ from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.io import InputError, read_json, read_jsonl, write_json, write_text
 from rcgrpo_tasks.ops.plots import accuracy_plot
-from rcgrpo_tasks.train.diagnostics import plot_mechanism
 from rcgrpo_tasks.ops.stats import bootstrap_ci, mean
+from rcgrpo_tasks.train.diagnostics import plot_mechanism
 
 RESULT_FILES = ("results.jsonl",)  # the evaluate stage's per-entry file
 

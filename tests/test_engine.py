@@ -6,12 +6,12 @@ import collections
 
 import pytest
 
-from rcgrpo_tasks.env import bfcl
-from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.backend import SamplingParams, ScriptedBackend
+from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.rollout import replay_calls, run_group, run_rollouts
-from rcgrpo_tasks.env.protocols import ProtocolConfig
 from rcgrpo_tasks.engine.trajectory import Trajectory
+from rcgrpo_tasks.env import bfcl
+from rcgrpo_tasks.env.protocols import ProtocolConfig
 
 OFFICIAL = ProtocolConfig(protocol="official")
 PAPER = ProtocolConfig(protocol="paper", max_outputs=4)
@@ -128,8 +128,8 @@ def test_context_limit_drops_unseen_next_turn(tok):
 
 
 def test_trajectory_roundtrip_and_validation(tok, tmp_path):
-    from rcgrpo_tasks.ops.io import InputError
     from rcgrpo_tasks.engine.trajectory import TrajectoryError, read_trajectories, write_trajectories
+    from rcgrpo_tasks.ops.io import InputError
 
     entry = bfcl.get_entry("multi_turn_long_context_0")
     traj = replay_calls(entry, PAPER, entry.ground_truth, tok, reward_token="<|low_reward|>")

@@ -24,7 +24,15 @@ import secrets
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 
-from rcgrpo_tasks.engine.backend import DEFAULT_MAX_POSITIONS, Backend, Completion, SamplingParams, Session, decode_text, stop_token_ids
+from rcgrpo_tasks.engine.backend import (
+    DEFAULT_MAX_POSITIONS,
+    Backend,
+    Completion,
+    SamplingParams,
+    Session,
+    decode_text,
+    stop_token_ids,
+)
 from rcgrpo_tasks.engine.device import placement, resolve_device
 from rcgrpo_tasks.engine.graphs import StepGraph
 from rcgrpo_tasks.engine.kvcache import decode_mask, plan_capacity, prefill_mask, slot_cache_class
@@ -267,7 +275,6 @@ class HFSession(Session):
 
     # -- decoding --------------------------------------------------------------------------------------
     def _decode(self, logits, sampling: SamplingParams, caps: list[int]) -> list[Completion]:
-        import torch
 
         st, dev = self.st, self.b.model.device
         steps = max(caps)

@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from rcgrpo_tasks.engine.backend import Backend, Completion, SamplingParams, ScriptedBackend
 from rcgrpo_tasks.engine.device import MemorySplitWarning, free_memory, is_memory_error
 from rcgrpo_tasks.engine.sampling import row_seed
+from rcgrpo_tasks.engine.trajectory import Trajectory
 from rcgrpo_tasks.env.bfcl import Entry
 from rcgrpo_tasks.env.calls import format_calls, parse_call_string
 from rcgrpo_tasks.env.protocols import Episode, ProtocolConfig, initial_messages
 from rcgrpo_tasks.env.scoring import score_entry
-from rcgrpo_tasks.engine.trajectory import Trajectory
 
 ENGINE_VERSION = 1
 DEFAULT_FINAL_TEXT = "I have completed the requested task."
