@@ -70,7 +70,24 @@ def guarded(name: str, run) -> int:
         procs.restore(handlers)
 
 
+HASH_SEED = "0"
+
+
+def fix_hash_seed() -> None:
+    """Re-execute this very command line (`sys.orig_argv`, same PID) with PYTHONHASHSEED=0 unless the
+    variable is already set. Why: some bfcl-eval tool replies print a Python set (e.g. travel_booking's
+    "Must be one of {'business', 'economy', 'first'}"), whose order follows the per-process hash seed, so
+    without a fixed seed the trajectory sets (and `dvc.lock`) differ from run to run. An explicit
+    PYTHONHASHSEED is respected."""
+    if os.environ.get("PYTHONHASHSEED") is None:
+        os.environ["PYTHONHASHSEED"] = HASH_SEED
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`argv` None: the console script (fixes the hash seed first, `fix_hash_seed`); a list: in-process."""
+    if argv is None:
+        fix_hash_seed()
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help", "help"):
         try:

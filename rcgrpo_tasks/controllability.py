@@ -6,7 +6,9 @@ have reward variance. This stage measures it on held-out entries, in one run, tw
 - `sampled` (what RL sees): `samples_per_token` rollouts per (entry, token) at the RL sampling settings
   (`rl.temperature`, `rl.top_p`), tokens = the highest and the lowest of `label_rewards.tokens`;
 - `greedy` (beside it): one rollout per (entry, token) at T = 0, plus how many entries decode to the same
-  assistant messages under both tokens (the token then changes nothing).
+  assistant messages under both tokens (the token then changes nothing);
+- `guided` (when `guidance` > 0; beyond the paper): the sampled arm with reward-token guidance of scale w,
+  same seeds: does decoding-time guidance widen the gap the fine-tune left?
 Per arm: success rate (paper reward R) per token, the gap E[R|high] - E[R|low] and the same for partial
 credit (the shared scorer's per-turn credit; under the paper protocol, whose merged turn has no turn
 boundaries, it is ~0 for model rollouts), each with a 95 % paired percentile-bootstrap CI over entries
@@ -32,6 +34,7 @@ embedded default rolls a handful of entries on CPU (~15 tokens/s), so its CIs ar
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -40,7 +43,8 @@ from typing import Literal
 
 import typer
 
-from rcgrpo_tasks.engine.backend import SamplingParams
+from rcgrpo_tasks.engine.backend import SamplingParams, reward_pair_ids
+from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.rollout import run_rollouts
 from rcgrpo_tasks.engine.trajectory import write_trajectories
@@ -76,8 +80,14 @@ class ControllabilityConfig:
     """Sampling and bootstrap seed."""
     n_bootstrap: int = 2000
     """Bootstrap resamples of every CI."""
+    guidance: float = 0.0
+    """> 0: a third arm, `guided`: the sampled arm again with reward-token guidance of this scale
+    (`SamplingParams.guidance`; each token pushed further toward its own goal), same seeds, so its gap
+    sits beside the unguided one. 0 = no guided arm."""
 
     def __post_init__(self) -> None:
+        if self.guidance < 0:
+            raise ValueError("guidance must be >= 0")
         if self.n_entries < 1 or self.samples_per_token < 1 or self.max_outputs < 1 or self.max_new_tokens < 1:
             raise ValueError("n_entries, samples_per_token, max_outputs and max_new_tokens must be >= 1")
         if self.batch_rows < 2 or self.n_bootstrap < 10:
@@ -177,10 +187,10 @@ def identical_outputs(trajs: list, high: str, low: str) -> int:
 # Rolling
 
 
-def load_policy(model_dir: Path, adapter_dir: Path | None, dtype: str, tokens: tuple[str, ...]):
-    """HF backend over the trained model, loaded exactly as `evaluate` loads it (`HFBackend`: adapter merged
-    in float32, then cast to `dtype`), so the gap is measured on the model that evaluate@rctp scores."""
-    backend = HFBackend(model_dir, adapter_dir, dtype=dtype)
+def load_policy(model_dir: Path, adapter_dir: Path | None, dtype: str, tokens: tuple[str, ...], device: str = "auto"):
+    """HF backend over the trained model on `device`, loaded exactly as `evaluate` loads it (`HFBackend`:
+    adapter merged in float32, then cast to `dtype`), so the gap is measured on the model evaluate@rctp scores."""
+    backend = HFBackend(model_dir, adapter_dir, dtype=dtype, device=device)
     for t in tokens:
         if len(backend.tokenizer(t, add_special_tokens=False)["input_ids"]) != 1:
             raise InputError(f"{adapter_dir or model_dir}: {t} is not a single token; use an sft-stage output")
@@ -225,6 +235,13 @@ def measure(cfg: ControllabilityConfig, prompt: PromptConfig, tokens: tuple[str,
     metrics["sampled"], s_trajs = arm(cfg, backend, entries, proto, sampling, cfg.samples_per_token, (high, low),
                                       {**prov, "arm": "sampled"})
     trajs += s_trajs
+    if cfg.guidance:
+        guided = dataclasses.replace(sampling, guidance=cfg.guidance,
+                                     guidance_pair=reward_pair_ids(backend.tokenizer, (high, low)))
+        metrics["guided"], g_trajs = arm(cfg, backend, entries, proto, guided, cfg.samples_per_token, (high, low),
+                                         {**prov, "arm": "guided", "guidance": cfg.guidance})
+        metrics["guided"]["guidance"] = cfg.guidance
+        trajs += g_trajs
     scores = [{"entry_id": t.entry_id, "reward_token": t.reward_token, **t.score} for t in s_trajs]
     _, _, rates_high, rates_low = per_entry(scores, high, low, "paper_reward")
     metrics["zero_variance"] = zero_variance_stats(rates_high, rates_low, rl.num_generations, rl.p_high,
@@ -265,7 +282,9 @@ def main(
         tokens = reward_tokens(raw)
         rl = rl_sampling(raw, str(params))
         picked = held_out_entries(entries, split, cfg)
-        backend = load_policy(model_dir, adapter_dir, cfg.dtype, (tokens[-1], tokens[0]))  # before any MLflow run
+        backend = load_policy(model_dir, adapter_dir, cfg.dtype, (tokens[-1], tokens[0]),
+                              load_compute(params).device)  # before any MLflow run
+    typer.echo(f"controllability: decoding on {backend.describe().get('device')}")
     with tracking.stage_run("controllability", {"controllability": as_dict(cfg), "prompt": as_dict(prompt),
                                                 "rl": as_dict(rl), "adapter": str(adapter_dir), "tokens": list(tokens)}):
         result, trajs = measure(cfg, prompt, tokens, backend, picked, rl,
@@ -278,6 +297,7 @@ def main(
         tracking.log_dict(result, "controllability.json")
     s, z = result["sampled"], result["zero_variance"]
     greedy = f"; greedy gap {_ci(result['greedy'], 'gap')}" if "greedy" in result else ""
+    greedy += f"; guided (w={cfg.guidance}) gap {_ci(result['guided'], 'gap')}" if "guided" in result else ""
     typer.echo(f"controllability over {result['n_entries']} entries: sampled (T={s['temperature']}, "
                f"{s['samples_per_token']}/token) R|high {s['success_rate_high']:.3f} R|low {s['success_rate_low']:.3f} "
                f"gap {_ci(s, 'gap')}{greedy}; zero-variance share (G={z['G']}) all-high {z['all_high']:.3f} "

@@ -15,6 +15,9 @@ Writes `--out` (atomically; replaced as a whole):
 Logs params, metrics, the per-entry table (`mlflow.log_table`), report and plot to an MLflow child run;
 a tracking failure fails the stage (and, the output being atomic, leaves nothing behind).
 
+Reward-token guidance (`evaluate.guidance` > 0, beyond the paper): reward-conditioned evaluations decode
+with `SamplingParams.guidance` (hf backend); `metrics.json` records the scale used (`guidance`).
+
 Partial credit: `official` = fraction of turns passing (scoring.partial_credit); `paper` = fraction of
 gold calls the model made (multiset, arguments bound to parameter names) — the paper view has no turn
 boundaries, so per-turn credit is undefined there.
@@ -33,7 +36,7 @@ from typing import Literal, Optional
 
 import typer
 
-from rcgrpo_tasks.engine.backend import SamplingParams
+from rcgrpo_tasks.engine.backend import SamplingParams, reward_pair_ids
 from rcgrpo_tasks.engine.backends import load_backend
 from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.engine.rollout import run_rollouts
@@ -43,10 +46,10 @@ from rcgrpo_tasks.env.calls import CallParseError, parse_call_string
 from rcgrpo_tasks.env.entries import read_entries, select_entries
 from rcgrpo_tasks.env.environment import BfclEnvironment
 from rcgrpo_tasks.env.paper import PAPER_TABLE1_OVERALL, ROWS
-from rcgrpo_tasks.env.protocols import PromptConfig
+from rcgrpo_tasks.env.protocols import DEFAULT_REWARD_TOKENS, PromptConfig, reward_tokens
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import Progress, cli_errors
-from rcgrpo_tasks.ops.config import as_dict, load_config
+from rcgrpo_tasks.ops.config import as_dict, load_config, read_params
 from rcgrpo_tasks.ops.io import atomic_dir, write_json, write_jsonl, write_text
 from rcgrpo_tasks.ops.plots import accuracy_plot
 from rcgrpo_tasks.ops.stats import bootstrap_ci
@@ -75,8 +78,14 @@ class EvaluateConfig:
     """Also run BFCL's official protocol on all 800 entries (hours on CPU; GPU profile)."""
     official_max_steps_per_turn: int = 20
     n_bootstrap: int = 2000
+    guidance: float = 0.0
+    """Reward-token guidance scale w (0 = off; beyond the paper, `SamplingParams.guidance`): applied to
+    reward-conditioned evaluations (a `--reward-token`); the others decode unguided and record w = 0.
+    hf backend only; each guided row decodes a twin, so decoding costs ~2x."""
 
     def __post_init__(self) -> None:
+        if self.guidance < 0 or (self.guidance > 0 and self.backend != "hf"):
+            raise ValueError("guidance must be >= 0, and > 0 needs backend hf")
         if self.max_outputs < 1 or self.max_new_tokens < 1 or self.batch_rows < 1 or self.n_bootstrap < 10:
             raise ValueError("max_outputs, max_new_tokens, batch_rows must be >= 1 and n_bootstrap >= 10")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
@@ -154,13 +163,21 @@ def summarize(rows: list[dict], label: str, n_boot: int, seed: int) -> dict:
     }
 
 
+def guidance_of(cfg: EvaluateConfig, reward_token: str | None) -> float:
+    """The guidance scale a run decodes with: `cfg.guidance` for a reward-conditioned run, else 0."""
+    return cfg.guidance if reward_token else 0.0
+
+
 def run_eval(cfg: EvaluateConfig, prompt: PromptConfig, backend, entries: list[bfcl.Entry], reward_token: str | None,
-             label: str) -> tuple[list, list[dict], dict]:
-    """(trajectories, per-entry rows, summary) of greedy rollouts of `entries` under `prompt.protocol`."""
+             label: str, tokens: tuple[str, ...] = DEFAULT_REWARD_TOKENS) -> tuple[list, list[dict], dict]:
+    """(trajectories, per-entry rows, summary) of greedy rollouts of `entries` under `prompt.protocol`;
+    `tokens`: the pipeline's reward tokens, lowest first (guidance contrasts the highest with the lowest)."""
     protocol = prompt.protocol
     proto = prompt.protocol_config(cfg.max_outputs if protocol == "paper" else cfg.official_max_steps_per_turn)
+    w = guidance_of(cfg, reward_token)
     sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                              seed=cfg.seed)
+                              seed=cfg.seed, guidance=w,
+                              guidance_pair=reward_pair_ids(backend.tokenizer, (tokens[-1], tokens[0])) if w else None)
     bar = Progress(len(entries), desc=f"evaluate {label} ({protocol})")
     t0 = time.perf_counter()
     try:
@@ -172,7 +189,7 @@ def run_eval(cfg: EvaluateConfig, prompt: PromptConfig, backend, entries: list[b
     wall = time.perf_counter() - t0
     rows = [result_row(t, e) for t, e in zip(trajs, entries)]
     summary = summarize(rows, label, cfg.n_bootstrap, cfg.seed)
-    summary.update(wall_time_s=round(wall, 1), rollouts_per_s=len(rows) / wall,
+    summary.update(guidance=w, wall_time_s=round(wall, 1), rollouts_per_s=len(rows) / wall,
                    model_tokens_per_s=summary["n_model_tokens"] / wall)
     return trajs, rows, summary
 
@@ -249,22 +266,25 @@ def main(
     with cli_errors():
         cfg = load_config(EvaluateConfig, params, "evaluate")
         prompt = load_config(PromptConfig, params, "prompt")
+        tokens = reward_tokens(read_params(params))
         pool = read_entries(entries)
         held_out = stratified(select_entries(pool, split=split, side="test"), cfg.limit)
         compute = load_compute(params)
         kwargs = {"dtype": cfg.dtype, "device": compute.device} if cfg.backend == "hf" else {}
         backend = load_backend(cfg.backend, model, adapter or None, **kwargs)
+        if guidance_of(cfg, reward_token or None):  # a model without reward tokens fails here, before any run
+            reward_pair_ids(backend.tokenizer, (tokens[-1], tokens[0]))
     typer.echo(f"evaluate@{label}: decoding on {backend.describe().get('device', cfg.backend)}")
     token = reward_token or None
     settings = {"model": str(model), "adapter": adapter or None, "reward_token": token, **as_dict(cfg),
                 "prompt": as_dict(prompt), "backend_info": backend.describe()}
     with tracking.stage_run("evaluate", {k: v for k, v in settings.items() if k != "backend_info"},
                             tags={"rcgrpo.eval_label": label}):
-        trajs, rows, summary = run_eval(cfg, prompt, backend, held_out, token, label)
+        trajs, rows, summary = run_eval(cfg, prompt, backend, held_out, token, label, tokens)
         official = None
         if cfg.official_full:
             o_trajs, o_rows, official = run_eval(cfg, PromptConfig(**{**as_dict(prompt), "protocol": "official"}), backend,
-                                                list(pool.values()), token, label)
+                                                list(pool.values()), token, label, tokens)
         with atomic_dir(out) as tmp:
             tmp.chmod(0o755)
             write_outputs(tmp, trajs, rows, summary)

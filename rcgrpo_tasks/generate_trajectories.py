@@ -30,7 +30,8 @@ by turn). `score` holds the engine's scorer output (official verdict, paper rewa
 Balance: successes = experts (+ policy successes); failures are drawn to `success_fraction` (paper 1:1 =
 0.5) with the `failure_mix` shares per source; a source that runs short hands its quota to the others;
 if all fall short the successes are subsampled so the ratio holds. Everything is seeded: the same params
-and inputs give the same rows (only `wall_time_s` differs).
+and inputs give the same bytes (rows carry no wall time; the `rcgrpo` command fixes PYTHONHASHSEED, since
+some bfcl-eval tool replies print a Python set).
 
 Run: `rcgrpo generate-trajectories --params params.yaml --entries data/entries.jsonl --split
 data/split.json --model-dir models/base --out data/trajectories.jsonl --metrics metrics/generate_trajectories.json`

@@ -53,7 +53,7 @@ from rcgrpo_tasks.env.scoring import reward_value
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import GATE_EXIT, cli_errors, fail
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config
-from rcgrpo_tasks.ops.io import InputError, atomic_dir, atomic_outputs, read_jsonl, write_json, write_jsonl
+from rcgrpo_tasks.ops.io import InputError, atomic_outputs, read_jsonl, write_json, write_jsonl
 
 DATASETS = ("sft", "rctp")
 
@@ -213,20 +213,23 @@ def label_one(name: str, cfg: LabelConfig, gen: GenerateConfig, trajectories: st
 
 def label(cfg: LabelConfig, gen: GenerateConfig, trajectories: str | Path, validation: str | Path,
           model_dir: str | Path, out_dir: str | Path, policy: str | Path | None = None,
-          policy_validation: str | Path | None = None) -> dict:
-    """Write out_dir/{sft,rctp}.jsonl together; returns the metrics. Raises ValidationFailed before writing
-    anything if an input did not pass the gate."""
+          policy_validation: str | Path | None = None, metrics_out: str | Path | None = None) -> dict:
+    """Write out_dir/{sft,rctp}.jsonl (and the metrics JSON `metrics_out`) together; returns the metrics.
+    Raises ValidationFailed before writing anything if an input did not pass the gate."""
     t0 = time.perf_counter()
     built = {name: build(name, cfg, gen, trajectories, validation, policy, policy_validation) for name in DATASETS}
     tokenizer = _tokenizer(cfg, model_dir)
     metrics: dict[str, Any] = {name: dataset_stats(rows, tokenizer) for name, (rows, _) in built.items()}
     metrics["rctp"]["pairing"] = built["rctp"][1]
-    with atomic_dir(out_dir) as tmp:
-        for name, (rows, _) in built.items():
-            write_jsonl(tmp / f"{name}.jsonl", rows)
     metrics["tokens"] = list(cfg.tokens)
     metrics["signal"] = cfg.signal
     metrics["seconds"] = round(time.perf_counter() - t0, 2)
+    with atomic_outputs() as staged:
+        tmp = staged.dir(out_dir)
+        for name, (rows, _) in built.items():
+            write_jsonl(tmp / f"{name}.jsonl", rows)
+        if metrics_out is not None:
+            write_json(staged.file(metrics_out), metrics)
     return metrics
 
 

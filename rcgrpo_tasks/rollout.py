@@ -10,6 +10,7 @@ The prompt (protocol, doc style, system prompt) is the pipeline's `prompt` secti
 
 Example: `rcgrpo rollout --model models/base --split data/split.json --split-name test --categories base
 --limit 4 --g 4 --temperature 1.0 --reward-token '<|high_reward|>' --out results/rollouts.jsonl`
+(`--guidance 1.0` adds reward-token guidance: `SamplingParams.guidance`, hf backend.)
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ from typing import Optional
 
 import typer
 
-from rcgrpo_tasks.engine.backend import SamplingParams
+from rcgrpo_tasks.engine.backend import SamplingParams, reward_pair_ids
 from rcgrpo_tasks.engine.backends import load_backend
 from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.engine.rollout import run_rollouts
 from rcgrpo_tasks.engine.trajectory import write_trajectories
 from rcgrpo_tasks.env.entries import read_entries, select_entries
-from rcgrpo_tasks.env.protocols import PromptConfig
+from rcgrpo_tasks.env.protocols import DEFAULT_REWARD_TOKENS, PromptConfig, reward_tokens
 from rcgrpo_tasks.ops.cli import Progress, cli_errors
-from rcgrpo_tasks.ops.config import as_dict, from_dict, read_params
+from rcgrpo_tasks.ops.config import ConfigError, as_dict, from_dict, read_params
 
 app = typer.Typer(add_completion=False)
 
@@ -64,16 +65,22 @@ def main(
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | auto"),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N (default: params `compute.device`)."),
     batch_rows: int = typer.Option(8, help="rollouts decoded together in one session."),
+    guidance: float = typer.Option(0.0, help="reward-token guidance w (hf; needs --reward-token; 0 = off)."),
 ) -> None:
     """Roll a model over BFCL entries and write trajectory JSONL."""
     with cli_errors():
         prompt = prompt_config(params, protocol=protocol, doc_style=doc_style, system_prompt=system_prompt)
         proto = prompt.protocol_config(max_outputs)
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+        if guidance and not reward_token:
+            raise ConfigError("--guidance needs --reward-token (guidance contrasts the two reward goals)")
         chosen = select_entries(read_entries(entries), _csv(ids), split, split_name, _csv(categories), limit)
         device = device or (load_compute(params).device if params.is_file() else "auto")
         kwargs = {"dtype": dtype, "device": device} if backend == "hf" else {}
         engine_backend = load_backend(backend, model, adapter, **kwargs)
+        tokens = reward_tokens(read_params(params)) if params.is_file() else DEFAULT_REWARD_TOKENS
+        pair = reward_pair_ids(engine_backend.tokenizer, (tokens[-1], tokens[0])) if guidance else None
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
+                                  guidance=guidance, guidance_pair=pair)
     typer.echo(f"rollout: decoding on {engine_backend.describe().get('device', backend)}", err=True)
     bar = Progress(len(chosen) * g)
     try:

@@ -30,6 +30,7 @@ import typer
 from rcgrpo_tasks.data.dataset import GenerateConfig, check_prompt
 from rcgrpo_tasks.data.onpolicy import SampleConfig, pick_entries, sample_policy
 from rcgrpo_tasks.engine.backends import load_backend
+from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.engine.models import model_context
 from rcgrpo_tasks.engine.trajectory import write_trajectories
 from rcgrpo_tasks.env.entries import split_entries
@@ -62,10 +63,11 @@ def main(
         chosen = pick_entries(train, cfg)
         if not chosen:
             raise InputError(f"{split}: no train entries in categories {list(cfg.categories)}")
-        kwargs = {"dtype": cfg.dtype} if cfg.backend == "hf" else {}
+        kwargs = {"dtype": cfg.dtype, "device": load_compute(params).device} if cfg.backend == "hf" else {}
         backend = load_backend(cfg.backend, model_dir, adapter_dir or None, **kwargs)  # before any MLflow run
         # Cut rollouts where the trajectory sets are cut: the model's context minus the reward goal's room.
         backend.max_positions = min(backend.max_positions, gen.max_tokens or model_context(model_dir) - GOAL_RESERVE)
+    typer.echo(f"sample_policy: decoding on {backend.describe().get('device', cfg.backend)}")
     origin = {"model": str(model_dir), "adapter": adapter_dir or None, "policy_backend": cfg.backend}
     with tracking.stage_run("sample_policy", {"sample_policy": as_dict(cfg), "prompt": as_dict(prompt),
                                               "reward": gen.reward, **origin}), cli_errors():

@@ -46,7 +46,7 @@ from rcgrpo_tasks.env.scoring import reward_value
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import GATE_EXIT, cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config
-from rcgrpo_tasks.ops.io import atomic_dir, read_jsonl, write_json
+from rcgrpo_tasks.ops.io import atomic_outputs, read_jsonl, write_json
 
 # `id` (= entry_id) is what Trajectory.to_json adds so a trajectory file is also a BFCL result file.
 TRAJECTORY_FIELDS: tuple[str, ...] = ("id", *(f.name for f in fields(Trajectory)))
@@ -251,8 +251,9 @@ def summary(fails: list[dict], n_expectations: int, path: Path, n_rows: int) -> 
 
 def validate(cfg: ValidateConfig, gen: GenerateConfig, prompt: PromptConfig, trajectories: str | Path,
              split_path: str | Path, model_dir: str | Path, out_dir: str | Path,
-             balance: bool = True) -> tuple[dict, list[dict], str]:
-    """Run the gate; writes out_dir (result JSON, data docs, passed.json only on success).
+             balance: bool = True, metrics_out: str | Path | None = None) -> tuple[dict, list[dict], str]:
+    """Run the gate; writes out_dir (result JSON, data docs, passed.json only on success) and the metrics
+    JSON (`metrics_out`) together: both appear or neither (a failed gate still writes both).
     `balance=False`: no success-balance check (raw on-policy samples, see `build_expectations`).
 
     Returns (metrics, failures, summary text). Corrupt input raises InputError naming file and line.
@@ -262,23 +263,25 @@ def validate(cfg: ValidateConfig, gen: GenerateConfig, prompt: PromptConfig, tra
     split = read_split(split_path)
     max_tokens = cfg.max_tokens or model_context(model_dir) - cfg.goal_reserve
     df = trajectory_frame(rows, gen.reward)
-    expectations = None
-    with atomic_dir(out_dir) as tmp:
+    with atomic_outputs() as staged:  # the folder and the metrics appear together or not at all
+        tmp = staged.dir(out_dir)
         expectations = build_expectations(import_gx(), cfg, gen, prompt.protocol, split, max_tokens, balance)
         result = run_suite(df, expectations, tmp / "data_docs" if cfg.data_docs else None)
         write_json(tmp / RESULT_FILE, result)
         fails = failures(result, df, cfg.max_examples)
         if not fails:
             write_json(tmp / PASSED_FILE, stamp(trajectories, len(rows)))
-    n_success = int(df["is_success"].sum()) if "is_success" in df else 0
-    metrics = {
-        "passed": not fails, "n_rows": len(rows), "n_expectations": len(expectations),
-        "n_failed_expectations": len(fails), "failed_checks": [f["check"] for f in fails],
-        "n_success": n_success, "n_failure": len(rows) - n_success,
-        "success_fraction": round(n_success / len(rows), 4) if rows else None,
-        "max_tokens_allowed": max_tokens,
-        "n_tokens_max": int(df["n_tokens"].max()) if len(df) and df["n_tokens"].notna().any() else None,
-    }
+        n_success = int(df["is_success"].sum()) if "is_success" in df else 0
+        metrics = {
+            "passed": not fails, "n_rows": len(rows), "n_expectations": len(expectations),
+            "n_failed_expectations": len(fails), "failed_checks": [f["check"] for f in fails],
+            "n_success": n_success, "n_failure": len(rows) - n_success,
+            "success_fraction": round(n_success / len(rows), 4) if rows else None,
+            "max_tokens_allowed": max_tokens,
+            "n_tokens_max": int(df["n_tokens"].max()) if len(df) and df["n_tokens"].notna().any() else None,
+        }
+        if metrics_out is not None:
+            write_json(staged.file(metrics_out), metrics)
     text = summary(fails, len(expectations), trajectories, len(rows)) if fails else ""
     return metrics, fails, text
 
@@ -304,8 +307,7 @@ def main(
     with tracking.stage_run("validate_trajectories", {"validate": as_dict(cfg), "reward": gen.reward,
                                                       "success_fraction": gen.success_fraction,
                                                       "protocol": prompt.protocol}), cli_errors():
-        record, fails, text = validate(cfg, gen, prompt, trajectories, split, model_dir, out_dir, balance)
-        write_json(metrics, record)
+        record, fails, text = validate(cfg, gen, prompt, trajectories, split, model_dir, out_dir, balance, metrics)
         tracking.log_metrics({k: v for k, v in record.items() if isinstance(v, (int, float))})
         tracking.log_artifact(out_dir / RESULT_FILE)
         if fails:

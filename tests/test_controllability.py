@@ -161,7 +161,7 @@ def test_cli_on_tiny_rctp_model(tiny_model_dir, tmp_path, monkeypatch):
 
     write_jsonl(tmp_path / "rctp.jsonl", [chat(i, HIGH if i % 2 else LOW) for i in range(8)])
     cfg = SftConfig(learning_rate=1e-2, max_steps=1, batch_size=4, max_length=128, lora_r=4, lora_alpha=8,
-                    log_model=False, require_reward_token=True)
+                    log_model=False, require_reward_token=True, reward_token_init="apart")
     spec = SftRun("rctp", tiny_model_dir, tmp_path / "rctp.jsonl", tmp_path / "adapter", tmp_path / "ck")
     sft.train_variant(cfg, TOKENS, spec, track=False)
 
@@ -170,7 +170,7 @@ def test_cli_on_tiny_rctp_model(tiny_model_dir, tmp_path, monkeypatch):
     write_json(tmp_path / "split.json", {"train": [entries[0].id], "test": [e.id for e in entries[1:]]})
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({
         "controllability": {"n_entries": 2, "samples_per_token": 2, "max_outputs": 1, "max_new_tokens": 3,
-                            "dtype": "float32", "n_bootstrap": 50},
+                            "dtype": "float32", "n_bootstrap": 50, "guidance": 4.0},
         "prompt": {"system_prompt": "short"}, "rl": RL,
         "label_rewards": {"tokens": list(TOKENS)}}))
     res = CliRunner().invoke(ctl.app, [
@@ -181,15 +181,22 @@ def test_cli_on_tiny_rctp_model(tiny_model_dir, tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     m = json.loads((tmp_path / "m.json").read_text())
     assert m["entries"] == [e.id for e in entries[1:]] and m["n_entries"] == 2
-    for arm in ("greedy", "sampled"):
+    for arm in ("greedy", "sampled", "guided"):
         lo, hi = m[arm]["gap_ci"]
         assert 0.0 <= m[arm]["success_rate_high"] <= 1.0 and -1.0 <= lo <= m[arm]["gap"] <= hi <= 1.0
     assert m["sampled"]["temperature"] == RL["temperature"] and m["zero_variance"]["G"] == RL["num_generations"]
     assert 0.0 <= m["zero_variance"]["all_high"] <= 1.0 and 0 <= m["greedy"]["identical_outputs"] <= 2
     rows = [json.loads(r) for r in (tmp_path / "t.jsonl").read_text().splitlines()]
-    assert [r["reward_token"] for r in rows] == [HIGH, LOW] * 2 + [HIGH, HIGH, LOW, LOW] * 2
+    assert [r["reward_token"] for r in rows] == [HIGH, LOW] * 2 + [HIGH, HIGH, LOW, LOW] * 4
     sampled = [r["provenance"]["sampling"]["temperature"] for r in rows if r["provenance"]["arm"] == "sampled"]
     assert sampled == [RL["temperature"]] * 8
+    # the guided arm: same seeds and temperature, guidance recorded; its log-probs are the guided distribution's
+    # (on this random tiny model the token's logit effect is ~1 % of their spread, so the tokens may agree)
+    guided = [r for r in rows if r["provenance"]["arm"] == "guided"]
+    assert m["guided"]["guidance"] == 4.0 and len(guided) == 8
+    assert {r["provenance"]["guidance"] for r in guided} == {4.0}
+    unguided = [r["logprobs"] for r in rows if r["provenance"]["arm"] == "sampled"]
+    assert [r["logprobs"] for r in guided] != unguided
 
 
 def test_bad_params_and_missing_split(tmp_path):

@@ -173,3 +173,20 @@ def test_corrupt_line_names_file_and_line(tmp_path, dataset):
     with pytest.raises(InputError, match=r"trajectories\.jsonl:3"):
         validate(CFG, GEN, PROMPT, path, dataset["split"], dataset["model_dir"], tmp_path / "validation")
     assert not (tmp_path / "validation").exists()
+
+
+def test_folder_and_metrics_appear_together_or_not_at_all(tmp_path, dataset):
+    """An unwritable metrics path (its parent is a file) leaves neither the gate's folder nor the metrics;
+    the error names the metrics path. A writable one gets both, with the same record."""
+    from rcgrpo_tasks.ops.io import OutputError
+
+    path = tmp_path / "trajectories.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in dataset["rows"]))
+    (tmp_path / "afile").write_text("x")
+    bad, out = tmp_path / "afile" / "m.json", tmp_path / "validation"
+    with pytest.raises((OutputError, OSError), match="m.json"):
+        validate(CFG, GEN, PROMPT, path, dataset["split"], dataset["model_dir"], out, metrics_out=bad)
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["afile", "trajectories.jsonl"]
+    good = tmp_path / "metrics" / "m.json"
+    record, fails, _ = validate(CFG, GEN, PROMPT, path, dataset["split"], dataset["model_dir"], out, metrics_out=good)
+    assert fails == [] and json.loads(good.read_text()) == record and (out / PASSED_FILE).is_file()

@@ -3,7 +3,7 @@ near-miss failures, balanced to `success_fraction` (the generate_trajectories st
 
 Sources (`provenance.source` / `provenance.kind`) and balance: see the stage's docstring
 (`rcgrpo_tasks/generate_trajectories.py`) and docs/data.md. Everything is seeded: the same params and
-inputs give the same rows (only `wall_time_s` differs).
+inputs give the same bytes (wall time lives in the metrics, not in the rows).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from rcgrpo_tasks.engine.backend import SamplingParams
 from rcgrpo_tasks.engine.backends import load_backend
 from rcgrpo_tasks.engine.models import model_context
 from rcgrpo_tasks.engine.rollout import replay_calls, run_group
+from rcgrpo_tasks.engine.trajectory import DATASET_WALL_TIME
 from rcgrpo_tasks.env.bfcl import Entry
 from rcgrpo_tasks.env.entries import split_entries
 from rcgrpo_tasks.env.perturb import PERTURBATIONS, Script, perturb
@@ -127,11 +128,11 @@ class _Context:
 
 
 def _finish(traj, ctx: _Context, tid: str, provenance: dict):
-    """Give a trajectory its deterministic id and full provenance."""
+    """Give a trajectory its deterministic id and full provenance; wall time 0.0 (`trajectory.DATASET_WALL_TIME`)."""
     reward = reward_value(traj.score, ctx.cfg.reward)
     prov = {**(traj.provenance or {}), **provenance, "reward_fn": ctx.cfg.reward, "reward": reward,
             "seed": ctx.cfg.seed}
-    return dataclasses.replace(traj, trajectory_id=tid, provenance=prov)
+    return dataclasses.replace(traj, trajectory_id=tid, provenance=prov, wall_time_s=DATASET_WALL_TIME)
 
 
 def _replay(entry: Entry, turns: Script, ctx: _Context):

@@ -29,7 +29,7 @@ from typing import Literal
 
 from rcgrpo_tasks.engine.backend import Backend, SamplingParams
 from rcgrpo_tasks.engine.rollout import run_rollouts
-from rcgrpo_tasks.engine.trajectory import Trajectory
+from rcgrpo_tasks.engine.trajectory import DATASET_WALL_TIME, Trajectory
 from rcgrpo_tasks.env.bfcl import CATEGORIES, Entry
 from rcgrpo_tasks.env.protocols import ProtocolConfig
 from rcgrpo_tasks.env.scoring import reward_value
@@ -97,11 +97,13 @@ def needs_more(rewards: Sequence[float], cap: int) -> bool:
 
 
 def finish(traj: Trajectory, reward_fn: str, sample_index: int, round_: int, extra: dict) -> Trajectory:
-    """The row as the trajectory sets store it: deterministic id, R under `reward_fn`, provenance."""
+    """The row as the trajectory sets store it: deterministic id, R under `reward_fn`, provenance, no wall
+    time (`trajectory.DATASET_WALL_TIME`)."""
     prov = {**traj.provenance, **extra, "source": SOURCE, "kind": KIND, "generator": "policy",
             "perturbation": None, "script_score": None, "reward_fn": reward_fn,
             "reward": reward_value(traj.score, reward_fn), "sample_index": sample_index, "round": round_}
-    return dataclasses.replace(traj, trajectory_id=f"{traj.entry_id}.{KIND}.{sample_index}", provenance=prov)
+    return dataclasses.replace(traj, trajectory_id=f"{traj.entry_id}.{KIND}.{sample_index}", provenance=prov,
+                               wall_time_s=DATASET_WALL_TIME)
 
 
 def sample_policy(backend: Backend, entries: Sequence[Entry], cfg: SampleConfig, protocol: ProtocolConfig,

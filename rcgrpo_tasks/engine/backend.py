@@ -31,10 +31,18 @@ class SamplingParams:
     max_new_tokens: int = 256
     """Per model output (one step)."""
     seed: int | None = None
+    guidance: float = 0.0
+    """Reward-token guidance scale w (0 = off; beyond the paper): the next-token logits are
+    `l_goal + w * (l_goal - l_other)`, `l_goal` with the row's own reward goal, `l_other` with the other
+    token in its place (classifier-free guidance between the two goals, arXiv 2306.17806). `hf` only."""
+    guidance_pair: tuple[int, int] | None = None
+    """Token ids (high, low) of the two reward goals; needed when `guidance` > 0 (`reward_pair_ids`)."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 1:
             raise ValueError(f"invalid sampling params {self}")
+        if self.guidance < 0 or (self.guidance > 0 and (self.guidance_pair is None or len(set(self.guidance_pair)) != 2)):
+            raise ValueError(f"guidance must be >= 0, and > 0 needs two distinct guidance_pair ids: {self}")
 
 
 @dataclass
@@ -95,6 +103,19 @@ def stop_token_ids(tokenizer, generation_config=None) -> set[int]:
     if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
         ids.add(im_end)
     return ids
+
+
+def reward_pair_ids(tokenizer, tokens: tuple[str, str]) -> tuple[int, int]:
+    """Ids of the (high, low) reward tokens, for `SamplingParams.guidance_pair`; a tokenizer without them
+    (a model never RCTP-trained) raises ValueError naming the token."""
+    ids = []
+    for tok in tokens:
+        i = tokenizer.convert_tokens_to_ids(tok)
+        if not isinstance(i, int) or i == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(i) != tok:
+            raise ValueError(f"guidance: the tokenizer has no token {tok!r} (only reward-conditioned models "
+                             f"can be guided)")
+        ids.append(i)
+    return ids[0], ids[1]
 
 
 def decode_text(tokenizer, ids: list[int], stops: set[int]) -> str:

@@ -14,6 +14,9 @@
   where an idle row costs nothing) and reads the tokens once at the end. On CUDA the step is captured as a
   CUDA graph (`cuda_graphs`, default on there) and replayed; on CPU it runs eagerly.
 - Sampling: `rcgrpo_tasks.engine.sampling` (counter-based noise per row: the same tokens whatever the batch).
+- Reward-token guidance (`SamplingParams.guidance` > 0): every row gets a twin with the other reward token
+  (`with_twins`), decoded in the same batch and cache; the row samples from the guided logits and the twin
+  is fed the same token. Cost: twice the rows. Log-probs are those of the guided distribution.
 - `rcgrpo_cpu` attention (CPU models the backend loads itself): sdpa for prefill, a GQA-packed
   matmul-softmax for one-token decode (CPU sdpa with a padding mask is ~3x slower in bf16).
 """
@@ -37,7 +40,7 @@ from rcgrpo_tasks.engine.device import placement, resolve_device
 from rcgrpo_tasks.engine.graphs import StepGraph
 from rcgrpo_tasks.engine.kvcache import decode_mask, plan_capacity, prefill_mask, slot_cache_class
 from rcgrpo_tasks.engine.models import ModelLoadError, bf16_supported, check_adapter_dir, check_model_dir, load_trained
-from rcgrpo_tasks.engine.sampling import row_seed, sample_tokens
+from rcgrpo_tasks.engine.sampling import guided_logits, row_seed, sample_tokens
 
 CPU_ATTENTION = "rcgrpo_cpu"
 BOOL_MASK_ATTENTION = ("sdpa", CPU_ATTENTION, "flex_attention")
@@ -163,6 +166,9 @@ class HFSession(Session):
         if not prompts:
             return []
         caps = list(max_new_tokens) if max_new_tokens is not None else [sampling.max_new_tokens] * len(prompts)
+        n, keys, prompts = len(prompts), list(keys), [list(p) for p in prompts]
+        if sampling.guidance:
+            keys, prompts, caps = with_twins(keys, prompts, caps, sampling.guidance_pair)
         if self.base_seed is None:
             self.base_seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         model = self.b.model
@@ -170,9 +176,9 @@ class HFSession(Session):
         model.eval()  # no dropout while sampling, even for the model TRL is training
         try:
             with torch.inference_mode():
-                self._align(list(keys), [list(p) for p in prompts], max(caps))
+                self._align(keys, prompts, max(caps))
                 logits = self._prefill([p[len(c):] for p, c in zip(prompts, self.covered)], max(caps))
-                return self._decode(logits, sampling, caps)
+                return self._decode(logits, sampling, caps)[:n]
         finally:
             model.train(was_training)
 
@@ -279,7 +285,7 @@ class HFSession(Session):
         st, dev = self.st, self.b.model.device
         steps = max(caps)
         d = _DecodeState(st, caps, steps, self._row_seeds(), sorted(self.b.stop_ids), dev)
-        d.record(*sample_tokens(logits, sampling, d.seeds, st.nreal))
+        d.record(*self._sample(logits, sampling, d.seeds))
         runner = self._runner(d, sampling)
         check = self.b.stop_check_every
         done = 1
@@ -316,7 +322,17 @@ class HFSession(Session):
         st.nreal.add_(d.live.long())
         d.write_at.add_(1)
         d.t.add_(1)
-        d.record(*sample_tokens(out.logits[:, -1, :], sampling, d.seeds, st.nreal))
+        d.record(*self._sample(out.logits[:, -1, :], sampling, d.seeds))
+
+    def _sample(self, logits, sampling: SamplingParams, seeds):
+        """Each row's next token and log-prob; with guidance the first half of the rows (the goals) sample
+        from the guided logits with their own seeds and their twins (second half) take the same token."""
+        if not sampling.guidance:
+            return sample_tokens(logits, sampling, seeds, self.st.nreal)
+        n = logits.shape[0] // 2
+        tok, lp = sample_tokens(guided_logits(logits[:n], logits[n:], sampling.guidance), sampling, seeds[:n],
+                                self.st.nreal[:n])
+        return tok.repeat(2), lp.repeat(2)
 
     def _runner(self, d: _DecodeState, sampling: SamplingParams):
         """`step(t)`: eager on CPU (attention over the columns in use); on CUDA a captured graph of `_step`
@@ -338,6 +354,24 @@ class HFSession(Session):
             finish = "stop" if ids[-1] in stops else "length"
             out.append(Completion(ids, lp, decode_text(tokz, ids, stops), finish))
         return out
+
+
+def with_twins(keys: list, prompts: list[list[int]], caps: list[int], pair: tuple[int, int]):
+    """Reward-token guidance's rows: each row, then its twin (key `(TWIN, key)`) whose prompt has the other
+    reward token in place of every high/low token (same length, so both stay aligned token for token).
+    A prompt with neither token cannot be guided: ValueError naming its key."""
+    high, low = pair
+    swap = {high: low, low: high}
+    twins = []
+    for key, p in zip(keys, prompts):
+        if high not in p and low not in p:
+            raise ValueError(f"guidance: prompt of row {key!r} has no reward goal token; guide only "
+                             f"reward-conditioned rollouts")
+        twins.append([swap.get(t, t) for t in p])
+    return keys + [(TWIN, k) for k in keys], prompts + twins, caps + caps
+
+
+TWIN = "rcgrpo-guidance-twin"
 
 
 class _DecodeState:

@@ -59,6 +59,13 @@ def uniform_noise(seeds, positions, vocab: int):
     return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << _NOISE_BITS))
 
 
+def guided_logits(goal, other, scale: float):
+    """Reward-token guidance: `goal + scale * (goal - other)` in float32 (rows, vocab). Logits and log-probs
+    give the same distribution (each row's log-normaliser is a constant softmax drops)."""
+    goal = goal.float()
+    return goal + scale * (goal - other.float())
+
+
 def sample_tokens(logits, sampling, seeds=None, positions=None):
     """(token, log-prob under softmax(logits / T)) per row; greedy (argmax) when T == 0.
 

@@ -26,6 +26,10 @@ from rcgrpo_tasks.ops.io import InputError, read_jsonl, write_jsonl
 SCHEMA_VERSION = 1
 PROTOCOLS = ("official", "paper")
 TERMINATIONS = ("done", "completed", "step_limit", "context_limit", "error")
+DATASET_WALL_TIME = 0.0
+"""`wall_time_s` of the rows a DVC stage stores as a dataset (generate_trajectories, sample_policy): a
+timing in every row would make the stage's output hash differ on every run and machine, so `dvc.lock`
+could never vouch for it; those stages report their timings in their metrics instead."""
 
 
 class TrajectoryError(ValueError):

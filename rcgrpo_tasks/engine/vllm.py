@@ -53,6 +53,13 @@ class VLLMBackend(Backend):
         return _VLLMSession(self)
 
 
+def refuse_guidance(sampling) -> None:
+    """vLLM samples each request on its own: it cannot mix two contexts' logits per token (the `hf` backend
+    can). A guided request is an error, never a silently unguided one."""
+    if sampling.guidance:
+        raise ValueError("guidance > 0 needs the hf backend (vLLM cannot combine two contexts' logits)")
+
+
 class _VLLMSession(Session):
     _seeds = itertools.count()
 
@@ -63,6 +70,7 @@ class _VLLMSession(Session):
         import vllm
         from vllm.inputs import TokensPrompt
 
+        refuse_guidance(sampling)
         caps = max_new_tokens or [sampling.max_new_tokens] * len(prompts)
         params = [vllm.SamplingParams(
             temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=cap, logprobs=0,
@@ -103,6 +111,7 @@ class _ServerSession(Session):
         self.b = backend
 
     def generate(self, keys, prompts, sampling, max_new_tokens=None):
+        refuse_guidance(sampling)
         caps = max_new_tokens or [sampling.max_new_tokens] * len(prompts)
         stops = self.b.stop_ids
         out = []
