@@ -315,6 +315,8 @@ def rcgrpo(
     # The main pipeline only: other dvc.yaml files (retrain/, written by the retrain flow) are not its stages.
     order = plan({k: v for k, v in discover_stages(repo).items() if ":" not in k}, stages)
     log.info("tracking %s; profile %s; stages: %s", uri, profile, ", ".join(order))
+    if tracking.runs_table_url():
+        log.info("MLflow runs table: %s", tracking.runs_table_url())
     params = {"flow": {"profile": profile, "stages": stages, "force": force, "push": push, "pull": pull},
               "params": read_repo_params(repo)}
     parent = open_parent_run(f"pipeline@{profile}", params, {

@@ -139,6 +139,13 @@ def test_experiment_kind_opens_the_ui_on_runs(store, monkeypatch):
     assert _client().get_experiment(exp_id).tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
 
 
+def test_runs_table_url_selects_the_model_training_view(store, monkeypatch):
+    assert tracking.runs_table_url() is None  # a local store has no UI link
+    monkeypatch.setattr(tracking, "tracking_uri", lambda: "http://127.0.0.1:5000/")
+    monkeypatch.setattr(tracking, "experiment_id", lambda: "7")
+    assert tracking.runs_table_url() == "http://127.0.0.1:5000/#/experiments/7/runs?workflowType=machine_learning"
+
+
 def test_runs_are_named_stage_at_variant(store, monkeypatch):
     assert tracking.run_name("evaluate", "sft") == "evaluate@sft"
     assert tracking.run_name("sft@rctp") == "sft@rctp"

@@ -195,6 +195,16 @@ def experiment_id() -> str:
     return exp_id
 
 
+def runs_table_url() -> str | None:
+    """The UI link that opens on the experiment's runs table (None for a local sqlite/file store).
+    MLflow 3.17's UI keeps a browser-wide GenAI / Model-training mode (default GenAI) that wins over the
+    experiment kind on a bare experiment link; `workflowType=machine_learning` selects the runs table."""
+    uri = tracking_uri()
+    if not _is_remote(uri):
+        return None
+    return f"{uri.rstrip('/')}/#/experiments/{experiment_id()}/runs?workflowType=machine_learning"
+
+
 def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     """Nested dataclass/mapping -> {'a.b': value}; lists become JSON strings."""
     if dataclasses.is_dataclass(data) and not isinstance(data, type):
