@@ -48,6 +48,9 @@ def test_compose_services_ports_and_env_match_services_yaml(services, compose):
     mlflow_env = _env(svc["mlflow"])
     for key, value in services["mlflow_server_env"].items():
         assert mlflow_env[key] == local.fill(value, hosts)
+    prefect_env = _env(svc["prefect-server"])
+    for key, value in services["prefect_server_env"].items():
+        assert prefect_env[key] == local.fill(value, hosts), key
     cmd = svc["mlflow"]["command"]
     assert f"--port {services['services']['mlflow']['port']}" in cmd
     assert f"s3://{services['bucket']}/{services['mlflow_prefix']}" in cmd

@@ -299,6 +299,7 @@ def _prefect_env(stack: Stack) -> dict[str, str]:
 
 def _start_prefect(stack: Stack) -> dict:
     env = _without_credentials(_prefect_env(stack))
+    env.update({k: stack.fill(v) for k, v in stack.services.get("prefect_server_env", {}).items()})
     cmd = [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", stack.host,
            "--port", str(stack.ports["prefect"]), "--analytics-off"]
     return _spawn(stack, "prefect", cmd, env)
