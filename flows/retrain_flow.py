@@ -152,6 +152,9 @@ def retrain(profile: str = "default", repo_dir: str = ".", template: str = TEMPL
     state = start_round(repo, profile, champion["version"], template)
     prefix = f"{PIPELINE}:"
     order = [s for s in discover_stages(repo) if s.startswith(prefix)]
+    if not order:  # e.g. retrain/ git-ignored: DVC then skips its dvc.yaml, and an empty round would look done
+        raise RuntimeError(f"no stages of {PIPELINE} found by DVC in {repo}; is retrain/ ignored by git or "
+                           f".dvcignore? (DVC skips ignored folders)")
     parent = open_parent_run(f"retrain@{profile}", {"round": state, "champion": champion}, {
         "git.commit": tracking.git_commit(), "prefect.flow_run_id": flow_run.id or "", "rcgrpo.plan": ",".join(order),
         "retrain.round": state["round"], "retrain.champion_version": champion["version"], **profile_tags})

@@ -142,3 +142,8 @@ def test_two_rounds_each_train_a_new_candidate_and_the_paired_gate_decides(tmp_p
     assert int(champ.version) == second["decision"]["candidate_version"]
     status = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True).stdout
     assert set(status.split()) <= {"??", "retrain/"}  # only the round's pipeline files, nothing else dirty
+
+    # A retrain/ folder DVC cannot see (git-ignored) must fail the round, not pass as "nothing new".
+    (repo / ".gitignore").write_text("/retrain/\n")
+    with pytest.raises(RuntimeError, match="no stages of retrain/dvc.yaml found"):
+        rf.retrain(repo_dir=str(repo), template="retrain.fake.yaml")
