@@ -10,7 +10,7 @@ import pytest
 from rcgrpo_tasks.engine.backend import Backend, Completion, SamplingParams, Session, decode_text
 from rcgrpo_tasks.engine.device import MemorySplitWarning
 from rcgrpo_tasks.engine.hf import HFBackend, HFSession
-from rcgrpo_tasks.engine.kvcache import ALIGN, GROWTH, plan_capacity
+from rcgrpo_tasks.engine.kvcache import ALIGN, GROWTH, plan_capacity, ragged_segments
 from rcgrpo_tasks.engine.rollout import run_group, run_groups
 from rcgrpo_tasks.engine.sampling import mix64, mix64_tensor, row_seed, uniform_noise
 from rcgrpo_tasks.env import bfcl
@@ -112,6 +112,50 @@ def test_cache_is_sized_to_the_rows_and_grows_only_when_needed(backend):
     before = cache.capacity
     sess.generate([0, 1], big, sp)
     assert cache.capacity >= max(before * GROWTH, cache.n) and cache.keys[0] is not buffers
+
+
+def test_ragged_segments_run_each_span_on_the_rows_that_use_it():
+    assert ragged_segments([2, 40, 2, 3], 8) == [(0, 37, [1]), (37, 40, None)]  # the long row alone, then all
+    assert ragged_segments([5, 2000, 1000, 3], 64) == [(0, 1000, [1]), (1000, 1995, [1, 2]), (1995, 2000, None)]
+    assert ragged_segments([30, 40, 35, 3], 8) == [(0, 10, [1, 2]), (10, 37, [0, 1, 2]), (37, 40, None)]
+    assert ragged_segments([30, 40, 35, 3], 16) == [(0, 37, [0, 1, 2]), (37, 40, None)]  # a short span joins the next
+    assert ragged_segments([4, 4], 1) == [(0, 4, None)] and ragged_segments([0, 6], 1) == [(0, 6, None)]
+
+
+def test_uneven_suffixes_run_on_their_rows_with_the_same_tokens(backend, monkeypatch):
+    """One long tool reply among short ones: greedy still equals full forwards, ragged equals padded
+    (tokens, log-probs), and the forwards see fewer query tokens than rows x the longest suffix."""
+    import torch
+
+    sp = SamplingParams(temperature=0.0, max_new_tokens=6)
+    seen = []
+    real_append = HFSession._append
+
+    def counting_append(self, st, ids, new_mask):  # every prefill forward goes through _append
+        seen.append(ids.numel())
+        return real_append(self, st, ids, new_mask)
+
+    def run(ragged_min):
+        monkeypatch.setattr(HFSession, "RAGGED_MIN", ragged_min)
+        sess, keys = backend.session(), [0, 1, 2, 3]
+        seqs = {k: list(PROMPTS[k]) for k in keys}
+        outs = sess.generate(keys, [seqs[k] for k in keys], sp)
+        for k, o in zip(keys, outs):
+            seqs[k] += o.token_ids + ([40 + i % 50 for i in range(90)] if k == 2 else [30, 31])
+        seen.clear()
+        with monkeypatch.context() as m:
+            m.setattr(HFSession, "_append", counting_append)
+            outs = sess.generate(keys, [seqs[k] for k in keys], sp)
+        return seqs, outs, sum(seen), int(sess.st.mask.sum())
+
+    seqs, ragged, ragged_queries, ragged_real = run(8)
+    _, padded, padded_queries, padded_real = run(10**6)
+    for k, o in enumerate(ragged):
+        assert o.token_ids == _argmax_decode(backend.model, seqs[k], len(o.token_ids)), k
+    assert [o.token_ids for o in ragged] == [o.token_ids for o in padded] and ragged_real == padded_real
+    assert max(abs(x - y) for o, p in zip(ragged, padded) for x, y in zip(o.logprobs, p.logprobs)) < 1e-4
+    assert padded_queries >= 4 * 90 and ragged_queries < padded_queries / 2, (ragged_queries, padded_queries)
+    assert torch.isfinite(torch.tensor([x for o in ragged for x in o.logprobs])).all()
 
 
 # ------------------------------------------------------------------------------------------ sampling

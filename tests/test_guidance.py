@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from rcgrpo_tasks.engine.backend import SamplingParams, reward_pair_ids
-from rcgrpo_tasks.engine.hf import TWIN, HFBackend, with_twins
-from rcgrpo_tasks.engine.sampling import guided_logits, row_seed
+from rcgrpo_tasks.engine.hf import HFBackend
+from rcgrpo_tasks.engine.sampling import TWIN, guided_logits, row_seed, with_twins
 from rcgrpo_tasks.engine.vllm import refuse_guidance
 
 HIGH, LOW = 60, 61

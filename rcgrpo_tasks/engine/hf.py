@@ -8,14 +8,15 @@
   and copy it, all rows laid out left-padded in one cache (`rcgrpo_tasks.engine.kvcache`).
 - KV reuse: a later call appends only each row's new tokens (observations, next user turn), never
   re-prefilling. Rows of different lengths share the cache through masked holes (position ids count real
-  tokens), compacted once holes exceed `COMPACT_AT`; rows whose keys disappear are dropped.
+  tokens), compacted once holes exceed `COMPACT_AT`; rows whose keys disappear are dropped. A span of new
+  columns only some rows use (one long tool reply) is computed for those rows alone (`ragged_segments`).
 - Decode loop: one step = one forward of every row + sampling + bookkeeping, all device tensors updated in
   place; the host only checks "any row still live?" (every step on CPU, every `STOP_CHECK` steps on CUDA,
   where an idle row costs nothing) and reads the tokens once at the end. On CUDA the step is captured as a
   CUDA graph (`cuda_graphs`, default on there) and replayed; on CPU it runs eagerly.
 - Sampling: `rcgrpo_tasks.engine.sampling` (counter-based noise per row: the same tokens whatever the batch).
 - Reward-token guidance (`SamplingParams.guidance` > 0): every row gets a twin with the other reward token
-  (`with_twins`), decoded in the same batch and cache; the row samples from the guided logits and the twin
+  (`sampling.with_twins`), decoded in the same batch and cache; the row samples from the guided logits and the twin
   is fed the same token. Cost: twice the rows. Log-probs are those of the guided distribution.
 - `rcgrpo_cpu` attention (CPU models the backend loads itself): sdpa for prefill, a GQA-packed
   matmul-softmax for one-token decode (CPU sdpa with a padding mask is ~3x slower in bf16).
@@ -38,9 +39,9 @@ from rcgrpo_tasks.engine.backend import (
 )
 from rcgrpo_tasks.engine.device import placement, resolve_device
 from rcgrpo_tasks.engine.graphs import StepGraph
-from rcgrpo_tasks.engine.kvcache import decode_mask, plan_capacity, prefill_mask, slot_cache_class
+from rcgrpo_tasks.engine.kvcache import decode_mask, plan_capacity, prefill_mask, ragged_segments, slot_cache_class
 from rcgrpo_tasks.engine.models import ModelLoadError, bf16_supported, check_adapter_dir, check_model_dir, load_trained
-from rcgrpo_tasks.engine.sampling import guided_logits, row_seed, sample_tokens
+from rcgrpo_tasks.engine.sampling import guided_logits, row_seed, sample_tokens, with_twins
 
 CPU_ATTENTION = "rcgrpo_cpu"
 BOOL_MASK_ATTENTION = ("sdpa", CPU_ATTENTION, "flex_attention")
@@ -141,6 +142,7 @@ class HFSession(Session):
     ATTN_BUDGET = 2**24  # ... bounded so rows x chunk x cache length (x heads) stays ~1 GB
     COMPACT_AT = 0.5  # compact the cache when more than half of it is holes ...
     COMPACT_MIN = 512  # ... and it is at least this long
+    RAGGED_MIN = 64  # a suffix span only some rows use runs on those rows alone when at least this long
 
     def __init__(self, backend: HFBackend):
         self.b = backend
@@ -260,9 +262,27 @@ class HFSession(Session):
             new_mask[i, width - len(s):] = True
             self.covered[i] = self.covered[i] + s
         self.st.reserve(self.st.cache.n + width + reserve)
-        logits = self._append(self.st, ids, new_mask)
+        logits = None
+        for a, b, rows in ragged_segments([len(s) for s in suffixes], self.RAGGED_MIN):
+            part = ids[:, a:b], new_mask[:, a:b]
+            logits = self._append(self.st, *part) if rows is None else self._append_rows(rows, *part)
         self._maybe_compact()
         return logits
+
+    def _append_rows(self, rows: list[int], ids, new_mask) -> None:
+        """`_append` on rows `rows` alone (a copy of their cache); the other rows get holes in these columns."""
+        import torch
+
+        st, start, q = self.st, self.st.cache.n, ids.shape[1]
+        index = torch.tensor(rows, device=st.mask.device)
+        sub = _Rows.__new__(_Rows)
+        sub.cache, sub.mask, sub.nreal = st.cache.take_rows(index, start + q), st.mask[index, :start + q], st.nreal[index]
+        self._append(sub, ids[rows], new_mask[rows])
+        st.cache.put_columns(sub.cache, index, start, q)
+        st.mask[:, start:start + q] = False
+        st.mask[index, start:start + q] = sub.mask[:, start:]
+        st.nreal[index] = sub.nreal
+        st.cache.advance(q)
 
     def _maybe_compact(self) -> None:
         """Drop holes (rows re-left-padded) once they dominate the cache; attention cost follows its length."""
@@ -354,24 +374,6 @@ class HFSession(Session):
             finish = "stop" if ids[-1] in stops else "length"
             out.append(Completion(ids, lp, decode_text(tokz, ids, stops), finish))
         return out
-
-
-def with_twins(keys: list, prompts: list[list[int]], caps: list[int], pair: tuple[int, int]):
-    """Reward-token guidance's rows: each row, then its twin (key `(TWIN, key)`) whose prompt has the other
-    reward token in place of every high/low token (same length, so both stay aligned token for token).
-    A prompt with neither token cannot be guided: ValueError naming its key."""
-    high, low = pair
-    swap = {high: low, low: high}
-    twins = []
-    for key, p in zip(keys, prompts):
-        if high not in p and low not in p:
-            raise ValueError(f"guidance: prompt of row {key!r} has no reward goal token; guide only "
-                             f"reward-conditioned rollouts")
-        twins.append([swap.get(t, t) for t in p])
-    return keys + [(TWIN, k) for k in keys], prompts + twins, caps + caps
-
-
-TWIN = "rcgrpo-guidance-twin"
 
 
 class _DecodeState:

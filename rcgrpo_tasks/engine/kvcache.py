@@ -121,6 +121,24 @@ def slot_cache_class():
                     del old
             self.n = width
 
+        def take_rows(self, index, capacity: int):
+            """A new cache holding rows `index` (int64 tensor): their columns [0, n), room for `capacity`."""
+            sub = type(self)(len(index), capacity)
+            sub.n = self.n
+            for src, dst in ((self.keys, sub.keys), (self.values, sub.values)):
+                for t in src:
+                    new = t.new_zeros((len(index), t.shape[1], capacity) + t.shape[3:])
+                    new[:, :, :self.n] = t[index.to(t.device), :, :self.n]
+                    dst.append(new)
+            return sub
+
+        def put_columns(self, sub, index, start: int, width: int) -> None:
+            """Write columns [start, start + width) of `sub` (a `take_rows` cache) back into rows `index`."""
+            cols = slice(start, start + width)
+            for src, dst in ((sub.keys, self.keys), (sub.values, self.values)):
+                for t, d in zip(src, dst):
+                    d[index.to(d.device), :, cols] = t[:, :, cols]
+
         def place(self, prefix, rows, start: int) -> None:
             """Copy batch-1 cache `prefix` (its n columns) into rows `rows` (int64 tensor), columns [start, start + n);
             allocates this cache's buffers like `prefix`'s on first use."""
@@ -137,6 +155,27 @@ def slot_cache_class():
                     dst[rows.to(dst.device), :, cols] = t[:, :, :prefix.n]
 
     return SlotCache
+
+
+def ragged_segments(lengths: list[int], min_cols: int) -> list[tuple[int, int, list[int] | None]]:
+    """Plan the prefill of right-aligned suffixes (row i fills columns [W - len_i, W), W = the longest):
+    [(start, end, rows)], rows None = every row. A column span that only some rows use is run on those rows
+    alone, so one long tool reply does not cost every row its length in padded compute; a span shorter
+    than `min_cols` joins the next one (whose rows include its rows: the suffixes are right-aligned).
+    The last span always holds every row (their last-column logits come from it)."""
+    width = max(lengths)
+    starts = sorted({width - n for n in lengths if n > 0})
+    segs, carry = [], None
+    for k, a in enumerate(starts):
+        b = starts[k + 1] if k + 1 < len(starts) else width
+        last, first = b == width, (a if carry is None else carry)
+        if b - first < min_cols and not last:
+            carry = first
+            continue
+        carry = None
+        rows = [i for i, n in enumerate(lengths) if n > 0 and width - n <= a]  # every row with a token in [first, b)
+        segs.append((first, b, None if last or len(rows) == len(lengths) else rows))
+    return segs
 
 
 def kv_shape(config) -> tuple[int, int, int]:

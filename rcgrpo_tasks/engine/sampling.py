@@ -89,3 +89,21 @@ def sample_tokens(logits, sampling, seeds=None, positions=None):
     gumbel = -torch.log(-torch.log(uniform_noise(seeds, positions, logits.shape[-1])))
     tok = (scores + gumbel).argmax(dim=-1)
     return tok, logp.gather(1, tok[:, None]).squeeze(1)
+
+
+def with_twins(keys: list, prompts: list[list[int]], caps: list[int], pair: tuple[int, int]):
+    """Reward-token guidance's rows: each row, then its twin (key `(TWIN, key)`) whose prompt has the other
+    reward token in place of every high/low token (same length, so both stay aligned token for token).
+    A prompt with neither token cannot be guided: ValueError naming its key."""
+    high, low = pair
+    swap = {high: low, low: high}
+    twins = []
+    for key, p in zip(keys, prompts):
+        if high not in p and low not in p:
+            raise ValueError(f"guidance: prompt of row {key!r} has no reward goal token; guide only "
+                             f"reward-conditioned rollouts")
+        twins.append([swap.get(t, t) for t in p])
+    return keys + [(TWIN, k) for k in keys], prompts + twins, caps + caps
+
+
+TWIN = "rcgrpo-guidance-twin"
