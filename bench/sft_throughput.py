@@ -25,12 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rcgrpo_tasks import sft  # noqa: E402  (after the path insert: runs from a checkout)
 from rcgrpo_tasks.engine.rollout import replay_calls  # noqa: E402
 from rcgrpo_tasks.env import bfcl  # noqa: E402
 from rcgrpo_tasks.env.protocols import ProtocolConfig  # noqa: E402
 from rcgrpo_tasks.ops.config import as_dict, from_dict  # noqa: E402
 from rcgrpo_tasks.ops.io import read_jsonl  # noqa: E402
+from rcgrpo_tasks.stages import sft  # noqa: E402  (after the path insert: runs from a checkout)
 from rcgrpo_tasks.train import adapters, finetune  # noqa: E402
 
 

@@ -15,7 +15,7 @@ A round, in order (the `retrain` deployment runs it weekly; its schedule is inac
    ./dvc.yaml) never see them): train a candidate from the champion on fresh on-policy
    rollouts (RC-GRPO), evaluate candidate AND champion on the same held-out entries under the same
    protocol and profile, `rcgrpo promote --champion-eval`: the alias moves only when the paired
-   bootstrap CI of the difference clears `promote.min_improvement` (rcgrpo_tasks/promote.py);
+   bootstrap CI of the difference clears `promote.min_improvement` (rcgrpo_tasks/stages/promote.py);
 5. the decision (promoted / kept / refused, with the paired CI) is logged to the flow run and to the
    MLflow parent run `retrain@<profile>`; a round where DVC had nothing to run says so.
 

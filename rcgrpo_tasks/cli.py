@@ -15,22 +15,22 @@ from rcgrpo_tasks.ops import procs, tracking
 
 # command -> (module, one-line summary). Keep in the order of the pipeline.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "params": ("rcgrpo_tasks.ops.config", "Materialize a profile (configs/<name>.yaml) into params.yaml."),
-    "prepare-data": ("rcgrpo_tasks.prepare_data", "Load BFCL v4 multi-turn from bfcl-eval and split it 90/10 by numeric id."),
-    "prepare-model": ("rcgrpo_tasks.prepare_model", "Turn the bundled SmolLM2 GGUF (or a hub id / folder) into a trainable HF folder."),
-    "score": ("rcgrpo_tasks.score", "Score a BFCL result JSONL with the official-semantics scorer."),
-    "rollout": ("rcgrpo_tasks.rollout", "Roll a model over BFCL entries and write trajectory JSONL."),
-    "evaluate": ("rcgrpo_tasks.evaluate", "Evaluate a model on the held-out split: metrics, report, plot."),
-    "generate-trajectories": ("rcgrpo_tasks.generate_trajectories", "Build the mixed-quality trajectory set (expert, policy, near-miss)."),
-    "validate-trajectories": ("rcgrpo_tasks.validate_trajectories", "Great Expectations quality gate on the trajectory set."),
-    "label-rewards": ("rcgrpo_tasks.label_rewards", "Map scores to reward tokens; write the sft and rctp chat datasets."),
-    "sft": ("rcgrpo_tasks.sft", "SFT / RCTP fine-tuning with TRL SFTTrainer + PEFT LoRA."),
-    "sample-policy": ("rcgrpo_tasks.sample_policy", "Sample the SFT model on train entries until each has a success and a failure."),
-    "controllability": ("rcgrpo_tasks.controllability", "E[R|high] - E[R|low] of a reward-conditioned model on held-out entries."),
-    "rl": ("rcgrpo_tasks.rl", "GRPO / RC-GRPO on TRL GRPOTrainer over the multi-turn rollout engine."),
-    "report": ("rcgrpo_tasks.report", "Assemble the results table (with CIs and the paper's numbers) and plot."),
-    "promote": ("rcgrpo_tasks.promote", "Register the best RC-GRPO adapter and move the `champion` alias if it wins."),
-    "stack": ("rcgrpo_tasks.ops.stack", "Start/stop/check the local stack: Prefect, MLflow, SeaweedFS S3."),
+    "params": ("rcgrpo_tasks.stages.params", "Materialize a profile (configs/<name>.yaml) into params.yaml."),
+    "prepare-data": ("rcgrpo_tasks.stages.prepare_data", "Load BFCL v4 multi-turn from bfcl-eval and split it 90/10 by numeric id."),
+    "prepare-model": ("rcgrpo_tasks.stages.prepare_model", "Turn the bundled SmolLM2 GGUF (or a hub id / folder) into a trainable HF folder."),
+    "score": ("rcgrpo_tasks.stages.score", "Score a BFCL result JSONL with the official-semantics scorer."),
+    "rollout": ("rcgrpo_tasks.stages.rollout", "Roll a model over BFCL entries and write trajectory JSONL."),
+    "evaluate": ("rcgrpo_tasks.stages.evaluate", "Evaluate a model on the held-out split: metrics, report, plot."),
+    "generate-trajectories": ("rcgrpo_tasks.stages.generate_trajectories", "Build the mixed-quality trajectory set (expert, policy, near-miss)."),
+    "validate-trajectories": ("rcgrpo_tasks.stages.validate_trajectories", "Great Expectations quality gate on the trajectory set."),
+    "label-rewards": ("rcgrpo_tasks.stages.label_rewards", "Map scores to reward tokens; write the sft and rctp chat datasets."),
+    "sft": ("rcgrpo_tasks.stages.sft", "SFT / RCTP fine-tuning with TRL SFTTrainer + PEFT LoRA."),
+    "sample-policy": ("rcgrpo_tasks.stages.sample_policy", "Sample the SFT model on train entries until each has a success and a failure."),
+    "controllability": ("rcgrpo_tasks.stages.controllability", "E[R|high] - E[R|low] of a reward-conditioned model on held-out entries."),
+    "rl": ("rcgrpo_tasks.stages.rl", "GRPO / RC-GRPO on TRL GRPOTrainer over the multi-turn rollout engine."),
+    "report": ("rcgrpo_tasks.stages.report", "Assemble the results table (with CIs and the paper's numbers) and plot."),
+    "promote": ("rcgrpo_tasks.stages.promote", "Register the best RC-GRPO adapter and move the `champion` alias if it wins."),
+    "stack": ("rcgrpo_tasks.stages.stack", "Start/stop/check the local stack: Prefect, MLflow, SeaweedFS S3."),
 }
 
 

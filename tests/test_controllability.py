@@ -11,10 +11,10 @@ import math
 import pytest
 import yaml
 
-from rcgrpo_tasks import controllability as ctl
 from rcgrpo_tasks.env import bfcl
 from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.ops.io import InputError, write_json, write_jsonl
+from rcgrpo_tasks.stages import controllability as ctl
 
 HIGH, LOW = "<|high_reward|>", "<|low_reward|>"
 TOKENS = (LOW, HIGH)
@@ -150,7 +150,7 @@ def test_cli_on_tiny_rctp_model(tiny_model_dir, tmp_path, monkeypatch):
     """End to end on a tiny sft-stage output: loads through sft.load_trained, rolls, writes, logs."""
     from typer.testing import CliRunner
 
-    from rcgrpo_tasks import sft
+    from rcgrpo_tasks.stages import sft
     from rcgrpo_tasks.train.finetune import SftConfig, SftRun
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
@@ -237,7 +237,7 @@ def test_bad_model_fails_before_any_run_and_writes_nothing(tiny_model_dir, tmp_p
 
 def test_report_table_carries_the_controllability_columns(tmp_path):
     """report --controllability rctp=metrics.json: the RCTP row gets both gaps with CIs and the shares."""
-    from rcgrpo_tasks.report import build_report, markdown_table
+    from rcgrpo_tasks.stages.report import build_report, markdown_table
 
     for label in ("sft", "rctp"):
         write_jsonl(tmp_path / label / "results.jsonl", [

@@ -158,8 +158,8 @@ def test_episode_state_is_isolated_per_rollout(tok):
 def test_rollout_cli_writes_scorable_trajectories_and_rejects_bad_input(tiny_model_dir, tmp_path):
     from typer.testing import CliRunner
 
-    from rcgrpo_tasks import rollout, score
     from rcgrpo_tasks.engine.trajectory import read_trajectories
+    from rcgrpo_tasks.stages import rollout, score
 
     out = tmp_path / "t.jsonl"
     base = ["--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "3", "--dtype", "float32"]

@@ -7,9 +7,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from rcgrpo_tasks import evaluate
 from rcgrpo_tasks.env import bfcl
 from rcgrpo_tasks.ops.config import ConfigError, load_config
+from rcgrpo_tasks.stages import evaluate
 
 PARAMS = """prompt:
   protocol: paper
@@ -55,7 +55,7 @@ def test_evaluate_end_to_end(workdir, tiny_model_dir):
     assert (out / "accuracy.png").read_bytes()[:4] == b"\x89PNG"
     assert "| **overall** |" in (out / "report.md").read_text()
     # the report stage reads this folder as is
-    from rcgrpo_tasks.report import load_eval
+    from rcgrpo_tasks.stages.report import load_eval
 
     assert len(load_eval("base", out).entries) == 4
     # MLflow: params, metrics, per-entry table, report and plot

@@ -11,14 +11,14 @@ import pytest
 from rcgrpo_tasks.data.chat import assistant_token_mask, strip_reward_goal, with_reward_goal
 from rcgrpo_tasks.data.pairing import check_policy_rows, rctp_rows
 from rcgrpo_tasks.env.protocols import format_reward_goal
-from rcgrpo_tasks.label_rewards import (
+from rcgrpo_tasks.ops.config import ConfigError, from_dict
+from rcgrpo_tasks.ops.io import InputError
+from rcgrpo_tasks.stages.label_rewards import (
     LabelConfig,
     label_rows,
     read_policy,
     token_for,
 )
-from rcgrpo_tasks.ops.config import ConfigError, from_dict
-from rcgrpo_tasks.ops.io import InputError
 
 CHAT = [
     {"role": "system", "content": "You call functions."},
@@ -236,8 +236,8 @@ def chain(tmp_path_factory, tiny_model_dir):
     from test_generate_trajectories import write_inputs
     from typer.testing import CliRunner
 
-    from rcgrpo_tasks import generate_trajectories, label_rewards, sample_policy, validate_trajectories
     from rcgrpo_tasks.env.bfcl import load_entries
+    from rcgrpo_tasks.stages import generate_trajectories, label_rewards, sample_policy, validate_trajectories
 
     tmp = tmp_path_factory.mktemp("chain")
     mp = pytest.MonkeyPatch()
@@ -325,7 +325,7 @@ def test_on_policy_rows_carry_provenance_and_pass_the_gate(chain):
 def test_raw_samples_fail_the_balance_check_and_a_leak_blocks_rctp(chain, tmp_path):
     """Without --no-balance the raw samples (all failures here) fail `success_balance`; a held-out id among
     the on-policy rows fails the gate and label_rewards@rctp refuses to write anything."""
-    from rcgrpo_tasks import label_rewards, validate_trajectories
+    from rcgrpo_tasks.stages import label_rewards, validate_trajectories
 
     runner, common, tmp = chain["runner"], chain["common"], chain["tmp"]
     res = runner.invoke(validate_trajectories.app, common + [
@@ -368,7 +368,7 @@ def test_real_datasets_masks_match_engine_and_template(chain, tok):
 
 
 def test_cli_gate_failure_is_readable_and_blocks_labelling(chain, tmp_path):
-    from rcgrpo_tasks import label_rewards, validate_trajectories
+    from rcgrpo_tasks.stages import label_rewards, validate_trajectories
 
     runner, common = chain["runner"], chain["common"]
     rows = _read(chain["tmp"] / "traj.jsonl")

@@ -8,7 +8,7 @@ import pytest
 
 from rcgrpo_tasks.env.bfcl import Entry, category_of, numeric_id
 from rcgrpo_tasks.ops.config import ConfigError, from_dict
-from rcgrpo_tasks.prepare_data import PrepareDataConfig, prepare, split_metrics
+from rcgrpo_tasks.stages.prepare_data import PrepareDataConfig, prepare, split_metrics
 
 
 def test_split_is_720_80_without_overlap_and_deterministic():
@@ -44,7 +44,7 @@ def test_bad_params_fail_with_the_field_named(data, needle):
 def test_cli_writes_outputs_atomically(tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text("prepare_data:\n  categories: [base]\n  test_fraction: 0.1\n  seed: 3\n")
-    out = [sys.executable, "-m", "rcgrpo_tasks.prepare_data", "--params", str(params),
+    out = [sys.executable, "-m", "rcgrpo_tasks.stages.prepare_data", "--params", str(params),
            "--entries", str(tmp_path / "e.jsonl"), "--split", str(tmp_path / "s.json")]
     subprocess.run(out, check=True, capture_output=True)
     assert len((tmp_path / "e.jsonl").read_text().splitlines()) == 200

@@ -8,7 +8,7 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from rcgrpo_tasks import prepare_model as pm
+from rcgrpo_tasks.stages import prepare_model as pm
 
 
 @pytest.mark.slow

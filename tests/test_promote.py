@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from rcgrpo_tasks import promote as pr
 from rcgrpo_tasks.ops.io import InputError
+from rcgrpo_tasks.stages import promote as pr
 
 IDS = [f"multi_turn_base_{i}" for i in range(40)]
 

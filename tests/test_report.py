@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from rcgrpo_tasks import report
 from rcgrpo_tasks.ops.io import InputError, write_jsonl
 from rcgrpo_tasks.ops.plots import accuracy_figure, accuracy_plot
 from rcgrpo_tasks.ops.stats import bootstrap_ci, paired_bootstrap_ci
+from rcgrpo_tasks.stages import report
 
 
 def _eval_dir(tmp_path, label, acc_by_cat, n=20, seed=0):

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rcgrpo_tasks import rl
 from rcgrpo_tasks.env.protocols import PromptConfig
 from rcgrpo_tasks.ops.config import ConfigError, load_config
+from rcgrpo_tasks.stages import rl
 from rcgrpo_tasks.train import advantages as adv
 from rcgrpo_tasks.train import grpo, grpo_trainer, runs
 

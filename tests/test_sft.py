@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rcgrpo_tasks import sft
 from rcgrpo_tasks.engine import models
 from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.ops.io import InputError, write_jsonl
+from rcgrpo_tasks.stages import sft
 from rcgrpo_tasks.train import adapters, finetune, runs
 
 HIGH, LOW = "<|high_reward|>", "<|low_reward|>"

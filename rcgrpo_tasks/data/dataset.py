@@ -2,7 +2,7 @@
 near-miss failures, balanced to `success_fraction` (the generate_trajectories stage runs `generate`).
 
 Sources (`provenance.source` / `provenance.kind`) and balance: see the stage's docstring
-(`rcgrpo_tasks/generate_trajectories.py`) and docs/data.md. Everything is seeded: the same params and
+(`rcgrpo_tasks/stages/generate_trajectories.py`) and docs/data.md. Everything is seeded: the same params and
 inputs give the same bytes (wall time lives in the metrics, not in the rows).
 """
 

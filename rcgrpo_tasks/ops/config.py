@@ -237,34 +237,3 @@ def load_config(cls: type[T], params_path: str | Path, section: str) -> T:
 def as_dict(config: Any) -> dict:
     """Flat-ish dict of a config, for MLflow params and run records."""
     return dataclasses.asdict(config)
-
-
-def _cli():
-    import typer
-
-    app = typer.Typer(add_completion=False, help="Materialize a profile overlay into a params file.")
-
-    @app.command()
-    def main(
-        profile: str = typer.Option(..., help="Profile: default (no overlay), a name in configs/ (smoke, paper, "
-                                              "cpu-long) or a YAML path."),
-        base: Path = typer.Option(None, help="Base params file; default: the pristine params (OUT itself when "
-                                             "written by hand, else its committed version)."),
-        out: Path = typer.Option(Path("params.yaml"), help="Params file to write."),
-    ) -> None:
-        """Write OUT = pristine base + the profile's sections (DVC then reruns what changed). Applying one
-        profile after another never mixes them: the base is always the pristine params."""
-        try:
-            merged = apply_profile(base, profile, out)
-        except ConfigError as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(2) from exc
-        typer.echo(f"wrote {out} ({len(merged)} sections): profile {profile}")
-
-    return app
-
-
-def __getattr__(name: str):  # `rcgrpo params` imports `app` lazily so typer stays out of library imports
-    if name == "app":
-        return _cli()
-    raise AttributeError(name)

@@ -18,7 +18,7 @@ Sources:
 - a local folder holding a transformers checkpoint, or a hub id (e.g. `Qwen/Qwen2.5-7B-Instruct` on a GPU
   host with hub access): loaded with `from_pretrained`, re-saved in `dtype`.
 
-Run: `rcgrpo prepare-model --params params.yaml --out models/base` (or `python -m rcgrpo_tasks.prepare_model`).
+Run: `rcgrpo prepare-model --params params.yaml --out models/base` (or `python -m rcgrpo_tasks.stages.prepare_model`).
 Departure from the paper: the paper starts from Qwen2.5-7B-Instruct / LLaMA-3.1-8B-Instruct; the CPU
 default here is SmolLM2-135M-Instruct (8k context), which is why the engine defaults to compact docs.
 """

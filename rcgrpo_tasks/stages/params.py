@@ -1,0 +1,34 @@
+"""`rcgrpo params --profile NAME`: write a profile (configs/<name>.yaml) over the pristine params into
+params.yaml, so DVC reruns exactly the stages whose sections changed (`ops.config.apply_profile`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from rcgrpo_tasks.ops.config import ConfigError, apply_profile
+
+app = typer.Typer(add_completion=False, help="Materialize a profile overlay into a params file.")
+
+
+@app.command()
+def main(
+    profile: str = typer.Option(..., help="Profile: default (no overlay), a name in configs/ (smoke, paper, "
+                                          "cpu-long) or a YAML path."),
+    base: Path | None = typer.Option(None, help="Base params file; default: the pristine params (OUT itself when "
+                                                "written by hand, else its committed version)."),
+    out: Path = typer.Option(Path("params.yaml"), help="Params file to write."),
+) -> None:
+    """Write OUT = pristine base + the profile's sections (DVC then reruns what changed). Applying one
+    profile after another never mixes them: the base is always the pristine params."""
+    try:
+        merged = apply_profile(base, profile, out)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(f"wrote {out} ({len(merged)} sections): profile {profile}")
+
+
+if __name__ == "__main__":
+    app()
