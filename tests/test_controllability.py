@@ -12,9 +12,10 @@ import pytest
 import yaml
 
 from rcgrpo_tasks.env import bfcl
+from rcgrpo_tasks.evaluation import controllability as ctl
 from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.ops.io import InputError, write_json, write_jsonl
-from rcgrpo_tasks.stages import controllability as ctl
+from rcgrpo_tasks.stages import controllability as ctl_stage
 
 HIGH, LOW = "<|high_reward|>", "<|low_reward|>"
 TOKENS = (LOW, HIGH)
@@ -150,7 +151,7 @@ def test_cli_on_tiny_rctp_model(tiny_model_dir, tmp_path, monkeypatch):
     """End to end on a tiny sft-stage output: loads through sft.load_trained, rolls, writes, logs."""
     from typer.testing import CliRunner
 
-    from rcgrpo_tasks.stages import sft
+    from rcgrpo_tasks.train import sft
     from rcgrpo_tasks.train.finetune import SftConfig, SftRun
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
@@ -173,7 +174,7 @@ def test_cli_on_tiny_rctp_model(tiny_model_dir, tmp_path, monkeypatch):
                             "dtype": "float32", "n_bootstrap": 50, "guidance": 4.0},
         "prompt": {"system_prompt": "short"}, "rl": RL,
         "label_rewards": {"tokens": list(TOKENS)}}))
-    res = CliRunner().invoke(ctl.app, [
+    res = CliRunner().invoke(ctl_stage.app, [
         "--model-dir", str(tiny_model_dir), "--adapter-dir", str(tmp_path / "adapter"),
         "--entries", str(tmp_path / "entries.jsonl"), "--split", str(tmp_path / "split.json"),
         "--metrics", str(tmp_path / "m.json"), "--trajectories", str(tmp_path / "t.jsonl"),
@@ -203,13 +204,13 @@ def test_bad_params_and_missing_split(tmp_path):
     from typer.testing import CliRunner
 
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {"n_entries": 0}}))
-    res = CliRunner().invoke(ctl.app, ["--params", str(tmp_path / "params.yaml")])
+    res = CliRunner().invoke(ctl_stage.app, ["--params", str(tmp_path / "params.yaml")])
     assert res.exit_code == 2 and "n_entries" in res.output
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {}, "prompt": {}}))
-    res = CliRunner().invoke(ctl.app, ["--params", str(tmp_path / "params.yaml")])
+    res = CliRunner().invoke(ctl_stage.app, ["--params", str(tmp_path / "params.yaml")])
     assert res.exit_code == 2 and "rl: missing" in res.output  # sampled as RL samples: rl settings required
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {}, "prompt": {}, "rl": RL}))
-    res = CliRunner().invoke(ctl.app, ["--params", str(tmp_path / "params.yaml"), "--split",
+    res = CliRunner().invoke(ctl_stage.app, ["--params", str(tmp_path / "params.yaml"), "--split",
                                        str(tmp_path / "none.json"), "--entries", str(tmp_path / "e.jsonl")])
     assert res.exit_code == 2 and ("not found" in res.output)
 
@@ -225,7 +226,7 @@ def test_bad_model_fails_before_any_run_and_writes_nothing(tiny_model_dir, tmp_p
     write_json(tmp_path / "split.json", {"train": [entries[0].id], "test": [entries[1].id]})
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {"n_entries": 1, "dtype": "float32"},
                                                           "prompt": {}, "rl": RL}))
-    res = CliRunner().invoke(ctl.app, [
+    res = CliRunner().invoke(ctl_stage.app, [
         "--model-dir", str(tiny_model_dir), *(["--adapter-dir", str(tmp_path / adapter)] if adapter else []),
         "--entries", str(tmp_path / "entries.jsonl"), "--split", str(tmp_path / "split.json"),
         "--metrics", str(tmp_path / "m.json"), "--trajectories", str(tmp_path / "t.jsonl"),
@@ -237,7 +238,7 @@ def test_bad_model_fails_before_any_run_and_writes_nothing(tiny_model_dir, tmp_p
 
 def test_report_table_carries_the_controllability_columns(tmp_path):
     """report --controllability rctp=metrics.json: the RCTP row gets both gaps with CIs and the shares."""
-    from rcgrpo_tasks.stages.report import build_report, markdown_table
+    from rcgrpo_tasks.evaluation.results_table import build_report, markdown_table
 
     for label in ("sft", "rctp"):
         write_jsonl(tmp_path / label / "results.jsonl", [

@@ -8,8 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from rcgrpo_tasks.env import bfcl
+from rcgrpo_tasks.evaluation import heldout as evaluate
 from rcgrpo_tasks.ops.config import ConfigError, load_config
-from rcgrpo_tasks.stages import evaluate
+from rcgrpo_tasks.stages import evaluate as evaluate_stage
 
 PARAMS = """prompt:
   protocol: paper
@@ -35,7 +36,7 @@ def workdir(tmp_path, monkeypatch):
 def _invoke(workdir, model, *extra):
     args = ["--model", str(model), "--out", str(workdir / "out"), "--split", str(workdir / "split.json"),
             "--params", str(workdir / "params.yaml"), *extra]
-    return CliRunner().invoke(evaluate.app, args)
+    return CliRunner().invoke(evaluate_stage.app, args)
 
 
 def test_evaluate_end_to_end(workdir, tiny_model_dir):
@@ -55,7 +56,7 @@ def test_evaluate_end_to_end(workdir, tiny_model_dir):
     assert (out / "accuracy.png").read_bytes()[:4] == b"\x89PNG"
     assert "| **overall** |" in (out / "report.md").read_text()
     # the report stage reads this folder as is
-    from rcgrpo_tasks.stages.report import load_eval
+    from rcgrpo_tasks.evaluation.results_table import load_eval
 
     assert len(load_eval("base", out).entries) == 4
     # MLflow: params, metrics, per-entry table, report and plot

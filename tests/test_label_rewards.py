@@ -9,16 +9,16 @@ import json
 import pytest
 
 from rcgrpo_tasks.data.chat import assistant_token_mask, strip_reward_goal, with_reward_goal
-from rcgrpo_tasks.data.pairing import check_policy_rows, rctp_rows
-from rcgrpo_tasks.env.protocols import format_reward_goal
-from rcgrpo_tasks.ops.config import ConfigError, from_dict
-from rcgrpo_tasks.ops.io import InputError
-from rcgrpo_tasks.stages.label_rewards import (
+from rcgrpo_tasks.data.labels import (
     LabelConfig,
     label_rows,
     read_policy,
     token_for,
 )
+from rcgrpo_tasks.data.pairing import check_policy_rows, rctp_rows
+from rcgrpo_tasks.env.protocols import format_reward_goal
+from rcgrpo_tasks.ops.config import ConfigError, from_dict
+from rcgrpo_tasks.ops.io import InputError
 
 CHAT = [
     {"role": "system", "content": "You call functions."},

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from rcgrpo_tasks.env.bfcl import Entry, category_of, numeric_id
+from rcgrpo_tasks.env.split import PrepareDataConfig, prepare, split_metrics
 from rcgrpo_tasks.ops.config import ConfigError, from_dict
-from rcgrpo_tasks.stages.prepare_data import PrepareDataConfig, prepare, split_metrics
 
 
 def test_split_is_720_80_without_overlap_and_deterministic():

@@ -8,7 +8,8 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from rcgrpo_tasks.stages import prepare_model as pm
+from rcgrpo_tasks.engine import source as pm
+from rcgrpo_tasks.stages import prepare_model as pm_stage
 
 
 @pytest.mark.slow
@@ -88,6 +89,6 @@ def test_local_folder_source_resaves_in_dtype(tiny_model_dir, tmp_path):
 
 def test_cli_bad_params(tmp_path):
     (tmp_path / "params.yaml").write_text("prepare_model:\n  sourc: embedded\n")
-    res = CliRunner().invoke(pm.app, ["--params", str(tmp_path / "params.yaml"), "--out", str(tmp_path / "o")])
+    res = CliRunner().invoke(pm_stage.app, ["--params", str(tmp_path / "params.yaml"), "--out", str(tmp_path / "o")])
     assert res.exit_code != 0 and "sourc" in res.output
     assert not (tmp_path / "o").exists()

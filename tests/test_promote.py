@@ -7,8 +7,9 @@ import json
 
 import pytest
 
+from rcgrpo_tasks.evaluation import promotion as pr
 from rcgrpo_tasks.ops.io import InputError
-from rcgrpo_tasks.stages import promote as pr
+from rcgrpo_tasks.stages import promote as pr_stage
 
 IDS = [f"multi_turn_base_{i}" for i in range(40)]
 
@@ -155,16 +156,16 @@ def test_cli_errors_are_clear(tmp_path, registry):
     params.write_text("promote:\n  model_name: cli-agent\n  metric_key: old.key\n")
     runner = CliRunner()
     base = ["--params", str(params), "--eval-dir", str(tmp_path / "eval"), "--out", str(tmp_path / "d.json")]
-    res = runner.invoke(pr.app, [*base, "--candidate", f"b={registry}"])
+    res = runner.invoke(pr_stage.app, [*base, "--candidate", f"b={registry}"])
     assert res.exit_code == 2 and f"{tmp_path}/eval/b/results.jsonl: file not found" in res.output
     write_eval(tmp_path / "eval" / "b", HALF)
-    res = runner.invoke(pr.app, [*base, "--candidate", f"b={tmp_path / 'missing'}"])
+    res = runner.invoke(pr_stage.app, [*base, "--candidate", f"b={tmp_path / 'missing'}"])
     assert res.exit_code == 2 and "missing or empty" in res.output
     (tmp_path / "eval" / "bad").mkdir()
     (tmp_path / "eval" / "bad" / "results.jsonl").write_text("[" * 5000 + "]" * 5000 + "\n")
-    res = runner.invoke(pr.app, [*base, "--candidate", f"bad={registry}"])
+    res = runner.invoke(pr_stage.app, [*base, "--candidate", f"bad={registry}"])
     assert res.exit_code == 2 and "results.jsonl:1: invalid JSON (nested too deeply)" in res.output
-    res = runner.invoke(pr.app, [*base, "--candidate", f"b={registry}", "--report", "ignored.json"])
+    res = runner.invoke(pr_stage.app, [*base, "--candidate", f"b={registry}", "--report", "ignored.json"])
     assert res.exit_code == 0, res.output
     decision = json.loads((tmp_path / "d.json").read_text())
     assert decision["promoted"] is True and decision["profile"] == "default" and decision["n_entries"] == 40

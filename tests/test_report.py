@@ -7,10 +7,11 @@ import random
 
 import pytest
 
+from rcgrpo_tasks.evaluation import results_table as report
 from rcgrpo_tasks.ops.io import InputError, write_jsonl
 from rcgrpo_tasks.ops.plots import accuracy_figure, accuracy_plot
 from rcgrpo_tasks.ops.stats import bootstrap_ci, paired_bootstrap_ci
-from rcgrpo_tasks.stages import report
+from rcgrpo_tasks.stages import report as report_stage
 
 
 def _eval_dir(tmp_path, label, acc_by_cat, n=20, seed=0):
@@ -68,7 +69,7 @@ def test_cli_writes_table_json_plot(tmp_path):
 
     d = _eval_dir(tmp_path, "base", {"base": 0.3, "long_context": 0.1})
     out = tmp_path / "r"
-    res = CliRunner().invoke(report.app, ["--eval", f"base={d}", "--table", str(out / "t.md"), "--json",
+    res = CliRunner().invoke(report_stage.app, ["--eval", f"base={d}", "--table", str(out / "t.md"), "--json",
                                           str(out / "r.json"), "--plot", str(out / "p.png"), "--no-track"])
     assert res.exit_code == 0, res.output
     data = json.loads((out / "r.json").read_text())

@@ -108,7 +108,7 @@ def test_two_rounds_each_train_a_new_candidate_and_the_paired_gate_decides(tmp_p
     with pytest.raises(rf.NoChampion, match="run the full pipeline first"):
         rf.retrain(repo_dir=str(repo), template="retrain.fake.yaml")
 
-    from rcgrpo_tasks.stages import promote as pr
+    from rcgrpo_tasks.evaluation import promotion as pr
 
     seed_model = tmp_path / "champion0"
     seed_model.mkdir()

@@ -13,9 +13,8 @@ import yaml
 
 from rcgrpo_tasks.env.protocols import PromptConfig
 from rcgrpo_tasks.ops.config import ConfigError, load_config
-from rcgrpo_tasks.stages import rl
 from rcgrpo_tasks.train import advantages as adv
-from rcgrpo_tasks.train import grpo, grpo_trainer, runs
+from rcgrpo_tasks.train import grpo, grpo_trainer, rl, runs
 
 # Small enough for seconds per step on 2 cores; G=2 and one entry per step.
 TEST_RL = dict(num_generations=2, batch_size=2, micro_batch_size=2, max_steps=2, learning_rate=5e-3, beta=0.1,

@@ -13,8 +13,7 @@ import yaml
 from rcgrpo_tasks.engine import models
 from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.ops.io import InputError, write_jsonl
-from rcgrpo_tasks.stages import sft
-from rcgrpo_tasks.train import adapters, finetune, runs
+from rcgrpo_tasks.train import adapters, finetune, runs, sft
 
 HIGH, LOW = "<|high_reward|>", "<|low_reward|>"
 TOKENS = (LOW, HIGH)

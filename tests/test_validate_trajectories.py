@@ -11,11 +11,11 @@ from test_generate_trajectories import write_inputs
 
 from rcgrpo_tasks.data.dataset import GenerateConfig, generate
 from rcgrpo_tasks.data.gate import PASSED_FILE, RESULT_FILE, ValidationFailed
+from rcgrpo_tasks.data.labels import LabelConfig, label
+from rcgrpo_tasks.data.quality import ValidateConfig, validate
 from rcgrpo_tasks.env.bfcl import load_entries
 from rcgrpo_tasks.env.protocols import PromptConfig
 from rcgrpo_tasks.ops.io import InputError
-from rcgrpo_tasks.stages.label_rewards import LabelConfig, label
-from rcgrpo_tasks.stages.validate_trajectories import ValidateConfig, validate
 
 GEN = GenerateConfig(policy_entries=0)
 PROMPT = PromptConfig()

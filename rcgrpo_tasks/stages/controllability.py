@@ -34,220 +34,25 @@ embedded default rolls a handful of entries on CPU (~15 tokens/s), so its CIs ar
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import typer
 
-from rcgrpo_tasks.engine.backend import SamplingParams, reward_pair_ids
 from rcgrpo_tasks.engine.compute import load_compute
-from rcgrpo_tasks.engine.hf import HFBackend
-from rcgrpo_tasks.engine.rollout import run_rollouts
 from rcgrpo_tasks.engine.trajectory import write_trajectories
-from rcgrpo_tasks.env.bfcl import numeric_id
-from rcgrpo_tasks.env.entries import split_entries
 from rcgrpo_tasks.env.protocols import PromptConfig, reward_tokens
+from rcgrpo_tasks.evaluation.controllability import (
+    ControllabilityConfig,
+    held_out_entries,
+    load_policy,
+    measure,
+    rl_sampling,
+)
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
-from rcgrpo_tasks.ops.config import ConfigError, as_dict, from_dict, load_config, read_params
-from rcgrpo_tasks.ops.io import InputError, atomic_outputs, write_json
-from rcgrpo_tasks.ops.stats import mean, paired_bootstrap_ci
-
-
-@dataclass(frozen=True)
-class ControllabilityConfig:
-    n_entries: int = 4
-    """Held-out entries rolled (the first n of `categories` in the test split, by id order)."""
-    categories: tuple[str, ...] = ("base",)
-    """BFCL categories drawn from."""
-    samples_per_token: int = 2
-    """Sampled arm: rollouts per (entry, token) at the RL temperature."""
-    greedy: bool = True
-    """Also roll one greedy rollout per (entry, token) beside the sampled arm."""
-    max_outputs: int = 4
-    """Model outputs per episode (paper) / per turn (official)."""
-    max_new_tokens: int = 48
-    """Tokens per model output."""
-    batch_rows: int = 8
-    """Rollouts decoded together."""
-    dtype: Literal["float32", "bfloat16", "auto"] = "auto"
-    """Weights dtype for generation; auto = bf16 where the CPU has native bf16."""
-    seed: int = 0
-    """Sampling and bootstrap seed."""
-    n_bootstrap: int = 2000
-    """Bootstrap resamples of every CI."""
-    guidance: float = 0.0
-    """> 0: a third arm, `guided`: the sampled arm again with reward-token guidance of this scale
-    (`SamplingParams.guidance`; each token pushed further toward its own goal), same seeds, so its gap
-    sits beside the unguided one. 0 = no guided arm."""
-
-    def __post_init__(self) -> None:
-        if self.guidance < 0:
-            raise ValueError("guidance must be >= 0")
-        if self.n_entries < 1 or self.samples_per_token < 1 or self.max_outputs < 1 or self.max_new_tokens < 1:
-            raise ValueError("n_entries, samples_per_token, max_outputs and max_new_tokens must be >= 1")
-        if self.batch_rows < 2 or self.n_bootstrap < 10:
-            raise ValueError("batch_rows must be >= 2 and n_bootstrap >= 10")
-
-
-@dataclass(frozen=True)
-class RLSampling:
-    """The `rl` settings the check mirrors (params `rl`: every key required, so nothing drifts silently)."""
-
-    temperature: float
-    top_p: float
-    num_generations: int
-    p_high: float
-
-    def __post_init__(self) -> None:
-        if self.temperature <= 0 or not 0 < self.top_p <= 1:
-            raise ValueError("need temperature > 0 and 0 < top_p <= 1")
-        if self.num_generations < 2 or not 0 < self.p_high < 1:
-            raise ValueError("need num_generations >= 2 and 0 < p_high < 1")
-
-
-def rl_sampling(params: dict, where: str) -> RLSampling:
-    """`rl.temperature`, `rl.top_p`, `rl.num_generations`, `rl.p_high` of a params mapping."""
-    section = params.get("rl") or {}
-    names = ("temperature", "top_p", "num_generations", "p_high")
-    missing = [n for n in names if n not in section]
-    if missing:
-        raise ConfigError(f"{where}:rl: missing {missing} (controllability samples as RL does)")
-    return from_dict(RLSampling, {n: section[n] for n in names}, f"{where}:rl")
-
-
-def held_out_entries(entries_path: Path, split_path: Path, cfg: ControllabilityConfig) -> list:
-    """The first `n_entries` test entries of `cfg.categories` (category order, then numeric id)."""
-    test = split_entries(entries_path, split_path, "test", cfg.categories)
-    picked = sorted(test, key=lambda e: (cfg.categories.index(e.category), numeric_id(e.id)))
-    if not picked:
-        raise InputError(f"{split_path}: no test entries in categories {list(cfg.categories)}")
-    return picked[: cfg.n_entries]
-
-
-# ----------------------------------------------------------------------------------------------------
-# Statistics (pure)
-
-
-def per_entry(scores: list[dict], high: str, low: str, key: str) -> tuple[list[float], list[float], list[float], list[float]]:
-    """(all high values, all low values, per-entry mean high, per-entry mean low); the per-entry lists hold
-    only entries rolled under both tokens, in first-seen order."""
-    by_entry: dict[str, dict[str, list[float]]] = {}
-    for s in scores:
-        by_entry.setdefault(s["entry_id"], {}).setdefault(s["reward_token"], []).append(float(s[key]))
-    highs = [v for per in by_entry.values() for v in per.get(high, [])]
-    lows = [v for per in by_entry.values() for v in per.get(low, [])]
-    paired = [(sum(p[high]) / len(p[high]), sum(p[low]) / len(p[low])) for p in by_entry.values()
-              if p.get(high) and p.get(low)]
-    return highs, lows, [h for h, _ in paired], [w for _, w in paired]
-
-
-def gap_stats(scores: list[dict], high: str, low: str, key: str, n_boot: int = 2000, seed: int = 0) -> dict:
-    """Mean of `key` per token, the paired gap over entries with its standard error and 95 % bootstrap CI."""
-    highs, lows, eh, el = per_entry(scores, high, low, key)
-    gap, lo, hi = paired_bootstrap_ci(eh, el, n_boot=n_boot, seed=seed)
-    diffs = [h - w for h, w in zip(eh, el)]
-    se = (math.sqrt(sum((d - gap) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
-          if len(diffs) > 1 else float("nan"))
-    return {"high": mean(highs), "low": mean(lows), "gap": gap, "gap_se": se, "gap_ci": [lo, hi]}
-
-
-def zero_variance_share(p_h: float, p_l: float, g: int, q: float) -> tuple[float, float]:
-    """(all-high, mixed): P(all G rewards of a group are equal) for one entry with success rates p_h under
-    the high token and p_l under the low one; mixed = each rollout's token i.i.d. high with P = q."""
-    all_high = p_h ** g + (1 - p_h) ** g
-    mixed = sum(math.comb(g, k) * q ** k * (1 - q) ** (g - k)
-                * (p_h ** k * p_l ** (g - k) + (1 - p_h) ** k * (1 - p_l) ** (g - k)) for k in range(g + 1))
-    return all_high, mixed
-
-
-def zero_variance_stats(rates_high: list[float], rates_low: list[float], g: int, q: float, n_boot: int = 2000,
-                        seed: int = 0) -> dict:
-    """Mean zero-variance share over entries under all-high vs mixed tokens and the paired CI of the change."""
-    shares = [zero_variance_share(h, w, g, q) for h, w in zip(rates_high, rates_low)]
-    all_high, mixed = [a for a, _ in shares], [m for _, m in shares]
-    diff, lo, hi = paired_bootstrap_ci(mixed, all_high, n_boot=n_boot, seed=seed)
-    return {"G": g, "p_high": q, "n_entries": len(shares), "all_high": mean(all_high), "mixed": mean(mixed),
-            "mixed_minus_all_high": diff, "mixed_minus_all_high_ci": [lo, hi]}
-
-
-def identical_outputs(trajs: list, high: str, low: str) -> int:
-    """Entries whose assistant messages are the same under both tokens (greedy: the token changed nothing)."""
-    said: dict[str, dict[str, list[str]]] = {}
-    for t in trajs:
-        said.setdefault(t.entry_id, {})[t.reward_token] = [m["content"] for m in t.messages if m["role"] == "assistant"]
-    return sum(1 for per in said.values() if high in per and low in per and per[high] == per[low])
-
-
-# ----------------------------------------------------------------------------------------------------
-# Rolling
-
-
-def load_policy(model_dir: Path, adapter_dir: Path | None, dtype: str, tokens: tuple[str, ...], device: str = "auto"):
-    """HF backend over the trained model on `device`, loaded exactly as `evaluate` loads it (`HFBackend`:
-    adapter merged in float32, then cast to `dtype`), so the gap is measured on the model evaluate@rctp scores."""
-    backend = HFBackend(model_dir, adapter_dir, dtype=dtype, device=device)
-    for t in tokens:
-        if len(backend.tokenizer(t, add_special_tokens=False)["input_ids"]) != 1:
-            raise InputError(f"{adapter_dir or model_dir}: {t} is not a single token; use an sft-stage output")
-    return backend
-
-
-def arm(cfg: ControllabilityConfig, backend, entries: list, proto, sampling: SamplingParams, k: int,
-        tokens: tuple[str, str], provenance: dict) -> tuple[dict, list]:
-    """(stats, trajectories) of k rollouts per (entry, token): high first, then low, per entry."""
-    high, low = tokens
-    trajs = run_rollouts(backend, entries, 2 * k, proto, sampling, lambda e, i: high if i < k else low,
-                         batch_rows=cfg.batch_rows, provenance=provenance)
-    scores = [{"entry_id": t.entry_id, "reward_token": t.reward_token, **t.score} for t in trajs]
-    reward = gap_stats(scores, high, low, "paper_reward", cfg.n_bootstrap, cfg.seed)
-    partial = gap_stats(scores, high, low, "partial_credit", cfg.n_bootstrap, cfg.seed)
-    stats = {"temperature": sampling.temperature, "top_p": sampling.top_p, "samples_per_token": k,
-             "success_rate_high": reward["high"], "success_rate_low": reward["low"], "gap": reward["gap"],
-             "gap_se": reward["gap_se"], "gap_ci": reward["gap_ci"],
-             "partial_credit_high": partial["high"], "partial_credit_low": partial["low"],
-             "partial_credit_gap": partial["gap"], "partial_credit_gap_ci": partial["gap_ci"],
-             "model_tokens_high": mean([t.n_model_tokens for t in trajs if t.reward_token == high]),
-             "model_tokens_low": mean([t.n_model_tokens for t in trajs if t.reward_token == low])}
-    return stats, trajs
-
-
-def measure(cfg: ControllabilityConfig, prompt: PromptConfig, tokens: tuple[str, ...], backend, entries: list,
-            rl: RLSampling, provenance: dict | None = None) -> tuple[dict, list]:
-    """(metrics, trajectories): the sampled arm at the RL settings, the greedy arm, the zero-variance shares."""
-    high, low = tokens[-1], tokens[0]
-    proto = prompt.protocol_config(cfg.max_outputs)
-    prov = {"source": "controllability", **(provenance or {})}
-    t0 = time.perf_counter()
-    metrics: dict = {"n_entries": len(entries), "high_token": high, "low_token": low, "entries": [e.id for e in entries]}
-    trajs: list = []
-    if cfg.greedy:
-        greedy = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
-        metrics["greedy"], g_trajs = arm(cfg, backend, entries, proto, greedy, 1, (high, low), {**prov, "arm": "greedy"})
-        metrics["greedy"]["identical_outputs"] = identical_outputs(g_trajs, high, low)
-        trajs += g_trajs
-    sampling = SamplingParams(temperature=rl.temperature, top_p=rl.top_p, max_new_tokens=cfg.max_new_tokens,
-                              seed=cfg.seed)
-    metrics["sampled"], s_trajs = arm(cfg, backend, entries, proto, sampling, cfg.samples_per_token, (high, low),
-                                      {**prov, "arm": "sampled"})
-    trajs += s_trajs
-    if cfg.guidance:
-        guided = dataclasses.replace(sampling, guidance=cfg.guidance,
-                                     guidance_pair=reward_pair_ids(backend.tokenizer, (high, low)))
-        metrics["guided"], g_trajs = arm(cfg, backend, entries, proto, guided, cfg.samples_per_token, (high, low),
-                                         {**prov, "arm": "guided", "guidance": cfg.guidance})
-        metrics["guided"]["guidance"] = cfg.guidance
-        trajs += g_trajs
-    scores = [{"entry_id": t.entry_id, "reward_token": t.reward_token, **t.score} for t in s_trajs]
-    _, _, rates_high, rates_low = per_entry(scores, high, low, "paper_reward")
-    metrics["zero_variance"] = zero_variance_stats(rates_high, rates_low, rl.num_generations, rl.p_high,
-                                                   cfg.n_bootstrap, cfg.seed)
-    metrics["rollout_s"] = round(time.perf_counter() - t0, 2)
-    return metrics, trajs
+from rcgrpo_tasks.ops.config import as_dict, load_config, read_params
+from rcgrpo_tasks.ops.io import atomic_outputs, write_json
 
 
 def _numbers(record: dict) -> dict:

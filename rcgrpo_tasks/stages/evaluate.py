@@ -28,213 +28,29 @@ prefilled once, bf16 where the CPU has it (measured cost per model: docs/engine.
 
 from __future__ import annotations
 
-import collections
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Optional
 
 import typer
 
-from rcgrpo_tasks.engine.backend import SamplingParams, reward_pair_ids
+from rcgrpo_tasks.engine.backend import reward_pair_ids
 from rcgrpo_tasks.engine.backends import load_backend
 from rcgrpo_tasks.engine.compute import load_compute
-from rcgrpo_tasks.engine.rollout import run_rollouts
-from rcgrpo_tasks.engine.trajectory import write_trajectories
-from rcgrpo_tasks.env import bfcl
-from rcgrpo_tasks.env.calls import CallParseError, parse_call_string
 from rcgrpo_tasks.env.entries import read_entries, select_entries
-from rcgrpo_tasks.env.environment import BfclEnvironment
-from rcgrpo_tasks.env.paper import PAPER_TABLE1_OVERALL, ROWS
-from rcgrpo_tasks.env.protocols import DEFAULT_REWARD_TOKENS, PromptConfig, reward_tokens
+from rcgrpo_tasks.env.protocols import PromptConfig, reward_tokens
+from rcgrpo_tasks.evaluation.heldout import (
+    EvaluateConfig,
+    flat_metrics,
+    guidance_of,
+    report_markdown,
+    run_eval,
+    stratified,
+    write_outputs,
+)
 from rcgrpo_tasks.ops import tracking
-from rcgrpo_tasks.ops.cli import Progress, cli_errors
+from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config, read_params
-from rcgrpo_tasks.ops.io import atomic_dir, write_json, write_jsonl, write_text
-from rcgrpo_tasks.ops.plots import accuracy_plot
-from rcgrpo_tasks.ops.stats import bootstrap_ci
-
-
-@dataclass(frozen=True)
-class EvaluateConfig:
-    """params.yaml `evaluate`; the prompt (protocol, doc style, system prompt) is the shared `prompt` section."""
-
-    max_outputs: int = 8
-    """paper: model outputs per episode (CPU budget; the longest entries need turns+1 = 9)."""
-    max_new_tokens: int = 96
-    """Per model output; a full call list of one turn is ~20-60 tokens."""
-    temperature: float = 0.0
-    """0 = greedy."""
-    top_p: float = 1.0
-    seed: int = 0
-    backend: Literal["hf", "vllm"] = "hf"
-    dtype: str = "auto"
-    """hf: float32 | bfloat16 | auto (bf16 where the CPU has native bf16)."""
-    batch_rows: int = 8
-    """Rollouts decoded together (hf)."""
-    limit: Optional[int] = None
-    """Evaluate only N held-out entries, taken round-robin over categories (smoke profile); null = all."""
-    official_full: bool = False
-    """Also run BFCL's official protocol on all 800 entries (hours on CPU; GPU profile)."""
-    official_max_steps_per_turn: int = 20
-    n_bootstrap: int = 2000
-    guidance: float = 0.0
-    """Reward-token guidance scale w (0 = off; beyond the paper, `SamplingParams.guidance`): applied to
-    reward-conditioned evaluations (a `--reward-token`); the others decode unguided and record w = 0.
-    hf backend only; each guided row decodes a twin, so decoding costs ~2x."""
-
-    def __post_init__(self) -> None:
-        if self.guidance < 0 or (self.guidance > 0 and self.backend != "hf"):
-            raise ValueError("guidance must be >= 0, and > 0 needs backend hf")
-        if self.max_outputs < 1 or self.max_new_tokens < 1 or self.batch_rows < 1 or self.n_bootstrap < 10:
-            raise ValueError("max_outputs, max_new_tokens, batch_rows must be >= 1 and n_bootstrap >= 10")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError("limit must be null or >= 1")
-        if self.dtype not in ("float32", "bfloat16", "auto"):
-            raise ValueError(f"dtype must be float32, bfloat16 or auto, got {self.dtype!r}")
-
-
-def stratified(entries: list[bfcl.Entry], limit: int | None) -> list[bfcl.Entry]:
-    """The first `limit` entries taken round-robin over categories (all of them when limit is None)."""
-    if limit is None:
-        return entries
-    by_cat: dict[str, list[bfcl.Entry]] = {}
-    for e in entries:
-        by_cat.setdefault(e.category, []).append(e)
-    rounds = max(len(v) for v in by_cat.values())
-    order = [v[i] for i in range(rounds) for v in by_cat.values() if i < len(v)]
-    return order[:limit]
-
-
-def call_recall(entry: bfcl.Entry, result: list) -> float:
-    """Fraction of gold calls (multiset, canonically bound) found among the model's calls."""
-
-    env = BfclEnvironment(entry)
-
-    def bound(strings):
-        out = []
-        for s in strings:
-            try:
-                out.append(env.bind(parse_call_string(s)))
-            except CallParseError:
-                continue
-        return collections.Counter(b for b in out if b is not None)
-
-    need = bound([c for turn in entry.ground_truth for c in turn])
-    have = bound([c for turn in result for step in turn for c in step])
-    return sum((need & have).values()) / sum(need.values()) if need else 1.0
-
-
-def result_row(traj, entry: bfcl.Entry) -> dict:
-    s = traj.score
-    paper = traj.protocol == "paper"
-    return {
-        "id": traj.entry_id, "category": traj.category, "protocol": traj.protocol, "result": traj.result,
-        "valid": bool(s["paper_reward"] == 1.0) if paper else bool(s["valid"]),
-        "official_valid": bool(s["valid"]), "error_type": s["error_type"], "paper_reward": s["paper_reward"],
-        "partial_credit": call_recall(entry, traj.result) if paper else s["partial_credit"],
-        "termination": traj.termination, "n_steps": traj.n_steps, "n_model_tokens": traj.n_model_tokens,
-        "reward_token": traj.reward_token,
-    }
-
-
-def summarize(rows: list[dict], label: str, n_boot: int, seed: int) -> dict:
-    """Accuracy (%) per category and overall (stratified) with 95% bootstrap CIs, as report.py draws them."""
-    def cell(subset, strata=None):
-        vals = [float(r["valid"]) for r in subset]
-        lo, hi = bootstrap_ci(vals, strata, n_boot=n_boot, seed=seed)
-        return {"n": len(vals), "accuracy": 100 * sum(vals) / len(vals), "ci": [100 * lo, 100 * hi],
-                "partial_credit": sum(r["partial_credit"] for r in subset) / len(subset),
-                "paper_reward": sum(r["paper_reward"] for r in subset) / len(subset)}
-
-    cats = [c for c in bfcl.CATEGORIES if any(r["category"] == c for r in rows)]
-    overall = cell(rows, [r["category"] for r in rows])
-    return {
-        "label": label, "n": len(rows), "protocol": rows[0]["protocol"],
-        "categories": {c: cell([r for r in rows if r["category"] == c]) for c in cats},
-        "overall": overall, "accuracy": overall["accuracy"], "partial_credit": overall["partial_credit"],
-        "paper_reward": overall["paper_reward"], "paper_table1_overall": None,
-        "partial_credit_kind": "gold_call_recall" if rows[0]["protocol"] == "paper" else "turns_passed",
-        "terminations": dict(collections.Counter(r["termination"] for r in rows)),
-        "n_model_tokens": sum(r["n_model_tokens"] for r in rows),
-        "mean_steps": sum(r["n_steps"] for r in rows) / len(rows),
-    }
-
-
-def guidance_of(cfg: EvaluateConfig, reward_token: str | None) -> float:
-    """The guidance scale a run decodes with: `cfg.guidance` for a reward-conditioned run, else 0."""
-    return cfg.guidance if reward_token else 0.0
-
-
-def run_eval(cfg: EvaluateConfig, prompt: PromptConfig, backend, entries: list[bfcl.Entry], reward_token: str | None,
-             label: str, tokens: tuple[str, ...] = DEFAULT_REWARD_TOKENS) -> tuple[list, list[dict], dict]:
-    """(trajectories, per-entry rows, summary) of greedy rollouts of `entries` under `prompt.protocol`;
-    `tokens`: the pipeline's reward tokens, lowest first (guidance contrasts the highest with the lowest)."""
-    protocol = prompt.protocol
-    proto = prompt.protocol_config(cfg.max_outputs if protocol == "paper" else cfg.official_max_steps_per_turn)
-    w = guidance_of(cfg, reward_token)
-    sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                              seed=cfg.seed, guidance=w,
-                              guidance_pair=reward_pair_ids(backend.tokenizer, (tokens[-1], tokens[0])) if w else None)
-    bar = Progress(len(entries), desc=f"evaluate {label} ({protocol})")
-    t0 = time.perf_counter()
-    try:
-        trajs = run_rollouts(backend, entries, 1, proto, sampling, lambda e, i: reward_token,
-                             batch_rows=cfg.batch_rows, progress=bar,
-                             provenance={"source": "evaluate", "label": label})
-    finally:
-        bar.close()
-    wall = time.perf_counter() - t0
-    rows = [result_row(t, e) for t, e in zip(trajs, entries)]
-    summary = summarize(rows, label, cfg.n_bootstrap, cfg.seed)
-    summary.update(guidance=w, wall_time_s=round(wall, 1), rollouts_per_s=len(rows) / wall,
-                   model_tokens_per_s=summary["n_model_tokens"] / wall)
-    return trajs, rows, summary
-
-
-def write_outputs(folder: Path, trajs: list, rows: list[dict], summary: dict) -> None:
-    write_jsonl(folder / "results.jsonl", rows)
-    write_trajectories(folder / "trajectories.jsonl", trajs)
-    lines = ["category,accuracy,ci_low,ci_high,n"]
-    for cat, c in [*summary["categories"].items(), ("overall", summary["overall"])]:
-        lines.append(f"{cat},{c['accuracy']:.2f},{c['ci'][0]:.2f},{c['ci'][1]:.2f},{c['n']}")
-    write_text(folder / "accuracy.csv", "\n".join(lines) + "\n")
-    accuracy_plot([{**summary, "paper_table1_overall": PAPER_TABLE1_OVERALL.get(summary["label"])}],
-                  folder / "accuracy.png", dict(ROWS))
-
-
-def report_markdown(summary: dict, settings: dict, official: dict | None) -> str:
-    def table(s: dict) -> list[str]:
-        out = ["| category | n | accuracy % [95% CI] | partial credit | paper reward |", "|---|---|---|---|---|"]
-        for cat, c in [*s["categories"].items(), ("**overall**", s["overall"])]:
-            out.append(f"| {cat} | {c['n']} | {c['accuracy']:.1f} [{c['ci'][0]:.1f}, {c['ci'][1]:.1f}] | "
-                       f"{c['partial_credit']:.3f} | {c['paper_reward']:.3f} |")
-        return out
-
-    lines = [f"# Evaluation: {summary['label']}", ""]
-    lines += [f"- {k}: `{v}`" for k, v in settings.items()]
-    lines += ["", f"## Held-out split, `{summary['protocol']}` protocol", "", *table(summary), ""]
-    lines.append(f"Accuracy: {'paper reward = 1 (final state + every gold call)' if summary['protocol'] == 'paper' else 'official BFCL verdict'}; "
-                 f"partial credit: {summary['partial_credit_kind']}; CIs: 95% percentile bootstrap over entries "
-                 "(overall stratified by category).")
-    lines += ["", f"Terminations: {summary['terminations']}; mean steps {summary['mean_steps']:.2f}; "
-              f"{summary['n_model_tokens']} model tokens in {summary['wall_time_s']} s "
-              f"({summary['model_tokens_per_s']:.1f} tok/s, {summary['rollouts_per_s']:.2f} rollouts/s).", "",
-              "![accuracy](accuracy.png)", ""]
-    if official:
-        lines += ["## Official protocol, all entries", "", *table(official), "",
-                  f"Terminations: {official['terminations']}.", ""]
-    return "\n".join(lines)
-
-
-def flat_metrics(summary: dict, prefix: str = "") -> dict:
-    out = {f"{prefix}accuracy": summary["accuracy"], f"{prefix}partial_credit": summary["partial_credit"],
-           f"{prefix}paper_reward": summary["paper_reward"], f"{prefix}n_model_tokens": summary["n_model_tokens"],
-           f"{prefix}wall_time_s": summary["wall_time_s"], f"{prefix}model_tokens_per_s": summary["model_tokens_per_s"]}
-    out.update({f"{prefix}accuracy_{c}": v["accuracy"] for c, v in summary["categories"].items()})
-    return out
+from rcgrpo_tasks.ops.io import atomic_dir, write_json, write_text
 
 
 def _log(folder: Path, rows: list[dict], summary: dict, official: dict | None) -> None:

@@ -16,59 +16,14 @@ Run: `rcgrpo prepare-data --params params.yaml --entries data/entries.jsonl --sp
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass
 from pathlib import Path
 
 import typer
 
-from rcgrpo_tasks.env import bfcl
+from rcgrpo_tasks.env.split import PrepareDataConfig, prepare, split_metrics
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import load_config
 from rcgrpo_tasks.ops.io import write_json, write_jsonl
-
-
-@dataclass(frozen=True)
-class PrepareDataConfig:
-    categories: tuple[str, ...] = bfcl.CATEGORIES
-    """BFCL v4 multi-turn categories to include."""
-    test_fraction: float = 0.1
-    """Fraction of numeric ids held out (paper: 80 of 800 entries)."""
-    seed: int = 0
-    """Seed of the split; change it to draw another held-out set."""
-
-    def __post_init__(self):
-        unknown = set(self.categories) - set(bfcl.CATEGORIES)
-        if unknown or not self.categories:
-            raise ValueError(f"categories must be a non-empty subset of {bfcl.CATEGORIES}, got {self.categories}")
-        if not 0.0 < self.test_fraction < 1.0:
-            raise ValueError(f"test_fraction must be in (0, 1), got {self.test_fraction}")
-
-
-def split_ids(entries: list[bfcl.Entry], test_fraction: float, seed: int) -> dict[str, list[str]]:
-    """Seeded split by numeric id; every entry sharing a numeric id lands on the same side."""
-    numeric = sorted({e.numeric_id for e in entries})
-    n_test = max(1, round(len(numeric) * test_fraction))
-    test_nums = set(random.Random(seed).sample(numeric, n_test))
-    train = [e.id for e in entries if e.numeric_id not in test_nums]
-    test = [e.id for e in entries if e.numeric_id in test_nums]
-    return {"train": train, "test": test, "test_numeric_ids": sorted(test_nums)}
-
-
-def prepare(config: PrepareDataConfig) -> tuple[list[bfcl.Entry], dict]:
-    entries = bfcl.load_entries(config.categories)
-    split = split_ids(entries, config.test_fraction, config.seed)
-    split.update(seed=config.seed, test_fraction=config.test_fraction, categories=list(config.categories))
-    return entries, split
-
-
-def split_metrics(split: dict) -> dict:
-    counts: dict[str, dict[str, int]] = {}
-    for side in ("train", "test"):
-        for entry_id in split[side]:
-            counts.setdefault(bfcl.category_of(entry_id), {"train": 0, "test": 0})[side] += 1
-    return {"n_train": len(split["train"]), "n_test": len(split["test"]), "per_category": counts}
-
 
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
 

@@ -26,156 +26,17 @@ Run: `rcgrpo report --eval base=results/eval/base --eval rctp-rc_grpo=results/ev
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import typer
 
-from rcgrpo_tasks.env.bfcl import CATEGORIES, category_of
 from rcgrpo_tasks.env.paper import PAPER_TABLE1_OVERALL, ROWS, row_name
+from rcgrpo_tasks.evaluation.results_table import build_report, markdown_table
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
-from rcgrpo_tasks.ops.io import InputError, read_json, read_jsonl, write_json, write_text
+from rcgrpo_tasks.ops.io import InputError, write_json, write_text
 from rcgrpo_tasks.ops.plots import accuracy_plot
-from rcgrpo_tasks.ops.stats import bootstrap_ci, mean
 from rcgrpo_tasks.train.diagnostics import plot_mechanism
-
-RESULT_FILES = ("results.jsonl",)  # the evaluate stage's per-entry file
-
-
-@dataclass
-class EvalResult:
-    label: str
-    entries: list[dict]
-    """Per entry: entry_id, category, correct (evaluate's `valid`, 0/1), official, partial_credit, paper_reward."""
-    source: str
-    rl: dict = field(default_factory=dict)
-    controllability: dict = field(default_factory=dict)
-    """The controllability stage's metrics for this model (RCTP): sampled / greedy gap, zero-variance shares."""
-
-
-def _category(entry_id: str, row: dict) -> str:
-    cat = row.get("category")
-    if cat:
-        return str(cat).replace("multi_turn_", "")
-
-    return category_of(entry_id).replace("multi_turn_", "")
-
-
-def _normalise(row: dict, where: str) -> dict:
-    """One per-entry result row -> {entry_id, category, correct, partial_credit, paper_reward}."""
-    score = row.get("score") if isinstance(row.get("score"), dict) else row
-    entry_id = row.get("entry_id") or row.get("id")
-    valid = score.get("valid", score.get("correct"))
-    if entry_id is None or valid is None:
-        raise InputError(f"{where}: needs 'entry_id'/'id' and 'valid' (or score.valid); got keys {sorted(row)}")
-    official = score.get("official_valid", valid)
-    return {"entry_id": entry_id, "category": _category(entry_id, row), "correct": float(bool(valid)),
-            "official": float("nan") if official is None else float(bool(official)),
-            "partial_credit": float(score.get("partial_credit", float("nan"))),
-            "paper_reward": float(score.get("paper_reward", float("nan")))}
-
-
-def load_eval(label: str, path: Path) -> EvalResult:
-    """An evaluate output folder (or a per-entry JSONL file) -> EvalResult; clear error if malformed."""
-    path = Path(path)
-    if path.is_dir():
-        files = [path / f for f in RESULT_FILES if (path / f).is_file()]
-        if not files:
-            raise InputError(f"{path}: no per-entry results ({' / '.join(RESULT_FILES)}); run the evaluate stage")
-        path = files[0]
-    rows = read_jsonl(path)
-    if not rows:
-        raise InputError(f"{path}: no entries")
-    entries = [_normalise(r, f"{path}:{i}") for i, r in enumerate(rows, 1)]
-    return EvalResult(label, entries, str(path))
-
-
-def summarize_row(res: EvalResult, seed: int = 0) -> dict:
-    """Accuracy (%) per category and overall with 95% CIs, partial credit, paper reward, RL diagnostics."""
-    cats = sorted({e["category"] for e in res.entries}, key=lambda c: (CATEGORIES + (c,)).index(c))
-    out: dict = {"label": res.label, "n": len(res.entries), "categories": {}}
-    for cat in cats:
-        vals = [e["correct"] for e in res.entries if e["category"] == cat]
-        lo, hi = bootstrap_ci(vals, seed=seed)
-        out["categories"][cat] = {"n": len(vals), "accuracy": 100 * mean(vals), "ci": [100 * lo, 100 * hi]}
-    vals = [e["correct"] for e in res.entries]
-    lo, hi = bootstrap_ci(vals, [e["category"] for e in res.entries], seed=seed)
-    out["overall"] = {"accuracy": 100 * mean(vals), "ci": [100 * lo, 100 * hi]}
-    out["official_accuracy"] = 100 * mean([e.get("official", float("nan")) for e in res.entries])
-    out["partial_credit"] = mean([e["partial_credit"] for e in res.entries])
-    out["paper_reward"] = mean([e["paper_reward"] for e in res.entries])
-    out["paper_table1_overall"] = PAPER_TABLE1_OVERALL.get(res.label)
-    for key in ("mean_frac_zero_std", "mean_controllability_gap", "mean_adv_abs_mean", "steps"):
-        if res.rl.get(key) is not None:
-            out[f"rl_{key}"] = res.rl[key]
-    out.update(controllability_fields(res.controllability))
-    return out
-
-
-def controllability_fields(ctl: dict) -> dict:
-    """The report's controllability numbers from a controllability metrics JSON ({} when absent)."""
-    out: dict = {}
-    for arm in ("sampled", "greedy"):
-        if isinstance(ctl.get(arm), dict):
-            out[f"ctl_gap_{arm}"] = {"gap": ctl[arm]["gap"], "ci": ctl[arm]["gap_ci"]}
-    z = ctl.get("zero_variance")
-    if isinstance(z, dict):
-        out["ctl_zero_var"] = {"G": z["G"], "all_high": z["all_high"], "mixed": z["mixed"]}
-    return out
-
-
-# ---------------------------------------------------------------- rendering
-
-
-def _fmt(cell: dict | None) -> str:
-    if not cell or math.isnan(cell["accuracy"]):
-        return "n/a"
-    lo, hi = cell["ci"]
-    return f"{cell['accuracy']:.1f} [{lo:.1f}, {hi:.1f}]"
-
-
-def _num(v, spec: str = ".2f") -> str:
-    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
-
-
-def _gap(cell: dict | None) -> str:
-    if not cell or cell["gap"] is None or math.isnan(cell["gap"]):
-        return "n/a"
-    lo, hi = cell["ci"]
-    return f"{cell['gap']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
-
-
-def _zero_var(cell: dict | None) -> str:
-    return "n/a" if not cell else f"{_num(cell['all_high'], '.3f')} / {_num(cell['mixed'], '.3f')} (G={cell['G']})"
-
-
-def markdown_table(rows: list[dict]) -> str:
-    cats = [c for c in CATEGORIES if any(c in r["categories"] for r in rows)]
-    cats += sorted({c for r in rows for c in r["categories"]} - set(cats))
-    names = dict(ROWS)
-    head = (["Model", "n"] + [f"{c} acc % [95% CI]" for c in cats]
-            + ["Overall acc % [95% CI]", "Official verdict %", "Partial credit", "Paper reward",
-               "Paper Table 1 overall % (7B, GPU)", "RL frac zero-std groups", "RL controllability gap",
-               "Ctl gap sampled [95% CI]", "Ctl gap greedy [95% CI]", "Ctl zero-var share all-high / mixed"])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [names.get(r["label"], r["label"]), str(r["n"])] + [_fmt(r["categories"].get(c)) for c in cats]
-        cells += [_fmt(r["overall"]), _num(r["official_accuracy"], ".1f"), _num(r["partial_credit"], ".3f"),
-                  _num(r["paper_reward"], ".3f"), _num(r["paper_table1_overall"]),
-                  _num(r.get("rl_mean_frac_zero_std"), ".3f"), _num(r.get("rl_mean_controllability_gap"), ".3f"),
-                  _gap(r.get("ctl_gap_sampled")), _gap(r.get("ctl_gap_greedy")), _zero_var(r.get("ctl_zero_var"))]
-        lines.append("| " + " | ".join(cells) + " |")
-    note = ("\nAccuracy: the evaluate stage's success (`valid`: the paper's binary reward under the paper protocol, "
-            "the official verdict under the official one) on the held-out split; \"Official verdict\": BFCL's "
-            "per-turn checker on the same trajectories. "
-            "CIs: 95% percentile bootstrap over entries. \"Paper Table 1\": the RC-GRPO paper's own numbers "
-            "(Qwen2.5-7B-Instruct, GPU, 80 held-out entries), for reference only; n/a = not reported there. "
-            "RL columns: means over training steps (zero-std: group reward std < 1e-6). "
-            "Ctl columns (controllability stage, held-out entries): E[R|high] - E[R|low] sampled at the RL "
-            "temperature and greedy, 95% paired bootstrap CI over entries; expected share of zero-variance "
-            "G-groups under all-high vs i.i.d. mixed tokens from the per-entry sampled success rates.\n")
-    return "\n".join(lines) + "\n" + note
 
 
 def _pairs(items: list[str], what: str) -> list[tuple[str, Path]]:
@@ -186,26 +47,6 @@ def _pairs(items: list[str], what: str) -> list[tuple[str, Path]]:
             raise InputError(f"{what} expects LABEL=PATH, got {item!r}")
         out.append((label, Path(p)))
     return out
-
-
-def build_report(evals: list[tuple[str, Path]], rl: list[tuple[str, Path]], seed: int = 0,
-                 controllability: list[tuple[str, Path]] = ()) -> list[dict]:
-    rl_by, ctl_by = {}, {}
-    for label, p in rl:
-        if not p.is_file():
-            raise InputError(f"{p}: RL metrics not found")
-        rl_by[label] = read_json(p)
-    for label, p in controllability:
-        if not p.is_file():
-            raise InputError(f"{p}: controllability metrics not found (run `dvc repro controllability`)")
-        ctl_by[label] = read_json(p)
-    order = {label: i for i, (label, _) in enumerate(ROWS)}
-    results = [load_eval(label, p) for label, p in evals]
-    for r in results:
-        r.rl = rl_by.get(r.label, {})
-        r.controllability = ctl_by.get(r.label, {})
-    results.sort(key=lambda r: order.get(r.label, len(order)))
-    return [summarize_row(r, seed) for r in results]
 
 
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])

@@ -41,91 +41,17 @@ Departures from the paper (docs/rl.md): tiny budgets on CPU (the paper: Qwen2.5-
 from __future__ import annotations
 
 import json
-import os
-import time
 from pathlib import Path
 
 import typer
 
-from rcgrpo_tasks.engine.compute import ComputeConfig, load_compute
-from rcgrpo_tasks.env.protocols import PromptConfig, ProtocolConfig, reward_tokens
-from rcgrpo_tasks.ops import tracking
+from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.ops.cli import cli_errors
-from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config, read_params
 from rcgrpo_tasks.train import runs
-from rcgrpo_tasks.train.grpo import RLConfig
 from rcgrpo_tasks.train.grpo_trainer import (
-    DIAGNOSTICS_FILE,
-    MODEL_META_FILE,
-    PLOT_COLUMNS,
     RLRun,
-    build_trainer,
-    save_policy,
-    summarize,
 )
-
-
-def load_rl_config(params: str | Path) -> tuple[RLConfig, ProtocolConfig, tuple[str, ...]]:
-    """(config, episode settings = params `prompt` with `rl.max_outputs`, reward tokens lowest first)."""
-    cfg = load_config(RLConfig, params, "rl")
-    protocol = load_config(PromptConfig, params, "prompt").protocol_config(cfg.max_outputs)
-    try:
-        levels = reward_tokens(read_params(params))
-    except ValueError as exc:
-        raise ConfigError(f"{params}: {exc}") from exc
-    return cfg, protocol, levels
-
-
-def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], spec: RLRun,
-             callbacks: list | None = None, track: bool = True, compute: ComputeConfig | None = None) -> dict:
-    """Run (or resume) one RL run; returns the summary written to `spec.metrics` (main process).
-
-    `track`: an MLflow run on the main process (under `accelerate launch`, rank 0). `compute`: where it
-    trains (params `compute`; default `auto`); a micro-batch that runs out of memory is halved, the
-    gradient accumulation doubled (`runs.fit_micro_batch`)."""
-    mode = spec.mode
-    compute = compute or ComputeConfig()
-    device = runs.train_device(compute.device)
-    main_proc = int(os.environ.get("RANK", "0")) == 0
-    track = track and main_proc
-    tags = {"rl.init": spec.init, "rl.algo": spec.algo, "rl.conditioning": mode}
-    params = {"rl": as_dict(cfg), "prompt": as_dict(protocol), "tokens": list(levels),
-              "run": {**tags, "adapter": str(spec.adapter_dir)}, "compute": as_dict(compute)}
-    stage = f"rl@{spec.name}"
-    with runs.stop_on_signal() as stop, runs.tracked_run(track, stage, params, tags):
-
-        def attempt(micro: int, accum: int):
-            trainer, resume, _ = build_trainer(cfg, protocol, levels, spec, [stop, *(callbacks or [])], track=track,
-                                               device=device, micro_batch=micro)
-            place = runs.record_placement(trainer, stage, device, track)
-            t0 = time.perf_counter()
-            return trainer, resume, place, trainer.train(resume_from_checkpoint=resume), t0
-
-        grad_accum = cfg.batch_size // cfg.micro_batch_size  # fit_micro_batch's bookkeeping; TRL's comes from check_world
-        run, micro, _ = runs.fit_micro_batch(attempt, cfg.micro_batch_size, grad_accum, stage)
-        trainer, resume, place, result, t0 = run
-        stop.check()
-        save_policy(trainer, cfg, spec, {
-            "stage": "rl", "init": spec.init, "algo": spec.algo, "conditioning": mode,
-            "base_model": str(spec.model_dir), "init_adapter": str(spec.adapter_dir) if spec.adapter_dir else None,
-            "steps": trainer.state.global_step, "config": as_dict(cfg), "protocol": protocol.record(),
-            "reward_tokens": list(levels)})
-        if not main_proc:
-            return {}
-        rows = [r for r in runs.read_tsv(spec.checkpoints / DIAGNOSTICS_FILE) if r["step"] <= trainer.state.global_step]
-        summary = {**summarize(rows), "init": spec.init, "algo": spec.algo, "conditioning": mode,
-                   "resumed_from": resume, "train_s": time.perf_counter() - t0,
-                   "train_loss": result.training_loss, "placement": place, "micro_batch": micro,
-                   "grad_accum": trainer.args.gradient_accumulation_steps}
-        spec.write_results(rows, PLOT_COLUMNS, summary)
-        if track:
-            tracking.log_metrics({f"summary/{k}": v for k, v in summary.items()
-                                  if isinstance(v, (int, float)) and not isinstance(v, bool)})
-            tracking.log_metrics({f"summary/{col}_{k}": v for col, stats in summary["mechanism"].items()
-                                  for k, v in stats.items() if v is not None})
-            spec.log_results(spec.out / MODEL_META_FILE)
-    return summary
-
+from rcgrpo_tasks.train.rl import load_rl_config, train_rl
 
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
 
