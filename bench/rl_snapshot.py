@@ -27,6 +27,7 @@ from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.models import bf16_supported
 from rcgrpo_tasks.engine.rollout import run_group
 from rcgrpo_tasks.env.protocols import PromptConfig
+from rcgrpo_tasks.ops.config import from_dict
 from rcgrpo_tasks.train import grpo, runs
 from rcgrpo_tasks.train.grpo_trainer import load_init_model
 
@@ -89,9 +90,9 @@ def main() -> None:
 
     if not bf16_supported():
         raise SystemExit("this CPU has no native bf16: rollout_dtype auto samples from the live model here")
-    cfg = grpo.RLConfig(max_new_tokens=args.max_new_tokens, max_outputs=args.max_outputs,
-                      max_entries=args.entries, num_generations=args.g, batch_size=args.g, micro_batch_size=args.g,
-                      lora_r=args.lora_r, lora_alpha=2 * args.lora_r)
+    cfg = from_dict(grpo.RLConfig, {"max_new_tokens": args.max_new_tokens, "max_outputs": args.max_outputs,
+                                    "max_entries": args.entries, "num_generations": args.g, "batch_size": args.g,
+                                    "micro_batch_size": args.g, "lora_r": args.lora_r, "lora_alpha": 2 * args.lora_r})
     policy, tok = lora_policy(args.model, args.adapter, cfg, args.seed)
     proto = PromptConfig().protocol_config(args.max_outputs)  # the default prompt (paper protocol, compact docs)
     entries = grpo.train_entries(Path(args.entries_file), Path(args.split), cfg, proto, tok)

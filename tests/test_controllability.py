@@ -13,9 +13,10 @@ import yaml
 
 from rcgrpo_tasks.env import bfcl
 from rcgrpo_tasks.evaluation import controllability as ctl
-from rcgrpo_tasks.ops.config import ConfigError
+from rcgrpo_tasks.ops.config import ConfigError, from_dict
 from rcgrpo_tasks.ops.io import InputError, write_json, write_jsonl
 from rcgrpo_tasks.stages import controllability as ctl_stage
+from rcgrpo_tasks.train.grpo import RLConfig
 
 HIGH, LOW = "<|high_reward|>", "<|low_reward|>"
 TOKENS = (LOW, HIGH)
@@ -86,13 +87,16 @@ def test_zero_variance_share_hand_built():
     assert lo == pytest.approx(-0.5) and hi == pytest.approx(0.0)
 
 
-def test_rl_sampling_reads_rl_section():
-    rl = ctl.rl_sampling({"rl": RL}, "p.yaml")
-    assert (rl.temperature, rl.num_generations, rl.p_high) == (1.0, 4, 0.5)
-    with pytest.raises(ConfigError, match="missing"):
-        ctl.rl_sampling({"rl": {"temperature": 1.0}}, "p.yaml")
-    with pytest.raises(ConfigError, match="p_high"):
-        ctl.rl_sampling({"rl": {**RL, "p_high": 1.0}}, "p.yaml")
+def test_sampled_arm_takes_rl_sampling_and_refuses_its_own():
+    """The sampled arm samples at rl.temperature / rl.top_p; the section cannot set them (moved keys)."""
+    rl = from_dict(RLConfig, {**RL, "temperature": 0.7, "top_p": 0.9}, "p.yaml:rl")
+    cfg = from_dict(ctl.ControllabilityConfig, {"max_new_tokens": 12}, "p.yaml:controllability").sampled_as(rl)
+    assert (cfg.decode.temperature, cfg.decode.top_p, cfg.decode.max_new_tokens) == (0.7, 0.9, 12)
+    assert ctl.rl_record(rl) == {"temperature": 0.7, "top_p": 0.9, "num_generations": 4, "p_high": 0.5}
+    with pytest.raises(ConfigError, match=r"controllability.temperature: this key moved: rl.temperature"):
+        from_dict(ctl.ControllabilityConfig, {"temperature": 1.0}, "p.yaml:controllability")
+    with pytest.raises(ConfigError, match="batch_rows"):
+        from_dict(ctl.ControllabilityConfig, {"batch_rows": 1}, "p.yaml:controllability")
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +118,7 @@ def test_obedient_policy_has_full_gap(tok, protocol):
     from rcgrpo_tasks.env.protocols import PromptConfig
 
     entries = bfcl.load_entries(["base"])[:2]
-    cfg = ctl.ControllabilityConfig(n_entries=2, max_outputs=20, max_new_tokens=4000)
+    cfg = from_dict(ctl.ControllabilityConfig, {"n_entries": 2, "max_outputs": 20, "max_new_tokens": 4000})
     prompt = PromptConfig(protocol=protocol, doc_style="compact")
     proto = prompt.protocol_config(20) if protocol == "paper" else PromptConfig(protocol=protocol).protocol_config(20)
     gold = {e.id: replay_steps(e, proto, e.ground_truth) for e in entries}
@@ -129,7 +133,7 @@ def test_obedient_policy_has_full_gap(tok, protocol):
         return texts[step] if step < len(texts) else ""
 
     backend = ScriptedBackend(tok, policy)
-    rl = ctl.RLSampling(temperature=1.0, top_p=1.0, num_generations=4, p_high=0.5)
+    rl = from_dict(RLConfig, {"temperature": 1.0, "top_p": 1.0, "num_generations": 4, "p_high": 0.5})
     metrics, trajs = ctl.measure(cfg, prompt, TOKENS, backend, entries, rl)
     # greedy arm (1 per token) then the sampled arm (2 per token), each high first per entry
     assert [t.reward_token for t in trajs] == [HIGH, LOW] * 2 + [HIGH, HIGH, LOW, LOW] * 2
@@ -208,7 +212,7 @@ def test_bad_params_and_missing_split(tmp_path):
     assert res.exit_code == 2 and "n_entries" in res.output
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {}, "prompt": {}}))
     res = CliRunner().invoke(ctl_stage.app, ["--params", str(tmp_path / "params.yaml")])
-    assert res.exit_code == 2 and "rl: missing" in res.output  # sampled as RL samples: rl settings required
+    assert res.exit_code == 2 and "missing section 'rl'" in res.output  # sampled as RL samples: rl required
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {}, "prompt": {}, "rl": RL}))
     res = CliRunner().invoke(ctl_stage.app, ["--params", str(tmp_path / "params.yaml"), "--split",
                                        str(tmp_path / "none.json"), "--entries", str(tmp_path / "e.jsonl")])

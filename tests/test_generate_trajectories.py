@@ -219,8 +219,9 @@ def generated_turns(entries, entry_id):
 
 def test_policy_rows_record_their_sampler(tmp_path, entries, tiny_model_dir):
     entries_path, split = write_inputs(tmp_path, entries[::100], n_train=3)
-    cfg = GenerateConfig(policy_entries=1, policy_samples=2, max_new_tokens=4, temperature=0.7,
-                         policy_dtype="float32", failure_mix={"policy": 1.0, "dropped_call": 1.0})
+    cfg = from_dict(GenerateConfig, {"policy_entries": 1, "policy_samples": 2, "max_new_tokens": 4,
+                                     "temperature": 0.7, "dtype": "float32",
+                                     "failure_mix": {"policy": 1.0, "dropped_call": 1.0}})
     rows, m = generate(cfg, PAPER, entries_path, split, tiny_model_dir)
     assert m["policy"]["n"] == 2
     policy = [t for t in rows if t.provenance["source"] == "policy"]

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from rcgrpo_tasks.env.protocols import PromptConfig
-from rcgrpo_tasks.ops.config import ConfigError, load_config
+from rcgrpo_tasks.ops.config import ConfigError, from_dict, load_config
 from rcgrpo_tasks.train import advantages as adv
 from rcgrpo_tasks.train import grpo, grpo_trainer, rl, runs
 
@@ -105,7 +105,7 @@ def test_two_rl_steps_per_mode(rl_env, scripted_rewards, monkeypatch, init, algo
     import mlflow
 
     root, model_dir = rl_env
-    cfg = grpo.RLConfig(**{**TEST_RL, "categories": ("base",)})
+    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",)})
     spec = _spec(root, model_dir, f"{init}-{algo}", init, algo)
     box = _capture_trainer(monkeypatch)
     summary = rl.train_rl(cfg, PROTOCOL, LEVELS, spec)
@@ -162,7 +162,7 @@ def test_env_tokens_carry_no_loss_and_cpu_logps_match_trl(rl_env):
     from trl import GRPOTrainer
 
     root, model_dir = rl_env
-    cfg = grpo.RLConfig(**{**TEST_RL, "categories": ("base",)})
+    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",)})
     trainer, _, _ = grpo_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "mask", "rctp", "rc_grpo"),
                                             track=False)
     trainer.model.train()
@@ -202,7 +202,7 @@ def test_killed_run_resumes_from_last_checkpoint(rl_env, scripted_rewards):
     from transformers import TrainerCallback
 
     root, model_dir = rl_env
-    cfg = grpo.RLConfig(**{**TEST_RL, "categories": ("base",)})
+    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",)})
     spec = _spec(root, model_dir, "resume", "rctp", "rc_grpo")
     shutil.rmtree(spec.checkpoints, ignore_errors=True)
 
@@ -222,7 +222,7 @@ def test_killed_run_resumes_from_last_checkpoint(rl_env, scripted_rewards):
     state = json.loads((spec.checkpoints / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["global_step"] == 2 and spec.out.is_dir()
     # Other params: the stale checkpoints are discarded, training starts over.
-    cfg2 = grpo.RLConfig(**{**TEST_RL, "categories": ("base",), "max_steps": 1, "learning_rate": 1e-3})
+    cfg2 = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1, "learning_rate": 1e-3})
     assert rl.train_rl(cfg2, PROTOCOL, LEVELS, spec)["resumed_from"] is None
 
 
@@ -242,7 +242,7 @@ def test_sigterm_checkpoints_the_step_and_the_rerun_replays_it(rl_env, scripted_
                 os.kill(os.getpid(), signal.SIGTERM)
 
     root, model_dir = rl_env
-    cfg = grpo.RLConfig(**{**TEST_RL, "categories": ("base",), "save_steps": 2})
+    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "save_steps": 2})
     spec = _spec(root, model_dir, "sigterm", "sft", "rc_grpo")
     with pytest.raises(runs.Interrupted) as info:
         rl.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[Term()])
@@ -277,7 +277,7 @@ def test_reference_is_the_init_model(rl_env):
     assert not torch.allclose(expected, base, atol=1e-4)  # the adapter matters
     spec = grpo_trainer.RLRun(**{**_spec(root, model_dir, "ref", "rctp", "grpo").__dict__, "adapter_dir": adapter_dir})
     for full in (False, True):
-        cfg = grpo.RLConfig(**{**TEST_RL, "categories": ("base",), "full_finetune": full})
+        cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "full_finetune": full})
         trainer, _, _ = grpo_trainer.build_trainer(cfg, PROTOCOL, LEVELS, spec, track=False)
         with torch.no_grad():
             if full:
@@ -350,7 +350,7 @@ def test_fitted_micro_batch_keeps_the_generation_batch_and_the_run(rl_env):
     import torch
 
     root, model_dir = rl_env
-    cfg = grpo.RLConfig(**{**TEST_RL, "categories": ("base",)})
+    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",)})
     spec = _spec(root, model_dir, "fit", "rctp", "rc_grpo")
     stamps = []
     for micro in (None, 1):

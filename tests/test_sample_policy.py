@@ -71,9 +71,9 @@ def test_rounds_stop_when_both_outcomes_or_cap(tok):
     entries = bfcl.load_entries(["base"])[:3]
     a, b, c = (e.id for e in entries)
     prompt = PromptConfig()
-    cfg = SampleConfig(n_entries=None, samples_per_entry=2, max_samples_per_entry=4, max_outputs=20,
-                       max_new_tokens=4000, batch_rows=4)
-    proto = prompt.protocol_config(cfg.max_outputs)
+    cfg = from_dict(SampleConfig, {"n_entries": None, "samples_per_entry": 2, "max_samples_per_entry": 4,
+                                   "max_outputs": 20, "max_new_tokens": 4000, "batch_rows": 4})
+    proto = prompt.protocol_config(cfg.decode.max_outputs)
     backend, started = scripted(tok, entries, {a: "FSSS", b: "FFSF", c: "SSSS"}, proto)
     rows, metrics = sample_policy(backend, entries, cfg, proto, "paper_reward", {"model": "m", "adapter": "ad"})
     assert started == {a: 2, b: 4, c: 4}  # only the entries lacking an outcome were sampled again
@@ -85,7 +85,7 @@ def test_rounds_stop_when_both_outcomes_or_cap(tok):
         p = r.provenance
         assert (p["source"], p["kind"], p["model"], p["adapter"], p["reward_fn"]) == (
             "policy", "on_policy", "m", "ad", "paper_reward")
-        assert p["reward"] == r.score["paper_reward"] and p["sampling"]["temperature"] == cfg.temperature
+        assert p["reward"] == r.score["paper_reward"] and p["sampling"]["temperature"] == cfg.decode.temperature
     seeds = {r.provenance["round"]: r.provenance["sampling"]["seed"] for r in rows if r.entry_id == b}
     assert seeds[0] != seeds[1]  # each round draws from its own stream
     assert metrics["rounds"] == 2 and metrics["samples"] == 10 and metrics["n_entries"] == 3
@@ -98,8 +98,9 @@ def test_last_round_takes_only_what_the_cap_leaves(tok):
     """samples_per_entry 2, cap 3: round 2 takes one sample per entry still searching."""
     entries = bfcl.load_entries(["base"])[:1]
     prompt = PromptConfig()
-    cfg = SampleConfig(samples_per_entry=2, max_samples_per_entry=3, max_outputs=20, max_new_tokens=4000)
-    proto = prompt.protocol_config(cfg.max_outputs)
+    cfg = from_dict(SampleConfig, {"samples_per_entry": 2, "max_samples_per_entry": 3, "max_outputs": 20,
+                                   "max_new_tokens": 4000})
+    proto = prompt.protocol_config(cfg.decode.max_outputs)
     backend, started = scripted(tok, entries, {entries[0].id: "FFFF"}, proto)
     rows, metrics = sample_policy(backend, entries, cfg, proto, "paper_reward")
     assert len(rows) == 3 and started == {entries[0].id: 3} and metrics["entries_only_failure"] == 1

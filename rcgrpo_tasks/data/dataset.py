@@ -14,10 +14,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar
 
-from rcgrpo_tasks.engine.backend import SamplingParams
 from rcgrpo_tasks.engine.backends import load_backend
+from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.models import model_context
 from rcgrpo_tasks.engine.rollout import replay_calls, run_group
 from rcgrpo_tasks.engine.trajectory import DATASET_WALL_TIME
@@ -26,7 +26,7 @@ from rcgrpo_tasks.env.entries import split_entries
 from rcgrpo_tasks.env.perturb import PERTURBATIONS, Script, perturb
 from rcgrpo_tasks.env.protocols import GOAL_RESERVE, PromptConfig
 from rcgrpo_tasks.env.scoring import BINARY_REWARDS, Reward, reward_value, score_entry
-from rcgrpo_tasks.ops.config import ConfigError
+from rcgrpo_tasks.ops.config import ConfigError, flat_field
 
 SOURCES: tuple[str, ...] = ("expert", "policy", "near_miss")
 KINDS: tuple[str, ...] = ("expert", "policy", *PERTURBATIONS, "on_policy")
@@ -38,10 +38,20 @@ def _default_mix() -> dict[str, float]:
     return {"policy": 0.1, **{k: 0.15 for k in PERTURBATIONS}}
 
 
+DECODE_KEYS = ("temperature", "top_p", "max_outputs", "max_new_tokens", "backend", "dtype")
+
+
 @dataclass(frozen=True)
 class GenerateConfig:
-    max_outputs: int = 20
-    """paper protocol: model outputs per episode before `step_limit` (policy rows)."""
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "policy_backend": "generate_trajectories.backend (the policy rows are the only rows this stage decodes)",
+        "policy_dtype": "generate_trajectories.dtype (the policy rows are the only rows this stage decodes)",
+    }
+
+    decode: DecodeConfig = flat_field(DecodeConfig(temperature=1.0, max_outputs=20, max_new_tokens=64),
+                                      DECODE_KEYS)
+    """How the policy rows decode (`engine.decoding`; flat keys); each policy entry is one shared-prefix group
+    of `policy_samples` rollouts, so `batch_rows` does not apply."""
     reward: Reward = "paper_reward"
     """Which score defines success (R=1): the paper's binary reward or the official BFCL verdict."""
     success_fraction: float = 0.5
@@ -60,22 +70,12 @@ class GenerateConfig:
     """Model folder of the policy; null = `--model-dir` (the base model)."""
     policy_adapter: str | None = None
     """Optional PEFT adapter folder on top of the policy model."""
-    policy_backend: Literal["hf", "vllm"] = "hf"
-    """Inference backend of the policy (`vllm` on GPU hosts only)."""
-    policy_dtype: Literal["float32", "bfloat16", "auto"] = "auto"
-    """hf backend weights dtype; `auto` = bf16 where the CPU supports it (faster prefill than fp32)."""
     policy_reward_token: str | None = None
     """Reward token to condition the policy on (for an RCTP policy); null = no reward goal."""
     policy_entries: int = 4
     """Train entries the policy is sampled on (seeded sample); 0 disables policy samples."""
     policy_samples: int = 2
     """Samples per policy entry (one shared-prefix group)."""
-    temperature: float = 1.0
-    """Policy sampling temperature."""
-    top_p: float = 1.0
-    """Policy nucleus sampling."""
-    max_new_tokens: int = 64
-    """Tokens per policy output (one step)."""
     seed: int = 0
     """Seeds every choice: entry samples, perturbations, policy sampling, balancing."""
 
@@ -90,15 +90,13 @@ class GenerateConfig:
             raise ValueError("failure_mix: shares must be numbers >= 0 with a positive sum")
         if self.reward not in BINARY_REWARDS:
             raise ValueError(f"reward must be binary ({list(BINARY_REWARDS)}): it splits successes from failures")
-        for name in ("max_outputs", "near_miss_attempts", "max_new_tokens", "policy_samples"):
+        for name in ("near_miss_attempts", "policy_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.policy_entries < 0 or (self.max_entries is not None and self.max_entries < 1):
             raise ValueError("policy_entries must be >= 0 and max_entries >= 1 (or null)")
         if self.max_tokens is not None and self.max_tokens < 64:
             raise ValueError("max_tokens must be >= 64 or null")
-        if not 0.0 < self.top_p <= 1.0 or self.temperature < 0:
-            raise ValueError("top_p must be in (0, 1] and temperature >= 0")
 
 
 def _sample(items: list, n: int | None, seed: str) -> list:
@@ -201,20 +199,18 @@ def policy_trajectories(entries: list[Entry], ctx: _Context, model_dir: str | Pa
     if not chosen:
         return []
     model = cfg.policy_model or str(model_dir)
-    kwargs = {"dtype": cfg.policy_dtype, "device": device} if cfg.policy_backend == "hf" else {}
-    backend = load_backend(cfg.policy_backend, model, cfg.policy_adapter, **kwargs)
+    backend = load_backend(cfg.decode.backend, model, cfg.policy_adapter, **cfg.decode.backend_kwargs(device))
     # Cut rollouts where the dataset's length limit is (the model's own context minus the goal reserve).
     backend.max_positions = min(backend.max_positions, ctx.max_tokens)
     out = []
     for j, entry in enumerate(chosen):
-        sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
-                                  max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + j)
+        sampling = cfg.decode.sampling(cfg.seed + j)
         group = run_group(backend, entry, cfg.policy_samples, ctx.protocol_cfg, sampling,
                           [cfg.policy_reward_token] * cfg.policy_samples)
         for i, traj in enumerate(group):
             out.append(_finish(traj, ctx, f"{entry.id}.policy.{i}", {
                 "source": "policy", "kind": "policy", "generator": "policy", "model": model,
-                "adapter": cfg.policy_adapter, "policy_backend": cfg.policy_backend,
+                "adapter": cfg.policy_adapter, "policy_backend": cfg.decode.backend,
                 "policy_reward_token": cfg.policy_reward_token, "perturbation": None, "script_score": None}))
     return out
 
@@ -292,7 +288,7 @@ def generate(cfg: GenerateConfig, prompt: PromptConfig, entries_path: str | Path
     t0 = time.perf_counter()
     train = split_entries(entries_path, split_path, "train")
     entries = _sample(train, cfg.max_entries, f"{cfg.seed}:entries")
-    ctx = _Context(cfg, prompt.protocol_config(cfg.max_outputs),
+    ctx = _Context(cfg, prompt.protocol_config(cfg.decode.max_outputs),
                    AutoTokenizer.from_pretrained(model_dir), cfg.max_tokens or model_context(model_dir) - GOAL_RESERVE)
     timings = {}
     experts = expert_trajectories(entries, ctx)

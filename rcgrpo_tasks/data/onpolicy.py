@@ -25,14 +25,15 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
-from rcgrpo_tasks.engine.backend import Backend, SamplingParams
+from rcgrpo_tasks.engine.backend import Backend
+from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.rollout import run_rollouts
 from rcgrpo_tasks.engine.trajectory import DATASET_WALL_TIME, Trajectory
 from rcgrpo_tasks.env.bfcl import CATEGORIES, Entry
 from rcgrpo_tasks.env.protocols import ProtocolConfig
 from rcgrpo_tasks.env.scoring import reward_value
+from rcgrpo_tasks.ops.config import flat_field
 
 SOURCE, KIND = "policy", "on_policy"
 ROUND_SEED_STRIDE = 1_000_003
@@ -43,6 +44,9 @@ ROUND_SEED_STRIDE = 1_000_003
 class SampleConfig:
     """params.yaml `sample_policy`; the prompt is the shared `prompt` section, R is generate_trajectories.reward."""
 
+    decode: DecodeConfig = flat_field(DecodeConfig(temperature=0.7, max_outputs=4, max_new_tokens=48))
+    """Sampling, budgets and engine (`engine.decoding`; flat keys). Temperature > 0: on-policy samples
+    (the paper's RCTP samples: 0.7)."""
     n_entries: int | None = 8
     """Train entries sampled (a seeded sample of `categories`, in file order); null = every one."""
     categories: tuple[str, ...] = CATEGORIES
@@ -51,20 +55,6 @@ class SampleConfig:
     """Rollouts per entry per round."""
     max_samples_per_entry: int = 4
     """Cap: an entry stops being sampled at this many rollouts, with or without both outcomes."""
-    temperature: float = 0.7
-    """Sampling temperature (the paper's RCTP samples: 0.7)."""
-    top_p: float = 1.0
-    """Nucleus sampling."""
-    max_outputs: int = 4
-    """Model outputs per episode (paper protocol) / per turn (official)."""
-    max_new_tokens: int = 48
-    """Tokens per model output."""
-    batch_rows: int = 8
-    """Rollouts decoded together (hf backend)."""
-    backend: Literal["hf", "vllm"] = "hf"
-    """Inference backend (`vllm` on GPU hosts)."""
-    dtype: Literal["float32", "bfloat16", "auto"] = "auto"
-    """hf weights dtype; auto = bf16 where the CPU/GPU has it."""
     seed: int = 0
     """Seeds the entry sample and every round's sampling."""
 
@@ -73,10 +63,8 @@ class SampleConfig:
             raise ValueError("n_entries must be >= 1 or null")
         if self.samples_per_entry < 1 or self.max_samples_per_entry < self.samples_per_entry:
             raise ValueError("need samples_per_entry >= 1 and max_samples_per_entry >= samples_per_entry")
-        if self.max_outputs < 1 or self.max_new_tokens < 1 or self.batch_rows < 1:
-            raise ValueError("max_outputs, max_new_tokens and batch_rows must be >= 1")
-        if self.temperature <= 0 or not 0 < self.top_p <= 1:
-            raise ValueError("temperature must be > 0 (on-policy samples, not greedy) and top_p in (0, 1]")
+        if self.decode.temperature <= 0:
+            raise ValueError("temperature must be > 0 (on-policy samples, not greedy)")
         bad = [c for c in self.categories if c not in CATEGORIES]
         if bad or not self.categories:
             raise ValueError(f"categories: unknown {bad}; expected some of {list(CATEGORIES)}")
@@ -122,9 +110,8 @@ def sample_policy(backend: Backend, entries: Sequence[Entry], cfg: SampleConfig,
     while active := [e for e in entries if needs_more([t.provenance["reward"] for t in taken[e.id]],
                                                         cfg.max_samples_per_entry)]:
         n = min(cfg.samples_per_entry, cfg.max_samples_per_entry - len(taken[active[0].id]))
-        sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                                  seed=cfg.seed + round_ * ROUND_SEED_STRIDE)
-        trajs = run_rollouts(backend, active, n, protocol, sampling, batch_rows=cfg.batch_rows,
+        sampling = cfg.decode.sampling(cfg.seed + round_ * ROUND_SEED_STRIDE)
+        trajs = run_rollouts(backend, active, n, protocol, sampling, batch_rows=cfg.decode.batch_rows,
                              provenance=extra, progress=progress)
         for k, entry in enumerate(active):
             for traj in trajs[k * n:(k + 1) * n]:

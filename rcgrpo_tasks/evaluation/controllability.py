@@ -7,21 +7,32 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar
 
 from rcgrpo_tasks.engine.backend import SamplingParams, reward_pair_ids
+from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.rollout import run_rollouts
 from rcgrpo_tasks.env.bfcl import numeric_id
 from rcgrpo_tasks.env.entries import split_entries
 from rcgrpo_tasks.env.protocols import PromptConfig
-from rcgrpo_tasks.ops.config import ConfigError, from_dict
+from rcgrpo_tasks.ops.config import flat_field
 from rcgrpo_tasks.ops.io import InputError
-from rcgrpo_tasks.ops.stats import mean, paired_bootstrap_ci
+from rcgrpo_tasks.ops.stats import check_n_boot, mean, paired_bootstrap_ci
+from rcgrpo_tasks.train.grpo import RLConfig
+
+DECODE_KEYS = ("max_outputs", "max_new_tokens", "batch_rows", "dtype")
 
 
 @dataclass(frozen=True)
 class ControllabilityConfig:
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        k: f"rl.{k} (the sampled arm samples as RL does)" for k in ("temperature", "top_p")}
+
+    decode: DecodeConfig = flat_field(DecodeConfig(max_outputs=4, max_new_tokens=48), DECODE_KEYS)
+    """Budgets and engine (`engine.decoding`; flat keys: max_outputs, max_new_tokens, batch_rows, dtype). The
+    sampled arm's temperature and top_p are `rl`'s (`sampled_as`); the backend is hf, loaded as evaluate
+    loads a trained output."""
     n_entries: int = 4
     """Held-out entries rolled (the first n of `categories` in the test split, by id order)."""
     categories: tuple[str, ...] = ("base",)
@@ -30,14 +41,6 @@ class ControllabilityConfig:
     """Sampled arm: rollouts per (entry, token) at the RL temperature."""
     greedy: bool = True
     """Also roll one greedy rollout per (entry, token) beside the sampled arm."""
-    max_outputs: int = 4
-    """Model outputs per episode (paper) / per turn (official)."""
-    max_new_tokens: int = 48
-    """Tokens per model output."""
-    batch_rows: int = 8
-    """Rollouts decoded together."""
-    dtype: Literal["float32", "bfloat16", "auto"] = "auto"
-    """Weights dtype for generation; auto = bf16 where the CPU has native bf16."""
     seed: int = 0
     """Sampling and bootstrap seed."""
     n_bootstrap: int = 2000
@@ -50,36 +53,22 @@ class ControllabilityConfig:
     def __post_init__(self) -> None:
         if self.guidance < 0:
             raise ValueError("guidance must be >= 0")
-        if self.n_entries < 1 or self.samples_per_token < 1 or self.max_outputs < 1 or self.max_new_tokens < 1:
-            raise ValueError("n_entries, samples_per_token, max_outputs and max_new_tokens must be >= 1")
-        if self.batch_rows < 2 or self.n_bootstrap < 10:
-            raise ValueError("batch_rows must be >= 2 and n_bootstrap >= 10")
+        if self.n_entries < 1 or self.samples_per_token < 1:
+            raise ValueError("n_entries and samples_per_token must be >= 1")
+        if self.decode.batch_rows < 2:
+            raise ValueError("batch_rows must be >= 2 (a row and its other-token twin)")
+        check_n_boot(self.n_bootstrap)
+
+    def sampled_as(self, rl: RLConfig) -> ControllabilityConfig:
+        """This config with the sampled arm at `rl`'s temperature and top_p (the check mirrors RL)."""
+        return dataclasses.replace(self, decode=dataclasses.replace(
+            self.decode, temperature=rl.decode.temperature, top_p=rl.decode.top_p))
 
 
-@dataclass(frozen=True)
-class RLSampling:
-    """The `rl` settings the check mirrors (params `rl`: every key required, so nothing drifts silently)."""
-
-    temperature: float
-    top_p: float
-    num_generations: int
-    p_high: float
-
-    def __post_init__(self) -> None:
-        if self.temperature <= 0 or not 0 < self.top_p <= 1:
-            raise ValueError("need temperature > 0 and 0 < top_p <= 1")
-        if self.num_generations < 2 or not 0 < self.p_high < 1:
-            raise ValueError("need num_generations >= 2 and 0 < p_high < 1")
-
-
-def rl_sampling(params: dict, where: str) -> RLSampling:
-    """`rl.temperature`, `rl.top_p`, `rl.num_generations`, `rl.p_high` of a params mapping."""
-    section = params.get("rl") or {}
-    names = ("temperature", "top_p", "num_generations", "p_high")
-    missing = [n for n in names if n not in section]
-    if missing:
-        raise ConfigError(f"{where}:rl: missing {missing} (controllability samples as RL does)")
-    return from_dict(RLSampling, {n: section[n] for n in names}, f"{where}:rl")
+def rl_record(rl: RLConfig) -> dict:
+    """The RL settings the check mirrors, as recorded beside its metrics."""
+    return {"temperature": rl.decode.temperature, "top_p": rl.decode.top_p,
+            "num_generations": rl.num_generations, "p_high": rl.p_high}
 
 
 def held_out_entries(entries_path: Path, split_path: Path, cfg: ControllabilityConfig) -> list:
@@ -164,7 +153,7 @@ def arm(cfg: ControllabilityConfig, backend, entries: list, proto, sampling: Sam
     """(stats, trajectories) of k rollouts per (entry, token): high first, then low, per entry."""
     high, low = tokens
     trajs = run_rollouts(backend, entries, 2 * k, proto, sampling, lambda e, i: high if i < k else low,
-                         batch_rows=cfg.batch_rows, provenance=provenance)
+                         batch_rows=cfg.decode.batch_rows, provenance=provenance)
     scores = [{"entry_id": t.entry_id, "reward_token": t.reward_token, **t.score} for t in trajs]
     reward = gap_stats(scores, high, low, "paper_reward", cfg.n_bootstrap, cfg.seed)
     partial = gap_stats(scores, high, low, "partial_credit", cfg.n_bootstrap, cfg.seed)
@@ -179,21 +168,22 @@ def arm(cfg: ControllabilityConfig, backend, entries: list, proto, sampling: Sam
 
 
 def measure(cfg: ControllabilityConfig, prompt: PromptConfig, tokens: tuple[str, ...], backend, entries: list,
-            rl: RLSampling, provenance: dict | None = None) -> tuple[dict, list]:
-    """(metrics, trajectories): the sampled arm at the RL settings, the greedy arm, the zero-variance shares."""
+            rl: RLConfig, provenance: dict | None = None) -> tuple[dict, list]:
+    """(metrics, trajectories): the sampled arm at the RL settings, the greedy arm, the zero-variance shares
+    of `rl.num_generations`-sized groups under `rl.p_high`."""
     high, low = tokens[-1], tokens[0]
-    proto = prompt.protocol_config(cfg.max_outputs)
+    cfg = cfg.sampled_as(rl)
+    proto = prompt.protocol_config(cfg.decode.max_outputs)
     prov = {"source": "controllability", **(provenance or {})}
     t0 = time.perf_counter()
     metrics: dict = {"n_entries": len(entries), "high_token": high, "low_token": low, "entries": [e.id for e in entries]}
     trajs: list = []
     if cfg.greedy:
-        greedy = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+        greedy = dataclasses.replace(cfg.decode, temperature=0.0, top_p=1.0).sampling(cfg.seed)
         metrics["greedy"], g_trajs = arm(cfg, backend, entries, proto, greedy, 1, (high, low), {**prov, "arm": "greedy"})
         metrics["greedy"]["identical_outputs"] = identical_outputs(g_trajs, high, low)
         trajs += g_trajs
-    sampling = SamplingParams(temperature=rl.temperature, top_p=rl.top_p, max_new_tokens=cfg.max_new_tokens,
-                              seed=cfg.seed)
+    sampling = cfg.decode.sampling(cfg.seed)
     metrics["sampled"], s_trajs = arm(cfg, backend, entries, proto, sampling, cfg.samples_per_token, (high, low),
                                       {**prov, "arm": "sampled"})
     trajs += s_trajs

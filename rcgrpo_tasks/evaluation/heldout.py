@@ -6,9 +6,9 @@ import collections
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
 
-from rcgrpo_tasks.engine.backend import SamplingParams, reward_pair_ids
+from rcgrpo_tasks.engine.backend import reward_pair_ids
+from rcgrpo_tasks.engine.decoding import MAX_OUTPUTS, DecodeConfig
 from rcgrpo_tasks.engine.rollout import run_rollouts
 from rcgrpo_tasks.engine.trajectory import write_trajectories
 from rcgrpo_tasks.env import bfcl
@@ -17,50 +17,42 @@ from rcgrpo_tasks.env.environment import BfclEnvironment
 from rcgrpo_tasks.env.paper import PAPER_TABLE1_OVERALL, ROWS
 from rcgrpo_tasks.env.protocols import DEFAULT_REWARD_TOKENS, PromptConfig
 from rcgrpo_tasks.ops.cli import Progress
+from rcgrpo_tasks.ops.config import flat_field
 from rcgrpo_tasks.ops.io import write_jsonl, write_text
 from rcgrpo_tasks.ops.plots import accuracy_plot
-from rcgrpo_tasks.ops.stats import bootstrap_ci
+from rcgrpo_tasks.ops.stats import bootstrap_ci, check_n_boot
 
 
 @dataclass(frozen=True)
 class EvaluateConfig:
     """params.yaml `evaluate`; the prompt (protocol, doc style, system prompt) is the shared `prompt` section."""
 
-    max_outputs: int = 8
-    """paper: model outputs per episode (CPU budget; the longest entries need turns+1 = 9)."""
-    max_new_tokens: int = 96
-    """Per model output; a full call list of one turn is ~20-60 tokens."""
-    temperature: float = 0.0
-    """0 = greedy."""
-    top_p: float = 1.0
+    decode: DecodeConfig = flat_field(DecodeConfig(temperature=0.0, max_outputs=8, max_new_tokens=96))
+    """Sampling, budgets and engine (`engine.decoding`; flat keys). Default greedy; `max_outputs`: model
+    outputs per episode under `paper`."""
     seed: int = 0
-    backend: Literal["hf", "vllm"] = "hf"
-    dtype: str = "auto"
-    """hf: float32 | bfloat16 | auto (bf16 where the CPU has native bf16)."""
-    batch_rows: int = 8
-    """Rollouts decoded together (hf)."""
-    limit: Optional[int] = None
+    """Sampling and bootstrap seed."""
+    limit: int | None = None
     """Evaluate only N held-out entries, taken round-robin over categories (smoke profile); null = all."""
     official_full: bool = False
-    """Also run BFCL's official protocol on all 800 entries (hours on CPU; GPU profile)."""
+    """Also run BFCL's official protocol on all 800 entries (GPU profile)."""
     official_max_steps_per_turn: int = 20
+    """Model outputs per turn under the official protocol (`official_full`)."""
     n_bootstrap: int = 2000
+    """Bootstrap resamples of every CI."""
     guidance: float = 0.0
     """Reward-token guidance scale w (0 = off; beyond the paper, `SamplingParams.guidance`): applied to
     reward-conditioned evaluations (a `--reward-token`); the others decode unguided and record w = 0.
     hf backend only; each guided row decodes a twin, so decoding costs ~2x."""
 
     def __post_init__(self) -> None:
-        if self.guidance < 0 or (self.guidance > 0 and self.backend != "hf"):
+        if self.guidance < 0 or (self.guidance > 0 and self.decode.backend != "hf"):
             raise ValueError("guidance must be >= 0, and > 0 needs backend hf")
-        if self.max_outputs < 1 or self.max_new_tokens < 1 or self.batch_rows < 1 or self.n_bootstrap < 10:
-            raise ValueError("max_outputs, max_new_tokens, batch_rows must be >= 1 and n_bootstrap >= 10")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        check_n_boot(self.n_bootstrap)
         if self.limit is not None and self.limit < 1:
             raise ValueError("limit must be null or >= 1")
-        if self.dtype not in ("float32", "bfloat16", "auto"):
-            raise ValueError(f"dtype must be float32, bfloat16 or auto, got {self.dtype!r}")
+        if not 1 <= self.official_max_steps_per_turn <= MAX_OUTPUTS:
+            raise ValueError(f"official_max_steps_per_turn must be in [1, {MAX_OUTPUTS}]")
 
 
 def stratified(entries: list[bfcl.Entry], limit: int | None) -> list[bfcl.Entry]:
@@ -140,16 +132,15 @@ def run_eval(cfg: EvaluateConfig, prompt: PromptConfig, backend, entries: list[b
     """(trajectories, per-entry rows, summary) of greedy rollouts of `entries` under `prompt.protocol`;
     `tokens`: the pipeline's reward tokens, lowest first (guidance contrasts the highest with the lowest)."""
     protocol = prompt.protocol
-    proto = prompt.protocol_config(cfg.max_outputs if protocol == "paper" else cfg.official_max_steps_per_turn)
+    proto = prompt.protocol_config(cfg.decode.max_outputs if protocol == "paper" else cfg.official_max_steps_per_turn)
     w = guidance_of(cfg, reward_token)
-    sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                              seed=cfg.seed, guidance=w,
-                              guidance_pair=reward_pair_ids(backend.tokenizer, (tokens[-1], tokens[0])) if w else None)
+    sampling = cfg.decode.sampling(cfg.seed, guidance=w, guidance_pair=reward_pair_ids(
+        backend.tokenizer, (tokens[-1], tokens[0])) if w else None)
     bar = Progress(len(entries), desc=f"evaluate {label} ({protocol})")
     t0 = time.perf_counter()
     try:
         trajs = run_rollouts(backend, entries, 1, proto, sampling, lambda e, i: reward_token,
-                             batch_rows=cfg.batch_rows, progress=bar,
+                             batch_rows=cfg.decode.batch_rows, progress=bar,
                              provenance={"source": "evaluate", "label": label})
     finally:
         bar.close()

@@ -15,6 +15,7 @@ restores the pristine file; an unknown profile fails listing the valid ones and 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -203,23 +204,66 @@ def _type_ok(value: Any, hint: Any) -> bool:
     return True
 
 
+FLAT = "rcgrpo.flat"
+"""Field metadata: a nested config written flat in its section (`flat_field`)."""
+
+
+def flat_field(default: Any, keys: tuple[str, ...] | None = None) -> Any:
+    """A config field holding a nested config (e.g. the engine's `DecodeConfig`) whose keys are written FLAT in
+    the stage's own params section (`evaluate.max_new_tokens`, not `evaluate.decode.max_new_tokens`): one
+    class, one set of docstrings and checks, composed into every stage that needs it, while a user still edits
+    `evaluate:`. `keys`: the nested keys this section may set (default: all); the others keep `default`'s
+    values, which the stage fills from where they really live (documented at the stage's field)."""
+    keys = tuple(f.name for f in dataclasses.fields(default)) if keys is None else tuple(keys)
+    return dataclasses.field(default_factory=lambda: default, metadata={FLAT: keys})
+
+
+def _flat_fields(cls) -> dict[str, tuple[str, ...]]:
+    return {f.name: f.metadata[FLAT] for f in dataclasses.fields(cls) if FLAT in f.metadata}
+
+
+def section_keys(cls) -> list[str]:
+    """The keys a params section of `cls` may hold, flat keys included."""
+    flat = _flat_fields(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        if f.init:
+            keys += list(flat[f.name]) if f.name in flat else [f.name]
+    return keys
+
+
+def _check_value(value: Any, hint: Any, where: str) -> Any:
+    if not _type_ok(value, hint):
+        raise ConfigError(f"{where}: expected {hint}, got {value!r}")
+    return tuple(value) if typing.get_origin(hint) is tuple and isinstance(value, list) else value
+
+
 def from_dict(cls: type[T], data: dict, where: str = "") -> T:
-    """Build a frozen config dataclass from a mapping; unknown keys and wrong types raise ConfigError."""
+    """Build a frozen config dataclass from a mapping; unknown keys and wrong types raise ConfigError.
+
+    A key the class lists in `MOVED_KEYS` ({old key: its new place}) fails naming where it went. Nested
+    configs declared with `flat_field` read their keys from the same mapping and run their own checks."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    moved = getattr(cls, "MOVED_KEYS", {})
+    for key in data:
+        if key in moved:
+            raise ConfigError(f"{where}.{key}: this key moved: {moved[key]}")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - names)
+    flat = _flat_fields(cls)
+    allowed = section_keys(cls)
+    unknown = sorted(set(data) - set(allowed))
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(names)}")
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
     kwargs = {}
+    for name, keys in flat.items():
+        given = {k: data[k] for k in keys if k in data}
+        if given:
+            default = next(f for f in dataclasses.fields(cls) if f.name == name).default_factory()
+            kwargs[name] = from_dict(type(default), {**dataclasses.asdict(default), **given}, where)
     for key, value in data.items():
-        hint = hints[key]
-        if not _type_ok(value, hint):
-            raise ConfigError(f"{where}.{key}: expected {hint}, got {value!r}")
-        if typing.get_origin(hint) is tuple and isinstance(value, list):
-            value = tuple(value)
-        kwargs[key] = value
+        if not any(key in keys for keys in flat.values()):
+            kwargs[key] = _check_value(value, hints[key], f"{where}.{key}")
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:
@@ -235,5 +279,15 @@ def load_config(cls: type[T], params_path: str | Path, section: str) -> T:
 
 
 def as_dict(config: Any) -> dict:
-    """Flat-ish dict of a config, for MLflow params and run records."""
-    return dataclasses.asdict(config)
+    """A config as its params section reads (flat keys flattened back, in field order), for MLflow params and
+    run records."""
+    flat = _flat_fields(type(config))
+    out: dict = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.name in flat:
+            nested = dataclasses.asdict(value)
+            out.update({k: nested[k] for k in flat[f.name]})
+        else:
+            out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+    return out

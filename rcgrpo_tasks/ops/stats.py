@@ -13,6 +13,14 @@ import random
 from collections.abc import Sequence
 
 N_BOOT = 2000
+MAX_BOOT = 100_000
+"""More resamples than any CI needs (the pure-Python loop takes seconds there): a typo fails fast."""
+
+
+def check_n_boot(n_boot: int) -> None:
+    """Config check shared by every stage with bootstrap CIs: 10 <= n_boot <= MAX_BOOT."""
+    if not 10 <= n_boot <= MAX_BOOT:
+        raise ValueError(f"n_bootstrap must be in [10, {MAX_BOOT}], got {n_boot}")
 
 
 def mean(xs: Sequence[float]) -> float:

@@ -47,12 +47,13 @@ from rcgrpo_tasks.evaluation.controllability import (
     held_out_entries,
     load_policy,
     measure,
-    rl_sampling,
+    rl_record,
 )
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config, read_params
 from rcgrpo_tasks.ops.io import atomic_outputs, write_json
+from rcgrpo_tasks.train.grpo import RLConfig
 
 
 def _numbers(record: dict) -> dict:
@@ -83,15 +84,14 @@ def main(
     with cli_errors(FileNotFoundError):
         cfg = load_config(ControllabilityConfig, params, "controllability")
         prompt = load_config(PromptConfig, params, "prompt")
-        raw = read_params(params)
-        tokens = reward_tokens(raw)
-        rl = rl_sampling(raw, str(params))
+        tokens = reward_tokens(read_params(params))
+        rl = load_config(RLConfig, params, "rl")  # the sampled arm samples as RL does
         picked = held_out_entries(entries, split, cfg)
-        backend = load_policy(model_dir, adapter_dir, cfg.dtype, (tokens[-1], tokens[0]),
+        backend = load_policy(model_dir, adapter_dir, cfg.decode.dtype, (tokens[-1], tokens[0]),
                               load_compute(params).device)  # before any MLflow run
     typer.echo(f"controllability: decoding on {backend.describe().get('device')}")
     with tracking.stage_run("controllability", {"controllability": as_dict(cfg), "prompt": as_dict(prompt),
-                                                "rl": as_dict(rl), "adapter": str(adapter_dir), "tokens": list(tokens)}):
+                                                "rl": rl_record(rl), "adapter": str(adapter_dir), "tokens": list(tokens)}):
         result, trajs = measure(cfg, prompt, tokens, backend, picked, rl,
                                 {"model": str(model_dir), "adapter": str(adapter_dir)})
         with atomic_outputs() as staged:

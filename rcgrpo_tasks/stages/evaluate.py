@@ -86,11 +86,10 @@ def main(
         pool = read_entries(entries)
         held_out = stratified(select_entries(pool, split=split, side="test"), cfg.limit)
         compute = load_compute(params)
-        kwargs = {"dtype": cfg.dtype, "device": compute.device} if cfg.backend == "hf" else {}
-        backend = load_backend(cfg.backend, model, adapter or None, **kwargs)
+        backend = load_backend(cfg.decode.backend, model, adapter or None, **cfg.decode.backend_kwargs(compute.device))
         if guidance_of(cfg, reward_token or None):  # a model without reward tokens fails here, before any run
             reward_pair_ids(backend.tokenizer, (tokens[-1], tokens[0]))
-    typer.echo(f"evaluate@{label}: decoding on {backend.describe().get('device', cfg.backend)}")
+    typer.echo(f"evaluate@{label}: decoding on {backend.describe().get('device', cfg.decode.backend)}")
     token = reward_token or None
     settings = {"model": str(model), "adapter": adapter or None, "reward_token": token, **as_dict(cfg),
                 "prompt": as_dict(prompt), "backend_info": backend.describe()}

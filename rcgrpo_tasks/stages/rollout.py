@@ -20,9 +20,10 @@ from typing import Optional
 
 import typer
 
-from rcgrpo_tasks.engine.backend import SamplingParams, reward_pair_ids
+from rcgrpo_tasks.engine.backend import reward_pair_ids
 from rcgrpo_tasks.engine.backends import load_backend
 from rcgrpo_tasks.engine.compute import load_compute
+from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.rollout import run_rollouts
 from rcgrpo_tasks.engine.trajectory import write_trajectories
 from rcgrpo_tasks.env.entries import read_entries, select_entries
@@ -70,22 +71,23 @@ def main(
     """Roll a model over BFCL entries and write trajectory JSONL."""
     with cli_errors():
         prompt = prompt_config(params, protocol=protocol, doc_style=doc_style, system_prompt=system_prompt)
-        proto = prompt.protocol_config(max_outputs)
+        decode = from_dict(DecodeConfig, {"temperature": temperature, "top_p": top_p, "max_outputs": max_outputs,
+                                          "max_new_tokens": max_new_tokens, "backend": backend, "dtype": dtype,
+                                          "batch_rows": batch_rows}, where="rollout options")
+        proto = prompt.protocol_config(decode.max_outputs)
         if guidance and not reward_token:
             raise ConfigError("--guidance needs --reward-token (guidance contrasts the two reward goals)")
         chosen = select_entries(read_entries(entries), _csv(ids), split, split_name, _csv(categories), limit)
         device = device or (load_compute(params).device if params.is_file() else "auto")
-        kwargs = {"dtype": dtype, "device": device} if backend == "hf" else {}
-        engine_backend = load_backend(backend, model, adapter, **kwargs)
+        engine_backend = load_backend(decode.backend, model, adapter, **decode.backend_kwargs(device))
         tokens = reward_tokens(read_params(params)) if params.is_file() else DEFAULT_REWARD_TOKENS
         pair = reward_pair_ids(engine_backend.tokenizer, (tokens[-1], tokens[0])) if guidance else None
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
-                                  guidance=guidance, guidance_pair=pair)
+        sampling = decode.sampling(seed, guidance=guidance, guidance_pair=pair)
     typer.echo(f"rollout: decoding on {engine_backend.describe().get('device', backend)}", err=True)
     bar = Progress(len(chosen) * g)
     try:
         trajs = run_rollouts(engine_backend, chosen, g, proto, sampling, lambda e, i: reward_token,
-                             batch_rows=batch_rows, provenance={"source": "rollout"}, progress=bar)
+                             batch_rows=decode.batch_rows, provenance={"source": "rollout"}, progress=bar)
     finally:
         bar.close()
     write_trajectories(out, trajs)

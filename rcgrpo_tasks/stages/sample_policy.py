@@ -63,17 +63,17 @@ def main(
         chosen = pick_entries(train, cfg)
         if not chosen:
             raise InputError(f"{split}: no train entries in categories {list(cfg.categories)}")
-        kwargs = {"dtype": cfg.dtype, "device": load_compute(params).device} if cfg.backend == "hf" else {}
-        backend = load_backend(cfg.backend, model_dir, adapter_dir or None, **kwargs)  # before any MLflow run
+        backend = load_backend(cfg.decode.backend, model_dir, adapter_dir or None,  # before any MLflow run
+                               **cfg.decode.backend_kwargs(load_compute(params).device))
         # Cut rollouts where the trajectory sets are cut: the model's context minus the reward goal's room.
         backend.max_positions = min(backend.max_positions, gen.max_tokens or model_context(model_dir) - GOAL_RESERVE)
-    typer.echo(f"sample_policy: decoding on {backend.describe().get('device', cfg.backend)}")
-    origin = {"model": str(model_dir), "adapter": adapter_dir or None, "policy_backend": cfg.backend}
+    typer.echo(f"sample_policy: decoding on {backend.describe().get('device', cfg.decode.backend)}")
+    origin = {"model": str(model_dir), "adapter": adapter_dir or None, "policy_backend": cfg.decode.backend}
     with tracking.stage_run("sample_policy", {"sample_policy": as_dict(cfg), "prompt": as_dict(prompt),
                                               "reward": gen.reward, **origin}), cli_errors():
         bar = Progress(len(chosen) * cfg.max_samples_per_entry, "on-policy samples (at most)")
         try:
-            rows, record = sample_policy(backend, chosen, cfg, prompt.protocol_config(cfg.max_outputs), gen.reward,
+            rows, record = sample_policy(backend, chosen, cfg, prompt.protocol_config(cfg.decode.max_outputs), gen.reward,
                                          origin, progress=bar)
         finally:
             bar.close()

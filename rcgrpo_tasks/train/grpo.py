@@ -22,16 +22,18 @@ from pathlib import Path
 from typing import Literal
 
 from rcgrpo_tasks.engine import rollout as engine_rollout
-from rcgrpo_tasks.engine.backend import SamplingParams
+from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.hf import HFBackend, use_cpu_attention
 from rcgrpo_tasks.engine.models import bf16_supported
 from rcgrpo_tasks.engine.vllm import VLLMBackend, VLLMServerBackend
 from rcgrpo_tasks.env.entries import split_entries
 from rcgrpo_tasks.env.protocols import ProtocolConfig, initial_messages
 from rcgrpo_tasks.env.scoring import REWARDS, Reward, reward_value
-from rcgrpo_tasks.ops.config import ConfigError
+from rcgrpo_tasks.ops.config import ConfigError, flat_field
 from rcgrpo_tasks.train import advantages as adv
 from rcgrpo_tasks.train import runs
+
+DECODE_KEYS = ("temperature", "top_p", "max_outputs", "max_new_tokens")
 
 
 @dataclass(frozen=True)
@@ -62,14 +64,10 @@ class RLConfig:
     """RC-GRPO: P(highest reward token) of each rollout's i.i.d. token. Paper: 0.5."""
     reward: Reward = "paper_reward"
     """Reward that drives the advantage (`env.scoring.Reward`); the other two are logged."""
-    temperature: float = 1.0
-    """Sampling temperature of rollouts (TRL rescales its log-probs with the same value)."""
-    top_p: float = 1.0
-    """Nucleus sampling of rollouts."""
-    max_new_tokens: int = 32
-    """Tokens per model output (one model step of an episode)."""
-    max_outputs: int = 2
-    """Model outputs per episode (`paper` protocol) or per turn (`official`); the prompt is params `prompt`."""
+    decode: DecodeConfig = flat_field(DecodeConfig(temperature=1.0, max_outputs=2, max_new_tokens=32), DECODE_KEYS)
+    """How rollouts sample (`engine.decoding`; flat keys: temperature, top_p, max_outputs, max_new_tokens).
+    TRL rescales its log-probs with the same temperature. The engine is the trainer's own policy
+    (`rollout_dtype`, `use_vllm`), so backend, dtype and batch_rows do not apply."""
     categories: tuple[str, ...] = ("base", "miss_func", "miss_param", "long_context")
     """Train-split categories to sample entries from."""
     max_entries: int | None = None
@@ -121,13 +119,13 @@ class RLConfig:
         if self.micro_batch_size < 1 or self.batch_size % self.micro_batch_size:
             raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size "
                              f"({self.micro_batch_size})")
-        for name in ("max_steps", "save_steps", "num_iterations", "max_new_tokens", "max_outputs", "lora_r"):
+        for name in ("max_steps", "save_steps", "num_iterations", "lora_r"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.learning_rate <= 0 or self.beta < 0 or not 0 < self.epsilon < 1:
             raise ValueError("need learning_rate > 0, beta >= 0 and 0 < epsilon < 1")
-        if not 0 < self.temperature or not 0 < self.top_p <= 1:
-            raise ValueError("need temperature > 0 and 0 < top_p <= 1")
+        if self.decode.temperature <= 0:
+            raise ValueError("need temperature > 0 (rollouts are sampled)")
         if self.max_entries is not None and self.max_entries * g < self.batch_size:
             raise ValueError(f"max_entries ({self.max_entries}) x G < batch_size: a step needs "
                              f"{self.batch_size // g} distinct entries")
@@ -272,9 +270,7 @@ class EngineRollout:
         step, proc = trainer.state.global_step, trainer.accelerator.process_index
         tokens = adv.sample_reward_tokens(len(prompts), self.mode, self.cfg.p_high,
                                           adv.token_seed(self.cfg.seed, step, proc), levels=self.levels)
-        sampling = SamplingParams(temperature=self.cfg.temperature, top_p=self.cfg.top_p,
-                                  max_new_tokens=self.cfg.max_new_tokens,
-                                  seed=adv.token_seed(self.cfg.seed, step, proc, call=1))
+        sampling = self.cfg.decode.sampling(adv.token_seed(self.cfg.seed, step, proc, call=1))
         model = trainer.model
         was_training = model.training
         model.eval()  # no dropout when sampling from the live model; TRL reads its mode before and after

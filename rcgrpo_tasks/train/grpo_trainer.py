@@ -218,8 +218,8 @@ def grpo_args(cfg: RLConfig, ckpt_dir: Path, grad_accum: int, device=None):
         gradient_accumulation_steps=grad_accum, num_generations=cfg.num_generations, max_steps=cfg.max_steps,
         learning_rate=cfg.learning_rate, lr_scheduler_type=cfg.lr_scheduler, warmup_steps=0, beta=cfg.beta,
         epsilon=cfg.epsilon, num_iterations=cfg.num_iterations, scale_rewards=cfg.scale_rewards,
-        loss_type=cfg.loss_type, reward_weights=weights, temperature=cfg.temperature, top_p=cfg.top_p,
-        max_completion_length=cfg.max_new_tokens * cfg.max_outputs, disable_dropout=True,
+        loss_type=cfg.loss_type, reward_weights=weights, temperature=cfg.decode.temperature, top_p=cfg.decode.top_p,
+        max_completion_length=cfg.decode.max_new_tokens * cfg.decode.max_outputs, disable_dropout=True,
         gradient_checkpointing=cfg.gradient_checkpointing, logging_steps=1, save_strategy="steps",
         save_steps=cfg.save_steps, save_total_limit=cfg.save_total_limit, report_to=[], seed=cfg.seed,
         data_seed=cfg.seed, remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True,
@@ -282,7 +282,7 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
                   callbacks: list | None = None, track: bool = True, device=None, micro_batch: int | None = None):
     """(trainer, checkpoint to resume or None, rollout function) -- everything checked before training.
 
-    `protocol`: the episode settings (params `prompt` + `cfg.max_outputs`); `levels`: the reward tokens
+    `protocol`: the episode settings (params `prompt` + `cfg.decode.max_outputs`); `levels`: the reward tokens
     (label_rewards.tokens); `track`: step metrics to the active MLflow run; `device`: where it trains
     (None = CUDA when available); `micro_batch`: train at this micro-batch instead of
     `cfg.micro_batch_size` (more accumulation, the same batch; the checkpoints stay the run's)."""

@@ -27,7 +27,7 @@ from rcgrpo_tasks.train.grpo_trainer import (
 def load_rl_config(params: str | Path) -> tuple[RLConfig, ProtocolConfig, tuple[str, ...]]:
     """(config, episode settings = params `prompt` with `rl.max_outputs`, reward tokens lowest first)."""
     cfg = load_config(RLConfig, params, "rl")
-    protocol = load_config(PromptConfig, params, "prompt").protocol_config(cfg.max_outputs)
+    protocol = load_config(PromptConfig, params, "prompt").protocol_config(cfg.decode.max_outputs)
     try:
         levels = reward_tokens(read_params(params))
     except ValueError as exc:

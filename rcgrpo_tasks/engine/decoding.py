@@ -1,0 +1,64 @@
+"""THE decoding settings of every stage that rolls a model: sampling, output budgets, engine.
+
+`DecodeConfig` is composed into each decoding stage's config (`EvaluateConfig`, `SampleConfig`,
+`GenerateConfig`, `ControllabilityConfig`, `RLConfig`) with `ops.config.flat_field`, so its keys sit flat in
+the stage's own params section (`evaluate.max_new_tokens`) and are checked here, once. A stage exposes the
+keys it owns; the others are fixed by the stage and say where they come from (controllability samples at
+`rl.temperature`; RL's engine is the trainer's own policy). The seed is not here: every stage's `seed`
+seeds more than decoding (entry samples, bootstrap, perturbations), so it stays the stage's and is passed
+to `sampling`. Where a stage decodes is params `compute.device` (`engine.compute`), shared by all stages.
+
+The upper bounds are far above any real run and exist to fail fast, before any work, on a typo such as
+`max_new_tokens: 100000000`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rcgrpo_tasks.engine.backend import SamplingParams
+
+MAX_NEW_TOKENS = 131_072
+"""Per model output: the longest context of any model this pipeline targets."""
+MAX_OUTPUTS = 1_000
+"""Model outputs per episode / per turn."""
+MAX_BATCH_ROWS = 16_384
+MAX_TEMPERATURE = 100.0
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How a stage decodes (its params section holds these keys flat)."""
+
+    temperature: float = 1.0
+    """Sampling temperature; 0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    max_outputs: int = 4
+    """Model outputs per episode (`paper` protocol) or per turn (`official`); the prompt is params `prompt`."""
+    max_new_tokens: int = 64
+    """Tokens per model output (one step of an episode)."""
+    backend: Literal["hf", "vllm"] = "hf"
+    """Inference engine: `hf` (the project's transformers decoder, CPU or CUDA) or `vllm` (GPU workers)."""
+    dtype: Literal["float32", "bfloat16", "auto"] = "auto"
+    """hf weights dtype; `auto` = bf16 where the CPU / GPU has native bf16, else float32."""
+    batch_rows: int = 8
+    """Rollouts decoded together in one session (hf)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.temperature <= MAX_TEMPERATURE or not 0 < self.top_p <= 1:
+            raise ValueError(f"need 0 <= temperature <= {MAX_TEMPERATURE} and 0 < top_p <= 1")
+        for name, cap in (("max_outputs", MAX_OUTPUTS), ("max_new_tokens", MAX_NEW_TOKENS),
+                          ("batch_rows", MAX_BATCH_ROWS)):
+            if not 1 <= getattr(self, name) <= cap:
+                raise ValueError(f"{name} must be in [1, {cap}], got {getattr(self, name)}")
+
+    def sampling(self, seed: int | None, **extra) -> SamplingParams:
+        """The engine's per-call sampling parameters (`extra`: guidance)."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
+                              seed=seed, **extra)
+
+    def backend_kwargs(self, device: str) -> dict:
+        """`load_backend` keyword arguments: dtype and device for hf (vLLM places itself)."""
+        return {"dtype": self.dtype, "device": device} if self.backend == "hf" else {}
