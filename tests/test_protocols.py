@@ -192,3 +192,16 @@ def test_token_sequence_matches_chat_template(tok):
         model_text = tok.decode([t for t, m in zip(traj.token_ids, traj.completion_mask) if m])
         assistant = [m["content"] for m in traj.messages if m["role"] == "assistant"]
         assert model_text == "".join(a + tok.eos_token for a in assistant)
+
+
+@pytest.mark.parametrize("tokens", [["<|a|>"], ["<|a|>", "<|a|>"], ["<|a|>", " "], ["<|a]|>", "<|b|>"]])
+def test_one_reward_token_check_behind_every_reader(tokens):
+    """params (`reward_tokens`), the labeller (`LabelConfig`) and RL (`reward_levels`) refuse the same lists."""
+    from rcgrpo_tasks.data.labels import LabelConfig
+    from rcgrpo_tasks.env.protocols import reward_tokens
+    from rcgrpo_tasks.train.advantages import reward_levels
+
+    for read in (lambda: reward_tokens({"label_rewards": {"tokens": tokens}}), lambda: reward_levels(tokens),
+                 lambda: LabelConfig(tokens=tuple(tokens), thresholds=(0.5,) * (len(tokens) - 1))):
+        with pytest.raises(ValueError, match="reward tokens"):
+            read()

@@ -13,6 +13,7 @@ from rcgrpo_tasks.data.chat import assistant_token_mask, strip_reward_goal, with
 from rcgrpo_tasks.data.dataset import GenerateConfig
 from rcgrpo_tasks.data.gate import require_passed
 from rcgrpo_tasks.data.pairing import FailureRule, Pairing, check_policy_rows, rctp_rows
+from rcgrpo_tasks.env.protocols import check_reward_tokens
 from rcgrpo_tasks.env.scoring import reward_value
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.config import ConfigError
@@ -41,8 +42,7 @@ class LabelConfig:
     """Tokenize every row (chat template + masks) to report token counts."""
 
     def __post_init__(self) -> None:
-        if len(self.tokens) < 2 or len(set(self.tokens)) != len(self.tokens):
-            raise ValueError(f"tokens: need >= 2 distinct reward tokens, got {list(self.tokens)}")
+        check_reward_tokens(self.tokens)
         if len(self.thresholds) != len(self.tokens) - 1:
             raise ValueError(f"thresholds: need {len(self.tokens) - 1} for {len(self.tokens)} tokens, "
                              f"got {list(self.thresholds)}")
@@ -51,8 +51,6 @@ class LabelConfig:
             raise ValueError(f"thresholds must lie in (0, 1] (the signal's range), got {list(self.thresholds)}")
         if any(b <= a for a, b in zip(self.thresholds, self.thresholds[1:])):
             raise ValueError(f"thresholds must be strictly increasing, got {list(self.thresholds)}")
-        if any(not t.strip() or "]" in t for t in self.tokens):
-            raise ValueError("tokens must be non-empty and must not contain ']' (it closes the reward goal)")
 
 
 def token_for(value: float, cfg: LabelConfig, success: bool | None = None) -> str:

@@ -259,9 +259,18 @@ DEFAULT_REWARD_TOKENS: tuple[str, ...] = ("<|low_reward|>", "<|high_reward|>")
 """Lowest first, highest last (the paper's two goals); params.yaml `label_rewards.tokens` overrides them."""
 
 
+def check_reward_tokens(tokens) -> tuple[str, ...]:
+    """THE check of a reward-token list (lowest level first), wherever one is read: >= 2 distinct, non-empty
+    strings without ']' (it would close the `[Reward Goal: ...]` suffix)."""
+    tokens = tuple(tokens)
+    if len(tokens) < 2 or len(set(tokens)) != len(tokens):
+        raise ValueError(f"reward tokens: need >= 2 distinct tokens, lowest first, got {list(tokens)}")
+    if any(not isinstance(t, str) or not t.strip() or "]" in t for t in tokens):
+        raise ValueError(f"reward tokens must be non-empty and must not contain ']' (it closes the reward goal), "
+                         f"got {list(tokens)}")
+    return tokens
+
+
 def reward_tokens(params: dict) -> tuple[str, ...]:
     """THE reward tokens of a pipeline (`label_rewards.tokens` of a params mapping), lowest first."""
-    tokens = tuple((params.get("label_rewards") or {}).get("tokens") or DEFAULT_REWARD_TOKENS)
-    if len(tokens) < 2 or len(set(tokens)) != len(tokens):
-        raise ValueError(f"label_rewards.tokens must be >= 2 distinct tokens, got {list(tokens)}")
-    return tokens
+    return check_reward_tokens((params.get("label_rewards") or {}).get("tokens") or DEFAULT_REWARD_TOKENS)

@@ -29,6 +29,8 @@ import random
 from collections.abc import Sequence
 from typing import Literal
 
+from rcgrpo_tasks.env.protocols import check_reward_tokens
+
 Conditioning = Literal["rc", "fixed", "none"]
 CONDITIONING_MODES: tuple[str, ...] = ("rc", "fixed", "none")
 ZERO_STD_TOL = 1e-6
@@ -57,8 +59,7 @@ def token_seed(seed: int, step: int, process: int = 0, call: int = 0) -> int:
 
 def reward_levels(levels: Sequence[str]) -> tuple[str, str]:
     """(low, high) = the lowest and the highest of `levels` (label_rewards.tokens): the tokens RL draws."""
-    if len(levels) < 2 or len(set(levels)) != len(levels):
-        raise ValueError(f"reward token levels must be >= 2 distinct tokens, got {list(levels)}")
+    levels = check_reward_tokens(levels)
     return levels[0], levels[-1]
 
 
