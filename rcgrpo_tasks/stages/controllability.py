@@ -73,11 +73,11 @@ app = typer.Typer(add_completion=False)
 @app.command()
 def main(
     model_dir: Path = typer.Option(Path("models/base"), help="Base model folder (prepare_model)."),
-    adapter_dir: Path = typer.Option(None, help="sft-stage output (e.g. models/sft/rctp)."),
+    adapter_dir: Path | None = typer.Option(None, help="sft-stage output (e.g. models/sft/rctp)."),
     entries: Path = typer.Option(Path("data/entries.jsonl"), help="Entries JSONL (prepare_data)."),
     split: Path = typer.Option(Path("data/split.json"), help="Split JSON (prepare_data); the test side is used."),
     metrics: Path = typer.Option(Path("metrics/controllability.json"), help="Output: metrics JSON."),
-    trajectories: Path = typer.Option(None, help="Output: the rollouts of both arms as trajectory JSONL."),
+    trajectories: Path | None = typer.Option(None, help="Output: the rollouts of both arms as trajectory JSONL."),
     params: Path = typer.Option(Path("params.yaml"), help="Params (sections `controllability`, `label_rewards`, `rl`)."),
 ) -> None:
     """Sampled (RL settings) and greedy E[R|high] - E[R|low] of a reward-conditioned model, with CIs."""

@@ -29,7 +29,6 @@ prefilled once, bf16 where the CPU has it (measured cost per model: docs/engine.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -74,7 +73,7 @@ def main(
     params: Path = typer.Option(Path("params.yaml"), help="params file (section `evaluate`)."),
     adapter: str = typer.Option("", help="PEFT adapter / fine-tuned folder; empty = none."),
     reward_token: str = typer.Option("", help="reward goal for every rollout, e.g. '<|high_reward|>'; empty = none."),
-    entries: Optional[Path] = typer.Option(None, help="entries JSONL (prepare_data); default: bfcl-eval."),
+    entries: Path | None = typer.Option(None, help="entries JSONL (prepare_data); default: bfcl-eval."),
     name: str = typer.Option("", help="label in metrics/report (default: the output folder's name)."),
 ) -> None:
     """Evaluate a model on the held-out split: metrics, report, plot."""

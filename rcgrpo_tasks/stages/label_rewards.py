@@ -67,8 +67,8 @@ def main(
     policy: str = typer.Option("", help="rctp: validated on-policy samples (sample_policy); empty = none."),
     policy_validation: str = typer.Option("", help="their validation folder; empty = <policy folder>/validation."),
     model_dir: Path = typer.Option(Path("models/base"), help="model folder (tokenizer, chat template)."),
-    out: Path = typer.Option(None, help="output dataset JSONL; default data/datasets/<dataset>.jsonl."),
-    metrics: Path = typer.Option(None, help="output metrics JSON; default metrics/label_rewards_<dataset>.json."),
+    out: Path | None = typer.Option(None, help="output dataset JSONL; default data/datasets/<dataset>.jsonl."),
+    metrics: Path | None = typer.Option(None, help="output metrics JSON; default metrics/label_rewards_<dataset>.json."),
 ) -> None:
     """Map scores to reward tokens; write the sft or the rctp chat dataset."""
     out = out or Path(f"data/datasets/{dataset}.jsonl")

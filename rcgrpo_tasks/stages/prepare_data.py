@@ -33,7 +33,7 @@ def main(
     params: Path = typer.Option(Path("params.yaml"), help="Params file (section `prepare_data`)."),
     entries: Path = typer.Option(..., help="Output: entries JSONL."),
     split: Path = typer.Option(..., help="Output: split JSON."),
-    metrics: Path = typer.Option(None, help="Output: counts JSON."),
+    metrics: Path | None = typer.Option(None, help="Output: counts JSON."),
 ) -> None:
     """Load BFCL v4 multi-turn from bfcl-eval and split it 90/10 by numeric id."""
     with cli_errors():

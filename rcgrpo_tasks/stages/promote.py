@@ -43,10 +43,10 @@ def main(
     params: Path = typer.Option(Path("params.yaml"), help="Params file (section `promote`; its profile)."),
     candidate: list[str] = typer.Option(..., help="LABEL=MODEL_DIR of a candidate (repeat)."),
     eval_dir: Path = typer.Option(Path("results/eval"), help="Evaluate outputs: EVAL_DIR/LABEL/results.jsonl."),
-    champion_eval: Path = typer.Option(None, help="Folder with the champion's fresh results.jsonl (same "
+    champion_eval: Path | None = typer.Option(None, help="Folder with the champion's fresh results.jsonl (same "
                                                   "entries, protocol and profile); default: its stored record."),
     out: Path = typer.Option(Path("metrics/promote.json"), help="Output: decision JSON."),
-    report: Path = typer.Option(None, hidden=True, help="Ignored (the gate reads per-entry results)."),
+    report: Path | None = typer.Option(None, hidden=True, help="Ignored (the gate reads per-entry results)."),
 ) -> None:
     """Register the best candidate and move the `champion` alias if it wins the paired gate."""
     try:

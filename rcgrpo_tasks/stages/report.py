@@ -62,7 +62,7 @@ def main(
     json_out: Path = typer.Option(Path("results/report/report.json"), "--json", help="Output: metrics JSON."),
     plot_out: Path = typer.Option(Path("results/report/accuracy.png"), "--plot", help="Output: PNG plot."),
     steps: list[str] = typer.Option([], "--steps", help="LABEL=plots/rl_<run>.tsv: per-step RL diagnostics (repeat)."),
-    mechanism: Path = typer.Option(None, help="Output: PNG of the per-step mechanism, GRPO beside RC-GRPO."),
+    mechanism: Path | None = typer.Option(None, help="Output: PNG of the per-step mechanism, GRPO beside RC-GRPO."),
     seed: int = typer.Option(0, help="Bootstrap seed."),
     track: bool = typer.Option(True, help="Log to MLflow."),
 ) -> None:

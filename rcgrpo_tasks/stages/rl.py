@@ -61,14 +61,14 @@ def main(
     init: str = typer.Option(..., help="Init model kind: sft | rctp (names the grid cell; picks the conditioning)."),
     algo: str = typer.Option(..., help="grpo | rc_grpo."),
     model_dir: Path = typer.Option(Path("models/base"), help="Base model folder (prepare_model)."),
-    adapter_dir: Path = typer.Option(None, help="Init adapter (sft stage); omit to start from the base."),
+    adapter_dir: Path | None = typer.Option(None, help="Init adapter (sft stage); omit to start from the base."),
     entries: Path = typer.Option(Path("data/entries.jsonl"), help="Entries JSONL (prepare_data)."),
     split: Path = typer.Option(Path("data/split.json"), help="Split JSON (prepare_data); train side is used."),
     out: Path = typer.Option(..., help="Output: merged policy folder (replaced atomically)."),
     checkpoints: Path = typer.Option(..., help="Checkpoint folder (kept across runs: resume point)."),
-    metrics: Path = typer.Option(None, help="Output: summary metrics JSON."),
-    plots: Path = typer.Option(None, help="Output: per-step diagnostics TSV."),
-    conditioning: str = typer.Option(None, help="Override: rc | fixed | none (default: from init x algo)."),
+    metrics: Path | None = typer.Option(None, help="Output: summary metrics JSON."),
+    plots: Path | None = typer.Option(None, help="Output: per-step diagnostics TSV."),
+    conditioning: str | None = typer.Option(None, help="Override: rc | fixed | none (default: from init x algo)."),
     params: Path = typer.Option(Path("params.yaml"), help="Params file (sections `rl`, `prompt`, `label_rewards`, "
                                                        "`compute`)."),
 ) -> None:

@@ -16,7 +16,6 @@ Example: `rcgrpo rollout --model models/base --split data/split.json --split-nam
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -46,25 +45,25 @@ def prompt_config(params: Path | None, **overrides: str | None) -> PromptConfig:
 def main(
     model: Path = typer.Option(..., help="model folder (prepare_model output)."),
     out: Path = typer.Option(..., help="trajectory JSONL to write."),
-    adapter: Optional[Path] = typer.Option(None, help="PEFT adapter folder (sft/rl output)."),
-    entries: Optional[Path] = typer.Option(None, help="entries JSONL (prepare_data); default: bfcl-eval."),
-    ids: Optional[str] = typer.Option(None, help="comma-separated entry ids."),
-    split: Optional[Path] = typer.Option(None, help="split JSON (prepare_data)."),
+    adapter: Path | None = typer.Option(None, help="PEFT adapter folder (sft/rl output)."),
+    entries: Path | None = typer.Option(None, help="entries JSONL (prepare_data); default: bfcl-eval."),
+    ids: str | None = typer.Option(None, help="comma-separated entry ids."),
+    split: Path | None = typer.Option(None, help="split JSON (prepare_data)."),
     split_name: str = typer.Option("test", help="train | test"),
-    categories: Optional[str] = typer.Option(None, help="comma-separated categories."),
-    limit: Optional[int] = typer.Option(None, help="at most this many entries."),
+    categories: str | None = typer.Option(None, help="comma-separated categories."),
+    limit: int | None = typer.Option(None, help="at most this many entries."),
     g: int = typer.Option(1, help="rollouts per entry (a GRPO group)."),
     params: Path = typer.Option(Path("params.yaml"), help="params file whose `prompt` section is the default."),
-    protocol: Optional[str] = typer.Option(None, help="paper | official (default: params prompt)"),
-    doc_style: Optional[str] = typer.Option(None, help="compact | json | official (default: params prompt)"),
-    system_prompt: Optional[str] = typer.Option(None, help="bfcl | short (default: params prompt)"),
+    protocol: str | None = typer.Option(None, help="paper | official (default: params prompt)"),
+    doc_style: str | None = typer.Option(None, help="compact | json | official (default: params prompt)"),
+    system_prompt: str | None = typer.Option(None, help="bfcl | short (default: params prompt)"),
     max_outputs: int = typer.Option(20, help="paper: model outputs per episode; official: steps per turn."),
-    reward_token: Optional[str] = typer.Option(None, help="e.g. '<|high_reward|>' (all rollouts)."),
+    reward_token: str | None = typer.Option(None, help="e.g. '<|high_reward|>' (all rollouts)."),
     temperature: float = typer.Option(1.0), top_p: float = typer.Option(1.0),
-    max_new_tokens: int = typer.Option(256), seed: Optional[int] = typer.Option(0),
+    max_new_tokens: int = typer.Option(256), seed: int | None = typer.Option(0),
     backend: str = typer.Option("hf", help="hf | vllm"),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | auto"),
-    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N (default: params `compute.device`)."),
+    device: str | None = typer.Option(None, help="auto | cpu | cuda | cuda:N (default: params `compute.device`)."),
     batch_rows: int = typer.Option(8, help="rollouts decoded together in one session."),
     guidance: float = typer.Option(0.0, help="reward-token guidance w (hf; needs --reward-token; 0 = off)."),
 ) -> None:

@@ -87,7 +87,7 @@ app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
 def main(
     results: Path = typer.Argument(..., help="BFCL result JSONL (id, result)."),
     output: Path = typer.Option(..., "--output", "-o", help="Verdicts JSONL to write."),
-    summary: Path = typer.Option(None, help="Also write the accuracy summary as JSON."),
+    summary: Path | None = typer.Option(None, help="Also write the accuracy summary as JSON."),
 ) -> None:
     """Score a BFCL result JSONL with the official-semantics scorer."""
     try:

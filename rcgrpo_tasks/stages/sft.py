@@ -53,8 +53,8 @@ def main(
     data: Path = typer.Option(..., help="Chat dataset JSONL (label_rewards: sft.jsonl or rctp.jsonl)."),
     out: Path = typer.Option(..., help="Output: PEFT adapter folder (+ tokenizer), replaced atomically."),
     checkpoints: Path = typer.Option(..., help="Checkpoint folder (resume point; emptied on other params)."),
-    metrics: Path = typer.Option(None, help="Output: summary metrics JSON."),
-    plots: Path = typer.Option(None, help="Output: per-step TSV (dvc plots)."),
+    metrics: Path | None = typer.Option(None, help="Output: summary metrics JSON."),
+    plots: Path | None = typer.Option(None, help="Output: per-step TSV (dvc plots)."),
 ) -> None:
     """SFT / RCTP fine-tuning with TRL SFTTrainer + PEFT LoRA."""
     spec = SftRun(variant, model_dir, data, out, checkpoints, metrics, plots)

@@ -17,7 +17,7 @@ app = typer.Typer(add_completion=False)
 def main(
     action: Literal["up", "down", "status", "env"] = typer.Argument(..., help="up | down | status | env"),
     state_dir: Path = typer.Option(Path(".stack"), help="Logs, PIDs, SQLite DBs and S3 data live here."),
-    port_base: int = typer.Option(None, help="Use ports base, base+2, ... instead of infra/services.yaml."),
+    port_base: int | None = typer.Option(None, help="Use ports base, base+2, ... instead of infra/services.yaml."),
     worker: bool = typer.Option(False, help="Also start a Prefect process worker for the rcgrpo-cpu pool."),
     dvc_repo: Path = typer.Option(Path("."), help="Repo whose .dvc/config.local gets the S3 remote."),
 ) -> None:
