@@ -1,4 +1,4 @@
-"""Prefect 3 flow `retrain`: scheduled retraining that retrains (issue 18, item 7).
+"""Prefect 3 flow `retrain`: scheduled retraining that retrains.
 
 A round, in order (the `retrain` deployment runs it weekly; its schedule is inactive by default):
 1. the profile is applied from the pristine params, as in `rcgrpo` (flows/rcgrpo_flow.py), and the MLflow

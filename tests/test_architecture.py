@@ -1,4 +1,4 @@
-"""The package's shape (issue 11): layers point one way, no import cycles, no private names crossing modules,
+"""The package's shape: layers point one way, no import cycles, no private names crossing modules,
 no in-function imports of the package, no module over 500 lines. `lint-imports` checks the layer contract in
 pyproject.toml; these tests check what a layer contract cannot express."""
 

@@ -1,4 +1,4 @@
-"""Placement of the training stages (issue 16): the `compute` section, the training device (explicit CPU,
+"""Placement of the training stages: the `compute` section, the training device (explicit CPU,
 CUDA absent, GPU index), and the micro-batch that fits (halved on a memory error, effective batch kept)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Reward-token guidance (issue 17 item 5): guided logits, the twin rows, the hf decoder's guided tokens
+"""Reward-token guidance: guided logits, the twin rows, the hf decoder's guided tokens
 against full forwards of both contexts on a tiny model, and the refusals."""
 
 from __future__ import annotations

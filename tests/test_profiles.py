@@ -1,4 +1,4 @@
-"""Profiles that cannot leak (issue 18, item 3): every profile is applied to the PRISTINE params, an
+"""Profiles that cannot leak: every profile is applied to the PRISTINE params, an
 unknown one is refused listing the valid ones and writes nothing, `default` restores the pristine file."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A reward token the model can learn (issue 17 item 3): the added rows start apart (seeded) or at the mean
+"""A reward token the model can learn: the added rows start apart (seeded) or at the mean
 (today's setting, reproduced exactly), and train at `token_lr_multiplier` x the base lr: PEFT's
 trainable-token rows in their own optimizer group (LoRA), or the rows' steps scaled (full fine-tuning)."""
 

@@ -1,4 +1,4 @@
-"""Clean stops (issue 18, items 9 and 10): a signal to `dvc repro` leaves no stage process behind and no
+"""Clean stops: a signal to `dvc repro` leaves no stage process behind and no
 output; a process group is stopped whole; a real MLflow server lost mid-stage ends the stage within a
 minute with one clear line, and no run stays RUNNING."""
 

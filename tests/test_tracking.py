@@ -118,7 +118,7 @@ def test_uri_credentials_never_in_messages(monkeypatch):
     assert "hunter2" not in str(err.value) and "//***@127.0.0.1:1" in str(err.value)
 
 
-# -- issue 18: runs comparable, never RUNNING, never silent ------------------------------------------------
+# -- runs comparable, never RUNNING, never silent ------------------------------------------------
 
 REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 

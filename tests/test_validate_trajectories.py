@@ -68,7 +68,7 @@ def _leak(rows, d):
 
 
 def _unknown_entry(rows, d):
-    for r in rows:  # every row of one entry moved to an id the split does not know (issue 18: was vouched for)
+    for r in rows:  # every row of one entry moved to an id the split does not know
         if r["entry_id"] == rows[0]["entry_id"]:
             r["entry_id"] = r["id"] = "multi_turn_base_99999"
 

@@ -35,7 +35,7 @@ class LabelConfig:
     near-miss); data.pairing."""
     pairing: Pairing = "paired"
     """rctp: `paired` (every prompt under both tokens) | `unpaired` (one token per prompt; with near_miss:
-    the generate set as is, the pre-issue-17 behaviour)."""
+    the generate set as is)."""
     seed: int = 0
     """Seeds the unpaired side assignment and balancing."""
     count_tokens: bool = True

@@ -2,8 +2,8 @@
 entry has both a success and a failure (the `sample_policy` stage runs `sample_policy`).
 
 Why: a reward token can only matter if the same prompt is seen under both tokens with trajectories the
-model itself could produce (issue 17). The SFT model memorises its train entries (on a GPU run it succeeded
-on 69 % of them at T = 0.7), so failures are scarce and must be searched for: every entry gets
+model itself could produce. An SFT model tends to memorise its train entries (docs/data.md),
+so failures are scarce and must be searched for: every entry gets
 `samples_per_entry` rollouts per round, and entries that still lack one of the two outcomes get another
 round, until `max_samples_per_entry`. All entries of a round are decoded together (`run_rollouts`,
 `batch_rows` rows per session, shared system prompts prefilled once).

@@ -3,7 +3,7 @@
 Inputs are trajectory rows (JSON dicts, both files gated by validate_trajectories): `generated`
 (`data/trajectories.jsonl`: experts, near-misses, base-policy rows) and `policy` (`sample_policy`'s
 on-policy rollouts of the SFT model, every sample in sampling order). Two params (label_rewards) choose
-the design, so issue 17's ablation table can be re-run:
+the design, so the data ablation (docs/data.md) can be re-run:
 
 `failures` — where an entry's failure comes from, and so which prompts are used:
 - `near_miss`: the entry's first near-miss row of the generate set (prompts: the generate set's entries);

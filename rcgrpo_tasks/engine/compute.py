@@ -1,4 +1,4 @@
-"""The params.yaml `compute` section: where every stage that decodes or trains runs (issue 16).
+"""The params.yaml `compute` section: where every stage that decodes or trains runs.
 
 - `ComputeConfig(device="auto")`: `auto` | `cpu` | `cuda` | `cuda:N`; `resolve()` turns it into a
   `torch.device` through `rcgrpo_tasks.engine.device.resolve_device` (CUDA asked for where there is none

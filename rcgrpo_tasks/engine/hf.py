@@ -425,7 +425,7 @@ class HFBackend(Backend):
             dtype = "bfloat16" if native else "float32"
         # An adapter is merged in float32 and the result cast to `dtype`, exactly as `rl` saves its merged
         # policies: otherwise an RL run that changed nothing (all-zero advantages) would decode differently
-        # from its init only through bf16 merge rounding (measured: greedy outputs diverged).
+        # from its init only through bf16 merge rounding (greedy outputs diverge).
         load_dtype = "float32" if adapter and merge_adapter else dtype
         try:  # load_trained is THE loader of trained outputs (reward tokens, resized embeddings)
             model, tokenizer = load_trained(path, adapter, dtype=load_dtype)

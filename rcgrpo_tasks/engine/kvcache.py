@@ -2,8 +2,8 @@
 
 Layout: per layer K and V of shape (rows, kv_heads, capacity, head_dim); columns [0, n) are in use and
 every row ends at column n - 1 (rows are left-padded; a column a row does not use is a "hole", masked).
-Writes go in place (no `torch.cat` per token: the old DynamicCache copied the whole cache at every
-decode step), and attention reads the view [:, :, :n] (eager) or the whole capacity (the static
+Writes go in place (no `torch.cat` per token, which would copy the whole cache at every decode
+step), and attention reads the view [:, :, :n] (eager) or the whole capacity (the static
 shapes of a captured CUDA graph). The capacity is what the rows need (tokens so far + this call's new
 tokens), grown by `GROWTH` only when a call needs more, one layer at a time so the peak stays near one
 copy. Buffers start zeroed: holes always hold finite values, so a masked column contributes exactly 0.

@@ -7,8 +7,7 @@ nucleus renormalised, as `torch.multinomial` would make (Gumbel-max trick). What
 - a rollout samples the same tokens whether it is decoded alone, with its group, with every group of a
   batch, or in one half of a batch split after an out-of-memory error (up to float rounding of the logits);
 - no generator state: a CUDA graph can capture the whole decode step, and CPU and CUDA draw the same noise.
-Departure from the previous sampler (a `torch.Generator` per session): seeded runs sample other tokens
-than before. Greedy (T = 0) is an argmax, as before. The uniform draws have 24 bits: a token whose
+Greedy (T = 0) is an argmax. The uniform draws have 24 bits: a token whose
 log-probability is ~20 nats below the best one's can never be drawn (a probability below 1e-8 ignored).
 Log-probs are those of `softmax(logits / T)`; top-p truncation is not folded in (what TRL recomputes).
 """

@@ -9,7 +9,7 @@
   the DVC foreach key of `$DVC_STAGE`, e.g. `evaluate@rctp-rc_grpo`), nested under the flow's parent run
   when `RCGRPO_PARENT_RUN_ID` is set, logging the config as flattened params plus git/DVC tags.
 
-Never hangs, never silent (issue 18):
+Never hangs, never silent:
 - `preflight()` checks a remote server's `/health` in seconds; the `rcgrpo` entry point calls it before a
   tracked command does any work: one line, exit 2.
 - Every HTTP call is bounded: unless already set, `MLFLOW_HTTP_REQUEST_TIMEOUT`=10 s,

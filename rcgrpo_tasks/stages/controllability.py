@@ -29,7 +29,7 @@ Writes: `--metrics` (JSON, also to MLflow), `--trajectories` (JSONL of both arms
 Run: `rcgrpo controllability --model-dir models/base --adapter-dir models/sft/rctp --entries
 data/entries.jsonl --split data/split.json --metrics metrics/controllability.json`.
 Departure from the paper: the paper reports the gap as motivation on its own model and data; the
-embedded default rolls a handful of entries on CPU (~15 tokens/s), so its CIs are wide.
+embedded default rolls a handful of entries on CPU, so its CIs are wide.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ gold calls the model made (multiset, arguments bound to parameter names) — the
 boundaries, so per-turn credit is undefined there.
 Budget (CPU, SmolLM2-135M; `params.yaml:evaluate`): greedy, a stratified 32 of the 80 held-out entries,
 <= 6 outputs of <= 64 tokens, 8 rows decoded together, entries sharing a system prompt batched so it is
-prefilled once, bf16 where the CPU has it (measured cost per model: docs/engine.md).
+prefilled once, bf16 where the CPU has it (cost per model: docs/engine.md).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ system metrics, the final adapter (`mlflow.transformers`, base = the local model
 How it trains (`rcgrpo_tasks.train.finetune`): loss on assistant tokens only (`data.chat.assistant_token_mask`,
 the ONE mask of the project); the reward tokens (`<|low_reward|>`, `<|high_reward|>`, any configured level)
 added as special tokens, the embeddings resized, their rows trained through PEFT `trainable_token_indices`
-(saved in the adapter, ~KBs); CPU speed knobs measured by bench/sft_throughput.py.
+(saved in the adapter, ~KBs); CPU speed knobs compared by bench/sft_throughput.py.
 Consumers load a trained model with `rcgrpo_tasks.engine.models.load_trained(model_dir, adapter_dir)`
 (tokenizer from the adapter folder, base embeddings resized to it, then `PeftModel.from_pretrained`).
 Run: `rcgrpo sft --variant rctp --model-dir models/base --data data/datasets/rctp.jsonl --out

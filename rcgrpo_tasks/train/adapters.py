@@ -68,7 +68,7 @@ def apart_rows(old, n_levels: int, n_other: int, generator):
 
     Why: `mean_resizing` puts every new row at the old rows' mean (its covariance is scaled by 1e-9), so
     `<|low_reward|>` and `<|high_reward|>` start as the same vector (cosine ~1) and the model first has to
-    learn to tell them apart; issue 17 measured no gap after RCTP. Here each row sits at the typical
+    learn to tell them apart (docs/training.md: no gap after RCTP with that init). Here each row sits at the typical
     distance `r` of a real token from the mean mu (r = RMS of |e_i - mu| over the old rows `old` (V, d)), so
     no new token is louder or quieter than a real one:
     - levels: mu + s_j * r * u, s_j evenly spaced in [-1, 1] (lowest level -1, highest +1; two levels are

@@ -1,4 +1,4 @@
-"""The RC-GRPO mechanism per step (issue 17 item 6): GRPO vs RC-GRPO from the same init on one step axis.
+"""The RC-GRPO mechanism per step: GRPO vs RC-GRPO from the same init on one step axis.
 
 RC-GRPO's premise: rollouts drawn with mixed reward tokens split into successes and failures, so fewer
 groups have zero reward variance (no learning signal) than under GRPO. The rl stage logs, every step,
