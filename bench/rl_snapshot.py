@@ -1,12 +1,13 @@
-"""RL rollout phase on CPU: sampling from the live PEFT policy vs from the merged bf16 snapshot (`rollout_dtype`).
+"""RL rollout phase on CPU: sampling from the live PEFT policy vs from the merged snapshot (`rollout_dtype`).
 
 Both arms drive the SAME engine (`engine.run_group`, hf backend, same entries, G, sampling seed) with the
 SAME policy: the RL LoRA on top of the init model, as `grpo_trainer.build_trainer` sets it up. They differ only in the
 model the engine samples from:
 - `live`: the PEFT model itself (fp32 base weights + a LoRA matmul per adapted layer per token) —
   `rollout_dtype: live`;
-- `snapshot`: `grpo.policy_snapshot` — base + LoRA deltas merged into a plain bf16 copy, refreshed in place
-  before every rollout phase (the refresh is timed inside the arm) — `rollout_dtype: auto` on a bf16 CPU.
+- `snapshot`: `grpo.policy_snapshot` — base + LoRA deltas merged into a plain copy in `--snapshot-dtype`
+  (default: bfloat16 on a CPU with native bf16, as `rollout_dtype: auto` there; float32 elsewhere, as
+  `rollout_dtype: float32`), refreshed in place before every rollout phase (the refresh is timed inside the arm).
 The LoRA B matrices are perturbed so the deltas are non-zero (a fresh LoRA is the identity). Arms alternate
 per round (live, snapshot, live, ...) so machine load hits both alike. Prints model tokens/s (wall-clock
 and per CPU-second) and seconds per rollout phase of each arm, and their ratios.
@@ -50,7 +51,7 @@ def lora_policy(model_dir: str, adapter: str | None, cfg: grpo.RLConfig, seed: i
     return peft_model, tok
 
 
-def run_arm(name: str, policy, tok, state: dict, entries, g: int, proto, sampling):
+def run_arm(name: str, policy, tok, state: dict, entries, g: int, proto, sampling, snapshot_dtype):
     """(wall s, CPU s, model tokens, phases): one rollout phase (one group) per entry."""
     import torch
 
@@ -60,7 +61,7 @@ def run_arm(name: str, policy, tok, state: dict, entries, g: int, proto, samplin
         torch.manual_seed(sampling.seed or 0)
         t0, c0 = time.perf_counter(), time.process_time()
         if name == "snapshot":  # refreshed before every phase, as in EngineRollout.backend
-            state["snap"] = grpo.policy_snapshot(policy, torch.bfloat16, state.get("snap"))
+            state["snap"] = grpo.policy_snapshot(policy, snapshot_dtype, state.get("snap"))
             backend = HFBackend.from_model(state["snap"], tok)
         else:
             backend = HFBackend.from_model(policy, tok)
@@ -84,12 +85,14 @@ def main() -> None:
     ap.add_argument("--lora-r", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--snapshot-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="auto: bfloat16 where the CPU has native bf16, else float32")
     args = ap.parse_args()
 
     import torch
 
-    if not bf16_supported():
-        raise SystemExit("this CPU has no native bf16: rollout_dtype auto samples from the live model here")
+    snapshot_dtype = getattr(torch, args.snapshot_dtype if args.snapshot_dtype != "auto" else
+                             "bfloat16" if bf16_supported() else "float32")
     cfg = from_dict(grpo.RLConfig, {"max_new_tokens": args.max_new_tokens, "max_outputs": args.max_outputs,
                                     "max_entries": args.entries, "num_generations": args.g, "batch_size": args.g,
                                     "micro_batch_size": args.g, "lora_r": args.lora_r, "lora_alpha": 2 * args.lora_r})
@@ -98,13 +101,14 @@ def main() -> None:
     entries = grpo.train_entries(Path(args.entries_file), Path(args.split), cfg, proto, tok)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
     print(f"entries {[e.id for e in entries]}, G={args.g}, max_new_tokens={args.max_new_tokens}, "
-          f"outputs<={args.max_outputs}, LoRA r={args.lora_r}, threads={torch.get_num_threads()}, "
+          f"outputs<={args.max_outputs}, LoRA r={args.lora_r}, snapshot {snapshot_dtype}, "
+          f"threads={torch.get_num_threads()}, "
           f"load {os.getloadavg()[0]:.1f}")
     totals = {"live": [0.0, 0.0, 0, 0], "snapshot": [0.0, 0.0, 0, 0]}
     state: dict = {}
     for rnd in range(args.rounds):
         for name in totals:
-            res = run_arm(name, policy, tok, state, entries, args.g, proto, sampling)
+            res = run_arm(name, policy, tok, state, entries, args.g, proto, sampling, snapshot_dtype)
             totals[name] = [a + b for a, b in zip(totals[name], res)]
             wall, cpu, toks, phases = res
             print(f"round {rnd} {name:>8}: {wall / phases:6.2f} s/phase wall, {cpu / phases:6.2f} s/phase CPU, "

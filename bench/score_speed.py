@@ -13,12 +13,16 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 from rcgrpo_tasks.env import perturb
 from rcgrpo_tasks.env.bfcl import load_entries
-from rcgrpo_tasks.env.reference import official_check
 from rcgrpo_tasks.env.scoring import score_entry
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the reference checker is test code
+from bfcl_reference import official_check  # noqa: E402
 
 
 def _cases(n_perturbed: int) -> list:

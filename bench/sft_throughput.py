@@ -30,11 +30,7 @@ from rcgrpo_tasks.env import bfcl  # noqa: E402
 from rcgrpo_tasks.env.protocols import ProtocolConfig  # noqa: E402
 from rcgrpo_tasks.ops.config import as_dict, from_dict  # noqa: E402
 from rcgrpo_tasks.ops.io import read_jsonl  # noqa: E402
-from rcgrpo_tasks.train import (  # noqa: E402
-    adapters,
-    finetune,
-    sft,  # noqa: E402  (after the path insert: runs from a checkout)
-)
+from rcgrpo_tasks.train import adapters, finetune, sft  # noqa: E402
 
 
 def replay_rows(model_dir: Path, n: int) -> list[dict]:

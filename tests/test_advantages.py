@@ -5,16 +5,14 @@ from __future__ import annotations
 import math
 
 import pytest
+from helpers import HIGH, LEVELS, LOW
 
 from rcgrpo_tasks.train import advantages as adv
-
-LEVELS = ("<|low_reward|>", "<|high_reward|>")  # label_rewards.tokens: lowest first, highest last
-LOW_TOKEN, HIGH_TOKEN = LEVELS
 
 
 def _obedient_rewards(tokens):
     """A reward-conditioned policy that does what its token says: succeeds on high, fails on low."""
-    return [1.0 if t == HIGH_TOKEN else 0.0 for t in tokens]
+    return [1.0 if t == HIGH else 0.0 for t in tokens]
 
 
 def test_rc_group_split_by_token_has_signal_where_grpo_has_none():
@@ -27,11 +25,11 @@ def test_rc_group_split_by_token_has_signal_where_grpo_has_none():
     assert adv.zero_std_fraction(grpo_rewards, g) == 1.0
 
     # RC-GRPO: the same policy, tokens split within the group -> rewards differ -> non-zero advantages.
-    rc = [HIGH_TOKEN, LOW_TOKEN, HIGH_TOKEN, LOW_TOKEN]
+    rc = [HIGH, LOW, HIGH, LOW]
     rc_rewards = _obedient_rewards(rc)
     rc_adv = adv.group_advantages(rc_rewards, g)
     assert all(abs(a) > 0.5 for a in rc_adv)
-    assert [a > 0 for a in rc_adv] == [t == HIGH_TOKEN for t in rc]
+    assert [a > 0 for a in rc_adv] == [t == HIGH for t in rc]
     assert adv.zero_std_fraction(rc_rewards, g) == 0.0
     assert adv.controllability_gap(rc_rewards, rc, levels=LEVELS) == 1.0
     assert adv.advantage_spread(rc_adv) > adv.advantage_spread(grpo_adv)
@@ -60,13 +58,13 @@ def test_token_sampling_frequency_matches_p():
     n = 20_000
     for p in (0.5, 0.2, 0.8):
         tokens = adv.sample_reward_tokens(n, "rc", p=p, seed=1234, levels=LEVELS)
-        freq = sum(t == HIGH_TOKEN for t in tokens) / n
+        freq = sum(t == HIGH for t in tokens) / n
         se = math.sqrt(p * (1 - p) / n)
         assert abs(freq - p) < 4 * se, (p, freq)
-        assert set(tokens) == {HIGH_TOKEN, LOW_TOKEN}
+        assert set(tokens) == {HIGH, LOW}
     # Per-group draws across many seeds (as the trainer makes them): all-high groups occur (i.i.d.).
     groups = [adv.sample_reward_tokens(4, "rc", 0.5, adv.token_seed(0, step), levels=LEVELS) for step in range(400)]
-    all_high = sum(all(t == HIGH_TOKEN for t in grp) for grp in groups) / len(groups)
+    all_high = sum(all(t == HIGH for t in grp) for grp in groups) / len(groups)
     assert abs(all_high - 1 / 16) < 4 * math.sqrt((1 / 16) * (15 / 16) / 400)
 
 
@@ -78,7 +76,7 @@ def test_token_draws_are_deterministic_per_step():
 
 def test_modes_and_bad_values():
     assert adv.sample_reward_tokens(3, "none", levels=LEVELS) == [None, None, None]
-    assert adv.sample_reward_tokens(2, "fixed", levels=LEVELS) == [HIGH_TOKEN, HIGH_TOKEN]
+    assert adv.sample_reward_tokens(2, "fixed", levels=LEVELS) == [HIGH, HIGH]
     for p in (0.0, 1.0, -0.1, 1.5):
         with pytest.raises(ValueError, match="in \\(0, 1\\)"):
             adv.sample_reward_tokens(4, "rc", p=p, levels=LEVELS)
@@ -93,10 +91,10 @@ def test_modes_and_bad_values():
 
 def test_reward_by_token_and_gap():
     rewards = [1.0, 0.0, 1.0, 1.0]
-    tokens = [HIGH_TOKEN, LOW_TOKEN, LOW_TOKEN, HIGH_TOKEN]
+    tokens = [HIGH, LOW, LOW, HIGH]
     assert adv.reward_by_token(rewards, tokens, levels=LEVELS) == {"high": 1.0, "low": 0.5}
     assert adv.controllability_gap(rewards, tokens, levels=LEVELS) == 0.5
-    assert math.isnan(adv.controllability_gap(rewards, [HIGH_TOKEN] * 4, levels=LEVELS))
+    assert math.isnan(adv.controllability_gap(rewards, [HIGH] * 4, levels=LEVELS))
 
 
 def test_trajectory_fields_mask_env_tokens():

@@ -60,3 +60,22 @@ def test_the_checker_sees_in_function_imports(tmp_path):
     tree = ast.parse("def f():\n    from rcgrpo_tasks.env.bfcl import _read_jsonl\n")
     (node, module, names), = list(_package_imports(tree))
     assert module == "rcgrpo_tasks.env.bfcl" and names == ["_read_jsonl"] and node not in tree.body
+
+
+STAGES = sorted((PKG / "stages").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", STAGES, ids=lambda p: p.name)
+def test_stage_modules_hold_no_config_class(path: Path):
+    """One rule for configs: every stage config lives in the library beside the code it configures."""
+    tree = ast.parse(path.read_text())
+    classes = [n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    assert not classes, f"{path.name}: defines {classes}; stage configs live in the library (docs/DEVELOPING.md)"
+
+
+def test_every_stage_module_is_a_command():
+    """stages/ is exactly the commands `rcgrpo` dispatches to."""
+    from rcgrpo_tasks.cli import COMMANDS
+
+    modules = {m for m, _ in COMMANDS.values()}
+    assert modules == {f"rcgrpo_tasks.stages.{p.stem}" for p in STAGES if p.stem != "__init__"}

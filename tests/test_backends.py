@@ -14,11 +14,6 @@ from rcgrpo_tasks.engine.sampling import sample_tokens
 from rcgrpo_tasks.engine.vllm import VLLMBackend
 
 
-@pytest.fixture(scope="module")
-def backend(tiny_model_dir):
-    return HFBackend(tiny_model_dir)
-
-
 def _check(model, prompts, outs, temperature=1.0):
     import torch
 

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from helpers import get_entry
 
 from rcgrpo_tasks.env import bfcl
 
@@ -16,7 +17,7 @@ def test_four_categories_of_200_with_ground_truth_per_turn():
 
 
 def test_miss_func_docs_are_held_back_until_their_turn():
-    e = bfcl.get_entry("multi_turn_miss_func_0")
+    e = get_entry("multi_turn_miss_func_0")
     visible, held = bfcl.entry_docs(e)
     assert held == {3: [d for d in held[3] if d["name"] == "sort"]} and held[3]
     assert "sort" not in {d["name"] for d in visible}
@@ -24,7 +25,7 @@ def test_miss_func_docs_are_held_back_until_their_turn():
 
 
 def test_compact_rendering_one_line_per_function_with_defaults():
-    e = bfcl.get_entry("multi_turn_base_0")
+    e = get_entry("multi_turn_base_0")
     visible, _ = bfcl.entry_docs(e)
     text = bfcl.render_docs(visible, "compact")
     lines = text.splitlines()
@@ -50,4 +51,4 @@ def test_compact_docs_fit_a_small_context(tokenizer_dir):
 @pytest.mark.parametrize("bad", ["multi_turn_base", "simple_3", "multi_turn_other_3"])
 def test_bad_ids_are_rejected(bad):
     with pytest.raises((KeyError, ValueError)):
-        bfcl.category_of(bad) if "other" in bad else bfcl.get_entry(bad)
+        bfcl.category_of(bad) if "other" in bad else get_entry(bad)

@@ -57,7 +57,8 @@ def test_rejects_non_literals_with_clear_error(text, needle):
 
 def test_adversarial_strings_execute_nothing(monkeypatch, tmp_path):
     """Plant side effects that any evaluation of the text would trigger; none may happen."""
-    from rcgrpo_tasks.env.bfcl import get_entry
+    from helpers import get_entry
+
     from rcgrpo_tasks.env.environment import BfclEnvironment
 
     marker = tmp_path / "pwned"

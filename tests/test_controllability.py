@@ -10,6 +10,7 @@ import math
 
 import pytest
 import yaml
+from helpers import HIGH, LEVELS, LOW
 
 from rcgrpo_tasks.env import bfcl
 from rcgrpo_tasks.evaluation import controllability as ctl
@@ -18,8 +19,6 @@ from rcgrpo_tasks.ops.io import InputError, write_json, write_jsonl
 from rcgrpo_tasks.stages import controllability as ctl_stage
 from rcgrpo_tasks.train.grpo import RLConfig
 
-HIGH, LOW = "<|high_reward|>", "<|low_reward|>"
-TOKENS = (LOW, HIGH)
 RL = {"temperature": 1.0, "top_p": 1.0, "num_generations": 4, "p_high": 0.5, "learning_rate": 1e-5}
 
 
@@ -134,7 +133,7 @@ def test_obedient_policy_has_full_gap(tok, protocol):
 
     backend = ScriptedBackend(tok, policy)
     rl = from_dict(RLConfig, {"temperature": 1.0, "top_p": 1.0, "num_generations": 4, "p_high": 0.5})
-    metrics, trajs = ctl.measure(cfg, prompt, TOKENS, backend, entries, rl)
+    metrics, trajs = ctl.measure(cfg, prompt, LEVELS, backend, entries, rl)
     # greedy arm (1 per token) then the sampled arm (2 per token), each high first per entry
     assert [t.reward_token for t in trajs] == [HIGH, LOW] * 2 + [HIGH, HIGH, LOW, LOW] * 2
     assert [t.provenance["arm"] for t in trajs] == ["greedy"] * 4 + ["sampled"] * 8
@@ -168,7 +167,7 @@ def test_cli_on_tiny_rctp_model(tiny_model_dir, tmp_path, monkeypatch):
     cfg = SftConfig(learning_rate=1e-2, max_steps=1, batch_size=4, max_length=128, lora_r=4, lora_alpha=8,
                     log_model=False, require_reward_token=True, reward_token_init="apart")
     spec = SftRun("rctp", tiny_model_dir, tmp_path / "rctp.jsonl", tmp_path / "adapter", tmp_path / "ck")
-    sft.train_variant(cfg, TOKENS, spec, track=False)
+    sft.train_variant(cfg, LEVELS, spec, track=False)
 
     entries = bfcl.load_entries(["base"])[:3]
     write_jsonl(tmp_path / "entries.jsonl", (e.to_json() for e in entries))
@@ -177,7 +176,7 @@ def test_cli_on_tiny_rctp_model(tiny_model_dir, tmp_path, monkeypatch):
         "controllability": {"n_entries": 2, "samples_per_token": 2, "max_outputs": 1, "max_new_tokens": 3,
                             "dtype": "float32", "n_bootstrap": 50, "guidance": 4.0},
         "prompt": {"system_prompt": "short"}, "rl": RL,
-        "label_rewards": {"tokens": list(TOKENS)}}))
+        "label_rewards": {"tokens": list(LEVELS)}}))
     res = CliRunner().invoke(ctl_stage.app, [
         "--model-dir", str(tiny_model_dir), "--adapter-dir", str(tmp_path / "adapter"),
         "--entries", str(tmp_path / "entries.jsonl"), "--split", str(tmp_path / "split.json"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+from helpers import get_entry
 
 from rcgrpo_tasks.engine.backend import Backend, Completion, SamplingParams, Session, decode_text
 from rcgrpo_tasks.engine.device import MemorySplitWarning
@@ -13,17 +14,11 @@ from rcgrpo_tasks.engine.hf import HFBackend, HFSession
 from rcgrpo_tasks.engine.kvcache import ALIGN, GROWTH, plan_capacity, ragged_segments
 from rcgrpo_tasks.engine.rollout import run_group, run_groups
 from rcgrpo_tasks.engine.sampling import mix64, mix64_tensor, row_seed, uniform_noise
-from rcgrpo_tasks.env import bfcl
 from rcgrpo_tasks.env.protocols import ProtocolConfig
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 50, 51, 52], [1, 2, 3, 4, 5, 6, 7, 8, 10], [1, 2, 3, 50, 51, 53, 54],
            [99], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]]
 OFFICIAL = ProtocolConfig(protocol="official")
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_model_dir):
-    return HFBackend(tiny_model_dir, device="cpu")
 
 
 def _argmax_decode(model, prompt, n):
@@ -65,7 +60,7 @@ def test_seeded_rows_sample_the_same_tokens_in_any_batch(backend):
 
 
 def test_all_groups_at_once_equal_one_group_at_a_time(backend):
-    entries = [bfcl.get_entry(i) for i in ("multi_turn_base_0", "multi_turn_miss_func_2")]
+    entries = [get_entry(i) for i in ("multi_turn_base_0", "multi_turn_miss_func_2")]
     sp = SamplingParams(temperature=1.0, max_new_tokens=5, seed=3)
     tokens = [["<|high_reward|>", None], [None, "<|low_reward|>", None]]
     apart = [run_group(backend, e, len(t), OFFICIAL, sp, t) for e, t in zip(entries, tokens)]
@@ -220,15 +215,8 @@ class _OOMSession(Session):
         return out
 
 
-@pytest.fixture(scope="module")
-def tok(tokenizer_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
-
-
 def test_memory_error_splits_the_batch_and_keeps_every_rollout(tok):
-    entries = [bfcl.get_entry(i) for i in ("multi_turn_base_0", "multi_turn_miss_param_1", "multi_turn_base_3")]
+    entries = [get_entry(i) for i in ("multi_turn_base_0", "multi_turn_miss_param_1", "multi_turn_base_3")]
     groups = [(e, [None] * 3) for e in entries]
     sp = SamplingParams(temperature=0.0, max_new_tokens=32)
     whole = run_groups(_OOMBackend(tok, limit=100), groups, OFFICIAL, sp)
@@ -248,7 +236,7 @@ def test_memory_error_splits_the_batch_and_keeps_every_rollout(tok):
 def test_a_row_that_never_fits_and_other_errors_surface(tok):
     import torch
 
-    entry = bfcl.get_entry("multi_turn_base_0")
+    entry = get_entry("multi_turn_base_0")
     sp = SamplingParams(temperature=0.0, max_new_tokens=8)
     with warnings.catch_warnings(record=True) as seen, pytest.raises(torch.OutOfMemoryError) as info:
         warnings.simplefilter("always")
@@ -263,7 +251,7 @@ def test_hf_split_run_equals_the_unsplit_run(backend, monkeypatch):
     """A real session that fails above 2 rows: the halves sample what the whole batch samples."""
     import torch
 
-    entries = [bfcl.get_entry(i) for i in ("multi_turn_base_1", "multi_turn_miss_func_2")]
+    entries = [get_entry(i) for i in ("multi_turn_base_1", "multi_turn_miss_func_2")]
     groups = [(e, [None, "<|high_reward|>", None]) for e in entries]
     sp = SamplingParams(temperature=1.0, max_new_tokens=4, seed=9)
     whole = run_groups(backend, groups, OFFICIAL, sp)

@@ -3,9 +3,8 @@ named, and every shipped profile loading into every stage config."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from helpers import REPO_ROOT
 
 from rcgrpo_tasks.data.dataset import GenerateConfig
 from rcgrpo_tasks.data.onpolicy import SampleConfig
@@ -16,7 +15,6 @@ from rcgrpo_tasks.ops import config
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, from_dict
 from rcgrpo_tasks.train.grpo import RLConfig
 
-ROOT = Path(__file__).resolve().parents[1]
 DECODING = {"evaluate": EvaluateConfig, "sample_policy": SampleConfig, "generate_trajectories": GenerateConfig,
             "controllability": ControllabilityConfig, "rl": RLConfig}
 
@@ -56,11 +54,11 @@ def test_absurd_values_fail_before_any_work_naming_the_field(section, key, value
         from_dict(DECODING[section], {key: value}, f"params.yaml:{section}")
 
 
-@pytest.mark.parametrize("profile", config.profile_names(ROOT, set(config.read_params(ROOT / "params.yaml"))))
+@pytest.mark.parametrize("profile", config.profile_names(REPO_ROOT, set(config.read_params(REPO_ROOT / "params.yaml"))))
 def test_every_profile_loads_into_every_decoding_stage(profile, tmp_path):
     """A profile that still uses a moved or misspelt key fails here, not minutes into a run."""
     out = tmp_path / "params.yaml"
-    overlay = profile if profile == config.DEFAULT_PROFILE else str(ROOT / "configs" / f"{profile}.yaml")
-    merged = config.apply_profile(ROOT / "params.yaml", overlay, out)
+    overlay = profile if profile == config.DEFAULT_PROFILE else str(REPO_ROOT / "configs" / f"{profile}.yaml")
+    merged = config.apply_profile(REPO_ROOT / "params.yaml", overlay, out)
     for section, cls in DECODING.items():
         from_dict(cls, merged[section], f"{profile}:{section}")

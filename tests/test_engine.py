@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 
 import pytest
+from helpers import get_entry
 
 from rcgrpo_tasks.engine.backend import SamplingParams, ScriptedBackend
 from rcgrpo_tasks.engine.hf import HFBackend
@@ -15,13 +16,6 @@ from rcgrpo_tasks.env.protocols import ProtocolConfig
 
 OFFICIAL = ProtocolConfig(protocol="official")
 PAPER = ProtocolConfig(protocol="paper", max_outputs=4)
-
-
-@pytest.fixture(scope="module")
-def tok(tokenizer_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +64,7 @@ def _assert_logprobs_match(model, trajs, temperature):
 
 def test_hf_group_logprobs_match_fresh_forward(tiny_backend):
     """Multi-turn (official: one generation per turn, KV cache extended with each new user turn)."""
-    entry = bfcl.get_entry("multi_turn_base_0")
+    entry = get_entry("multi_turn_base_0")
     sampling = SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=6, seed=1)
     trajs = run_group(tiny_backend, entry, 3, OFFICIAL, sampling, ["<|high_reward|>", "<|low_reward|>", None])
     assert [t.reward_token for t in trajs] == ["<|high_reward|>", "<|low_reward|>", None]
@@ -81,7 +75,7 @@ def test_hf_group_logprobs_match_fresh_forward(tiny_backend):
 
 
 def test_hf_batched_entries_and_greedy(tiny_backend):
-    entries = [bfcl.get_entry(i) for i in ("multi_turn_base_1", "multi_turn_miss_func_2", "multi_turn_miss_param_3")]
+    entries = [get_entry(i) for i in ("multi_turn_base_1", "multi_turn_miss_func_2", "multi_turn_miss_param_3")]
     sampling = SamplingParams(temperature=0.0, max_new_tokens=5)
     trajs = run_rollouts(tiny_backend, entries, 2, PAPER, sampling, batch_rows=4)
     assert [t.entry_id for t in trajs] == [e.id for e in entries for _ in range(2)]
@@ -98,7 +92,7 @@ def test_hf_from_model_peft_training_mode(tiny_model_dir, tok):
     model.train()
     backend = HFBackend.from_model(model, tok)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=4, seed=0)
-    trajs = run_group(backend, bfcl.get_entry("multi_turn_base_5"), 2, OFFICIAL, sampling)
+    trajs = run_group(backend, get_entry("multi_turn_base_5"), 2, OFFICIAL, sampling)
     assert model.training  # restored after sampling
     model.eval()
     _assert_logprobs_match(model, trajs, 1.0)
@@ -108,7 +102,7 @@ def test_hf_from_model_peft_training_mode(tiny_model_dir, tok):
 
 
 def test_context_limit_terminates_without_overflow(tok):
-    entry = bfcl.get_entry("multi_turn_base_0")
+    entry = get_entry("multi_turn_base_0")
     prompt_len = replay_calls(entry, OFFICIAL, [[]], tok).prompt_len
     backend = ScriptedBackend(tok, lambda key, step, ids: "[ls(a=True)]", max_positions=prompt_len + 120)
     traj = run_group(backend, entry, 1, OFFICIAL, SamplingParams(temperature=0.0, max_new_tokens=64))[0]
@@ -118,7 +112,7 @@ def test_context_limit_terminates_without_overflow(tok):
 
 
 def test_context_limit_drops_unseen_next_turn(tok):
-    entry = bfcl.get_entry("multi_turn_base_0")
+    entry = get_entry("multi_turn_base_0")
     prompt_len = replay_calls(entry, OFFICIAL, [[]], tok).prompt_len
     backend = ScriptedBackend(tok, [["Sure."]], max_positions=prompt_len + 12)  # the reply fits, turn 1 not
     traj = run_group(backend, entry, 1, OFFICIAL, SamplingParams(temperature=0.0, max_new_tokens=8))[0]
@@ -128,10 +122,12 @@ def test_context_limit_drops_unseen_next_turn(tok):
 
 
 def test_trajectory_roundtrip_and_validation(tok, tmp_path):
-    from rcgrpo_tasks.engine.trajectory import TrajectoryError, read_trajectories, write_trajectories
+    from helpers import read_trajectories
+
+    from rcgrpo_tasks.engine.trajectory import TrajectoryError, write_trajectories
     from rcgrpo_tasks.ops.io import InputError
 
-    entry = bfcl.get_entry("multi_turn_long_context_0")
+    entry = get_entry("multi_turn_long_context_0")
     traj = replay_calls(entry, PAPER, entry.ground_truth, tok, reward_token="<|low_reward|>")
     path = tmp_path / "t.jsonl"
     write_trajectories(path, [traj, traj])
@@ -148,7 +144,7 @@ def test_trajectory_roundtrip_and_validation(tok, tmp_path):
 
 
 def test_episode_state_is_isolated_per_rollout(tok):
-    entry = bfcl.get_entry("multi_turn_base_0")
+    entry = get_entry("multi_turn_base_0")
     backend = ScriptedBackend(tok, {0: ["[mkdir(dir_name='x')]"], 1: ["[mkdir(dir_name='x')]"]})
     a, b = run_group(backend, entry, 2, PAPER, SamplingParams(temperature=0.0))
     obs = [[m["content"] for m in t.messages if m["role"] == "tool"] for t in (a, b)]
@@ -156,9 +152,9 @@ def test_episode_state_is_isolated_per_rollout(tok):
 
 
 def test_rollout_cli_writes_scorable_trajectories_and_rejects_bad_input(tiny_model_dir, tmp_path):
+    from helpers import read_trajectories
     from typer.testing import CliRunner
 
-    from rcgrpo_tasks.engine.trajectory import read_trajectories
     from rcgrpo_tasks.stages import rollout, score
 
     out = tmp_path / "t.jsonl"

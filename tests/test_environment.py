@@ -4,7 +4,9 @@ import gc
 import json
 import tracemalloc
 
-from rcgrpo_tasks.env.bfcl import get_entry, load_entries
+from helpers import get_entry
+
+from rcgrpo_tasks.env.bfcl import load_entries
 from rcgrpo_tasks.env.environment import BfclEnvironment
 
 

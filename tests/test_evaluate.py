@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import get_entry
 from typer.testing import CliRunner
 
 from rcgrpo_tasks.env import bfcl
@@ -108,7 +109,7 @@ def test_config_rejects_bad_values(tmp_path):
 
 
 def test_call_recall_and_summary():
-    entry = bfcl.get_entry("multi_turn_base_0")
+    entry = get_entry("multi_turn_base_0")
     gold = [[list(t)] for t in entry.ground_truth]
     assert evaluate.call_recall(entry, gold) == 1.0
     assert evaluate.call_recall(entry, [[]]) == 0.0
@@ -126,6 +127,6 @@ def test_call_recall_and_summary():
 
 
 def test_stratified_limit():
-    entries = [bfcl.get_entry(f"multi_turn_{c}_{i}") for c in ("base", "long_context") for i in range(3)]
+    entries = [get_entry(f"multi_turn_{c}_{i}") for c in ("base", "long_context") for i in range(3)]
     assert [e.category for e in evaluate.stratified(entries, 3)] == ["base", "long_context", "base"]
     assert evaluate.stratified(entries, None) == entries

@@ -6,17 +6,11 @@ from __future__ import annotations
 import pytest
 
 from rcgrpo_tasks.engine.backend import SamplingParams, reward_pair_ids
-from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.sampling import TWIN, guided_logits, row_seed, with_twins
 from rcgrpo_tasks.engine.vllm import refuse_guidance
 
 HIGH, LOW = 60, 61
 PROMPTS = [[1, 2, 3, HIGH, 7, 8, 9], [1, 2, 3, LOW, 50, 51], [4, HIGH, 5, 5, 6, 7, 8, 9, 10]]
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_model_dir):
-    return HFBackend(tiny_model_dir, device="cpu")
 
 
 def test_guided_logits_is_goal_plus_w_times_the_difference():

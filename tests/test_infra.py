@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import REPO_ROOT, free_port_base
 
 from rcgrpo_tasks.ops import stack
 
-ROOT = Path(__file__).resolve().parent.parent
-INFRA = ROOT / "infra"
+INFRA = REPO_ROOT / "infra"
 
 
 @pytest.fixture(scope="module")
@@ -73,19 +73,19 @@ def test_compose_takes_credentials_only_from_the_environment(compose):
             assert dep in compose["services"], (svc_name, dep)
         build = svc.get("build")
         if build:
-            assert (ROOT / build["dockerfile"]).is_file()
+            assert (REPO_ROOT / build["dockerfile"]).is_file()
 
 
 def test_prefect_yaml_deployments(services):
     import prefect
 
-    cfg = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    cfg = yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())
     assert cfg["prefect-version"] == prefect.__version__
     deps = {d["name"]: d for d in cfg["deployments"]}
     assert {"full", "full-gpu", "retrain"} <= set(deps)
     for d in deps.values():
         path, func = d["entrypoint"].split(":")
-        src = (ROOT / path).read_text()
+        src = (REPO_ROOT / path).read_text()
         assert f"def {func}(" in src and f'@flow(name="{func}"' in src
         assert (d.get("parameters") or {}).get("profile"), f"{d['name']}: every deployment pins its profile"
     assert deps["full"]["work_pool"]["name"] == services["work_pools"]["cpu"]
@@ -99,20 +99,20 @@ def test_prefect_yaml_deployments(services):
     from prefect.client.schemas.schedules import CronSchedule
 
     CronSchedule(cron=weekly["cron"], timezone=weekly["timezone"])  # parses
-    text = (ROOT / "prefect.yaml").read_text()
+    text = (REPO_ROOT / "prefect.yaml").read_text()
     assert "AWS_SECRET" not in text and "PASSWORD" not in text
 
 
 def test_flow_parameters_are_typed_and_deployment_params_valid():
     import sys
 
-    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(REPO_ROOT))
     from flows.rcgrpo_flow import rcgrpo
     from flows.retrain_flow import retrain
 
     flows = {"rcgrpo": rcgrpo, "retrain": retrain}
     assert {"profile", "stages", "force", "push"} <= set(rcgrpo.parameters.model_dump()["properties"])
-    cfg = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    cfg = yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())
     for d in cfg["deployments"]:
         schema = flows[d["entrypoint"].split(":")[1]].parameters.model_dump()["properties"]
         assert set(d.get("parameters") or {}) <= set(schema), d["name"]
@@ -146,7 +146,7 @@ def test_stack_stops_only_what_it_started(tmp_path):
     import socket
     import time
 
-    s = stack.Stack(tmp_path, stack.default_ports(stack.load_services(), stack.free_port_base()))
+    s = stack.Stack(tmp_path, stack.default_ports(stack.load_services(), free_port_base()))
     rec = stack._spawn(s, "worker", ["sleep", "60"], {"PATH": "/usr/bin:/bin"})
     try:
         state = {"ports": s.ports, "procs": {"worker": dict(rec, create_time=rec["create_time"] - 1000)}}
@@ -170,7 +170,7 @@ def test_stack_stops_only_what_it_started(tmp_path):
 
 def test_stack_requires_credentials_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
-    s = stack.make_stack(tmp_path / "state", port_base=stack.free_port_base())
+    s = stack.make_stack(tmp_path / "state", port_base=free_port_base())
     with pytest.raises(stack.StackError, match="AWS_ACCESS_KEY_ID"):
         stack.up(s)
     assert not (tmp_path / "state" / "stack.json").exists()

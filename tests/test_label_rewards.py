@@ -31,13 +31,6 @@ CHAT = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tok(tokenizer_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
-
-
 def test_token_levels_binary_and_three_level():
     binary = LabelConfig()
     assert token_for(1.0, binary) == "<|high_reward|>" and token_for(0.0, binary) == "<|low_reward|>"
@@ -349,7 +342,7 @@ def test_raw_samples_fail_the_balance_check_and_a_leak_blocks_rctp(chain, tmp_pa
 
 
 def test_real_datasets_masks_match_engine_and_template(chain, tok):
-    from rcgrpo_tasks.engine.trajectory import read_trajectories
+    from helpers import read_trajectories
 
     tmp = chain["tmp"]
     trajs = {t.trajectory_id: t for t in read_trajectories(tmp / "traj.jsonl")}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import get_entry
 
 from rcgrpo_tasks.engine.backend import SamplingParams, ScriptedBackend
 from rcgrpo_tasks.engine.rollout import replay_calls, run_episodes, run_group
@@ -27,13 +28,6 @@ from rcgrpo_tasks.env.protocols import (
 OFFICIAL = ProtocolConfig(protocol="official")
 PAPER = ProtocolConfig(protocol="paper", max_outputs=6)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=512)
-
-
-@pytest.fixture(scope="module")
-def tok(tokenizer_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 def _calls(turn):
@@ -58,7 +52,7 @@ def test_bfcl_prompt_text_matches_installed_bfcl_eval():
 def test_official_system_prompt_is_bfcl_default():
     from bfcl_eval.constants import default_prompts as dp
 
-    entry = bfcl.get_entry("multi_turn_base_0")
+    entry = get_entry("multi_turn_base_0")
     docs = bfcl.entry_docs(entry)[0]
     got = system_prompt(docs, ProtocolConfig(protocol="official", doc_style="official"))
     t = dp.PROMPT_STYLE_TEMPLATES["classic"]
@@ -72,7 +66,7 @@ def test_official_system_prompt_is_bfcl_default():
 
 
 def test_gold_calls_score_valid_official(tok):
-    entry = bfcl.get_entry("multi_turn_base_0")
+    entry = get_entry("multi_turn_base_0")
     traj = replay_calls(entry, OFFICIAL, entry.ground_truth, tok)
     assert traj.termination == "completed"
     assert traj.score["valid"] and traj.score["paper_reward"] == 1.0 and traj.score["partial_credit"] == 1.0
@@ -84,7 +78,7 @@ def test_gold_calls_score_valid_official(tok):
 
 
 def test_wrong_malformed_and_prose_official(tok):
-    entry = bfcl.get_entry("multi_turn_base_0")
+    entry = get_entry("multi_turn_base_0")
     gt = entry.ground_truth
     script = [_calls(gt[0]), "done with that",            # turn 0: gold calls, then prose ends the turn
               "[cd(folder='temp'), grep(file_name=x)]",      # turn 1: fails to decode -> nothing runs
@@ -100,7 +94,7 @@ def test_wrong_malformed_and_prose_official(tok):
 
 
 def test_never_ending_calls_force_terminate_official(tok):
-    entry = bfcl.get_entry("multi_turn_base_0")
+    entry = get_entry("multi_turn_base_0")
     backend = ScriptedBackend(tok, lambda key, step, ids: "[pwd()]")
     traj = run_group(backend, entry, 2, OFFICIAL, GREEDY)[1]
     assert traj.termination == "step_limit"
@@ -110,7 +104,7 @@ def test_never_ending_calls_force_terminate_official(tok):
 
 
 def test_miss_func_doc_injection_official(tok):
-    entry = bfcl.get_entry("multi_turn_miss_func_0")
+    entry = get_entry("multi_turn_miss_func_0")
     (held_turn, names), = entry.missed_function.items()
     system = initial_messages(entry, OFFICIAL)[0]["content"]
     assert all(f"{n}(" not in system for n in names)  # withheld from the start
@@ -130,7 +124,7 @@ def test_miss_func_doc_injection_official(tok):
 
 
 def test_reward_token_slot_both_protocols():
-    entry = bfcl.get_entry("multi_turn_base_3")
+    entry = get_entry("multi_turn_base_3")
     for cfg in (OFFICIAL, PAPER):
         plain = initial_messages(entry, cfg)
         high = initial_messages(entry, cfg, "<|high_reward|>")
@@ -140,7 +134,7 @@ def test_reward_token_slot_both_protocols():
 
 
 def test_paper_merged_message_and_done(tok):
-    entry = bfcl.get_entry("multi_turn_miss_func_0")
+    entry = get_entry("multi_turn_miss_func_0")
     msgs = initial_messages(entry, PAPER)
     user = msgs[1]["content"]
     assert user.startswith("Step 1: Move 'final_report.pdf'")
@@ -153,7 +147,7 @@ def test_paper_merged_message_and_done(tok):
 
 
 def test_paper_prose_wrong_and_step_limit(tok):
-    entry = bfcl.get_entry("multi_turn_base_0")
+    entry = get_entry("multi_turn_base_0")
     prose = _run(tok, entry, PAPER, ["Sure, I will move the file."])
     assert prose.termination == "completed" and prose.score["paper_reward"] == 0.0 and prose.result == [[]]
     gold = [_calls(t) for t in entry.ground_truth if t]
@@ -171,7 +165,7 @@ def test_paper_prose_wrong_and_step_limit(tok):
 
 
 def test_episode_refuses_steps_after_end():
-    entry = bfcl.get_entry("multi_turn_base_0")
+    entry = get_entry("multi_turn_base_0")
     ep = Episode(entry, PAPER)
     ep.step("[done()]")
     assert ep.done and ep.termination == "done"
@@ -181,7 +175,7 @@ def test_episode_refuses_steps_after_end():
 
 def test_token_sequence_matches_chat_template(tok):
     """Incremental tokens == tokenizing the template of the final messages (scripted ids are canonical)."""
-    entry = bfcl.get_entry("multi_turn_miss_func_0")
+    entry = get_entry("multi_turn_miss_func_0")
     for cfg in (OFFICIAL, PAPER):
         traj = replay_calls(entry, cfg, entry.ground_truth, tok, reward_token="<|high_reward|>")
         full = tok(tok.apply_chat_template(traj.messages, tokenize=False), add_special_tokens=False)["input_ids"]

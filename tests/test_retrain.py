@@ -12,8 +12,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 from flows import retrain_flow as rf  # noqa: E402
 

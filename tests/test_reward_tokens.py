@@ -7,32 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import HIGH, LEVELS, LOW, TINY_SFT, chat, tiny_sft_config
 
 from rcgrpo_tasks.ops.io import write_jsonl
 from rcgrpo_tasks.train import adapters, finetune
-
-HIGH, LOW = "<|high_reward|>", "<|low_reward|>"
-TOKENS = (LOW, HIGH)
-TINY = dict(learning_rate=1e-2, max_steps=1, batch_size=4, max_length=256, lora_r=8, lora_alpha=16,
-            lora_dropout=0.0, save_steps=2, logging_steps=1, log_model=False, variants={})
-
-
-def config(**overrides) -> finetune.SftConfig:
-    return finetune.SftConfig(**{**TINY, **overrides})
-
-
-def chat(i: int, token: str) -> dict:
-    """A label_rewards RCTP row: a small tool-calling chat whose first user message ends with the goal."""
-    a = i % 7
-    messages = [
-        {"role": "system", "content": "You call functions. add(a: int, b: int) -> the sum"},
-        {"role": "user", "content": f"Add {a} and {i}, then say done.\n\n[Reward Goal: {token}]"},
-        {"role": "assistant", "content": f"[add(a={a}, b={i})]"},
-        {"role": "tool", "content": str(a + i)},
-        {"role": "assistant", "content": "[done()]"},
-    ]
-    return {"messages": messages, "trajectory_id": f"t{i}", "entry_id": f"multi_turn_base_{i}",
-            "reward_token": token, "reward": float(token == HIGH)}
 
 
 def _with_tokens(model_dir: Path, init: str, seed: int = 0, untied: bool = False):
@@ -41,7 +19,7 @@ def _with_tokens(model_dir: Path, init: str, seed: int = 0, untied: bool = False
     tok = AutoTokenizer.from_pretrained(model_dir)
     kwargs = {"tie_word_embeddings": False} if untied else {}
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
-    ids = adapters.add_special_tokens(tok, model, TOKENS, seed, init, levels=TOKENS)
+    ids = adapters.add_special_tokens(tok, model, LEVELS, seed, init, levels=LEVELS)
     return model, tok, ids
 
 
@@ -92,13 +70,13 @@ def test_default_token_settings_are_todays(tiny_model_dir, tmp_path):
     model, _, ids = _with_tokens(tiny_model_dir, cfg.reward_token_init)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    tok.add_special_tokens({"extra_special_tokens": list(TOKENS)}, replace_extra_special_tokens=False)
+    tok.add_special_tokens({"extra_special_tokens": list(LEVELS)}, replace_extra_special_tokens=False)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         ref.resize_token_embeddings(len(tok))
     torch.testing.assert_close(model.get_input_embeddings().weight, ref.get_input_embeddings().weight, rtol=0, atol=0)
-    rows = finetune.load_rows(_dataset(tmp_path), TOKENS, True)
-    trainer, *_ = finetune.build_trainer(config(max_steps=1), tiny_model_dir, rows, TOKENS, tmp_path / "ck")
+    rows = finetune.load_rows(_dataset(tmp_path), LEVELS, True)
+    trainer, *_ = finetune.build_trainer(tiny_sft_config(max_steps=1), tiny_model_dir, rows, LEVELS, tmp_path / "ck")
     optimizer = trainer.create_optimizer()
     assert len(optimizer.param_groups) == 2 and not any("rcgrpo_token_rows" in g for g in optimizer.param_groups)
     assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
@@ -112,8 +90,8 @@ def _dataset(tmp_path: Path) -> Path:
 
 def _token_step(tiny_model_dir, tmp_path, name: str, **overrides):
     """Rows of the reward tokens (and of two ordinary tokens) before and after ONE optimizer step."""
-    rows = finetune.load_rows(_dataset(tmp_path), TOKENS, True)
-    trainer, _, ids, _ = finetune.build_trainer(config(max_steps=1, **overrides), tiny_model_dir, rows, TOKENS,
+    rows = finetune.load_rows(_dataset(tmp_path), LEVELS, True)
+    trainer, _, ids, _ = finetune.build_trainer(tiny_sft_config(max_steps=1, **overrides), tiny_model_dir, rows, LEVELS,
                                                 tmp_path / name)
 
     def token_rows():
@@ -139,8 +117,8 @@ def test_token_lr_multiplier_gives_the_lora_token_rows_k_times_the_lr(tiny_model
     groups = trainer.optimizer.param_groups
     token = [g for g in groups if g.get("rcgrpo_token_rows")]
     assert len(token) == 1 and len(token[0]["params"]) == 1
-    assert token[0]["initial_lr"] == pytest.approx(4.0 * TINY["learning_rate"])
-    assert all(g["initial_lr"] == pytest.approx(TINY["learning_rate"]) for g in groups if g not in token)
+    assert token[0]["initial_lr"] == pytest.approx(4.0 * TINY_SFT["learning_rate"])
+    assert all(g["initial_lr"] == pytest.approx(TINY_SFT["learning_rate"]) for g in groups if g not in token)
 
 
 def test_token_lr_multiplier_scales_the_rows_steps_in_full_finetuning(tiny_model_dir, tmp_path):

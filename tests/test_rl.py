@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import HIGH, LEVELS
 
 from rcgrpo_tasks.env.protocols import PromptConfig
 from rcgrpo_tasks.ops.config import ConfigError, from_dict, load_config
@@ -21,8 +22,6 @@ TEST_RL = dict(num_generations=2, batch_size=2, micro_batch_size=2, max_steps=2,
                max_new_tokens=6, max_outputs=2, categories=["base"], max_entries=2,
                lora_r=4, lora_alpha=8, save_steps=1, bf16=False)
 PROTOCOL = PromptConfig(system_prompt="short").protocol_config(TEST_RL["max_outputs"])
-LEVELS = ("<|low_reward|>", "<|high_reward|>")  # label_rewards.tokens: lowest first
-HIGH = LEVELS[-1]
 
 
 @pytest.fixture(scope="module")

@@ -35,13 +35,6 @@ def test_pick_entries_seeded_in_file_order():
         e for e in train if e.category == "miss_func"]
 
 
-@pytest.fixture(scope="module")
-def tok(tokenizer_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
-
-
 def scripted(tok, entries, outcomes: dict[str, str], proto):
     """A backend whose k-th rollout of an entry replays the gold calls iff outcomes[entry][k] == 'S', else
     says nothing (a failure). Keys restart in every session, so a rollout's entry and number are fixed at

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from rcgrpo_tasks.env.bfcl import get_entry
+from helpers import get_entry
 
 
 def _run(*args):

@@ -3,10 +3,11 @@
 import random
 
 import pytest
+from bfcl_reference import official_check
+from helpers import get_entry
 
 from rcgrpo_tasks.env import perturb
-from rcgrpo_tasks.env.bfcl import get_entry, load_entries
-from rcgrpo_tasks.env.reference import official_check
+from rcgrpo_tasks.env.bfcl import load_entries
 from rcgrpo_tasks.env.scoring import score_entry
 
 ENTRIES = load_entries()

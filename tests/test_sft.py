@@ -9,33 +9,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import HIGH, LEVELS, LOW, chat, tiny_sft_config
 
 from rcgrpo_tasks.engine import models
 from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.ops.io import InputError, write_jsonl
 from rcgrpo_tasks.train import adapters, finetune, runs, sft
-
-HIGH, LOW = "<|high_reward|>", "<|low_reward|>"
-TOKENS = (LOW, HIGH)
-# A few optimizer steps of a 2-layer, 64-wide model: seconds each on 2 cores.
-TINY = dict(learning_rate=1e-2, max_steps=6, batch_size=4, max_length=256, lora_r=8, lora_alpha=16,
-            lora_dropout=0.0, save_steps=2, logging_steps=1, log_model=False, variants={})
-
-
-def chat(i: int, token: str | None) -> dict:
-    """A small tool-calling chat in label_rewards' row format (the goal suffix as protocols writes it)."""
-    goal = f"\n\n[Reward Goal: {token}]" if token else ""
-    a = i % 7
-    messages = [
-        {"role": "system", "content": "You call functions. add(a: int, b: int) -> the sum"},
-        {"role": "user", "content": f"Add {a} and {i}, then say done.{goal}"},
-        {"role": "assistant", "content": f"[add(a={a}, b={i})]"},
-        {"role": "tool", "content": str(a + i)},
-        {"role": "assistant", "content": "[done()]"},
-    ]
-    reward = 0.0 if token == LOW else 1.0
-    return {"messages": messages, "trajectory_id": f"t{i}", "entry_id": f"multi_turn_base_{i}",
-            "reward_token": token, "reward": reward}
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +29,6 @@ def spec(root: Path, model_dir: Path, variant: str, data: Path, name: str | None
     name = name or variant
     return finetune.SftRun(variant, model_dir, data, root / "out" / name, root / "ckpt" / name,
                        root / "res" / f"{name}.json", root / "res" / f"{name}.tsv")
-
-
-def config(**overrides) -> finetune.SftConfig:
-    return finetune.SftConfig(**{**TINY, **overrides})
 
 
 def snapshot():
@@ -82,9 +57,9 @@ def test_variant_end_to_end(variant, datasets, tiny_model_dir, tmp_path):
     import torch
 
     snap = snapshot()
-    cfg = config(require_reward_token=variant == "rctp", keep_checkpoints=True)
+    cfg = tiny_sft_config(require_reward_token=variant == "rctp", keep_checkpoints=True)
     s = spec(tmp_path, tiny_model_dir, variant, datasets / f"{variant}.jsonl")
-    summary = sft.train_variant(cfg, TOKENS, s, callbacks=[snap], track=False)
+    summary = sft.train_variant(cfg, LEVELS, s, callbacks=[snap], track=False)
 
     assert summary["steps"] == 6 and summary["resumed_from"] is None
     assert summary["loss_last"] < summary["loss_first"] - 0.05, summary
@@ -97,7 +72,7 @@ def test_variant_end_to_end(variant, datasets, tiny_model_dir, tmp_path):
     assert rows[0][:3] == ["step", "epoch", "loss"] and len(rows) == 7
     assert json.loads(s.metrics.read_text())["steps"] == 6
     meta = json.loads((s.out / finetune.META_FILE).read_text())
-    assert meta["variant"] == variant and set(meta["special_tokens"]) == set(TOKENS)
+    assert meta["variant"] == variant and set(meta["special_tokens"]) == set(LEVELS)
     assert (s.out / "adapter_config.json").is_file() and (s.out / "tokenizer.json").is_file()
     # small adapter: LoRA + the two trainable rows, never the resized 49k-row embedding matrices
     assert (s.out / "adapter_model.safetensors").stat().st_size < 2_000_000
@@ -108,7 +83,7 @@ def test_variant_end_to_end(variant, datasets, tiny_model_dir, tmp_path):
     for name, value in snap.after.items():
         if name in trained:
             torch.testing.assert_close(trained[name], value)
-    for tok in TOKENS:  # one id each, after save + reload
+    for tok in LEVELS:  # one id each, after save + reload
         assert len(tokenizer(tok, add_special_tokens=False)["input_ids"]) == 1
 
 
@@ -121,7 +96,7 @@ def test_reward_tokens_single_ids_after_reload(datasets, tiny_model_dir, tmp_pat
     base_tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert len(base_tok(HIGH, add_special_tokens=False)["input_ids"]) > 1  # not in SmolLM2's vocabulary
     s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
-    summary = sft.train_variant(config(max_steps=2), TOKENS, s, track=False)
+    summary = sft.train_variant(tiny_sft_config(max_steps=2), LEVELS, s, track=False)
     assert not list(s.checkpoints.glob("checkpoint-*"))  # cleaned after success (keep_checkpoints: false)
     ids = summary["special_tokens"]
     assert len(set(ids.values())) == 2 and min(ids.values()) >= len(base_tok)
@@ -130,7 +105,7 @@ def test_reward_tokens_single_ids_after_reload(datasets, tiny_model_dir, tmp_pat
     prompt = tok.apply_chat_template(chat(3, HIGH)["messages"][:2], tokenize=False, add_generation_prompt=True)
     enc = tok(prompt, add_special_tokens=False, return_tensors="pt")
     assert (enc["input_ids"][0] == ids[HIGH]).sum() == 1
-    for t in TOKENS:
+    for t in LEVELS:
         assert tok(t, add_special_tokens=False)["input_ids"] == [ids[t]]
     model.eval()
     again, _ = models.load_trained(tiny_model_dir, s.out)
@@ -145,8 +120,8 @@ def test_assistant_only_labels(datasets, tiny_model_dir, tmp_path):
     """The labels TRL trains on are exactly the assistant replies (+ their end-of-turn token)."""
     from rcgrpo_tasks.data.chat import assistant_token_mask
 
-    rows = finetune.load_rows(datasets / "rctp.jsonl", TOKENS, True)
-    trainer, tok, _, stats = finetune.build_trainer(config(), tiny_model_dir, rows[:2], TOKENS, tmp_path / "ck")
+    rows = finetune.load_rows(datasets / "rctp.jsonl", LEVELS, True)
+    trainer, tok, _, stats = finetune.build_trainer(tiny_sft_config(), tiny_model_dir, rows[:2], LEVELS, tmp_path / "ck")
     ex = trainer.train_dataset[0]
     ids, mask = assistant_token_mask(tok, rows[0]["messages"])
     assert ex["input_ids"] == ids
@@ -170,15 +145,15 @@ def test_resume_matches_uninterrupted_run(datasets, tiny_model_dir, tmp_path):
                 raise Killed("simulated kill")
 
     data = datasets / "rctp.jsonl"
-    cfg = config(lora_dropout=0.1)  # dropout: the RNG state must be restored too
+    cfg = tiny_sft_config(lora_dropout=0.1)  # dropout: the RNG state must be restored too
     full = spec(tmp_path, tiny_model_dir, "rctp", data, "full")
-    sft.train_variant(cfg, TOKENS, full, track=False)
+    sft.train_variant(cfg, LEVELS, full, track=False)
 
     cut = spec(tmp_path, tiny_model_dir, "rctp", data, "cut")
     with pytest.raises(Killed):
-        sft.train_variant(cfg, TOKENS, cut, callbacks=[KillAfterSave()], track=False)
+        sft.train_variant(cfg, LEVELS, cut, callbacks=[KillAfterSave()], track=False)
     assert not cut.out.exists() and (cut.checkpoints / "checkpoint-4" / "trainer_state.json").is_file()
-    summary = sft.train_variant(cfg, TOKENS, cut, track=False)
+    summary = sft.train_variant(cfg, LEVELS, cut, track=False)
     assert summary["resumed_from"].endswith("checkpoint-4") and summary["steps"] == 6
 
     a = load_file(full.out / "adapter_model.safetensors")
@@ -206,13 +181,13 @@ def test_sigterm_checkpoints_the_current_step_and_exits_143(datasets, tiny_model
 
     before = signal.getsignal(signal.SIGTERM)
     s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
-    cfg = config(save_steps=4)
+    cfg = tiny_sft_config(save_steps=4)
     with pytest.raises(runs.Interrupted) as info:
-        sft.train_variant(cfg, TOKENS, s, callbacks=[Term()], track=False)
+        sft.train_variant(cfg, LEVELS, s, callbacks=[Term()], track=False)
     assert info.value.code == 143 and signal.getsignal(signal.SIGTERM) is before
     assert not s.out.exists() and not s.metrics.exists() and not s.plots.exists()
     assert sorted(p.name for p in s.checkpoints.glob("checkpoint-*")) == ["checkpoint-3"]
-    summary = sft.train_variant(cfg, TOKENS, s, track=False)
+    summary = sft.train_variant(cfg, LEVELS, s, track=False)
     assert summary["resumed_from"].endswith("checkpoint-3") and summary["steps"] == 6
 
 
@@ -254,7 +229,7 @@ def test_mlflow_run_logs_params_steps_and_loadable_model(datasets, tiny_model_di
     monkeypatch.delenv("RCGRPO_PARENT_RUN_ID", raising=False)
     monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")  # sampling thread: not in a 3 s run
     s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
-    sft.train_variant(config(max_steps=3, log_model=True), TOKENS, s, track=True)
+    sft.train_variant(tiny_sft_config(max_steps=3, log_model=True), LEVELS, s, track=True)
 
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
     run = mlflow.search_runs(experiment_names=["test-sft"], output_format="list")[0]
@@ -282,7 +257,7 @@ def test_mlflow_run_logs_params_steps_and_loadable_model(datasets, tiny_model_di
 def write_params(tmp_path: Path, **sft_section) -> Path:
     section = {"max_steps": 2, "variants": {"sft": {}, "rctp": {"require_reward_token": True}}, **sft_section}
     path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump({"sft": section, "label_rewards": {"tokens": list(TOKENS)}}))
+    path.write_text(yaml.safe_dump({"sft": section, "label_rewards": {"tokens": list(LEVELS)}}))
     return path
 
 
@@ -334,14 +309,14 @@ def test_bad_rows_name_file_and_row(mutate, message, tmp_path):
     mutate(rows[1])
     write_jsonl(tmp_path / "d.jsonl", rows)
     with pytest.raises(InputError, match=rf"d\.jsonl: row 2: .*{message[:12].replace('[', '.').replace('`', '.')}"):
-        finetune.load_rows(tmp_path / "d.jsonl", TOKENS, require_token=True)
+        finetune.load_rows(tmp_path / "d.jsonl", LEVELS, require_token=True)
 
 
 def test_truncation_that_leaves_no_assistant_token_is_an_error(datasets, tiny_model_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    rows = finetune.load_rows(datasets / "sft.jsonl", TOKENS, False)
+    rows = finetune.load_rows(datasets / "sft.jsonl", LEVELS, False)
     with pytest.raises(InputError, match="raise sft.max_length"):
         finetune.tokenize_rows(rows, tok, max_length=20)
     out, stats = finetune.tokenize_rows(rows, tok, max_length=48)
@@ -374,8 +349,8 @@ def test_untied_embeddings_train_and_restore_both_rows(tiny_model_dir, tmp_path)
     model.save_pretrained(tmp_path / "base")
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     tok.save_pretrained(tmp_path / "base")
-    ids = adapters.add_special_tokens(tok, model, TOKENS)
-    peft = get_peft_model(model, finetune.lora_config(config(), model, ids))
+    ids = adapters.add_special_tokens(tok, model, LEVELS)
+    peft = get_peft_model(model, finetune.lora_config(tiny_sft_config(), model, ids))
     with torch.no_grad():
         for name, p in peft.named_parameters():
             if "trainable_tokens_delta" in name:
@@ -414,7 +389,7 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_effective_batch(data
     cb = FakeOOM()
     s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
     with pytest.warns(MemorySplitWarning, match="retrying at 2 x 2"):
-        summary = sft.train_variant(config(batch_size=4, grad_accum=1, max_steps=2), TOKENS, s, callbacks=[cb],
+        summary = sft.train_variant(tiny_sft_config(batch_size=4, grad_accum=1, max_steps=2), LEVELS, s, callbacks=[cb],
                                     track=False)
     assert cb.sizes[:2] == [(4, 1), (2, 2)] and set(cb.sizes[2:]) == {(1, 4)}
     assert summary["micro_batch"] == 1 and summary["grad_accum"] == 4 and summary["steps"] == 2

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import REPO_ROOT, free_port_base
 
 from rcgrpo_tasks.ops import stack as st
 
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(REPO_ROOT))
 CHEAP_STAGES = ("prepare_data", "prepare_model")  # the cheap real stages, if dvc.yaml has them
 KEY, SECRET = f"rcgrpoKEY{secrets.token_hex(6)}", f"rcgrpoSECRET{secrets.token_hex(12)}"
 
@@ -47,10 +47,10 @@ with tracking.stage_run("probe", {"n": 3, "note": "no secrets here"}):
 
 def copy_tree(dest: Path) -> Path:
     """The working tree as git would ship it (tracked + untracked-not-ignored files), no outputs."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO_ROOT, check=True,
                            capture_output=True, text=True).stdout.split("\0")
     for rel in filter(None, files):
-        src = ROOT / rel
+        src = REPO_ROOT / rel
         if src.is_file() and not rel.startswith(("metrics/", "results/")) and rel != "dvc.lock":
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
@@ -76,7 +76,7 @@ def run(cmd: list[str], cwd: Path, env: dict, log: Path, timeout: float = 600) -
 def lab(tmp_path_factory):
     root = tmp_path_factory.mktemp("stack")
     repo = copy_tree(root / "repo")
-    stack = st.make_stack(root / "state", port_base=st.free_port_base())
+    stack = st.make_stack(root / "state", port_base=free_port_base())
     old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     os.environ.update({"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET})
     try:
@@ -224,7 +224,7 @@ def test_s3_down_mid_flow_then_rerun_skips_finished_stages(lab, first_run):
 
 
 def test_mlflow_down_at_start_fails_before_any_stage(lab, first_run):
-    env = dict(lab["env"], MLFLOW_TRACKING_URI=f"http://127.0.0.1:{st.free_port_base()}")
+    env = dict(lab["env"], MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port_base()}")
     t0 = time.monotonic()
     out = run(flow_cmd("--stages", "prepare_data", "--force"), lab["repo"], env, lab["log"])
     text = out.stdout + out.stderr

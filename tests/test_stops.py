@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import REPO_ROOT
 
 from rcgrpo_tasks.ops import procs
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 SLEEPER = """
 import os, sys, time

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from rcgrpo_tasks.ops.io import InputError, read_jsonl, write_jsonl
+from rcgrpo_tasks.ops.io import write_jsonl
 
 SCHEMA_VERSION = 1
 PROTOCOLS = ("official", "paper")
@@ -117,14 +117,3 @@ class Trajectory:
 def write_trajectories(path: str | Path, trajectories: Iterable[Trajectory]) -> int:
     """Write trajectories as JSONL atomically; returns the number written."""
     return write_jsonl(path, (t.to_json() for t in trajectories))
-
-
-def read_trajectories(path: str | Path) -> list[Trajectory]:
-    """Load and validate a trajectory JSONL; a bad row raises InputError naming file and line."""
-    out = []
-    for lineno, row in enumerate(read_jsonl(path), 1):
-        try:
-            out.append(Trajectory.from_json(row))
-        except TrajectoryError as exc:
-            raise InputError(f"{path}: row {lineno}: {exc}") from exc
-    return out

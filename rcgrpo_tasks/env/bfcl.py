@@ -167,13 +167,6 @@ def entries_by_id() -> dict[str, Entry]:
     return {e.id: e for e in load_entries()}
 
 
-def get_entry(entry_id: str) -> Entry:
-    try:
-        return entries_by_id()[entry_id]
-    except KeyError:
-        raise KeyError(f"unknown BFCL v4 multi-turn entry id: {entry_id!r}") from None
-
-
 @functools.cache
 def _class_docs(class_name: str) -> tuple[dict, ...]:
     if class_name not in FUNC_DOC_FILES:

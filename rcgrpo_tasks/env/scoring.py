@@ -194,22 +194,6 @@ def score_entry(entry: Entry, model_turns: ModelTurns) -> EntryScore:
     return EntryScore(valid, error_type, message, partial, _paper(trace), passed)
 
 
-def official_verdict(entry: Entry, model_turns: ModelTurns) -> tuple[bool, str | None]:
-    """(valid, error_type) with bfcl-eval `multi_turn_checker` semantics."""
-    s = score_entry(entry, model_turns)
-    return s.valid, s.error_type
-
-
-def paper_reward(entry: Entry, model_turns: ModelTurns) -> float:
-    """RC-GRPO binary trajectory reward."""
-    return score_entry(entry, model_turns).paper_reward
-
-
-def partial_credit(entry: Entry, model_turns: ModelTurns) -> float:
-    """Fraction of checked turns passing."""
-    return score_entry(entry, model_turns).partial_credit
-
-
 Reward = Literal["paper_reward", "official_verdict", "partial_credit"]
 """THE reward choice of every stage: the name of the scorer function (and of TRL's reward function)."""
 REWARDS: tuple[str, ...] = typing.get_args(Reward)

@@ -133,12 +133,6 @@ def read_jsonl_numbered(path: str | Path, strict: bool = False,
     return rows, errors
 
 
-def read_jsonl_lenient(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES) -> tuple[list[dict], list[str]]:
-    """(rows, errors): every bad line becomes a `file:line: reason` error; good lines still load."""
-    numbered, errors = read_jsonl_numbered(path, max_line_bytes=max_line_bytes)
-    return [row for _, row in numbered], errors
-
-
 def read_jsonl(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES) -> list[dict]:
     """All rows of a JSONL file; the first bad line raises InputError naming file and line."""
     return [row for _, row in read_jsonl_numbered(path, strict=True, max_line_bytes=max_line_bytes)[0]]

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import shutil
 import signal
 import socket
@@ -90,15 +89,6 @@ def _port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def free_port_base(host: str = "127.0.0.1", span: int = 12, tries: int = 50) -> int:
-    """A random base port such that base..base+span are all free (for tests and parallel stacks)."""
-    for _ in range(tries):
-        base = random.randrange(20000, 60000, 2)
-        if all(_port_free(host, base + i) for i in range(span)):
-            return base
-    raise StackError("no free block of ports found on loopback")
 
 
 def make_stack(state_dir: str | Path = ".stack", port_base: int | None = None) -> Stack:

@@ -1,0 +1,83 @@
+"""Plain helpers and constants shared by the test files (fixtures live in conftest.py).
+
+pytest puts this folder on `sys.path` (rootdir-relative test files without packages), so a test imports
+them as `from helpers import ...`; the benches that need the reference checker add this folder too.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+from rcgrpo_tasks.engine.trajectory import Trajectory, TrajectoryError
+from rcgrpo_tasks.env.bfcl import Entry, entries_by_id
+from rcgrpo_tasks.env.protocols import format_reward_goal
+from rcgrpo_tasks.ops.io import InputError, read_jsonl
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LOW, HIGH = "<|low_reward|>", "<|high_reward|>"
+LEVELS = (LOW, HIGH)
+"""label_rewards.tokens: lowest first, highest last."""
+TINY_SFT = dict(learning_rate=1e-2, max_steps=6, batch_size=4, max_length=256, lora_r=8, lora_alpha=16,
+                lora_dropout=0.0, save_steps=2, logging_steps=1, log_model=False, variants={})
+"""A few optimizer steps of the 2-layer, 64-wide conftest model: seconds each on 2 cores."""
+
+
+def tiny_sft_config(**overrides):
+    """An `SftConfig` for the tiny model (`TINY_SFT` with `overrides`)."""
+    from rcgrpo_tasks.train.finetune import SftConfig
+
+    return SftConfig(**{**TINY_SFT, **overrides})
+
+
+def chat(i: int, token: str | None) -> dict:
+    """A label_rewards row: a small tool-calling chat; with a token, the first user message ends with the goal
+    (R = 0 for the low token, else 1)."""
+    a = i % 7
+    messages = [
+        {"role": "system", "content": "You call functions. add(a: int, b: int) -> the sum"},
+        {"role": "user", "content": f"Add {a} and {i}, then say done.{format_reward_goal(token)}"},
+        {"role": "assistant", "content": f"[add(a={a}, b={i})]"},
+        {"role": "tool", "content": str(a + i)},
+        {"role": "assistant", "content": "[done()]"},
+    ]
+    return {"messages": messages, "trajectory_id": f"t{i}", "entry_id": f"multi_turn_base_{i}",
+            "reward_token": token, "reward": 0.0 if token == LOW else 1.0}
+
+
+def get_entry(entry_id: str) -> Entry:
+    """One BFCL v4 multi-turn entry from bfcl-eval by id."""
+    try:
+        return entries_by_id()[entry_id]
+    except KeyError:
+        raise KeyError(f"unknown BFCL v4 multi-turn entry id: {entry_id!r}") from None
+
+
+def read_trajectories(path: str | Path) -> list[Trajectory]:
+    """Load and validate a trajectory JSONL; a bad row raises InputError naming file and line."""
+    out = []
+    for lineno, row in enumerate(read_jsonl(path), 1):
+        try:
+            out.append(Trajectory.from_json(row))
+        except TrajectoryError as exc:
+            raise InputError(f"{path}: row {lineno}: {exc}") from exc
+    return out
+
+
+def free_port_base(host: str = "127.0.0.1", span: int = 12, tries: int = 50) -> int:
+    """A random base port such that base..base+span are all free on loopback (one stack per test)."""
+    def free(port: int) -> bool:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                return False
+        return True
+
+    for _ in range(tries):
+        base = random.randrange(20000, 60000, 2)
+        if all(free(base + i) for i in range(span)):
+            return base
+    raise RuntimeError("no free block of ports found on loopback")
