@@ -371,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retry-delay-s", type=float, default=10.0)
     ap.add_argument("--stage-timeout-s", type=float)
     a = ap.parse_args(argv)
+    # SIGTERM/SIGHUP unwind like Ctrl-C: the stage group is stopped (`stream`) and the interpreter exits
+    # normally, so Prefect's atexit hook stops the temporary API server it started (none is left behind).
+    handlers = procs.raise_on_terminate()
     try:
         result = rcgrpo(profile=a.profile, stages=a.stages, force=a.force, push=not a.no_push,
                         pull=not a.no_pull, repo_dir=a.repo_dir, transfer_retries=a.transfer_retries,
@@ -378,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     except (config.ConfigError, tracking.TrackingError, StageFailed) as exc:  # already in the flow's logs
         print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2 if not isinstance(exc, StageFailed) else 1
+    except procs.Terminated as exc:
+        print(f"error: flow {exc}; stages stopped", file=sys.stderr)
+        return 128 + exc.signum
+    finally:
+        procs.restore(handlers)
     print(json.dumps(result))
     return 0
 

@@ -14,7 +14,7 @@ A round, in order (the `retrain` deployment runs it weekly; its schedule is inac
    checkout, never committed, so a fresh clone's `dvc status` and the main `dvc repro` (which reads
    ./dvc.yaml) never see them): train a candidate from the champion on fresh on-policy
    rollouts (RC-GRPO), evaluate candidate AND champion on the same held-out entries under the same
-   protocol and profile, `rcgrpo promote --champion-eval`: the alias moves only when the paired
+   protocol and evaluation settings, `rcgrpo promote --champion-eval`: the alias moves only when the paired
    bootstrap CI of the difference clears `promote.min_improvement` (rcgrpo_tasks/stages/promote.py);
 5. the decision (promoted / kept / refused, with the paired CI) is logged to the flow run and to the
    MLflow parent run `retrain@<profile>`; a round where DVC had nothing to run says so.
@@ -72,7 +72,7 @@ def next_round(state: dict, champion_version: int) -> dict:
 
 def round_params(params: dict, profile: str, round_no: int) -> str:
     """retrain/params.yaml text: the profile's params with each seeded section's `seed` shifted by the
-    round; the header keeps `rcgrpo params` format, so promote reads the same profile from it."""
+    round; the header keeps `rcgrpo params` format (the profile a round ran under stays readable)."""
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in params.items()}
     for section in SEEDED:
         if isinstance(out.get(section), dict):

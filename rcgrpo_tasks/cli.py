@@ -7,11 +7,13 @@ also runnable as `python -m rcgrpo_tasks.<stage>`.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import sys
 
 from rcgrpo_tasks.ops import procs, tracking
+from rcgrpo_tasks.ops.io import OutputError
 
 # command -> (module, one-line summary). Keep in the order of the pipeline.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -47,12 +49,17 @@ TRACKED = frozenset({"prepare-model", "generate-trajectories", "validate-traject
                      "sample-policy", "controllability", "rl", "evaluate", "report", "promote"})
 
 
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES})
+"""Errors of the output's filesystem (full, file too large, read-only, denied): one line, never a traceback."""
+
+
 def guarded(name: str, run) -> int:
     """Run command `name` (`run()` returns its exit code) the way a pipeline stage must run: under DVC it
     dies with `dvc repro` (ops.procs.die_with_parent: nothing is written after its parent is gone);
     SIGTERM/SIGHUP unwind it (temp outputs removed, MLflow run KILLED); a tracked command checks its
-    tracking server first; a tracking failure or a stop is one line on stderr, never a traceback
-    (exit 2 for tracking, 128 + signal for a stop)."""
+    tracking server first; a tracking failure, an output another process holds or cannot be written
+    (`ops.io.OutputError`, `DISK_ERRNOS`) and a stop are one line on stderr, never a traceback (exit 2, or
+    128 + signal for a stop)."""
     if os.environ.get("DVC_STAGE") or os.environ.get("RCGRPO_DIE_WITH_PARENT"):
         procs.die_with_parent()
     handlers = procs.raise_on_terminate()
@@ -60,8 +67,14 @@ def guarded(name: str, run) -> int:
         if name in TRACKED:
             tracking.preflight()
         return run()
-    except tracking.TrackingError as exc:
+    except (tracking.TrackingError, OutputError) as exc:
         print(f"error: rcgrpo {name}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno not in DISK_ERRNOS:
+            raise
+        print(f"error: rcgrpo {name}: {exc.strerror or exc}"
+              f"{f': {exc.filename}' if exc.filename else ''}; nothing was published", file=sys.stderr)
         return 2
     except procs.Terminated as exc:
         print(f"error: rcgrpo {name} {exc}; stopped, no output published", file=sys.stderr)

@@ -9,7 +9,14 @@ import pytest
 from typer.testing import CliRunner
 
 from rcgrpo_tasks.engine import source as pm
+from rcgrpo_tasks.ops.io import atomic_dir
 from rcgrpo_tasks.stages import prepare_model as pm_stage
+
+
+def prepare(cfg, out):
+    """The stage's write: the folder filled atomically (nothing left behind on an error)."""
+    with atomic_dir(out) as tmp:
+        return pm.write_model(cfg, tmp)
 
 
 @pytest.mark.slow
@@ -18,9 +25,9 @@ def test_embedded_gguf_to_folder_reloads_fast_and_generates(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "base"
-    record = pm.prepare_model(pm.PrepareModelConfig(), out)
+    record = prepare(pm.PrepareModelConfig(), out)
     assert record["n_parameters"] > 100e6 and record["max_position_embeddings"] == 8192
-    pm.prepare_model(pm.PrepareModelConfig(), tmp_path / "again")
+    prepare(pm.PrepareModelConfig(), tmp_path / "again")
     assert _files(out) == _files(tmp_path / "again")  # the lock reproduces on every run and machine
     assert json.loads((out / pm.PROVENANCE_FILE).read_text())["config"]["source"] == "embedded"
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
@@ -46,18 +53,18 @@ def test_bad_source_is_a_clear_error_and_writes_nothing(tmp_path, source):
         (tmp_path / source).mkdir()
         source = str(tmp_path / source)
     with pytest.raises(pm.ModelSourceError, match="source"):
-        pm.prepare_model(pm.PrepareModelConfig(source=source), tmp_path / "out")
+        prepare(pm.PrepareModelConfig(source=source), tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
 def test_missing_gguf_and_offline_hub_id(tmp_path, monkeypatch):
     with pytest.raises(pm.ModelSourceError, match="not found"):
-        pm.prepare_model(pm.PrepareModelConfig(gguf_file="nope.gguf"), tmp_path / "out")
+        prepare(pm.PrepareModelConfig(gguf_file="nope.gguf"), tmp_path / "out")
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import: patch the flag
     with pytest.raises(pm.ModelSourceError, match="could not load"):
-        pm.prepare_model(pm.PrepareModelConfig(source="Qwen/Qwen2.5-7B-Instruct-not-cached"), tmp_path / "out")
+        prepare(pm.PrepareModelConfig(source="Qwen/Qwen2.5-7B-Instruct-not-cached"), tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -70,9 +77,9 @@ def test_same_bytes_on_every_run(tiny_model_dir, tmp_path):
     """Two runs (different folders, different wall times) write byte-identical folders: a fresh clone
     reproduces the hash dvc.lock records. The first cause found: the wall time in rcgrpo_model.json."""
     cfg = pm.PrepareModelConfig(source=str(tiny_model_dir))
-    first = pm.prepare_model(cfg, tmp_path / "a")
+    first = prepare(cfg, tmp_path / "a")
     time.sleep(0.05)
-    pm.prepare_model(cfg, tmp_path / "b")
+    prepare(cfg, tmp_path / "b")
     a, b = _files(tmp_path / "a"), _files(tmp_path / "b")
     assert sorted(a) == sorted(b) and {"model.safetensors", pm.PROVENANCE_FILE} <= set(a)
     for name in a:
@@ -82,7 +89,7 @@ def test_same_bytes_on_every_run(tiny_model_dir, tmp_path):
 
 
 def test_local_folder_source_resaves_in_dtype(tiny_model_dir, tmp_path):
-    record = pm.prepare_model(pm.PrepareModelConfig(source=str(tiny_model_dir), dtype="bfloat16"), tmp_path / "m")
+    record = prepare(pm.PrepareModelConfig(source=str(tiny_model_dir), dtype="bfloat16"), tmp_path / "m")
     assert record["architecture"] == "LlamaForCausalLM"
     assert json.loads((tmp_path / "m" / "config.json").read_text())["dtype"] == "bfloat16"
 

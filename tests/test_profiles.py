@@ -98,3 +98,18 @@ def test_cli_exit_2_one_line(repo):
     r = subprocess.run([sys.executable, "-m", "rcgrpo_tasks.cli", "params", "--profile", "smoke"], cwd=repo,
                        capture_output=True, text=True)
     assert r.returncode == 0 and _params(repo)["sft"]["max_steps"] == 2
+
+
+def test_params_written_elsewhere_read_the_projects_profiles(repo, tmp_path_factory, monkeypatch):
+    """`rcgrpo params --out <elsewhere>`: profiles and the default base come from the project (the working
+    directory), not from beside the output file."""
+    from typer.testing import CliRunner
+
+    from rcgrpo_tasks.stages import params as params_stage
+
+    elsewhere = tmp_path_factory.mktemp("elsewhere") / "p.yaml"
+    monkeypatch.chdir(repo)
+    res = CliRunner().invoke(params_stage.app, ["--profile", "smoke", "--out", str(elsewhere)])
+    assert res.exit_code == 0, res.output
+    assert config.read_params(elsewhere) == {"sft": {"max_steps": 2, "lr": 0.1}, "rl": {"steps": 50}}
+    assert (repo / "params.yaml").read_text() == BASE  # the project's params untouched

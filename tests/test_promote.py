@@ -1,5 +1,6 @@
 """promote: the paired gate on hand-built per-entry results (pure) and the real MLflow registry on a temp
-sqlite store: champion records stored with the version, refusal across profiles/protocols/entry sets."""
+sqlite store: champion records stored with the version, refusal across evaluation settings/protocols/entry
+sets (read from the evaluations, never from the caller's params)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,22 @@ import json
 import pytest
 
 from rcgrpo_tasks.evaluation import promotion as pr
+from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.io import InputError
 from rcgrpo_tasks.stages import promote as pr_stage
 
 IDS = [f"multi_turn_base_{i}" for i in range(40)]
 
 
-def rec(valid: list[bool], profile: str = "default", protocol: str = "paper", ids=IDS, label="m") -> pr.EvalRecord:
-    return pr.EvalRecord(label, protocol, profile, {i: float(v) for i, v in zip(ids, valid)}, f"<{label}>")
+def rec(valid: list[bool], settings: dict | None = None, protocol: str = "paper", ids=IDS, label="m") -> pr.EvalRecord:
+    return pr.EvalRecord(label, protocol, settings or {"limit": 40}, {i: float(v) for i, v in zip(ids, valid)},
+                         f"<{label}>")
+
+
+def promote(cfg, candidates, champion_eval=None):
+    """What the stage does: the gate inside its MLflow run."""
+    with tracking.stage_run("promote", cfg) as run:
+        return pr.promote(cfg, candidates, run, champion_eval)
 
 
 HALF = [i % 2 == 0 for i in range(40)]          # 50 %
@@ -48,7 +57,7 @@ def test_pairing_is_by_entry_not_by_overall_number():
 
 
 @pytest.mark.parametrize("champion, what", [
-    (rec(HALF, profile="smoke"), "profile differs: candidate 'default', champion 'smoke'"),
+    (rec(HALF, settings={"limit": 8}), "evaluation settings differ (limit: candidate 40, champion 8)"),
     (rec(HALF, protocol="official"), "protocol differs: candidate 'paper', champion 'official'"),
     (rec(HALF[:30], ids=IDS[:30]), "entry sets differ: candidate 40, champion 30, 30 shared"),
 ])
@@ -58,17 +67,17 @@ def test_comparisons_across_conditions_are_refused(champion, what):
 
 
 def test_parse_results_errors():
-    ok = pr.parse_results([{"id": "a", "valid": True, "protocol": "paper"}], "x", "default", "f")
+    ok = pr.parse_results([{"id": "a", "valid": True, "protocol": "paper"}], "x", {}, "f")
     assert ok.accuracy == 100.0 and ok.protocol == "paper"
     with pytest.raises(InputError, match="f: row 1 needs a string 'id' and a boolean 'valid'"):
-        pr.parse_results([{"id": "a", "valid": 1}], "x", "default", "f")
+        pr.parse_results([{"id": "a", "valid": 1}], "x", {}, "f")
     with pytest.raises(InputError, match="duplicate entry id 'a'"):
-        pr.parse_results([{"id": "a", "valid": True}, {"id": "a", "valid": False}], "x", "default", "f")
+        pr.parse_results([{"id": "a", "valid": True}, {"id": "a", "valid": False}], "x", {}, "f")
     with pytest.raises(InputError, match="mix protocols"):
         pr.parse_results([{"id": "a", "valid": True, "protocol": "paper"},
-                          {"id": "b", "valid": True, "protocol": "official"}], "x", "default", "f")
+                          {"id": "b", "valid": True, "protocol": "official"}], "x", {}, "f")
     with pytest.raises(InputError, match="no per-entry results"):
-        pr.parse_results([], "x", "default", "f")
+        pr.parse_results([], "x", {}, "f")
     with pytest.raises(ValueError):
         pr.PromoteConfig(min_improvement=-1)
 
@@ -92,37 +101,44 @@ def registry(_store, tmp_path, monkeypatch):
     return model
 
 
-def write_eval(folder, valid, protocol="paper", ids=IDS):
+SETTINGS = {"max_new_tokens": 64, "max_outputs": 6, "temperature": 0.0, "limit": 40, "model": "m", "batch_rows": 8}
+
+
+def write_eval(folder, valid, protocol="paper", ids=IDS, **settings):
+    """An evaluate output: results.jsonl and metrics.json with the settings it ran under."""
     folder.mkdir(parents=True, exist_ok=True)
     rows = [{"id": i, "category": "base", "protocol": protocol, "valid": v} for i, v in zip(ids, valid)]
     (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "metrics.json").write_text(json.dumps({"settings": {**SETTINGS, **settings}}))
     return folder
 
 
-def cand(tmp_path, model, name, valid, profile="default", **kw):
+def cand(tmp_path, model, name, valid, **kw):
     folder = write_eval(tmp_path / "eval" / name, valid, **kw)
-    return {name: (model, pr.read_eval(folder, name, profile))}
+    return {name: (model, pr.read_eval(folder, name))}
 
 
 def test_alias_moves_only_on_a_paired_win(registry, tmp_path):
     import mlflow
 
     cfg = pr.PromoteConfig(model_name="test-agent")
-    first = pr.promote(cfg, {**cand(tmp_path, registry, "a", ONE_MORE), **cand(tmp_path, registry, "b", HALF)})
+    first = promote(cfg, {**cand(tmp_path, registry, "a", ONE_MORE), **cand(tmp_path, registry, "b", HALF)})
     assert first["candidate"] == "a" and first["promoted"] and first["champion_version"] is None
-    same = pr.promote(cfg, cand(tmp_path, registry, "b", ONE_MORE))
+    same = promote(cfg, cand(tmp_path, registry, "b", ONE_MORE))
     assert same["decision"] == "kept" and same["champion_accuracy"] == 52.5 and same["ci"] == [0.0, 0.0]
-    better = pr.promote(cfg, cand(tmp_path, registry, "c", BETTER))
+    better = promote(cfg, cand(tmp_path, registry, "c", BETTER))
     assert better["decision"] == "promoted" and better["champion_version"] == first["candidate_version"]
-    smoke = pr.promote(cfg, cand(tmp_path, registry, "d", [True] * 40, profile="smoke"))
-    assert smoke["decision"] == "refused" and "profile differs" in smoke["reason"]
+    short = promote(cfg, cand(tmp_path, registry, "d", [True] * 40, max_new_tokens=16))  # other budgets
+    assert short["decision"] == "refused" and short["candidate_version"] is None
+    assert "evaluation settings differ (max_new_tokens: candidate 16, champion 64)" in short["reason"]
 
     client = mlflow.MlflowClient()
     champ = client.get_model_version_by_alias("test-agent", "champion")
     assert int(champ.version) == better["candidate_version"]  # the refused 100 % never moved the alias
-    assert champ.tags["eval.profile"] == "default" and champ.tags["eval.n"] == "40"
-    assert len(client.search_model_versions("name='test-agent'")) == 4  # every candidate is registered
-    run = client.get_run(smoke["run_id"])
+    assert json.loads(champ.tags["eval.settings"])["max_new_tokens"] == 64 and champ.tags["eval.n"] == "40"
+    assert "model" not in json.loads(champ.tags["eval.settings"])  # which model does not make it incomparable
+    assert len(client.search_model_versions("name='test-agent'")) == 3  # the refused one is not registered
+    run = client.get_run(short["run_id"])
     assert run.data.tags["promote.decision"] == "refused"
     assert run.data.metrics["candidate_accuracy"] == 100.0
     files = {a.path for a in client.list_artifacts(better["run_id"], "model")}
@@ -132,9 +148,9 @@ def test_alias_moves_only_on_a_paired_win(registry, tmp_path):
 
 def test_fresh_champion_evaluation_overrides_the_stored_record(registry, tmp_path):
     cfg = pr.PromoteConfig(model_name="retrain-agent")
-    pr.promote(cfg, cand(tmp_path, registry, "old", HALF, profile="smoke"))
-    fresh = pr.read_eval(write_eval(tmp_path / "champ", HALF), "champion", "default")
-    record = pr.promote(cfg, cand(tmp_path, registry, "new", BETTER), champion_eval=fresh)
+    promote(cfg, cand(tmp_path, registry, "old", HALF, max_new_tokens=16))
+    fresh = pr.read_eval(write_eval(tmp_path / "champ", HALF), "champion")
+    record = promote(cfg, cand(tmp_path, registry, "new", BETTER), champion_eval=fresh)
     assert record["decision"] == "promoted" and record["champion_accuracy"] == 50.0
 
 
@@ -142,10 +158,10 @@ def test_legacy_champion_without_a_record_is_replaced(registry, tmp_path):
     import mlflow
 
     cfg = pr.PromoteConfig(model_name="legacy-agent")
-    first = pr.promote(cfg, cand(tmp_path, registry, "b", BETTER))
+    first = promote(cfg, cand(tmp_path, registry, "b", BETTER))
     client = mlflow.MlflowClient()
     client.delete_model_version_tag("legacy-agent", str(first["candidate_version"]), "eval.entries_sha256")
-    again = pr.promote(cfg, cand(tmp_path, registry, "b", HALF))
+    again = promote(cfg, cand(tmp_path, registry, "b", HALF))
     assert again["promoted"] and "no per-entry record" in again["reason"]
 
 
@@ -157,15 +173,16 @@ def test_cli_errors_are_clear(tmp_path, registry):
     runner = CliRunner()
     base = ["--params", str(params), "--eval-dir", str(tmp_path / "eval"), "--out", str(tmp_path / "d.json")]
     res = runner.invoke(pr_stage.app, [*base, "--candidate", f"b={registry}"])
-    assert res.exit_code == 2 and f"{tmp_path}/eval/b/results.jsonl: file not found" in res.output
+    assert res.exit_code == 2 and f"{tmp_path}/eval/b/metrics.json: not found" in res.output
     write_eval(tmp_path / "eval" / "b", HALF)
     res = runner.invoke(pr_stage.app, [*base, "--candidate", f"b={tmp_path / 'missing'}"])
     assert res.exit_code == 2 and "missing or empty" in res.output
     (tmp_path / "eval" / "bad").mkdir()
     (tmp_path / "eval" / "bad" / "results.jsonl").write_text("[" * 5000 + "]" * 5000 + "\n")
+    (tmp_path / "eval" / "bad" / "metrics.json").write_text(json.dumps({"settings": SETTINGS}))
     res = runner.invoke(pr_stage.app, [*base, "--candidate", f"bad={registry}"])
     assert res.exit_code == 2 and "results.jsonl:1: invalid JSON (nested too deeply)" in res.output
     res = runner.invoke(pr_stage.app, [*base, "--candidate", f"b={registry}", "--report", "ignored.json"])
     assert res.exit_code == 0, res.output
     decision = json.loads((tmp_path / "d.json").read_text())
-    assert decision["promoted"] is True and decision["profile"] == "default" and decision["n_entries"] == 40
+    assert decision["promoted"] is True and decision["settings"]["limit"] == 40 and decision["n_entries"] == 40

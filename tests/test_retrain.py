@@ -16,6 +16,7 @@ from helpers import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT))
 from flows import retrain_flow as rf  # noqa: E402
+from rcgrpo_tasks.ops import tracking  # noqa: E402
 
 PY = sys.executable
 FAKE = """
@@ -32,6 +33,7 @@ else:  # evaluate MODEL OUT: quality q solves the first 10*q of 40 entries
     out = Path(sys.argv[3]); out.mkdir(parents=True, exist_ok=True)
     rows = [{"id": f"multi_turn_base_{i}", "protocol": "paper", "valid": i < 10 * q} for i in range(40)]
     (out / "results.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in rows))
+    (out / "metrics.json").write_text(json.dumps({"settings": {"limit": 40, "model": sys.argv[2]}}))
 """
 TEMPLATE = f"""
 stages:
@@ -116,8 +118,10 @@ def test_two_rounds_each_train_a_new_candidate_and_the_paired_gate_decides(tmp_p
     rows = [{"id": f"multi_turn_base_{i}", "protocol": "paper", "valid": i < 10} for i in range(40)]
     (tmp_path / "eval0").mkdir()
     (tmp_path / "eval0" / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    pr.promote(pr.PromoteConfig(model_name="retrain-test"),
-               {"seed": (seed_model, pr.read_eval(tmp_path / "eval0", "seed", "default"))})  # the fake champion v1
+    (tmp_path / "eval0" / "metrics.json").write_text(json.dumps({"settings": {"limit": 40}}))
+    cfg = pr.PromoteConfig(model_name="retrain-test")
+    with tracking.stage_run("promote", cfg) as run:  # the fake champion v1
+        pr.promote(cfg, {"seed": (seed_model, pr.read_eval(tmp_path / "eval0", "seed"))}, run)
 
     first = rf.retrain(repo_dir=str(repo), template="retrain.fake.yaml")
     assert first["round"] == 1 and first["champion_version"] == 1

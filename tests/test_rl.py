@@ -14,6 +14,7 @@ from helpers import HIGH, LEVELS
 
 from rcgrpo_tasks.env.protocols import PromptConfig
 from rcgrpo_tasks.ops.config import ConfigError, from_dict, load_config
+from rcgrpo_tasks.stages import rl as rl_stage
 from rcgrpo_tasks.train import advantages as adv
 from rcgrpo_tasks.train import grpo, grpo_trainer, rl, runs
 
@@ -227,7 +228,7 @@ def test_killed_run_resumes_from_last_checkpoint(rl_env, scripted_rewards):
 
 def test_sigterm_checkpoints_the_step_and_the_rerun_replays_it(rl_env, scripted_rewards):
     """SIGTERM during step 1 (dvc / Prefect cancel): step 1 is finished and checkpointed off the save_steps
-    grid, nothing is written, exit status 143, the MLflow run FAILED; the re-run resumes at step 2 and its
+    grid, nothing is written, exit status 143, the MLflow run KILLED; the re-run resumes at step 2 and its
     MLflow run holds both steps (step 1 replayed from the checkpoint's log history)."""
     import os
     import signal
@@ -251,7 +252,7 @@ def test_sigterm_checkpoints_the_step_and_the_rerun_replays_it(rl_env, scripted_
     assert summary["resumed_from"].endswith("checkpoint-1") and summary["steps"] == 2
     done, killed = mlflow.search_runs(experiment_names=["test-rl"], filter_string="tags.`rl.init` = 'sft' and "
                                       "tags.`rl.algo` = 'rc_grpo'", order_by=["start_time DESC"], output_format="list")
-    assert (done.info.status, killed.info.status) == ("FINISHED", "FAILED")
+    assert (done.info.status, killed.info.status) == ("FINISHED", "KILLED")
     history = mlflow.MlflowClient().get_metric_history(done.info.run_id, "diag/reward")
     assert sorted(m.step for m in history) == [1, 2]
 
@@ -320,7 +321,7 @@ def test_bad_params_fail_before_training(tmp_path, override, match):
     params.write_text(yaml.safe_dump({"rl": {**TEST_RL, **override}}))
     with pytest.raises(ConfigError, match=match):
         load_config(grpo.RLConfig, params, "rl")
-    res = CliRunner().invoke(rl.app, ["--init", "rctp", "--algo", "rc_grpo", "--out", str(tmp_path / "o"),
+    res = CliRunner().invoke(rl_stage.app, ["--init", "rctp", "--algo", "rc_grpo", "--out", str(tmp_path / "o"),
                                       "--checkpoints", str(tmp_path / "c"), "--params", str(params)])
     assert res.exit_code == 2 and "rl:" in res.output
     assert not (tmp_path / "c").exists() and not (tmp_path / "o").exists()
@@ -335,7 +336,7 @@ def test_cuda_without_cuda_fails_before_training(rl_env, tmp_path, monkeypatch):
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"rl": TEST_RL, "prompt": {"system_prompt": "short"},
                                       "label_rewards": {"tokens": list(LEVELS)}, "compute": {"device": "cuda"}}))
-    res = CliRunner().invoke(rl.app, ["--init", "rctp", "--algo", "rc_grpo", "--model-dir", str(model_dir),
+    res = CliRunner().invoke(rl_stage.app, ["--init", "rctp", "--algo", "rc_grpo", "--model-dir", str(model_dir),
                                       "--entries", str(root / "entries.jsonl"), "--split", str(root / "split.json"),
                                       "--out", str(tmp_path / "o"), "--checkpoints", str(tmp_path / "c"),
                                       "--params", str(params)])

@@ -14,6 +14,7 @@ from helpers import HIGH, LEVELS, LOW, chat, tiny_sft_config
 from rcgrpo_tasks.engine import models
 from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.ops.io import InputError, write_jsonl
+from rcgrpo_tasks.stages import sft as sft_stage
 from rcgrpo_tasks.train import adapters, finetune, runs, sft
 
 
@@ -191,6 +192,32 @@ def test_sigterm_checkpoints_the_current_step_and_exits_143(datasets, tiny_model
     assert summary["resumed_from"].endswith("checkpoint-3") and summary["steps"] == 6
 
 
+def test_a_step_longer_than_the_grace_stops_at_once(datasets, tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """A step that outlasts `STOP_GRACE_S` after the signal is cut short: the run stops at once (one line on
+    stderr), keeps only its periodic checkpoints, and the alarm is disarmed afterwards."""
+    import os
+    import signal
+    import time
+
+    from transformers import TrainerCallback
+
+    class SlowStep(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the step "runs on" far past the grace
+
+    monkeypatch.setattr(runs, "STOP_GRACE_S", 0.2)
+    s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
+    t0 = time.perf_counter()
+    with pytest.raises(runs.Interrupted) as info:
+        sft.train_variant(tiny_sft_config(save_steps=2), LEVELS, s, callbacks=[SlowStep()], track=False)
+    assert info.value.code == 143 and time.perf_counter() - t0 < 60
+    assert "SIGTERM received: stopping after the current step" in capsys.readouterr().err
+    assert sorted(p.name for p in s.checkpoints.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0) and not s.out.exists()
+
+
 def test_sigterm_outside_the_training_loop_exits_at_once():
     import os
     import signal
@@ -275,7 +302,7 @@ def test_bad_params_fail_before_training(bad, message, datasets, tiny_model_dir,
     params = write_params(tmp_path, **bad)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         sft.load_sft_config(params, "rctp")
-    res = CliRunner().invoke(sft.app, ["--variant", "rctp", "--params", str(params), "--model-dir",
+    res = CliRunner().invoke(sft_stage.app, ["--variant", "rctp", "--params", str(params), "--model-dir",
                                        str(tiny_model_dir), "--data", str(datasets / "rctp.jsonl"),
                                        "--out", str(tmp_path / "o"), "--checkpoints", str(tmp_path / "ck")])
     assert res.exit_code == 2 and message in res.output
@@ -290,9 +317,9 @@ def test_unknown_variant_and_missing_inputs(datasets, tiny_model_dir, tmp_path):
         sft.load_sft_config(params, "sftt")
     args = ["--variant", "rctp", "--params", str(params), "--out", str(tmp_path / "o"),
             "--checkpoints", str(tmp_path / "ck")]
-    res = CliRunner().invoke(sft.app, args + ["--model-dir", str(tiny_model_dir), "--data", str(tmp_path / "nope.jsonl")])
+    res = CliRunner().invoke(sft_stage.app, args + ["--model-dir", str(tiny_model_dir), "--data", str(tmp_path / "nope.jsonl")])
     assert res.exit_code == 2 and "dataset not found" in res.output and "nope.jsonl" in res.output
-    res = CliRunner().invoke(sft.app, args + ["--model-dir", str(tmp_path), "--data", str(datasets / "rctp.jsonl")])
+    res = CliRunner().invoke(sft_stage.app, args + ["--model-dir", str(tmp_path), "--data", str(datasets / "rctp.jsonl")])
     assert res.exit_code == 2 and "no config.json" in res.output
     assert not (tmp_path / "ck").exists()
 
@@ -406,8 +433,24 @@ def test_cuda_without_cuda_fails_before_training(datasets, tiny_model_dir, tmp_p
     params = write_params(tmp_path)
     data = yaml.safe_load(params.read_text())
     params.write_text(yaml.safe_dump({**data, "compute": {"device": "cuda"}}))
-    res = CliRunner().invoke(sft.app, ["--variant", "rctp", "--params", str(params), "--model-dir",
+    res = CliRunner().invoke(sft_stage.app, ["--variant", "rctp", "--params", str(params), "--model-dir",
                                        str(tiny_model_dir), "--data", str(datasets / "rctp.jsonl"),
                                        "--out", str(tmp_path / "o"), "--checkpoints", str(tmp_path / "ck")])
     assert res.exit_code == 2 and "CUDA is not available" in res.output
     assert not (tmp_path / "ck").exists() and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4352 vs 4248: "
+                 "PytorchStreamWriter failed writing file data/0: file write failed"),
+    Exception('Error while serializing: IoError(Os { code: 27, kind: FileTooLarge, message: "File too large" })'),
+    OSError(28, "No space left on device"),
+])
+def test_a_full_disk_names_the_output(tmp_path, error):
+    from rcgrpo_tasks.ops.io import OutputError
+
+    with pytest.raises(OutputError, match=rf"^{tmp_path}/ckpt: could not be written \(disk full or file too large"):
+        with runs.disk_errors(tmp_path / "ckpt"):
+            raise error
+    with pytest.raises(RuntimeError, match="CUDA error"), runs.disk_errors(tmp_path / "ckpt"):
+        raise RuntimeError("CUDA error: device-side assert triggered")  # not a disk problem: unchanged

@@ -233,3 +233,87 @@ def test_a_run_left_open_at_exit_ends_failed(store):
     assert proc.returncode == 0
     got = _client().get_run(run_id)  # not FINISHED, as MLflow's own exit hook would have it
     assert got.info.status == "FAILED" and "still open" in got.data.tags[tracking.ERROR_TAG]
+
+
+# -- outputs and record: published together, claimed before the work ---------------------------------------
+
+
+def test_published_run_logs_staged_outputs_under_their_final_names(store, tmp_path):
+    out, folder = tmp_path / "m.json", tmp_path / "model"
+    with tracking.published_run("stage_x", {"a": 1}, outputs=(out, folder)) as (run, staged):
+        (staged.file(out)).write_text("{}")
+        tracking.log_artifact(staged.temp(out))
+        d = staged.dir(folder)
+        (d / "w.safetensors").write_bytes(b"x")
+        (d / "w.safetensors").chmod(0o600)  # what safetensors writes
+        assert not out.exists()  # nothing appears before the run is recorded
+    got = _client().get_run(run.info.run_id)
+    assert got.info.status == "FINISHED" and out.read_text() == "{}"
+    assert [a.path for a in _client().list_artifacts(run.info.run_id)] == ["m.json"]
+    assert (folder / "w.safetensors").stat().st_mode & 0o777 == 0o644  # published for other users too
+
+
+def test_a_lost_tracking_server_publishes_nothing(store, tmp_path, monkeypatch):
+    import mlflow
+
+    real = mlflow.end_run
+
+    def gone(status="FINISHED"):
+        if status == "FINISHED":
+            raise ConnectionError("tracking server gone")
+        return real(status=status)
+
+    monkeypatch.setattr(mlflow, "end_run", gone)
+    out = tmp_path / "metrics.json"
+    with pytest.raises(tracking.TrackingError, match="tracking server gone"):
+        with tracking.published_run("stage_y", outputs=(out,)) as (run, staged):
+            staged.file(out).write_text("{}")
+    assert not out.exists() and not list(tmp_path.iterdir())
+    assert _client().get_run(run.info.run_id).info.status == "FAILED"
+
+
+def test_a_failed_publish_ends_the_finished_run_failed(store, tmp_path):
+    from rcgrpo_tasks.ops.io import OutputError
+
+    out = tmp_path / "metrics.json"
+    with pytest.raises(OutputError, match="metrics.json"):
+        with tracking.published_run("stage_z", outputs=(out,)) as (run, staged):
+            staged.file(out).unlink()  # the temp is gone at publish time
+    got = _client().get_run(run.info.run_id)
+    assert got.info.status == "FAILED" and "temporary was removed" in got.data.tags[tracking.ERROR_TAG]
+
+
+def test_a_second_writer_fails_before_its_work(store, tmp_path):
+    """The claim is taken when the run opens, not at publish time: a second writer of the same output fails
+    at once, naming the holder, instead of both finishing and one result being lost."""
+    import subprocess
+    import sys
+    import time
+
+    from rcgrpo_tasks.ops.io import OutputError
+
+    out = tmp_path / "eval"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from rcgrpo_tasks.ops.io import claim_outputs\n"
+        f"with claim_outputs({str(out)!r}):\n    print('held', flush=True); time.sleep(30)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.perf_counter()
+        with pytest.raises(OutputError, match=rf"is being written by another process \(pid {holder.pid}"):
+            with tracking.published_run("evaluate", outputs=(out,)):
+                raise AssertionError("the work must not start")
+        assert time.perf_counter() - t0 < 10
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_failed_command_records_its_message(store, tmp_path):
+    from rcgrpo_tasks.ops.cli import CommandFailed, fail
+
+    with pytest.raises(CommandFailed):
+        with tracking.stage_run("stage_f") as run:
+            fail("params.yaml:evaluate.limit: must be null or >= 1")
+    tag = _client().get_run(run.info.run_id).data.tags[tracking.ERROR_TAG]
+    assert tag == "CommandFailed: params.yaml:evaluate.limit: must be null or >= 1"

@@ -11,7 +11,7 @@ from test_generate_trajectories import write_inputs
 
 from rcgrpo_tasks.data.dataset import GenerateConfig, generate
 from rcgrpo_tasks.data.gate import PASSED_FILE, RESULT_FILE, ValidationFailed
-from rcgrpo_tasks.data.labels import LabelConfig, label
+from rcgrpo_tasks.data.labels import LabelConfig, labelled
 from rcgrpo_tasks.data.quality import ValidateConfig, validate
 from rcgrpo_tasks.env.bfcl import load_entries
 from rcgrpo_tasks.env.protocols import PromptConfig
@@ -36,7 +36,8 @@ def _run(tmp_path, dataset, rows, cfg=CFG):
     path = tmp_path / "trajectories.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "validation"
-    metrics, fails, text = validate(cfg, GEN, PROMPT, path, dataset["split"], dataset["model_dir"], out)
+    metrics, fails, text = validate(cfg, GEN, PROMPT, path, dataset["split"], dataset["model_dir"], out,
+                                    docs_dir=tmp_path / "docs")
     return path, out, metrics, fails, text
 
 
@@ -48,7 +49,22 @@ def test_generated_set_passes(tmp_path, dataset):
     assert json.loads((out / PASSED_FILE).read_text())["n_rows"] == len(dataset["rows"])
     result = json.loads((out / RESULT_FILE).read_text())
     assert result["success"] is True and len(result["results"]) == metrics["n_expectations"] >= 20
-    assert (out / "data_docs" / "index.html").is_file()
+    assert (tmp_path / "docs" / "index.html").is_file() and not (out / "data_docs").exists()
+
+
+def test_the_gate_output_is_a_function_of_its_input(tmp_path, dataset):
+    """No run ids or times in the published result: rerunning the gate on the same file changes no byte,
+    so no downstream stage reruns."""
+    path, out, *_ = _run(tmp_path, dataset, dataset["rows"])
+    first = {p.name: p.read_bytes() for p in out.iterdir()}
+    _run(tmp_path, dataset, dataset["rows"])
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == first
+    def keys(obj):
+        if isinstance(obj, dict):
+            return set(obj) | {k for v in obj.values() for k in keys(v)}
+        return {k for v in obj for k in keys(v)} if isinstance(obj, list) else set()
+
+    assert not keys(json.loads(first[RESULT_FILE])) & {"validation_time", "run_id", "id", "validation_id"}
 
 
 def _first(rows, source):
@@ -148,13 +164,12 @@ def test_broken_set_fails_naming_expectation(tmp_path, dataset, check, breaker):
     failed = next(f for f in fails if f["check"] == check)
     if failed["unexpected_count"] is not None:
         assert failed["unexpected_count"] >= 1 and failed["trajectory_ids"]
-    # The full result is written, the pass stamp is not, and label_rewards refuses to write anything.
+    # The full result is written, the pass stamp is not, and label_rewards refuses the set.
     assert json.loads((out / RESULT_FILE).read_text())["success"] is False
     assert not (out / PASSED_FILE).exists()
-    datasets = tmp_path / "datasets"
-    with pytest.raises(ValidationFailed, match="has not passed"):
-        label(LabelConfig(count_tokens=False), GEN, path, out, dataset["model_dir"], datasets)
-    assert not datasets.exists()
+    for name in ("sft", "rctp"):
+        with pytest.raises(ValidationFailed, match="has not passed"):
+            labelled(name, LabelConfig(count_tokens=False), GEN, path, out, dataset["model_dir"])
 
 
 def test_stale_pass_does_not_cover_a_changed_file(tmp_path, dataset):
@@ -162,7 +177,7 @@ def test_stale_pass_does_not_cover_a_changed_file(tmp_path, dataset):
     assert metrics["passed"]
     path.write_text(path.read_text() + "\n")  # any byte change
     with pytest.raises(ValidationFailed, match="changed since"):
-        label(LabelConfig(count_tokens=False), GEN, path, out, dataset["model_dir"], tmp_path / "datasets")
+        labelled("sft", LabelConfig(count_tokens=False), GEN, path, out, dataset["model_dir"])
 
 
 def test_corrupt_line_names_file_and_line(tmp_path, dataset):

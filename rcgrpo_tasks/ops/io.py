@@ -27,7 +27,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 MAX_LINE_BYTES = 64 << 20
@@ -199,6 +199,7 @@ def output_lock(path: str | Path) -> Iterator[Path]:
     inode check after `flock` makes that safe (a waiter that locked a just-removed file retries)."""
     path = Path(path)
     lock = lock_path(path)
+    created = [d for d in (path.parent, *path.parent.parents) if not d.exists()]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -225,6 +226,9 @@ def output_lock(path: str | Path) -> Iterator[Path]:
         with contextlib.suppress(OSError):
             lock.unlink()
         os.close(fd)
+        for folder in created:  # folders made only to hold the lock go again when nothing was published
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def _acquire(lock: Path, path: Path) -> int:
@@ -280,6 +284,10 @@ class OutputSet:
         """Temp folder (created empty) that replaces folder `path` on commit."""
         return self._stage(path, tempfile.mkdtemp)
 
+    def temp(self, path: str | Path) -> Path:
+        """The temp already staged for output `path`."""
+        return next(tmp for final, tmp in self.staged if final == Path(path))
+
 
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
@@ -287,6 +295,20 @@ def _remove(path: Path) -> None:
     else:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+
+
+def _publishable(tmp: Path, mask: int) -> None:
+    """Modes as any new file would get (umask): mkstemp/mkdtemp and writers such as safetensors create
+    owner-only files, which would lock other users and containers out of a shared output."""
+    os.chmod(tmp, (0o777 if tmp.is_dir() else 0o666) & ~mask)
+    if tmp.is_dir():
+        for root, dirs, files in os.walk(tmp):
+            for name in dirs:
+                os.chmod(os.path.join(root, name), 0o777 & ~mask)
+            for name in files:
+                path = os.path.join(root, name)
+                if not os.path.islink(path):
+                    os.chmod(path, (os.stat(path).st_mode | 0o666) & ~mask & 0o777)
 
 
 def _commit(staged: list[tuple[Path, Path]]) -> None:
@@ -298,7 +320,7 @@ def _commit(staged: list[tuple[Path, Path]]) -> None:
         for final, tmp in staged:
             if not tmp.exists():
                 raise FileNotFoundError(errno.ENOENT, "its temporary was removed before commit", str(tmp))
-            os.chmod(tmp, (0o777 if tmp.is_dir() else 0o666) & ~mask)  # mkstemp/mkdtemp are owner-only
+            _publishable(tmp, mask)
             backup = None
             if final.exists() or final.is_symlink():
                 backup = final.with_name(f".{final.name}.old.{os.getpid()}")
@@ -336,7 +358,18 @@ def _translate(exc: OSError, staged: list[tuple[Path, Path]]) -> OutputError | N
 
 
 @contextlib.contextmanager
-def atomic_outputs() -> Iterator[OutputSet]:
+def claim_outputs(*paths: str | Path | None) -> Iterator[None]:
+    """Hold the output locks of `paths` (None skipped) for the whole body: a stage claims its outputs
+    before its work, so a second writer of any of them fails at once instead of after the work."""
+    with contextlib.ExitStack() as stack:
+        for path in paths:
+            if path is not None:
+                stack.enter_context(output_lock(path))
+        yield
+
+
+@contextlib.contextmanager
+def atomic_outputs(before_commit: Callable[[], None] | None = None) -> Iterator[OutputSet]:
     """Stage several outputs and publish them together when the body succeeds:
 
         with atomic_outputs() as out:
@@ -345,11 +378,15 @@ def atomic_outputs() -> Iterator[OutputSet]:
             write_json(out.file(metrics), record)
 
     The body's error (or a failed rename) leaves every previous output untouched and no temp behind.
-    OS errors name the final output path; a concurrent writer of any of the outputs gets OutputError."""
+    OS errors name the final output path; a concurrent writer of any of the outputs gets OutputError.
+    `before_commit` runs after the body and before the renames (the stage's run record): its error
+    publishes nothing."""
     with contextlib.ExitStack() as stack:
         outputs = OutputSet(stack)
         try:
             yield outputs
+            if before_commit is not None:
+                before_commit()
             _commit(outputs.staged)
         except OSError as exc:
             translated = _translate(exc, outputs.staged)

@@ -38,14 +38,17 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
+import tempfile
 import urllib.request
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from rcgrpo_tasks.ops import procs
+from rcgrpo_tasks.ops.io import OutputSet, atomic_outputs, claim_outputs, public_path
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 DEFAULT_ARTIFACTS = "./mlartifacts"
@@ -332,13 +335,40 @@ def stage_run(stage: str, config: Any = None, tags: Mapping[str, Any] | None = N
     except BaseException as exc:
         killed = isinstance(exc, (KeyboardInterrupt, procs.Terminated))
         _end(run_id, "KILLED" if killed else "FAILED", _describe(exc))
-        _OPEN_RUNS.remove(run_id)  # only now: if _end was cut short, the atexit hook ends the run
+        if run_id in _OPEN_RUNS:  # only now: if _end was cut short, the atexit hook ends the run
+            _OPEN_RUNS.remove(run_id)
         raise
     else:
-        _OPEN_RUNS.remove(run_id)
-        call("end_run", mlflow.end_run, status="FINISHED")
+        _finish(run_id)
     finally:
         procs.restore(handlers)
+
+
+def _finish(run_id: str) -> None:
+    """End run `run_id` FINISHED (once); a failure raises TrackingError."""
+    if run_id in _OPEN_RUNS:
+        _OPEN_RUNS.remove(run_id)
+        call("end_run", mlflow_module().end_run, status="FINISHED")
+
+
+@contextlib.contextmanager
+def published_run(stage: str, config: Any = None, outputs: tuple = (), tags: Mapping[str, Any] | None = None,
+                  variant: str | None = None, track: bool = True) -> Iterator[tuple[Any, OutputSet]]:
+    """A stage run whose outputs and record succeed or fail together; yields (run, staged outputs).
+
+    The outputs (`outputs`: final paths, claimed at once so a concurrent writer fails before any work) are
+    written into `staged` temps and logged from there inside the body. After the body the run is ended
+    FINISHED, THEN the outputs are renamed into place: a tracking server lost at any point publishes
+    nothing (exit 2, run FAILED or reaped); a failed rename ends the already-finished run FAILED. The
+    only window left is a crash between the two, which publishes nothing under a FINISHED run.
+    `track=False`: the same claim and all-or-nothing outputs without a run (yields None for it)."""
+    if not track:
+        with claim_outputs(*outputs), atomic_outputs() as staged:
+            yield None, staged
+        return
+    with claim_outputs(*outputs), stage_run(stage, config, tags, variant) as run:
+        with atomic_outputs(before_commit=lambda: _finish(run.info.run_id)) as staged:
+            yield run, staged
 
 
 def reap_orphans(exp_id: str | None = None, parent_run_id: str | None = None) -> list[str]:
@@ -382,12 +412,22 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None) -> None:
 
 
 def log_artifact(path: str | Path, artifact_path: str | None = None) -> None:
-    """Log a file, or a folder's contents, under `artifact_path`."""
+    """Log a file, or a folder's contents, under `artifact_path`. A staged output (`published_run`) is
+    logged under the name it will be published as, not its temp name."""
     path, mlflow = Path(path), mlflow_module()
     if not path.exists():
         raise TrackingError(f"artifact {path} does not exist")
-    fn = mlflow.log_artifacts if path.is_dir() else mlflow.log_artifact
-    call("log_artifact", fn, str(path), artifact_path)
+    if path.is_dir():
+        call("log_artifact", mlflow.log_artifacts, str(path), artifact_path)
+        return
+    final = public_path(path)
+    if final.name == path.name:
+        call("log_artifact", mlflow.log_artifact, str(path), artifact_path)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        named = Path(tmp) / final.name
+        shutil.copyfile(path, named)
+        call("log_artifact", mlflow.log_artifact, str(named), artifact_path)
 
 
 def log_files(paths: list[str | Path], artifact_path: str | None = None, missing_ok: bool = False) -> list[str]:
@@ -398,7 +438,7 @@ def log_files(paths: list[str | Path], artifact_path: str | None = None, missing
         if missing_ok and not path.exists():
             continue
         log_artifact(path, artifact_path)
-        logged.append(path.name)
+        logged.append(public_path(path).name)
     return logged
 
 

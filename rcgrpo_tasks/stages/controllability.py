@@ -52,7 +52,7 @@ from rcgrpo_tasks.evaluation.controllability import (
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config, read_params
-from rcgrpo_tasks.ops.io import atomic_outputs, write_json
+from rcgrpo_tasks.ops.io import write_json
 from rcgrpo_tasks.train.grpo import RLConfig
 
 
@@ -90,14 +90,14 @@ def main(
         backend = load_policy(model_dir, adapter_dir, cfg.decode.dtype, (tokens[-1], tokens[0]),
                               load_compute(params).device)  # before any MLflow run
     typer.echo(f"controllability: decoding on {backend.describe().get('device')}")
-    with tracking.stage_run("controllability", {"controllability": as_dict(cfg), "prompt": as_dict(prompt),
-                                                "rl": rl_record(rl), "adapter": str(adapter_dir), "tokens": list(tokens)}):
+    run_params = {"controllability": as_dict(cfg), "prompt": as_dict(prompt), "rl": rl_record(rl),
+                  "adapter": str(adapter_dir), "tokens": list(tokens)}
+    with tracking.published_run("controllability", run_params, outputs=(metrics, trajectories)) as (_, staged):
         result, trajs = measure(cfg, prompt, tokens, backend, picked, rl,
                                 {"model": str(model_dir), "adapter": str(adapter_dir)})
-        with atomic_outputs() as staged:
-            write_json(staged.file(metrics), result)
-            if trajectories:
-                write_trajectories(staged.file(trajectories), trajs)
+        write_json(staged.file(metrics), result)
+        if trajectories:
+            write_trajectories(staged.file(trajectories), trajs)
         tracking.log_metrics(_numbers(result))
         tracking.log_dict(result, "controllability.json")
     s, z = result["sampled"], result["zero_variance"]

@@ -49,7 +49,7 @@ from rcgrpo_tasks.evaluation.heldout import (
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config, read_params
-from rcgrpo_tasks.ops.io import atomic_dir, write_json, write_text
+from rcgrpo_tasks.ops.io import write_json, write_text
 
 
 def _log(folder: Path, rows: list[dict], summary: dict, official: dict | None) -> None:
@@ -92,22 +92,22 @@ def main(
     token = reward_token or None
     settings = {"model": str(model), "adapter": adapter or None, "reward_token": token, **as_dict(cfg),
                 "prompt": as_dict(prompt), "backend_info": backend.describe()}
-    with tracking.stage_run("evaluate", {k: v for k, v in settings.items() if k != "backend_info"},
-                            tags={"rcgrpo.eval_label": label}):
+    run_params = {k: v for k, v in settings.items() if k != "backend_info"}
+    with tracking.published_run("evaluate", run_params, outputs=(out,),
+                                tags={"rcgrpo.eval_label": label}) as (_, staged):
         trajs, rows, summary = run_eval(cfg, prompt, backend, held_out, token, label, tokens)
         official = None
         if cfg.official_full:
             o_trajs, o_rows, official = run_eval(cfg, PromptConfig(**{**as_dict(prompt), "protocol": "official"}), backend,
                                                 list(pool.values()), token, label, tokens)
-        with atomic_dir(out) as tmp:
-            tmp.chmod(0o755)
-            write_outputs(tmp, trajs, rows, summary)
-            if official:
-                write_outputs(tmp / "official", o_trajs, o_rows, official)
-            write_json(tmp / "metrics.json", {**summary, "settings": settings,
-                                              **({"official": official} if official else {})})
-            write_text(tmp / "report.md", report_markdown(summary, settings, official))
-            _log(tmp, rows, summary, official)
+        tmp = staged.dir(out)
+        write_outputs(tmp, trajs, rows, summary)
+        if official:
+            write_outputs(tmp / "official", o_trajs, o_rows, official)
+        write_json(tmp / "metrics.json", {**summary, "settings": settings,
+                                          **({"official": official} if official else {})})
+        write_text(tmp / "report.md", report_markdown(summary, settings, official))
+        _log(tmp, rows, summary, official)
     typer.echo(f"{label}: accuracy {summary['accuracy']:.1f}% on {summary['n']} held-out entries "
                f"({prompt.protocol}); wrote {out}")
 

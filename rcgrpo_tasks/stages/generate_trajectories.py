@@ -69,10 +69,12 @@ def main(
         prompt = load_config(PromptConfig, params, "prompt")
         check_prompt(cfg, prompt)
         device = load_compute(params).device
-    with tracking.stage_run("generate_trajectories", {**as_dict(cfg), "prompt": as_dict(prompt)}), cli_errors():
+    run_params = {**as_dict(cfg), "prompt": as_dict(prompt)}
+    with tracking.published_run("generate_trajectories", run_params, outputs=(out, metrics)) as (_, staged), \
+            cli_errors():
         rows, record = generate(cfg, prompt, entries, split, model_dir, device)
-        write_jsonl(out, (t.to_json() for t in rows))
-        write_json(metrics, record)
+        write_jsonl(staged.file(out), (t.to_json() for t in rows))
+        write_json(staged.file(metrics), record)
         tracking.log_metrics({"n_rows": record["n_rows"], "n_success": record["n_success"],
                               "n_failure": record["n_failure"], "success_fraction": record["success_fraction"],
                               "experts_dropped": record["experts_dropped"], "seconds": record["seconds"]["total"]})

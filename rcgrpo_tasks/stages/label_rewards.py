@@ -43,10 +43,11 @@ import typer
 
 from rcgrpo_tasks.data.dataset import GenerateConfig
 from rcgrpo_tasks.data.gate import ValidationFailed
-from rcgrpo_tasks.data.labels import LabelConfig, label_one
+from rcgrpo_tasks.data.labels import LabelConfig, labelled
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import GATE_EXIT, cli_errors, fail
 from rcgrpo_tasks.ops.config import as_dict, load_config
+from rcgrpo_tasks.ops.io import write_json, write_jsonl
 
 
 def _flat_metrics(record: dict) -> dict:
@@ -76,13 +77,16 @@ def main(
     with cli_errors():
         cfg = load_config(LabelConfig, params, "label_rewards")
         gen = load_config(GenerateConfig, params, "generate_trajectories")
-    with tracking.stage_run("label_rewards", {"label": as_dict(cfg), "reward": gen.reward, "dataset": dataset},
-                            tags={"rcgrpo.dataset": dataset}), cli_errors():
+    run_params = {"label": as_dict(cfg), "reward": gen.reward, "dataset": dataset}
+    with tracking.published_run("label_rewards", run_params, outputs=(out, metrics),
+                                tags={"rcgrpo.dataset": dataset}) as (_, staged), cli_errors():
         try:
-            record = label_one(dataset, cfg, gen, trajectories, validation, model_dir, out, metrics, policy or None,
-                               policy_validation or None)
+            rows, record = labelled(dataset, cfg, gen, trajectories, validation, model_dir, policy or None,
+                                    policy_validation or None)
         except ValidationFailed as exc:
             fail(exc, GATE_EXIT)
+        write_jsonl(staged.file(out), rows)
+        write_json(staged.file(metrics), record)
         tracking.log_metrics(_flat_metrics(record))
         tracking.log_dict(record, f"label_rewards_{dataset}_metrics.json")
     typer.echo(f"wrote {out}: {record['n_rows']} rows {record['class_balance']}"

@@ -18,12 +18,13 @@ def main(
                                           "cpu-long) or a YAML path."),
     base: Path | None = typer.Option(None, help="Base params file; default: the pristine params (OUT itself when "
                                                 "written by hand, else its committed version)."),
-    out: Path = typer.Option(Path("params.yaml"), help="Params file to write."),
+    out: Path = typer.Option(Path("params.yaml"), help="Params file to write (profiles are read from ./configs "
+                                                       "and the default base is ./params.yaml wherever it goes)."),
 ) -> None:
     """Write OUT = pristine base + the profile's sections (DVC then reruns what changed). Applying one
     profile after another never mixes them: the base is always the pristine params."""
     try:
-        merged = apply_profile(base, profile, out)
+        merged = apply_profile(base, profile, out, root=Path.cwd())
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import typer
 
-from rcgrpo_tasks.engine.source import PROVENANCE_FILE, PrepareModelConfig, prepare_model
+from rcgrpo_tasks.engine.source import PROVENANCE_FILE, PrepareModelConfig, write_model
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config
@@ -45,10 +45,11 @@ def main(
     """Turn the bundled SmolLM2 GGUF (or a hub id / folder) into a trainable HF folder."""
     with cli_errors():  # bad params, an unusable source, an unwritable --out: one line, exit 2
         cfg = load_config(PrepareModelConfig, params, "prepare_model")
-        with tracking.stage_run("prepare_model", as_dict(cfg)):
-            record = prepare_model(cfg, out)
+        with tracking.published_run("prepare_model", as_dict(cfg), outputs=(out,)) as (_, staged):
+            folder = staged.dir(out)
+            record = write_model(cfg, folder)
             tracking.log_metrics({"n_parameters": record["n_parameters"], "seconds": record["seconds"]})
-            tracking.log_artifact(out / PROVENANCE_FILE)
+            tracking.log_artifact(folder / PROVENANCE_FILE)
     typer.echo(f"wrote {out} ({record['architecture']}, {record['n_parameters'] / 1e6:.1f}M params, "
                f"{cfg.dtype}) in {record['seconds']} s")
 

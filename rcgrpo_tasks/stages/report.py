@@ -74,26 +74,33 @@ def main(
         if mechanism is not None and not step_files:
             raise InputError("--mechanism needs the runs' per-step TSVs (--steps LABEL=TSV)")
     md = markdown_table(rows)
-    write_text(table, md)
-    write_json(json_out, {"rows": {r["label"]: r for r in rows}, "paper_table1_overall": PAPER_TABLE1_OVERALL})
-    accuracy_plot(rows, plot_out, dict(ROWS))
-    if mechanism is not None:
-        plot_mechanism(step_files, mechanism)
+    outputs = (table, json_out, plot_out, mechanism)
+    with tracking.published_run("report", {"eval": eval_, "rl": rl, "seed": seed}, outputs=outputs,
+                                track=track) as (_, staged):
+        files = [staged.file(table), staged.file(json_out), staged.file(plot_out)]
+        write_text(files[0], md)
+        write_json(files[1], {"rows": {r["label"]: r for r in rows}, "paper_table1_overall": PAPER_TABLE1_OVERALL})
+        accuracy_plot(rows, files[2], dict(ROWS))
+        if mechanism is not None:
+            files.append(staged.file(mechanism))
+            plot_mechanism(step_files, files[-1])
+        if track:
+            _log(rows, files)
     typer.echo(md)
-    if track:
-        with tracking.stage_run("report", {"eval": eval_, "rl": rl, "seed": seed}):
-            metrics = {}
-            for r in rows:
-                metrics[f"{r['label']}/overall_acc"] = r["overall"]["accuracy"]
-                for cat, c in r["categories"].items():
-                    metrics[f"{r['label']}/{cat}_acc"] = c["accuracy"]
-            tracking.log_metrics({k: v for k, v in metrics.items() if not math.isnan(v)})
-            tracking.log_table([{"model": row_name(r["label"]), "n": r["n"],
-                                 "overall_acc": r["overall"]["accuracy"], "ci_lo": r["overall"]["ci"][0],
-                                 "ci_hi": r["overall"]["ci"][1], "paper_table1": r["paper_table1_overall"]}
-                                for r in rows], "report_table")
-            tracking.log_files([table, json_out, plot_out, *([mechanism] if mechanism else [])], "report")
 
+
+def _log(rows: list[dict], files: list[Path]) -> None:
+    metrics = {}
+    for r in rows:
+        metrics[f"{r['label']}/overall_acc"] = r["overall"]["accuracy"]
+        for cat, c in r["categories"].items():
+            metrics[f"{r['label']}/{cat}_acc"] = c["accuracy"]
+    tracking.log_metrics({k: v for k, v in metrics.items() if not math.isnan(v)})
+    tracking.log_table([{"model": row_name(r["label"]), "n": r["n"],
+                         "overall_acc": r["overall"]["accuracy"], "ci_lo": r["overall"]["ci"][0],
+                         "ci_hi": r["overall"]["ci"][1], "paper_table1": r["paper_table1_overall"]}
+                        for r in rows], "report_table")
+    tracking.log_files(files, "report")
 
 if __name__ == "__main__":
     app()

@@ -23,7 +23,8 @@ and `train/grpo_trainer.py`, the method docs/rl.md):
    95 % bootstrap CIs over steps (`mechanism`); `train.diagnostics.plot_mechanism` draws GRPO vs RC-GRPO.
 6. Checkpoints every `save_steps` into `--checkpoints` (a DVC `persist` output); a re-run with the same
    params, inputs and training code resumes from the last one (other runs' checkpoints are discarded).
-   SIGTERM (dvc / Prefect cancel): the current step is checkpointed, the MLflow run ends FAILED, exit 143.
+   SIGTERM (dvc / Prefect cancel): one line on stderr; the current step is checkpointed (or, past
+   `runs.STOP_GRACE_S`, the run stops at once), the MLflow run ends KILLED, nothing is published, exit 143.
 7. Placement: params `compute.device` (auto | cpu | cuda); one stderr line says where it trains, the
    metrics JSON and MLflow params carry `placement`; the rollout copy lives on the policy's device. A
    micro-batch that runs out of memory is halved and the accumulation doubled (same batch), with a warning.

@@ -38,7 +38,7 @@ from rcgrpo_tasks.env.protocols import GOAL_RESERVE, PromptConfig
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import Progress, cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config
-from rcgrpo_tasks.ops.io import InputError, atomic_outputs, write_json
+from rcgrpo_tasks.ops.io import InputError, write_json
 
 app = typer.Typer(add_completion=False)
 
@@ -69,8 +69,8 @@ def main(
         backend.max_positions = min(backend.max_positions, gen.max_tokens or model_context(model_dir) - GOAL_RESERVE)
     typer.echo(f"sample_policy: decoding on {backend.describe().get('device', cfg.decode.backend)}")
     origin = {"model": str(model_dir), "adapter": adapter_dir or None, "policy_backend": cfg.decode.backend}
-    with tracking.stage_run("sample_policy", {"sample_policy": as_dict(cfg), "prompt": as_dict(prompt),
-                                              "reward": gen.reward, **origin}), cli_errors():
+    run_params = {"sample_policy": as_dict(cfg), "prompt": as_dict(prompt), "reward": gen.reward, **origin}
+    with tracking.published_run("sample_policy", run_params, outputs=(out, metrics)) as (_, staged), cli_errors():
         bar = Progress(len(chosen) * cfg.max_samples_per_entry, "on-policy samples (at most)")
         try:
             rows, record = sample_policy(backend, chosen, cfg, prompt.protocol_config(cfg.decode.max_outputs), gen.reward,
@@ -79,9 +79,8 @@ def main(
             bar.close()
         record["n_train_entries"] = len(train)
         record["reward_fn"] = gen.reward
-        with atomic_outputs() as staged:
-            write_trajectories(staged.file(out), rows)
-            write_json(staged.file(metrics), record)
+        write_trajectories(staged.file(out), rows)
+        write_json(staged.file(metrics), record)
         tracking.log_metrics({k: v for k, v in record.items()
                               if isinstance(v, (int, float)) and not isinstance(v, bool)})
         tracking.log_dict(record, "sample_policy_metrics.json")

@@ -11,7 +11,8 @@ Writes: `--out` (atomically): a standard PEFT adapter folder + the extended toke
 (or, with `full_finetune`, a full model folder); `--metrics` (JSON summary), `--plots` (per-step TSV for
 `dvc plots`); `--checkpoints` (periodic Trainer checkpoints, a DVC `persist` output: a killed run re-run
 with the same params, inputs and training code resumes from the last complete one; others discard them).
-SIGTERM (dvc / Prefect cancel): the current step is checkpointed, the MLflow run ends FAILED, exit 143.
+SIGTERM (dvc / Prefect cancel): one line on stderr; the current step is checkpointed (or, past `runs.STOP_GRACE_S`,
+the run stops at once), the MLflow run ends KILLED, nothing is published, exit 143.
 MLflow (via `tracking`): params (config, data/model hashes), step metrics (loss, lr, grad norm, tokens/s),
 system metrics, the final adapter (`mlflow.transformers`, base = the local model folder).
 

@@ -29,6 +29,7 @@ data/trajectories.jsonl --split data/split.json --model-dir models/base --out-di
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import typer
@@ -61,15 +62,20 @@ def main(
         cfg = load_config(ValidateConfig, params, "validate_trajectories")
         gen = load_config(GenerateConfig, params, "generate_trajectories")
         prompt = load_config(PromptConfig, params, "prompt")
-    with tracking.stage_run("validate_trajectories", {"validate": as_dict(cfg), "reward": gen.reward,
-                                                      "success_fraction": gen.success_fraction,
-                                                      "protocol": prompt.protocol}), cli_errors():
-        record, fails, text = validate(cfg, gen, prompt, trajectories, split, model_dir, out_dir, balance, metrics)
+    run_params = {"validate": as_dict(cfg), "reward": gen.reward, "success_fraction": gen.success_fraction,
+                  "protocol": prompt.protocol}
+    with tracking.published_run("validate_trajectories", run_params, outputs=(out_dir, metrics)) as (_, staged), \
+            cli_errors(), tempfile.TemporaryDirectory() as docs:
+        record, fails, text = validate(cfg, gen, prompt, trajectories, split, model_dir, out_dir, balance, metrics,
+                                       staged=staged, docs_dir=Path(docs))
         tracking.log_metrics({k: v for k, v in record.items() if isinstance(v, (int, float))})
-        tracking.log_artifact(out_dir / RESULT_FILE)
-        if fails:
-            typer.echo(f"{text}\nfull result: {out_dir / RESULT_FILE}", err=True)
-            raise typer.Exit(GATE_EXIT)
+        tracking.set_tags({"rcgrpo.gate": "passed" if not fails else "failed"})
+        tracking.log_artifact(staged.temp(out_dir) / RESULT_FILE)
+        if cfg.data_docs:
+            tracking.log_artifact(Path(docs), "data_docs")
+    if fails:  # the failed result is published (to inspect); the stage fails
+        typer.echo(f"{text}\nfull result: {out_dir / RESULT_FILE}", err=True)
+        raise typer.Exit(GATE_EXIT)
     typer.echo(f"{trajectories}: all {record['n_expectations']} expectations passed ({record['n_rows']} rows, "
                f"success fraction {record['success_fraction']}); wrote {out_dir}")
 

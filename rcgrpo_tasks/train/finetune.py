@@ -30,7 +30,7 @@ from typing import Any, Literal
 from rcgrpo_tasks.data.chat import assistant_token_mask
 from rcgrpo_tasks.env.protocols import format_reward_goal
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, from_dict
-from rcgrpo_tasks.ops.io import InputError, atomic_dir, read_jsonl, write_json
+from rcgrpo_tasks.ops.io import InputError, read_jsonl, write_json
 from rcgrpo_tasks.train import runs
 from rcgrpo_tasks.train.adapters import (
     REWARD_TOKEN_INITS,
@@ -389,9 +389,9 @@ def fingerprint(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun) -> str:
 # ---------------------------------------------------------------------------------------------- results
 
 
-def save_trained(trainer, out: Path, meta: dict) -> None:
-    """Atomically write the adapter (or full model) + tokenizer + `meta` (META_FILE). Every process calls it:
-    under DeepSpeed it is collective."""
+def save_trained(trainer, out: Path, folder: Path | None, meta: dict) -> None:
+    """Write the adapter (or full model) + tokenizer + `meta` (META_FILE) into `folder`, the staged output
+    `out` (main process; None on the others). Every process calls it: under DeepSpeed it is collective."""
     staging = out.with_name(f".{out.name}.staging")
     main = trainer.accelerator.is_main_process
     if main and staging.exists():
@@ -401,9 +401,8 @@ def save_trained(trainer, out: Path, meta: dict) -> None:
     if main:
         (staging / "training_args.bin").unlink(missing_ok=True)
         write_json(staging / META_FILE, meta)
-        with atomic_dir(out) as tmp:
-            tmp.rmdir()
-            staging.rename(tmp)
+        folder.rmdir()
+        staging.rename(folder)
 
 
 def curve(log_history: list[dict]) -> list[dict]:

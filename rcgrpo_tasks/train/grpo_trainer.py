@@ -324,22 +324,21 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     return trainer, resume, rollout
 
 
-def save_policy(trainer, cfg: RLConfig, spec: RLRun, provenance: dict) -> None:
-    """Atomically write the policy to `spec.out`: init + RL LoRA merged (+ `rl_adapter/`), or the full model,
-    with the tokenizer and `provenance` (MODEL_META_FILE). Every process must call it: under DeepSpeed
-    ZeRO-3 `save_model` gathers the sharded weights."""
+def save_policy(trainer, cfg: RLConfig, spec: RLRun, folder: Path | None, provenance: dict) -> None:
+    """Write the policy into `folder`, the staged `spec.out` (main process; None on the others): init + RL
+    LoRA merged (+ `rl_adapter/`), or the full model, with the tokenizer and `provenance` (MODEL_META_FILE).
+    Every process must call it: under DeepSpeed ZeRO-3 `save_model` gathers the sharded weights."""
     final = spec.checkpoints / "final"
     if cfg.full_finetune:
         trainer.save_model(str(final))
     if not trainer.accelerator.is_main_process:
         return
-    with atomic_dir(spec.out) as tmp:
-        if cfg.full_finetune:
-            for f in final.iterdir():
-                shutil.move(str(f), tmp / f.name)
-        else:
-            model = trainer.accelerator.unwrap_model(trainer.model)
-            model.save_pretrained(tmp / "rl_adapter")
-            model.merge_and_unload().save_pretrained(tmp)
-        trainer.processing_class.save_pretrained(tmp)
-        write_json(tmp / MODEL_META_FILE, provenance)
+    if cfg.full_finetune:
+        for f in final.iterdir():
+            shutil.move(str(f), folder / f.name)
+    else:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        model.save_pretrained(folder / "rl_adapter")
+        model.merge_and_unload().save_pretrained(folder)
+    trainer.processing_class.save_pretrained(folder)
+    write_json(folder / MODEL_META_FILE, provenance)

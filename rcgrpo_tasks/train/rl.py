@@ -51,24 +51,29 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
     params = {"rl": as_dict(cfg), "prompt": as_dict(protocol), "tokens": list(levels),
               "run": {**tags, "adapter": str(spec.adapter_dir)}, "compute": as_dict(compute)}
     stage = f"rl@{spec.name}"
-    with runs.stop_on_signal() as stop, runs.tracked_run(track, stage, params, tags):
+    with runs.stop_on_signal() as stop, runs.published(main_proc, track, stage, params, tags,
+                                                        spec.outputs) as (_, staged):
 
         def attempt(micro: int, accum: int):
             trainer, resume, _ = build_trainer(cfg, protocol, levels, spec, [stop, *(callbacks or [])], track=track,
                                                device=device, micro_batch=micro)
             place = runs.record_placement(trainer, stage, device, track)
             t0 = time.perf_counter()
-            return trainer, resume, place, trainer.train(resume_from_checkpoint=resume), t0
+            with runs.disk_errors(spec.checkpoints):
+                return trainer, resume, place, trainer.train(resume_from_checkpoint=resume), t0
 
         grad_accum = cfg.batch_size // cfg.micro_batch_size  # fit_micro_batch's bookkeeping; TRL's comes from check_world
         run, micro, _ = runs.fit_micro_batch(attempt, cfg.micro_batch_size, grad_accum, stage)
         trainer, resume, place, result, t0 = run
         stop.check()
-        save_policy(trainer, cfg, spec, {
+        folder = staged.dir(spec.out) if main_proc else None
+        provenance = {
             "stage": "rl", "init": spec.init, "algo": spec.algo, "conditioning": mode,
             "base_model": str(spec.model_dir), "init_adapter": str(spec.adapter_dir) if spec.adapter_dir else None,
             "steps": trainer.state.global_step, "config": as_dict(cfg), "protocol": protocol.record(),
-            "reward_tokens": list(levels)})
+            "reward_tokens": list(levels)}
+        with runs.disk_errors(spec.out):
+            save_policy(trainer, cfg, spec, folder, provenance)
         if not main_proc:
             return {}
         rows = [r for r in runs.read_tsv(spec.checkpoints / DIAGNOSTICS_FILE) if r["step"] <= trainer.state.global_step]
@@ -76,11 +81,11 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
                    "resumed_from": resume, "train_s": time.perf_counter() - t0,
                    "train_loss": result.training_loss, "placement": place, "micro_batch": micro,
                    "grad_accum": trainer.args.gradient_accumulation_steps}
-        spec.write_results(rows, PLOT_COLUMNS, summary)
+        spec.write_results(staged, rows, PLOT_COLUMNS, summary)
         if track:
             tracking.log_metrics({f"summary/{k}": v for k, v in summary.items()
                                   if isinstance(v, (int, float)) and not isinstance(v, bool)})
             tracking.log_metrics({f"summary/{col}_{k}": v for col, stats in summary["mechanism"].items()
                                   for k, v in stats.items() if v is not None})
-            spec.log_results(spec.out / MODEL_META_FILE)
+            spec.log_results(staged, folder / MODEL_META_FILE)
     return summary

@@ -20,12 +20,14 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import importlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -39,9 +41,9 @@ import yaml
 
 from rcgrpo_tasks.engine.device import MemorySplitWarning, free_memory, is_memory_error, placement, resolve_device
 from rcgrpo_tasks.engine.models import bf16_supported
-from rcgrpo_tasks.ops import tracking
+from rcgrpo_tasks.ops import procs, tracking
 from rcgrpo_tasks.ops.config import ConfigError, as_dict
-from rcgrpo_tasks.ops.io import write_json, write_text
+from rcgrpo_tasks.ops.io import OutputError, OutputSet, write_json, write_text
 
 T = TypeVar("T")
 FINGERPRINT_FILE = "rcgrpo_fingerprint.json"
@@ -281,23 +283,56 @@ class RunSpec:
     metrics: Path | None
     plots: Path | None
 
-    def write_results(self, rows: list[dict], columns: tuple[str, ...], summary: dict) -> None:
-        """The plots TSV (`rows`) and the metrics JSON (`summary`), where configured."""
-        if self.plots:
-            write_tsv(self.plots, rows, columns)
-        if self.metrics:
-            write_json(self.metrics, summary)
+    @property
+    def outputs(self) -> tuple[Path | None, ...]:
+        """What a run publishes (claimed before training, so a second run into them fails at once) and its
+        resume state (claimed too: two runs must never train into one checkpoint folder)."""
+        return (self.out, self.metrics, self.plots, self.checkpoints)
 
-    def log_results(self, *extra: Path) -> None:
-        """The result files (metrics, plots, `extra`) that exist, as artifacts of the active MLflow run."""
-        for path in (self.metrics, self.plots, *extra):
-            if path and Path(path).is_file():
+    def write_results(self, staged: OutputSet, rows: list[dict], columns: tuple[str, ...], summary: dict) -> None:
+        """The plots TSV (`rows`) and the metrics JSON (`summary`), where configured, staged in `staged`."""
+        if self.plots:
+            write_tsv(staged.file(self.plots), rows, columns)
+        if self.metrics:
+            write_json(staged.file(self.metrics), summary)
+
+    def log_results(self, staged: OutputSet, *extra: Path) -> None:
+        """The staged result files (metrics, plots) and `extra`, as artifacts of the active MLflow run."""
+        for path in [staged.temp(p) for p in (self.metrics, self.plots) if p] + list(extra):
+            if Path(path).is_file():
                 tracking.log_artifact(path)
 
 
-def tracked_run(track: bool, stage: str, params: dict, tags: dict):
-    """The stage's MLflow run (`tracking.stage_run`), or a no-op context when `track` is off."""
-    return tracking.stage_run(stage, params, tags=tags) if track else contextlib.nullcontext()
+DISK_FULL = re.compile(r"no space left|file too large|disk quota|file write failed|failed writing file|"
+                       r"filetoolarge|storagefull|os error (27|28|122)", re.I)
+"""How torch's zip writer (`inline_container.cc`: RuntimeError) and safetensors (SafetensorError) report a
+full disk or a file over the filesystem's limit: neither raises OSError, and neither names the path."""
+
+
+@contextlib.contextmanager
+def disk_errors(path: Path) -> Iterator[None]:
+    """Turn a write that failed for lack of space (an OSError, or torch's / safetensors' own errors,
+    `DISK_FULL`) into an OutputError naming `path` (one line from the `rcgrpo` entry point, exit 2)."""
+    try:
+        yield
+    except Exception as exc:
+        if isinstance(exc, OutputError) or not (
+                isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+                or DISK_FULL.search(str(exc))):
+            raise
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise OutputError(f"{path}: could not be written (disk full or file too large: {first})") from exc
+
+
+@contextlib.contextmanager
+def published(main: bool, track: bool, stage: str, params: dict, tags: dict, outputs: tuple):
+    """(run, staged outputs) of a training run (`tracking.published_run`: outputs claimed at once, published
+    together with the run record) on the main process; (None, None) on the others, which write nothing."""
+    if not main:
+        yield None, None
+        return
+    with tracking.published_run(stage, params, outputs=outputs, tags=tags, track=track) as pair:
+        yield pair
 
 
 # ---------------------------------------------------------------------------------------------- classes
@@ -351,13 +386,19 @@ def step_metrics(marker: str = "loss", derived: Callable[[dict, int], dict] | No
 # ---------------------------------------------------------------------------------------------- signals
 
 
-class Interrupted(SystemExit):
-    """A stop signal ended the run: exit status 128 + signal (143 for SIGTERM). A SystemExit, so no
-    `except Exception` swallows it; the MLflow run ends FAILED and no output is written."""
+STOP_GRACE_S = 30.0
+"""After a stop signal, how long the current optimizer step may run on to end on a checkpoint; past it the run
+stops at once and resumes from the last periodic checkpoint (`save_steps`)."""
+
+
+class Interrupted(procs.Terminated):
+    """A stop signal ended the run: exit status `code` = 128 + signal (143 for SIGTERM). A `Terminated`, so
+    no `except Exception` swallows it, the MLflow run ends KILLED, nothing is published, and the `rcgrpo`
+    entry point prints one line."""
 
     def __init__(self, signum: int):
-        super().__init__(128 + signum)
-        self.signum = signum
+        super().__init__(signum)
+        self.code = 128 + signum
 
 
 def _any_process(flag: bool, device) -> bool:
@@ -384,8 +425,13 @@ class StopOnSignalMixin:
 
     def handle(self, signum, frame) -> None:
         if self.received is not None or not self.training:
-            raise Interrupted(signum)
+            raise Interrupted(self.received or signum)
         self.received = signum
+        print(f"{signal.Signals(signum).name} received: stopping after the current step (checkpointed), or in "
+              f"{STOP_GRACE_S:.0f} s from the last checkpoint", file=sys.stderr, flush=True)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGALRM, self.handle)  # the grace ran out: the second-signal path
+            signal.setitimer(signal.ITIMER_REAL, STOP_GRACE_S)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.training = True
@@ -400,6 +446,7 @@ class StopOnSignalMixin:
     def check(self) -> None:
         """Raise `Interrupted` if a signal stopped training (on any process)."""
         if self.stopped:
+            signal.setitimer(signal.ITIMER_REAL, 0)
             raise Interrupted(self.received or signal.SIGTERM)
 
 
@@ -410,8 +457,12 @@ def stop_on_signal(signals: tuple[int, ...] = (signal.SIGTERM,)) -> Iterator[Any
     callback = lazy_subclass(StopOnSignalMixin, "transformers.TrainerCallback")()
     installed = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, callback.handle) for s in signals} if installed else {}
+    alarm = signal.getsignal(signal.SIGALRM) if installed else None
     try:
         yield callback
     finally:
+        if installed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, alarm)
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -54,8 +54,11 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbac
     compute = compute or ComputeConfig()
     device = runs.train_device(compute.device)
     rows = balanced_order(load_rows(spec.data, tokens, cfg.require_reward_token), cfg.seed)
+    n_rows = min(len(rows), cfg.max_examples or len(rows))
+    if cfg.batch_size > n_rows:  # it would only grow padding until memory runs out
+        raise ConfigError(f"sft.batch_size {cfg.batch_size} exceeds the {n_rows} row(s) trained from {spec.data}")
     fp = fingerprint(cfg, tokens, spec)  # the requested micro-batch: a fitted one resumes the same run
-    track = track and PartialState().is_main_process
+    track = track and PartialState().is_main_process  # MLflow, outputs and bookkeeping: main process only
     hashes = {"data_md5": runs.file_md5(spec.data), "model_fingerprint": runs.dir_fingerprint(spec.model_dir)[:16],
               **{f"dvc:{k}": v for k, v in runs.dvc_hashes([spec.data, spec.model_dir]).items()}}
     params = {"sft": as_dict(cfg), "variant": spec.variant, "tokens": list(tokens), "inputs": hashes,
@@ -63,7 +66,9 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbac
     if track:
         os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "true")
     stage = f"sft@{spec.variant}"
-    with runs.stop_on_signal() as stop, runs.tracked_run(track, stage, params, {"sft.variant": spec.variant}):
+    main = PartialState().is_main_process
+    with runs.stop_on_signal() as stop, runs.published(main, track, stage, params, {"sft.variant": spec.variant},
+                                                        spec.outputs) as (_, staged):
         own = [runs.step_metrics("loss")] if track else []
 
         def attempt(micro: int, accum: int):
@@ -72,14 +77,15 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbac
                                   spec.checkpoints, [*own, stop, *(callbacks or [])], device=device)
             place = runs.record_placement(built[0], stage, device, track)
             t0 = time.perf_counter()
-            result = built[0].train(resume_from_checkpoint=resume)
+            with runs.disk_errors(spec.checkpoints):
+                result = built[0].train(resume_from_checkpoint=resume)
             return built, place, resume, result, time.perf_counter() - t0
 
         run, micro, accum = runs.fit_micro_batch(attempt, cfg.batch_size, cfg.grad_accum, stage)
         (trainer, tokenizer, token_ids, stats), place, resume, result, seconds = run
         stop.check()
-        if not trainer.accelerator.is_main_process:
-            save_trained(trainer, spec.out, {})
+        if not main:
+            save_trained(trainer, spec.out, None, {})
             return {}
         steps = curve(trainer.state.log_history)
         summary = {"variant": spec.variant, **summarize(trainer, result, stats, steps, seconds),
@@ -89,19 +95,21 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbac
         meta = {"stage": "sft", "variant": spec.variant, "base_model": str(spec.model_dir),
                 "full_finetune": cfg.full_finetune, "special_tokens": summary["special_tokens"],
                 "config": as_dict(cfg), "inputs": hashes, "steps": summary["steps"]}
-        save_trained(trainer, spec.out, meta)
-        spec.write_results(steps, PLOT_COLUMNS, summary)
+        folder = staged.dir(spec.out)
+        with runs.disk_errors(spec.out):
+            save_trained(trainer, spec.out, folder, meta)
+        spec.write_results(staged, steps, PLOT_COLUMNS, summary)
         if track:
-            _log_outputs(trainer, tokenizer, spec, summary, cfg)
+            _log_outputs(trainer, tokenizer, spec, summary, cfg, staged, folder)
     if not cfg.keep_checkpoints:  # the folder (a DVC persist output) stays, with its fingerprint only
         runs.clear_checkpoints(spec.checkpoints)
     return summary
 
 
-def _log_outputs(trainer, tokenizer, spec: SftRun, summary: dict, cfg: SftConfig) -> None:
+def _log_outputs(trainer, tokenizer, spec: SftRun, summary: dict, cfg: SftConfig, staged, folder: Path) -> None:
     flat = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     flat.update({f"data.{k}": v for k, v in summary["data"].items()})
     tracking.log_metrics({f"summary/{k}": v for k, v in flat.items()})
-    spec.log_results(spec.out / META_FILE)
+    spec.log_results(staged, folder / META_FILE)
     if cfg.log_model and not cfg.full_finetune:
         log_model(trainer.accelerator.unwrap_model(trainer.model), tokenizer, spec.model_dir)
