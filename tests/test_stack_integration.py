@@ -187,6 +187,8 @@ def test_registry_alias_moves_only_for_a_better_model(lab, first_run):
         evals.mkdir(parents=True, exist_ok=True)
         rows = [{"id": f"multi_turn_base_{i}", "protocol": "paper", "valid": i < acc * 0.4} for i in range(40)]
         (evals / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        # the settings each evaluation ran under: the gate pairs only evaluations made alike
+        (evals / "metrics.json").write_text(json.dumps({"settings": {"limit": 40, "max_new_tokens": 64}}))
         out_json = root / f"decision_{acc}.json"
         out = run([str(BIN / "rcgrpo"), "promote", "--params", str(params), "--eval-dir", str(evals.parent),
                    "--candidate", f"rctp-rc_grpo={model}", "--out", str(out_json)], root, env, lab["log"])
