@@ -32,6 +32,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rl": ("rcgrpo_tasks.stages.rl", "GRPO / RC-GRPO on TRL GRPOTrainer over the multi-turn rollout engine."),
     "report": ("rcgrpo_tasks.stages.report", "Assemble the results table (with CIs and the paper's numbers) and plot."),
     "promote": ("rcgrpo_tasks.stages.promote", "Register the best RC-GRPO adapter and move the `champion` alias if it wins."),
+    "plan": ("rcgrpo_tasks.stages.plan", "Write the DVC pipeline as a plan that runs without DVC (for a GPU host)."),
+    "run-plan": ("rcgrpo_tasks.stages.run_plan", "Run a plan from `rcgrpo plan` without DVC; bundle the results."),
     "stack": ("rcgrpo_tasks.stages.stack", "Start/stop/check the local stack: Prefect, MLflow, SeaweedFS S3."),
 }
 

@@ -134,8 +134,20 @@ def profile_path(profile: str, root: str | Path = ".", sections: set[str] | None
     return path
 
 
+def profile_layers(profile: str) -> list[str]:
+    """`gpu+smoke` -> ['gpu', 'smoke']: profiles layered left to right (the later wins key by key), e.g. one
+    profile's switches with another's budgets; a path to an existing overlay file is one layer as it is."""
+    if Path(profile).is_file():
+        return [profile]
+    layers = [p.strip() for p in profile.split("+")]
+    if not all(layers):
+        raise ConfigError(f"profile {profile!r}: empty layer (layers are joined by '+', e.g. gpu+smoke)")
+    return layers
+
+
 def apply_profile(base: str | Path | None, profile: str, out: str | Path, root: str | Path | None = None) -> dict:
-    """Write `out` = pristine base params + the profile's sections deep-merged; returns the merged params.
+    """Write `out` = pristine base params + the profile's sections deep-merged (a layered `a+b`: a, then b
+    over it; `profile_layers`); returns the merged params.
 
     `root`: the project whose `configs/` holds the profiles and whose `params.yaml` is the default base
     (default: `out`'s folder). `base` None = `pristine_params(out)`, or of `root/params.yaml` when `out` is
@@ -156,17 +168,19 @@ def apply_profile(base: str | Path | None, profile: str, out: str | Path, root: 
         raise ConfigError(f"{origin}: not valid YAML: {exc}") from exc
     if not isinstance(params, dict):
         raise ConfigError(f"{origin}: top level must be a mapping")
-    overlay_path = profile_path(profile, root, set(params))
-    if overlay_path is None:
+    paths = [p for p in (profile_path(name, root, set(params)) for name in profile_layers(profile)) if p is not None]
+    if not paths:
         if not out.is_file() or out.read_text() != text:
             write_text(out, text)
         return params
-    overlay = read_params(overlay_path)
-    unknown = sorted(set(overlay) - set(params))
-    if unknown:
-        raise ConfigError(f"{overlay_path}: section(s) {unknown} are not in {origin}; sections: {sorted(params)}")
-    merged = _deep_merge(params, overlay)
-    header = f"{GENERATED}{profile}` from {origin} + {overlay_path}. Edit those instead.\n"
+    merged = params
+    for overlay_path in paths:
+        overlay = read_params(overlay_path)
+        unknown = sorted(set(overlay) - set(params))
+        if unknown:
+            raise ConfigError(f"{overlay_path}: section(s) {unknown} are not in {origin}; sections: {sorted(params)}")
+        merged = _deep_merge(merged, overlay)
+    header = f"{GENERATED}{profile}` from {origin} + {' + '.join(map(str, paths))}. Edit those instead.\n"
     if origin == str(out):  # about to replace a hand-written file: keep it as the pristine base
         write_text(pristine_copy(out), text)
     write_text(out, header + yaml.safe_dump(merged, sort_keys=False))

@@ -14,8 +14,9 @@ app = typer.Typer(add_completion=False, help="Materialize a profile overlay into
 
 @app.command()
 def main(
-    profile: str = typer.Option(..., help="Profile: default (no overlay), a name in configs/ (smoke, paper, "
-                                          "cpu-long) or a YAML path."),
+    profile: str = typer.Option(..., help="Profile: default (no overlay), a name in configs/ (smoke, gpu, "
+                                          "paper, cpu-long), a YAML path, or layers joined by '+' "
+                                          "(gpu+smoke: the gpu switches with the smoke budgets)."),
     base: Path | None = typer.Option(None, help="Base params file; default: the pristine params (OUT itself when "
                                                 "written by hand, else its committed version)."),
     out: Path = typer.Option(Path("params.yaml"), help="Params file to write (profiles are read from ./configs "

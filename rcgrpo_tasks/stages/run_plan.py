@@ -1,0 +1,52 @@
+"""`rcgrpo run-plan --plan plan.json --bundle run.tar.gz`: run the pipeline where DVC is not installed.
+
+Runs the plan `rcgrpo plan` wrote, in its order, by the rule of `ops.pipeline` (a stage DVC found stale
+runs; an up-to-date one runs only if an output is missing here), stops at the first failing stage, and
+rewrites `--bundle` after every stage: per-stage wall times (`timings.json`) and logs, the plan, params.yaml,
+every metric, plot and table, and the small per-entry outputs, in one file small enough to copy back.
+`--dry-run` prints what would run and why. Exit 0, or 2 naming the failing stage and its log.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from rcgrpo_tasks.ops import pipeline
+from rcgrpo_tasks.ops.cli import cli_errors, fail
+
+app = typer.Typer(add_completion=False, help="Run a plan from `rcgrpo plan` without DVC.")
+
+
+@app.command()
+def main(
+    plan: Path = typer.Option(..., help="Plan file from `rcgrpo plan`."),
+    root: Path = typer.Option(Path("."), help="Project root the stage commands run in."),
+    stages: list[str] | None = typer.Option(None, "--stage", help="Only these stages (names or prefixes such "
+                                                                  "as `evaluate`) and what they need; repeatable."),
+    bundle: Path | None = typer.Option(None, help="Results bundle (.tar.gz), rewritten after every stage."),
+    logs: Path = typer.Option(Path("logs/run-plan"), help="One log per stage."),
+    dry_run: bool = typer.Option(False, help="Print what would run and why; run nothing."),
+) -> None:
+    """Run the plan's stages that must run here; bundle the results."""
+    with cli_errors():
+        planned, meta = pipeline.read_plan(plan)
+        planned = pipeline.select(planned, stages)
+    typer.echo(f"[run-plan] {plan}: {len(planned)} stages, profile {meta.get('profile', '?')}, "
+               f"commit {meta.get('commit', '?')}")
+    if dry_run:
+        typer.echo("\n".join(pipeline.describe(planned, root)))
+        return
+    record = pipeline.run_plan(planned, root, logs, bundle, extra=[plan, root / "params.yaml"])
+    typer.echo(pipeline.timing_table(record))
+    if bundle is not None:
+        typer.echo(f"[run-plan] bundle: {bundle} ({bundle.stat().st_size / 2**20:.1f} MB)")
+    failed = [(name, run) for name, run in record.stages.items() if run.status == "failed"]
+    if failed:
+        name, run = failed[0]
+        fail(f"run-plan: stage {name} failed (exit {run.rc}); its log: {run.log}")
+
+
+if __name__ == "__main__":
+    app()
