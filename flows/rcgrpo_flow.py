@@ -51,7 +51,7 @@ import yaml
 from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run, task_run
 
-from rcgrpo_tasks.ops import config, procs, tracking
+from rcgrpo_tasks.ops import config, pipeline, procs, tracking
 
 BIN = Path(sys.executable).parent
 SKIP_MARKERS = ("didn't change, skipping", "is cached - skipping run")
@@ -68,41 +68,13 @@ class TransferFailed(RuntimeError):
 # -- pure helpers (unit-tested without Prefect) ---------------------------------------------------------
 
 def discover_stages(repo_dir: str | Path) -> dict[str, list[str]]:
-    """{stage: [upstream stages]} for every dvc.yaml stage, foreach/matrix expanded, in topological order."""
-    import networkx as nx
-    from dvc.repo import Repo
-    from dvc.stage import PipelineStage
-
-    with Repo(str(repo_dir)) as repo:
-        graph = repo.index.graph  # edges point from a stage to the stages it depends on
-        order = {s: i for i, s in enumerate(repo.index.stages)}
-        stages = [s for s in nx.lexicographical_topological_sort(graph.reverse(), key=lambda s: order[s])
-                  if isinstance(s, PipelineStage)]
-        def address(stage) -> str:  # like Stage.addressing, but relative to the repo, not to the cwd
-            rel = os.path.relpath(stage.dvcfile.path, repo.root_dir)
-            return stage.name if rel == "dvc.yaml" else f"{rel}:{stage.name}"
-
-        return {address(s): [address(d) for d in graph.successors(s) if isinstance(d, PipelineStage)]
-                for s in stages}
+    """{stage: [upstream stages]} for every dvc.yaml stage, foreach/matrix expanded, in topological order
+    (DVC resolves it: `ops.pipeline.dvc_stages`)."""
+    return {s.name: list(s.upstream) for s in pipeline.dvc_stages(repo_dir, with_status=False, main_only=False)}
 
 
-def plan(stages: dict[str, list[str]], selected: list[str] | None) -> list[str]:
-    """Stages to run, in order: `selected` (exact names or foreach prefixes) plus everything upstream."""
-    if not selected:
-        return list(stages)
-    wanted: set[str] = set()
-    for name in selected:
-        hits = [s for s in stages if s == name or s.startswith(f"{name}@")]
-        if not hits:
-            raise ValueError(f"unknown stage {name!r}; dvc.yaml has: {', '.join(stages)}")
-        wanted.update(hits)
-    todo = list(wanted)
-    while todo:
-        for dep in stages[todo.pop()]:
-            if dep not in wanted:
-                wanted.add(dep)
-                todo.append(dep)
-    return [s for s in stages if s in wanted]
+plan = pipeline.select
+"""Stages to run, in order: `selected` (exact names or foreach prefixes) plus everything upstream."""
 
 
 def lock_hashes(repo_dir: str | Path) -> dict[str, str]:

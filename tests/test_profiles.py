@@ -113,3 +113,18 @@ def test_params_written_elsewhere_read_the_projects_profiles(repo, tmp_path_fact
     assert res.exit_code == 0, res.output
     assert config.read_params(elsewhere) == {"sft": {"max_steps": 2, "lr": 0.1}, "rl": {"steps": 50}}
     assert (repo / "params.yaml").read_text() == BASE  # the project's params untouched
+
+
+def test_layered_profiles_merge_left_to_right_from_the_pristine_params(repo):
+    out = repo / "params.yaml"
+    (repo / "configs" / "gpu.yaml").write_text("sft:\n  max_steps: 500\n  lr: 0.5\nrl:\n  steps: 400\n")
+    config.apply_profile(None, "gpu+smoke", out)  # the gpu switches, the smoke budgets
+    assert _params(repo) == {"sft": {"max_steps": 2, "lr": 0.5}, "rl": {"steps": 400}}
+    assert config.current_profile(out) == "gpu+smoke"
+    config.apply_profile(None, "smoke", out)  # still from the pristine params: nothing of gpu stays
+    assert _params(repo) == {"sft": {"max_steps": 2, "lr": 0.1}, "rl": {"steps": 50}}
+    before = out.read_text()
+    for bad in ("gpu+nope", "gpu++smoke"):
+        with pytest.raises(config.ConfigError, match="nope|empty layer"):
+            config.apply_profile(None, bad, out)
+    assert out.read_text() == before

@@ -14,8 +14,9 @@ set -euo pipefail
 out=${1:-.gpuhost}
 py=${PY:-.venv/bin/python}
 here=$(cd "$(dirname "$0")" && pwd)
-mkdir -p .git/info && touch .git/info/exclude
-grep -qxF "/$out/" .git/info/exclude || echo "/$out/" >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)  # a worktree's .git is a file
+mkdir -p "$(dirname "$exclude")" && touch "$exclude"
+grep -qxF "/$out/" "$exclude" || echo "/$out/" >> "$exclude"
 rm -rf "$out/p4" && mkdir -p "$out/p4/wheels"
 PATH="$(dirname "$py"):$PATH" rcgrpo plan --out "$out/p4/plan.json" --outputs-archive "$out/p4/outputs.tar.gz" \
   --max-output-mb 16

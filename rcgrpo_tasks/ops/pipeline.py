@@ -27,7 +27,7 @@ import os
 import subprocess
 import tarfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -81,10 +81,11 @@ class RunRecord:
 
 # -- making the plan (where DVC is installed) ------------------------------------------------------------
 
-def dvc_stages(repo_dir: str | Path, with_status: bool = True) -> list[PlannedStage]:
-    """Every stage of `repo_dir`/dvc.yaml (other dvc.yaml files are not the main pipeline), expanded and in
-    DVC's topological order (ties in dvc.yaml order), as DVC itself resolves it. `with_status`: mark the
-    stages `dvc status` finds up to date as `done` (hashes every dep: seconds to minutes)."""
+def dvc_stages(repo_dir: str | Path, with_status: bool = True, main_only: bool = True) -> list[PlannedStage]:
+    """Every stage of `repo_dir`/dvc.yaml (with `main_only=False`, of every dvc.yaml under it, named
+    `<file>:<stage>` outside the root one), expanded and in DVC's topological order (ties in file order), as
+    DVC itself resolves it. `with_status`: mark the stages `dvc status` finds up to date as `done` (hashes
+    every dep: seconds to minutes)."""
     import networkx as nx
     from dvc.repo import Repo
     from dvc.stage import PipelineStage
@@ -92,18 +93,22 @@ def dvc_stages(repo_dir: str | Path, with_status: bool = True) -> list[PlannedSt
     with Repo(str(repo_dir)) as repo:
         graph = repo.index.graph  # edges point from a stage to the stages it depends on
         order = {s: i for i, s in enumerate(repo.index.stages)}
-        main = Path(repo.root_dir) / "dvc.yaml"
+
+        def address(stage) -> str:  # like Stage.addressing, but relative to the repo, not to the cwd
+            rel = os.path.relpath(stage.dvcfile.path, repo.root_dir)
+            return stage.name if rel == "dvc.yaml" else f"{rel}:{stage.name}"
+
         stages = [s for s in nx.lexicographical_topological_sort(graph.reverse(), key=lambda s: order[s])
-                  if isinstance(s, PipelineStage) and Path(s.dvcfile.path).resolve() == main.resolve()]
+                  if isinstance(s, PipelineStage) and (not main_only or ":" not in address(s))]
         stale = set(repo.status(targets=[s.addressing for s in stages], with_deps=False)) if with_status else None
         planned = []
         for s in stages:
             cmds = (s.cmd,) if isinstance(s.cmd, str) else tuple(s.cmd)
-            outs = tuple(str(o.def_path) for o in s.outs if o.use_cache)
-            records = tuple(str(o.def_path) for o in s.outs if not o.use_cache)
-            upstream = tuple(d.name for d in graph.successors(s) if isinstance(d, PipelineStage))
-            planned.append(PlannedStage(s.name, cmds, upstream, outs, records,
-                                        done=stale is not None and s.addressing not in stale))
+            planned.append(PlannedStage(
+                address(s), cmds, tuple(address(d) for d in graph.successors(s) if isinstance(d, PipelineStage)),
+                tuple(str(o.def_path) for o in s.outs if o.use_cache),
+                tuple(str(o.def_path) for o in s.outs if not o.use_cache),
+                done=stale is not None and s.addressing not in stale))
         return planned
 
 
@@ -151,25 +156,25 @@ def read_plan(path: str | Path) -> tuple[list[PlannedStage], dict]:
     return stages, meta if isinstance(meta, dict) else {}
 
 
-def select(stages: list[PlannedStage], wanted: list[str] | None) -> list[PlannedStage]:
-    """`wanted` (exact names or foreach/matrix prefixes: `evaluate` = every `evaluate@...`) and everything
-    upstream of them, in plan order; None or empty = all."""
+def select(upstream: Mapping[str, Sequence[str]], wanted: list[str] | None) -> list[str]:
+    """Stage names to run, in the order of `upstream` ({stage: the stages it depends on}, topologically
+    ordered): `wanted` (exact names or foreach/matrix prefixes: `evaluate` = every `evaluate@...`) and
+    everything upstream of them; None or empty = all."""
     if not wanted:
-        return list(stages)
-    by_name = {s.name: s for s in stages}
+        return list(upstream)
     keep: set[str] = set()
     for name in wanted:
-        hits = [s.name for s in stages if s.name == name or s.name.startswith(f"{name}@")]
+        hits = [s for s in upstream if s == name or s.startswith(f"{name}@")]
         if not hits:
-            raise InputError(f"unknown stage {name!r}; the plan has: {', '.join(by_name)}")
+            raise InputError(f"unknown stage {name!r}; the pipeline has: {', '.join(upstream)}")
         keep.update(hits)
     todo = list(keep)
     while todo:
-        for up in by_name[todo.pop()].upstream:
+        for up in upstream[todo.pop()]:
             if up not in keep:
                 keep.add(up)
                 todo.append(up)
-    return [s for s in stages if s.name in keep]
+    return [s for s in upstream if s in keep]
 
 
 # -- running it (no DVC needed) -----------------------------------------------------------------------------

@@ -32,7 +32,8 @@ def main(
     """Run the plan's stages that must run here; bundle the results."""
     with cli_errors():
         planned, meta = pipeline.read_plan(plan)
-        planned = pipeline.select(planned, stages)
+        names = set(pipeline.select({s.name: s.upstream for s in planned}, stages))
+        planned = [s for s in planned if s.name in names]
     typer.echo(f"[run-plan] {plan}: {len(planned)} stages, profile {meta.get('profile', '?')}, "
                f"commit {meta.get('commit', '?')}")
     if dry_run:
