@@ -10,8 +10,15 @@ Matches bfcl-eval's `execute_multi_turn_func_call` observably:
 - results are stringified the same way (str as is; dict -> json.dumps, else str(); anything else str());
 - errors become `Error during execution: <message>`; an unknown name gives Python's own
   `name 'x' is not defined`, and bfcl-eval's block-list (`kill`, `exit`, ...) its own message.
-Departure: bfcl-eval caches instances in module globals keyed by model name + entry id, so state leaks
-between rollouts of the same entry; here every environment owns its instances.
+Departures: bfcl-eval caches instances in module globals keyed by model name + entry id, so state leaks
+between rollouts of the same entry; here every environment owns its instances. And its classes keep
+mutable default arguments (`TwitterAPI.post_tweet(tags=[], mentions=[])`; `mention()` extends a tweet's
+list in place), so in one bfcl-eval process every tweet posted without mentions shares ONE list for the
+life of the process and a verdict depends on what was scored before. Here those defaults belong to a
+`DefaultsScope`: fresh copies of the pristine defaults, installed around each call. An environment gets
+its own scope, or shares one: the scorer's model and gold environments of an entry share a scope, which
+keeps bfcl-eval's behaviour within an entry (the model's and the gold's tweets share that list there too)
+and makes every entry score as it would first thing in a fresh process.
 """
 
 from __future__ import annotations
@@ -64,6 +71,44 @@ def method_signature(class_name: str, method: str) -> inspect.Signature:
 
 
 _SCALARS = (str, int, float, bool, type(None))
+_IMMUTABLE = (*_SCALARS, bytes, tuple, frozenset)
+
+
+@functools.cache
+def pristine_defaults(class_name: str) -> dict[str, tuple[tuple | None, dict | None]]:
+    """{method: (__defaults__, __kwdefaults__)} of the class's methods that have a mutable default, deep
+    copied the first time the class is used here (before any call of ours could mutate them)."""
+    cls = env_class(class_name)
+    out = {}
+    for name, fn in inspect.getmembers(cls, inspect.isfunction):
+        values = [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
+        if any(not isinstance(v, _IMMUTABLE) for v in values):
+            out[name] = copy.deepcopy((fn.__defaults__, fn.__kwdefaults__))
+    return out
+
+
+class DefaultsScope:
+    """Mutable default arguments of bfcl-eval's methods as one fresh process would have them: each scope
+    holds its own deep copy of the pristine defaults and installs them around a call (`call`), so a list
+    a method mutates in place is shared within the scope and never beyond it. Single-threaded use."""
+
+    def __init__(self) -> None:
+        self._values: dict[tuple[str, str], tuple[tuple | None, dict | None]] = {}
+
+    def call(self, class_name: str, method_name: str, bound, args: tuple, kwargs: dict):
+        pristine = pristine_defaults(class_name).get(method_name)
+        if pristine is None:
+            return bound(*args, **kwargs)
+        key = (class_name, method_name)
+        if key not in self._values:
+            self._values[key] = copy.deepcopy(pristine)
+        fn = getattr(env_class(class_name), method_name)
+        saved = fn.__defaults__, fn.__kwdefaults__
+        fn.__defaults__, fn.__kwdefaults__ = self._values[key]
+        try:
+            return bound(*args, **kwargs)
+        finally:
+            fn.__defaults__, fn.__kwdefaults__ = saved
 
 
 def _fresh(values: Any) -> Any:
@@ -88,8 +133,9 @@ def stringify(result: Any) -> str:
 class BfclEnvironment:
     """Fresh instances of one entry's classes; executes literal-only calls against them."""
 
-    def __init__(self, entry: Entry):
+    def __init__(self, entry: Entry, scope: DefaultsScope | None = None):
         self.entry = entry
+        self.scope = scope if scope is not None else DefaultsScope()
         self.instances: dict[str, Any] = {}
         self._methods: dict[str, tuple[str, str]] = {}  # func name -> (class, method)
         for class_name in entry.involved_classes:
@@ -120,7 +166,8 @@ class BfclEnvironment:
         method = getattr(self.instances[target[0]], target[1])
         try:
             # Copies: a mutable literal (a parsed Call may be reused) must not alias environment state.
-            return stringify(method(*_fresh(call.args), **{k: _fresh((v,))[0] for k, v in call.kwargs.items()}))
+            args, kwargs = _fresh(call.args), {k: _fresh((v,))[0] for k, v in call.kwargs.items()}
+            return stringify(self.scope.call(target[0], target[1], method, args, kwargs))
         except Exception as exc:  # the environment's own errors are observations, as in bfcl-eval
             return f"Error during execution: {exc}"
 

@@ -30,7 +30,7 @@ from typing import Literal
 
 from rcgrpo_tasks.env.bfcl import Entry
 from rcgrpo_tasks.env.calls import Call, CallParseError, parse_call_string
-from rcgrpo_tasks.env.environment import BfclEnvironment
+from rcgrpo_tasks.env.environment import BfclEnvironment, DefaultsScope
 
 ModelTurns = list[list[list[str]]]  # turns -> steps -> call strings
 
@@ -102,7 +102,10 @@ def _unordered_subset(needed: list[str], have: list[str]) -> list[str]:
 
 
 def _execute(entry: Entry, model_turns: ModelTurns) -> _Trace:
-    model_env, gold_env = BfclEnvironment(entry), BfclEnvironment(entry)
+    # One defaults scope for both: bfcl-eval's model and gold instances share mutable defaults within an
+    # entry (environment.DefaultsScope), and no entry sees another's.
+    scope = DefaultsScope()
+    model_env, gold_env = BfclEnvironment(entry, scope), BfclEnvironment(entry, scope)
     trace = _Trace()
     all_results: list[str] = []
     n = max(len(entry.ground_truth), len(model_turns))

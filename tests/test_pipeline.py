@@ -1,0 +1,160 @@
+"""`rcgrpo plan` / `rcgrpo run-plan` (ops.pipeline): the DVC pipeline as DVC resolves it, run where DVC is
+not installed. A tiny DVC repo for the plan; hand-built plans of shell commands for the run rule, the stop
+at a failure and the bundle."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+import textwrap
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from rcgrpo_tasks.ops import pipeline
+from rcgrpo_tasks.ops.io import InputError
+from rcgrpo_tasks.stages import plan as plan_cli
+from rcgrpo_tasks.stages import run_plan as run_cli
+
+DVC = str(Path(sys.executable).parent / "dvc")
+DVC_YAML = """
+stages:
+  make:
+    cmd: echo a > a.txt
+    outs: [a.txt]
+  each:
+    foreach: [x, y]
+    do:
+      cmd:
+        - cat a.txt > ${item}.txt
+        - echo 1 > m_${item}.json
+      deps: [a.txt]
+      outs:
+        - ${item}.txt
+      metrics:
+        - m_${item}.json:
+            cache: false
+"""
+
+
+def _sh(cwd: Path, *cmd: str) -> None:
+    out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.fixture()
+def dvc_repo(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _sh(repo, "git", "init", "-q")
+    _sh(repo, DVC, "init", "-q")
+    (repo / "dvc.yaml").write_text(textwrap.dedent(DVC_YAML))
+    (repo / "params.yaml").write_text("x: 1\n")
+    _sh(repo, DVC, "repro", "make")
+    return repo
+
+
+def test_plan_is_dvcs_expanded_order_with_up_to_date_stages_marked(dvc_repo, tmp_path):
+    stages = pipeline.dvc_stages(dvc_repo)
+    assert [s.name for s in stages] == ["make", "each@x", "each@y"]
+    assert [s.done for s in stages] == [True, False, False]
+    assert stages[1].cmds == ("cat a.txt > x.txt", "echo 1 > m_x.json")
+    assert stages[1].outs == ("x.txt",) and stages[1].records == ("m_x.json",) and stages[1].upstream == ("make",)
+    out, archive = tmp_path / "plan.json", tmp_path / "outs.tar.gz"
+    res = CliRunner().invoke(plan_cli.app, ["--out", str(out), "--repo", str(dvc_repo),
+                                            "--outputs-archive", str(archive)])
+    assert res.exit_code == 0, res.output
+    read, meta = pipeline.read_plan(out)
+    assert read == stages and meta["carried"] == ["a.txt"] and meta["profile"] == "default"
+    with tarfile.open(archive) as tar:
+        assert tar.getnames() == ["a.txt"]
+
+
+def _stage(name, cmds, outs=(), upstream=(), done=False, records=()):
+    return pipeline.PlannedStage(name, tuple(cmds), tuple(upstream), tuple(outs), tuple(records), done)
+
+
+def _chain(done_a: bool, done_b: bool):
+    return [_stage("a", ["echo A >> a.txt"], ["a.txt"], done=done_a),
+            _stage("b", ["cat a.txt > b.txt", "echo '{}' > mb.json"], ["b.txt"], ["a"], done_b, ["mb.json"])]
+
+
+def _status(record):
+    return {k: v.status for k, v in record.stages.items()}
+
+
+def test_up_to_date_stages_run_only_for_a_missing_output_and_stale_ones_always(tmp_path):
+    lines = []
+    stages = _chain(True, True)
+    (tmp_path / "a.txt").write_text("A\n")
+    (tmp_path / "b.txt").write_text("old\n")
+    rec = pipeline.run_plan(stages, tmp_path, tmp_path / "logs", echo=lines.append)
+    assert _status(rec) == {"a": "skipped", "b": "skipped"} and (tmp_path / "b.txt").read_text() == "old\n"
+    (tmp_path / "a.txt").unlink()  # a rebuild of a missing output (same deps) leaves b up to date
+    rec = pipeline.run_plan(stages, tmp_path, tmp_path / "logs", echo=lines.append)
+    assert _status(rec) == {"a": "ran", "b": "skipped"} and (tmp_path / "a.txt").read_text() == "A\n"
+    assert rec.stages["a"].reason == "output missing here: a.txt"
+    rec = pipeline.run_plan(_chain(False, True), tmp_path, tmp_path / "logs", echo=lines.append)
+    assert _status(rec) == {"a": "ran", "b": "ran"} and rec.stages["b"].reason == "upstream a re-ran"
+    assert (tmp_path / "a.txt").read_text() == "A\n"  # outputs are removed before a stage runs (as dvc does)
+    assert (tmp_path / "b.txt").read_text() == "A\n" and (tmp_path / "mb.json").is_file()
+    assert any(line.startswith("[run-plan] b: done in") for line in lines)
+
+
+def test_a_failing_stage_stops_the_run_and_the_bundle_says_so(tmp_path):
+    stages = [_stage("a", ["echo partial; exit 3"], ["a.txt"]), _stage("b", ["echo B > b.txt"], ["b.txt"], ["a"])]
+    plan = tmp_path / "plan.json"
+    pipeline.write_plan(stages, plan, {"profile": "t"})
+    bundle = tmp_path / "out" / "run.tar.gz"
+    res = CliRunner().invoke(run_cli.app, ["--plan", str(plan), "--root", str(tmp_path), "--bundle", str(bundle),
+                                           "--logs", str(tmp_path / "logs")])
+    assert res.exit_code == 2
+    assert f"error: run-plan: stage a failed (exit 3); its log: {tmp_path / 'logs' / 'a.log'}" in res.output
+    assert not (tmp_path / "b.txt").exists()
+    with tarfile.open(bundle) as tar:
+        timings = json.load(tar.extractfile("timings.json"))
+        assert "partial" in tar.extractfile("logs/a.log").read().decode()
+        assert "plan.json" in tar.getnames()
+    assert timings["stages"]["a"]["status"] == "failed" and timings["stages"]["a"]["rc"] == 3
+    assert timings["stages"]["b"]["status"] == "not_run"
+
+
+def test_bundle_holds_records_and_small_outputs_not_large_ones(tmp_path):
+    big = pipeline.BUNDLE_FILE_MAX_BYTES + 1
+    stages = [_stage("a", [f"head -c {big} /dev/zero > big.bin; echo r > rec.json; echo s > small.txt"],
+                     ["big.bin", "small.txt"], records=["rec.json"])]
+    bundle = tmp_path / "b.tar.gz"
+    rec = pipeline.run_plan(stages, tmp_path, tmp_path / "logs", bundle, echo=lambda _: None)
+    assert _status(rec) == {"a": "ran"}
+    with tarfile.open(bundle) as tar:
+        assert sorted(tar.getnames()) == ["logs/a.log", "rec.json", "small.txt", "timings.json"]
+    assert "stages run, sum" in pipeline.timing_table(rec)
+
+
+def test_selection_keeps_what_the_wanted_stages_need():
+    upstream = {"prep": [], "train@x": ["prep"], "train@y": ["prep"], "eval@x": ["train@x"]}
+    assert pipeline.select(upstream, ["eval"]) == ["prep", "train@x", "eval@x"]
+    assert pipeline.select(upstream, ["train"]) == ["prep", "train@x", "train@y"]
+    assert pipeline.select(upstream, None) == list(upstream)
+    with pytest.raises(InputError, match="unknown stage 'nope'"):
+        pipeline.select(upstream, ["nope"])
+
+
+@pytest.mark.parametrize("plan, match", [
+    ({"format": 99, "stages": []}, "'format' is 99"),
+    ({"format": 1, "stages": []}, "'stages' must be a non-empty list"),
+    ({"format": 1, "stages": [{"name": "a", "cmds": []}]}, "stage 'a': 'cmds' is empty"),
+    ({"format": 1, "stages": [{"name": "b", "cmds": ["x"], "upstream": ["a"]}]}, "upstream \\['a'\\] not listed"),
+    ({"format": 1, "stages": [{"name": "a", "cmds": ["x"], "done": "yes"}]}, "'done' must be true or false"),
+])
+def test_a_malformed_plan_fails_naming_the_file_and_field(tmp_path, plan, match):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    with pytest.raises(InputError, match=match) as err:
+        pipeline.read_plan(path)
+    assert str(path) in str(err.value)
+    res = CliRunner().invoke(run_cli.app, ["--plan", str(path), "--dry-run"])
+    assert res.exit_code == 2 and "error:" in res.output
