@@ -1,8 +1,8 @@
 """`rcgrpo` console script: one sub-command per stage module, imported only when it runs.
 
-Each stage module `rcgrpo_tasks/<stage>.py` exposes a Typer `app` (its thin CLI); this dispatcher maps
+Each stage module `rcgrpo_tasks/stages/<stage>.py` exposes a Typer `app` (its thin CLI); this dispatcher maps
 `rcgrpo <command> ...` to that app so `rcgrpo --help` stays instant (no torch import) and every stage is
-also runnable as `python -m rcgrpo_tasks.<stage>`.
+also runnable as `python -m rcgrpo_tasks.stages.<stage>`.
 """
 
 from __future__ import annotations

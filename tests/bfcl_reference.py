@@ -42,3 +42,27 @@ def official_check(entry: Entry, model_turns: list) -> tuple[bool, str | None]:
         for key in [k for k in vars(utils) if k.startswith(prefix)]:
             del vars(utils)[key]
     return bool(result["valid"]), result.get("error_type")
+
+
+def official_check_raw(entry: Entry, result, decode) -> tuple[bool, str | None]:
+    """(valid, error_type) of a `bfcl generate` result whose steps `decode` (a bfcl-eval handler's
+    `decode_execute`) turns into call strings, as `eval_runner._evaluate_single_multi_turn_entry` does:
+    a non-list result is an inference error, a wrong turn count force-terminates, and a step that fails to
+    decode or decodes to nothing is dropped."""
+    _, utils = _modules()
+    if not isinstance(result, list):
+        return False, "multi_turn:inference_error"
+    if len(result) != len(entry.ground_truth):
+        return False, "multi_turn:force_terminated"
+    decoded = []
+    for turn in result:
+        steps = []
+        for step in turn:
+            try:
+                calls = decode(step)
+            except Exception:
+                continue
+            if not utils.is_empty_execute_response(calls):
+                steps.append(calls)
+        decoded.append(steps)
+    return official_check(entry, decoded)

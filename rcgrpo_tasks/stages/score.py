@@ -1,8 +1,10 @@
 """`rcgrpo score RESULTS.jsonl --output VERDICTS.jsonl`: score a BFCL v4 multi-turn result file.
 
-Reads BFCL's result format, one entry per line:
-`{"id": "multi_turn_base_0", "result": [[["cd(folder='x')", ...], ...], ...]}` (turns -> steps -> call
-strings; the rollout engine's trajectories carry the same `result` field, so they score directly).
+Reads BFCL's result format, one entry per line: `{"id": "multi_turn_base_0", "result": turns}`, every
+step decoded as `bfcl evaluate` decodes it (`env.results`): call strings (the rollout engine's trajectories
+carry the same `result` field, so they score directly), a prompt-mode model's text, or a function-calling
+model's `{name: "<JSON arguments>"}` objects, as `bfcl generate` writes them; `--decoding auto` (default)
+tells them apart per file and says which it used.
 Writes one line per scored entry: `id`, `category`, `valid`, `error_type`, `partial_credit`,
 `paper_reward`; prints per-category and overall accuracy (official: correct / entries of the category,
 overall = mean of categories) and, with `--summary`, writes it as JSON.
@@ -22,12 +24,15 @@ from pathlib import Path
 import typer
 
 from rcgrpo_tasks.env import bfcl
+from rcgrpo_tasks.env import results as bfcl_results
 from rcgrpo_tasks.env.scoring import score_entry
 from rcgrpo_tasks.ops.io import InputError, atomic_outputs, read_jsonl_numbered, write_json, write_jsonl
 
 
-def score_rows(rows: list[tuple[int, dict]], path: str, entries: dict[str, bfcl.Entry]) -> tuple[list[dict], list[str]]:
-    """Score (line number, row) pairs; returns (verdict rows, per-line errors)."""
+def score_rows(rows: list[tuple[int, dict]], path: str, entries: dict[str, bfcl.Entry],
+               decoding: bfcl_results.Decoding = "calls") -> tuple[list[dict], list[str]]:
+    """Score (line number, row) pairs, each result decoded by `decoding`; returns (verdict rows, per-line
+    errors)."""
     verdicts, errors, seen = [], [], set()
     for lineno, row in rows:
         entry_id = row.get("id")
@@ -46,7 +51,7 @@ def score_rows(rows: list[tuple[int, dict]], path: str, entries: dict[str, bfcl.
         seen.add(entry_id)
         entry = entries[entry_id]
         try:
-            s = score_entry(entry, row["result"])
+            s = score_entry(entry, bfcl_results.decode_result(row["result"], decoding))
         except Exception as exc:  # model output is data: a shape the scorer chokes on is one bad line
             errors.append(f"{path}:{lineno}: result could not be scored ({type(exc).__name__}: {exc})"[:500])
             continue
@@ -88,6 +93,8 @@ def main(
     results: Path = typer.Argument(..., help="BFCL result JSONL (id, result)."),
     output: Path = typer.Option(..., "--output", "-o", help="Verdicts JSONL to write."),
     summary: Path | None = typer.Option(None, help="Also write the accuracy summary as JSON."),
+    decoding: str = typer.Option("auto", help="How a step is decoded: auto (from the file), calls (call strings), "
+                                              "prompt (model text) or fc (function-calling objects)."),
 ) -> None:
     """Score a BFCL result JSONL with the official-semantics scorer."""
     try:
@@ -95,9 +102,26 @@ def main(
     except InputError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
-    verdicts, row_errors = score_rows(rows, str(results), bfcl.entries_by_id())
+    if decoding not in bfcl_results.DECODINGS:
+        typer.echo(f"error: --decoding {decoding!r}: expected one of {', '.join(bfcl_results.DECODINGS)}", err=True)
+        raise typer.Exit(2)
+    if not rows:
+        typer.echo(f"error: {results}: no result rows{' (every line was bad)' if errors else ''}", err=True)
+        for e in errors:
+            typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    if decoding == "auto":
+        decoding, why = bfcl_results.detect(row.get("result") for _, row in rows)
+        typer.echo(f"decoding: {decoding} (detected: {why})")
+    else:
+        typer.echo(f"decoding: {decoding} (as asked)")
+    try:
+        verdicts, row_errors = score_rows(rows, str(results), bfcl.entries_by_id(), decoding)
+    except RuntimeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
     errors += row_errors
-    summ = summarize(verdicts)
+    summ = {**summarize(verdicts), "decoding": decoding}
     try:
         with atomic_outputs() as out:
             write_jsonl(out.file(output), verdicts)

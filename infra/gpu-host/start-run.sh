@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# On the GPU host, in the repo copy the device tool made, with .gpuhost/p3 and .gpuhost/p4 carried and p1, p2
+# already stashed (docs/gpu-run.md). Copies the project to $WORK first: the device tool re-syncs the working
+# tree on every call, which would put this checkout's tracked metrics back over the run's own. Then sets
+# the host up (p3's setup.sh, p4's setup-plan.sh) and starts, detached so later calls can poll it:
+#   1. `rcgrpo run-plan --stage prepare_model` (the base model the checks decode with);
+#   2. the checks: the `gpu`-marked tests and the CUDA rollout bench (engine beside the naive loop);
+#   3. the whole plan (`rcgrpo run-plan`), its bundle rewritten after every stage.
+# Returns at once; `infra/gpu-host/poll.sh` waits on it and copies what exists to $OUT.
+set -euo pipefail
+WORK=${WORK:-/root/work}
+CHECKS=${CHECKS:-1}
+rm -rf "$WORK" && mkdir -p "$WORK" && cp -r . "$WORK" && cd "$WORK"
+bash .gpuhost/p3/setup.sh
+# shellcheck disable=SC1091
+source /tmp/gpuhost.env
+bash .gpuhost/p4/setup-plan.sh
+mkdir -p run
+cat > run/job.sh <<JOB
+set -uo pipefail
+source /tmp/gpuhost.env
+cd "$WORK"
+plan=(rcgrpo run-plan --plan .gpuhost/p4/plan.json --bundle run/bundle.tar.gz --logs run/logs)
+"\${plan[@]}" --stage prepare_model
+if [ "$CHECKS" = 1 ]; then
+  { python3 -m pytest -q -m gpu tests/ 2>&1 | tail -n 30
+    python3 bench/rollout_throughput.py --model models/base --device cuda --dtype bfloat16 --entries 16 --g 5 \
+      --protocol paper --max-new-tokens 128 2>&1 | tail -n 30
+  } > run/checks.log 2>&1
+fi
+"\${plan[@]}"
+echo \$? > run/exit_code
+JOB
+setsid nohup bash run/job.sh > run/log 2>&1 < /dev/null &
+echo "started in $WORK (pid $!): poll with infra/gpu-host/poll.sh"
