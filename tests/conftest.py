@@ -12,6 +12,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from helpers import LEVELS
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -81,3 +82,31 @@ def backend(tiny_model_dir):
     from rcgrpo_tasks.engine.hf import HFBackend
 
     return HFBackend(tiny_model_dir, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def rl_env(tmp_path_factory, tiny_model_dir):
+    """Tiny model with the reward tokens, a 2-entry train split, a temp MLflow store."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rcgrpo_tasks.env import bfcl
+    from rcgrpo_tasks.ops.io import write_json, write_jsonl
+
+    root = tmp_path_factory.mktemp("rl")
+    model_dir = root / "model"
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.add_special_tokens({"additional_special_tokens": list(LEVELS)})
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.resize_token_embeddings(len(tok), mean_resizing=False)
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    entries = bfcl.load_entries(["base"])[:6]
+    write_jsonl(root / "entries.jsonl", (e.to_json() for e in entries))
+    write_json(root / "split.json", {"train": [e.id for e in entries[:4]], "test": [e.id for e in entries[4:]]})
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
+    mp.setenv("MLFLOW_ARTIFACT_ROOT", str(root / "mlartifacts"))
+    mp.setenv("MLFLOW_EXPERIMENT_NAME", "test-rl")
+    mp.delenv("RCGRPO_PARENT_RUN_ID", raising=False)
+    yield root, model_dir
+    mp.undo()

@@ -77,7 +77,8 @@ def summarize_row(res: EvalResult, seed: int = 0) -> dict:
     out["partial_credit"] = mean([e["partial_credit"] for e in res.entries])
     out["paper_reward"] = mean([e["paper_reward"] for e in res.entries])
     out["paper_table1_overall"] = PAPER_TABLE1_OVERALL.get(res.label)
-    for key in ("mean_frac_zero_std", "mean_controllability_gap", "mean_adv_abs_mean", "steps"):
+    for key in ("mean_frac_zero_std", "mean_controllability_gap", "mean_adv_abs_mean", "steps",
+                "mean_frac_zero_std_generated", "rollouts_per_useful_group", "total_step_skipped"):
         if res.rl.get(key) is not None:
             out[f"rl_{key}"] = res.rl[key]
     out.update(controllability_fields(res.controllability))
@@ -127,14 +128,17 @@ def markdown_table(rows: list[dict]) -> str:
     names = dict(ROWS)
     head = (["Model", "n"] + [f"{c} acc % [95% CI]" for c in cats]
             + ["Overall acc % [95% CI]", "Official verdict %", "Partial credit", "Paper reward",
-               "Paper Table 1 overall % (7B, GPU)", "RL frac zero-std groups", "RL controllability gap",
+               "Paper Table 1 overall % (7B, GPU)", "RL frac zero-std groups", "RL zero-std share generated",
+               "RL rollouts / useful group", "RL steps skipped", "RL controllability gap",
                "Ctl gap sampled [95% CI]", "Ctl gap greedy [95% CI]", "Ctl zero-var share all-high / mixed"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [names.get(r["label"], r["label"]), str(r["n"])] + [_fmt(r["categories"].get(c)) for c in cats]
         cells += [_fmt(r["overall"]), _num(r["official_accuracy"], ".1f"), _num(r["partial_credit"], ".3f"),
                   _num(r["paper_reward"], ".3f"), _num(r["paper_table1_overall"]),
-                  _num(r.get("rl_mean_frac_zero_std"), ".3f"), _num(r.get("rl_mean_controllability_gap"), ".3f"),
+                  _num(r.get("rl_mean_frac_zero_std"), ".3f"), _num(r.get("rl_mean_frac_zero_std_generated"), ".3f"),
+                  _num(r.get("rl_rollouts_per_useful_group"), ".1f"), _num(r.get("rl_total_step_skipped"), ".0f"),
+                  _num(r.get("rl_mean_controllability_gap"), ".3f"),
                   _gap(r.get("ctl_gap_sampled")), _gap(r.get("ctl_gap_greedy")), _zero_var(r.get("ctl_zero_var"))]
         lines.append("| " + " | ".join(cells) + " |")
     note = ("\nAccuracy: the evaluate stage's success (`valid`: the paper's binary reward under the paper protocol, "
@@ -142,7 +146,10 @@ def markdown_table(rows: list[dict]) -> str:
             "per-turn checker on the same trajectories. "
             "CIs: 95% percentile bootstrap over entries. \"Paper Table 1\": the RC-GRPO paper's own numbers "
             "(Qwen2.5-7B-Instruct, GPU, 80 held-out entries), for reference only; n/a = not reported there. "
-            "RL columns: means over training steps (zero-std: group reward std < 1e-6). "
+            "RL columns: means over training steps (zero-std: group reward std < 1e-6) of the groups trained on "
+            "and of every group generated (dynamic sampling drops and regenerates); rollouts / useful group: "
+            "rollouts generated per group trained on with reward spread (n/a: none had spread); steps skipped: "
+            "steps with no such group (no update). "
             "Ctl columns (controllability stage, held-out entries): E[R|high] - E[R|low] sampled at the RL "
             "temperature and greedy, 95% paired bootstrap CI over entries; expected share of zero-variance "
             "G-groups under all-high vs i.i.d. mixed tokens from the per-entry sampled success rates.\n")

@@ -60,7 +60,7 @@ app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
 @app.command()
 def main(
     init: str = typer.Option(..., help="Init model kind: sft | rctp (names the grid cell; picks the conditioning)."),
-    algo: str = typer.Option(..., help="grpo | rc_grpo."),
+    algo: str = typer.Option(..., help="grpo | rc_grpo | dynamic (GRPO with dynamic sampling)."),
     model_dir: Path = typer.Option(Path("models/base"), help="Base model folder (prepare_model)."),
     adapter_dir: Path | None = typer.Option(None, help="Init adapter (sft stage); omit to start from the base."),
     entries: Path = typer.Option(Path("data/entries.jsonl"), help="Entries JSONL (prepare_data)."),

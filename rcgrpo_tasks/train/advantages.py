@@ -33,6 +33,11 @@ from rcgrpo_tasks.env.protocols import check_reward_tokens
 
 Conditioning = Literal["rc", "fixed", "none"]
 CONDITIONING_MODES: tuple[str, ...] = ("rc", "fixed", "none")
+Algo = Literal["grpo", "rc_grpo", "dynamic"]
+ALGOS: tuple[str, ...] = ("grpo", "rc_grpo", "dynamic")
+"""The grid's RL algorithms: GRPO, RC-GRPO, and GRPO with DAPO's dynamic sampling (zero-variance groups
+dropped and refilled: `grpo.EngineRollout`)."""
+TokenDraw = Literal["iid", "stratified"]
 ZERO_STD_TOL = 1e-6
 """A group whose reward std is below this counts as zero-std (rewards are floats: never test `== 0`)."""
 ADV_EPS = 1e-4
@@ -43,12 +48,13 @@ ADV_EPS = 1e-4
 
 
 def conditioning_for(init: str, algo: str) -> Conditioning:
-    """The paper's grid: RC-GRPO -> `rc`; GRPO from an RCTP init -> `fixed` (always high); from SFT -> `none`."""
+    """The paper's grid: RC-GRPO -> `rc`; GRPO (plain or with dynamic sampling) from an RCTP init -> `fixed`
+    (always high); from SFT -> `none`."""
     if algo == "rc_grpo":
         return "rc"
-    if algo == "grpo":
+    if algo in ("grpo", "dynamic"):
         return "fixed" if init == "rctp" else "none"
-    raise ValueError(f"unknown algo {algo!r}; expected 'grpo' or 'rc_grpo'")
+    raise ValueError(f"unknown algo {algo!r}; expected one of {ALGOS}")
 
 
 def token_seed(seed: int, step: int, process: int = 0, call: int = 0) -> int:
@@ -64,11 +70,13 @@ def reward_levels(levels: Sequence[str]) -> tuple[str, str]:
 
 
 def sample_reward_tokens(n: int, mode: Conditioning, p: float = 0.5, seed: int = 0, *,
-                         levels: Sequence[str]) -> list[str | None]:
+                         levels: Sequence[str], draw: TokenDraw = "iid", g: int | None = None) -> list[str | None]:
     """Reward tokens of `n` rollouts -> list of length n.
 
-    `rc`: i.i.d. per rollout, P(high) = p (a group may be all-high or all-low, as in the paper);
-    `fixed`: all high (`levels[-1]`); `none`: all None (no reward goal in the prompt).
+    `rc`: with `draw="iid"` (the paper) each rollout's own token, P(high) = p (a G-group is single-token with
+    probability p^G + (1-p)^G: 1 in 16 at G=5, p=0.5); with `draw="stratified"` every group of `g` holds
+    both tokens (`stratified_counts`), each rollout still high with probability p. `fixed`: all high
+    (`levels[-1]`); `none`: all None (no reward goal in the prompt).
     """
     low, high = reward_levels(levels)
     if n < 0:
@@ -82,7 +90,28 @@ def sample_reward_tokens(n: int, mode: Conditioning, p: float = 0.5, seed: int =
     if not 0.0 < p < 1.0:
         raise ValueError(f"p (P(high reward token)) must be in (0, 1), got {p}")
     rng = random.Random(seed)
-    return [high if rng.random() < p else low for _ in range(n)]
+    if draw == "iid":
+        return [high if rng.random() < p else low for _ in range(n)]
+    if draw != "stratified":
+        raise ValueError(f"unknown reward-token draw {draw!r}; expected 'iid' or 'stratified'")
+    if g is None or g < 2 or n % g:
+        raise ValueError(f"stratified reward tokens need whole groups of g >= 2; got n={n}, g={g}")
+    out: list[str | None] = []
+    for _ in range(n // g):
+        k = stratified_count(g, p, rng)
+        group = [high] * k + [low] * (g - k)
+        rng.shuffle(group)
+        out += group
+    return out
+
+
+def stratified_count(g: int, p: float, rng: random.Random) -> int:
+    """High tokens in one stratified group of `g`: floor(g p) or ceil(g p), the ceiling with probability
+    frac(g p), so E[k] = g p (every rollout high with probability p), clamped to [1, g - 1] so the group holds
+    both tokens (the clamp moves E[k] only where g p < 1 or > g - 1)."""
+    lo = math.floor(g * p)
+    k = lo + (rng.random() < g * p - lo)
+    return min(max(k, 1), g - 1)
 
 
 # ---------------------------------------------------------------- advantages and group statistics
@@ -134,6 +163,11 @@ def zero_std_fraction(rewards: Sequence[float], g: int, tol: float = ZERO_STD_TO
     """rewards (B,) -> fraction of the B/G groups whose reward std < tol (groups with no learning signal)."""
     stats = group_stats(rewards, g)
     return sum(std < tol for _, std in stats) / len(stats) if stats else float("nan")
+
+
+def spread_groups(rewards: Sequence[float], g: int, tol: float = ZERO_STD_TOL) -> list[bool]:
+    """rewards (B,) -> (B/G,): whether each group has reward spread (std >= tol), i.e. a learning signal."""
+    return [std >= tol for _, std in group_stats(rewards, g)]
 
 
 def advantage_spread(advantages: Sequence[float]) -> float:

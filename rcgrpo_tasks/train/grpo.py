@@ -4,9 +4,16 @@
 - `train_entries`: the train-split entries a run samples from (`env.entries`, the one reader of the split).
 - `EngineRollout`: TRL's `rollout_func`. Per call it draws the rollouts' reward tokens (`advantages`),
   runs one engine group (`engine.rollout.run_group`) per entry on the current policy, records the rollout
-  diagnostics on the trainer and hands TRL prompt ids (system + first user message, with the rollout's own
+  diagnostics and the step's price (rollouts generated and trained on, groups dropped, tokens per useful
+  group) on the trainer and hands TRL prompt ids (system + first user message, with the rollout's own
   reward token), completion ids (everything after: model and environment tokens), `env_mask`
   (environment tokens carry no loss), the sampling log-probs and every reward (`env.scoring.REWARDS`).
+- Dynamic sampling (algo `dynamic`, DAPO's): a group without reward spread is dropped and its slot refilled
+  by a group of another train entry, for at most `dynamic_max_rounds` generation rounds; groups still
+  without spread are not trained on (their `env_mask` is all 0: no loss, no KL term), and a step with none
+  left makes no update (`grpo_trainer.RCGRPOTrainerMixin.training_step`). Departures from DAPO: the batch
+  keeps its size (TRL's layout), so an unfilled slot is masked rather than removed, and TRL's `grpo` loss
+  still averages over every sequence of the batch, masked ones counting as 0.
 - The policy it samples from: a merged low-precision copy on the policy's own device, refreshed every
   generation (`policy_snapshot`, `rollout_dtype`), or the live model; with vLLM, TRL's engine
   (`trl_vllm_backend`).
@@ -16,6 +23,8 @@ The trainer itself (`RCGRPOTrainer`, `build_trainer`) is in `grpo_trainer.py`.
 from __future__ import annotations
 
 import copy
+import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,7 +70,13 @@ class RLConfig:
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
     """TRL loss aggregation; `grpo` = per-sequence token mean, then batch mean (the GRPO paper's)."""
     p_high: float = 0.5
-    """RC-GRPO: P(highest reward token) of each rollout's i.i.d. token. Paper: 0.5."""
+    """RC-GRPO: P(highest reward token) of each rollout's token. Paper: 0.5."""
+    token_draw: adv.TokenDraw = "iid"
+    """RC-GRPO: `iid` (the paper: each rollout draws its own token) or `stratified` (every group holds both
+    tokens, each rollout still high with probability p_high: `advantages.stratified_count`)."""
+    dynamic_max_rounds: int = 3
+    """Algo `dynamic`: generation rounds per step, the first included (dropped groups are refilled in the
+    others); groups without reward spread after the last round are not trained on."""
     reward: Reward = "paper_reward"
     """Reward that drives the advantage (`env.scoring.Reward`); the other two are logged."""
     decode: DecodeConfig = flat_field(DecodeConfig(temperature=1.0, max_outputs=2, max_new_tokens=32), DECODE_KEYS)
@@ -119,6 +134,9 @@ class RLConfig:
         if self.micro_batch_size < 1 or self.batch_size % self.micro_batch_size:
             raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size "
                              f"({self.micro_batch_size})")
+        if not 1 <= self.dynamic_max_rounds <= 16:
+            raise ValueError(f"dynamic_max_rounds must be in [1, 16] (each round is a full generation), got "
+                             f"{self.dynamic_max_rounds}")
         for name in ("max_steps", "save_steps", "num_iterations", "lora_r"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -246,14 +264,17 @@ class EngineRollout:
     """TRL `rollout_func`: one engine group per run of identical entry ids in the (per-process) batch.
 
     `levels`: the reward tokens (label_rewards.tokens, lowest first); `protocol`: the episode settings
-    (params `prompt` with `max_outputs`)."""
+    (params `prompt` with `max_outputs`); `dynamic`: drop and refill groups without reward spread (module
+    docstring)."""
 
     def __init__(self, cfg: RLConfig, protocol: ProtocolConfig, mode: adv.Conditioning, levels: tuple[str, ...],
-                 entries: dict, tokenizer):
+                 entries: dict, tokenizer, dynamic: bool = False):
         self.cfg, self.protocol, self.mode, self.levels = cfg, protocol, mode, tuple(levels)
-        self.entries, self.tokenizer = entries, tokenizer
+        self.entries, self.tokenizer, self.dynamic = entries, tokenizer, dynamic
         self.last: list = []  # trajectories of the latest call (tests, debugging)
+        self.last_kept: list[bool] = []  # per group of the latest call: trained on
         self.snapshot = None  # CPU: merged low-precision copy of the policy that the engine samples from
+        self.generated_tokens = 0  # model tokens of every rollout generated in the latest call (all rounds)
 
     def backend(self, trainer):
         """The engine backend over the current policy: TRL's vLLM, the refreshed snapshot, or the live model."""
@@ -266,41 +287,109 @@ class EngineRollout:
             model = self.snapshot
         return HFBackend.from_model(model, self.tokenizer)
 
+    def groups(self, backend, entry_ids: list[str], step: int, proc: int, call: int) -> list[list]:
+        """One engine group of G rollouts per entry id; reward tokens and sampling seeded by (step, process,
+        call), so a resumed run regenerates the same groups."""
+        g = self.cfg.num_generations
+        tokens = adv.sample_reward_tokens(len(entry_ids) * g, self.mode, self.cfg.p_high,
+                                          adv.token_seed(self.cfg.seed, step, proc, call=2 * call),
+                                          levels=self.levels, draw=self.cfg.token_draw, g=g)
+        sampling = self.cfg.decode.sampling(adv.token_seed(self.cfg.seed, step, proc, call=2 * call + 1))
+        out = [engine_rollout.run_group(backend, self.entries[eid], n=g, protocol_cfg=self.protocol,
+                                        sampling=sampling, reward_tokens=tokens[i * g : (i + 1) * g])
+               for i, eid in enumerate(entry_ids)]
+        self.generated_tokens += sum(t.n_model_tokens for grp in out for t in grp)
+        return out
+
+    def _spread(self, group) -> bool:
+        rewards = [reward_value(t.score, self.cfg.reward) if t.score else float("nan") for t in group]
+        return adv.spread_groups([float("nan") if r is None else r for r in rewards], len(group))[0]
+
+    def refill(self, backend, groups: list[list], used: set[str], step: int, proc: int) -> tuple[list[list], dict]:
+        """Dynamic sampling: replace groups without reward spread by groups of unused train entries (drawn
+        with a seed of (run seed, step, process)) for up to `dynamic_max_rounds - 1` more rounds. Returns
+        (groups, {rounds, generated groups' spread flags})."""
+        spread = [self._spread(grp) for grp in groups]
+        generated = list(spread)
+        rng = random.Random(adv.token_seed(self.cfg.seed, step, proc, call=-1))
+        rounds = 1
+        while rounds < self.cfg.dynamic_max_rounds and not all(spread):
+            bad = [i for i, ok in enumerate(spread) if not ok]
+            pool = sorted(set(self.entries) - used) or sorted(self.entries)
+            fresh = [pool[j] for j in rng.sample(range(len(pool)), len(bad))] if len(pool) >= len(bad) \
+                else [rng.choice(pool) for _ in bad]
+            used.update(fresh)
+            for i, grp in zip(bad, self.groups(backend, fresh, step, proc, call=rounds)):
+                groups[i], spread[i] = grp, self._spread(grp)
+                generated.append(spread[i])
+            rounds += 1
+        return groups, {"rounds": rounds, "generated": generated}
+
     def __call__(self, prompts: list, trainer) -> dict:
         step, proc = trainer.state.global_step, trainer.accelerator.process_index
-        tokens = adv.sample_reward_tokens(len(prompts), self.mode, self.cfg.p_high,
-                                          adv.token_seed(self.cfg.seed, step, proc), levels=self.levels)
-        sampling = self.cfg.decode.sampling(adv.token_seed(self.cfg.seed, step, proc, call=1))
+        g = self.cfg.num_generations
+        ids = []
+        for start in range(0, len(prompts), g):
+            group = prompts[start : start + g]
+            if len(group) != g or len(set(group)) != 1:  # TRL lays out whole groups; check, never guess
+                raise RuntimeError(f"rollout batch is not whole groups of G={g}: {prompts}")
+            ids.append(group[0])
         model = trainer.model
         was_training = model.training
         model.eval()  # no dropout when sampling from the live model; TRL reads its mode before and after
-        t0 = time.perf_counter()
+        t0, self.generated_tokens = time.perf_counter(), 0
         try:
             backend = self.backend(trainer)
-            trajs = []
-            for start in range(0, len(prompts), g := self.cfg.num_generations):
-                group = prompts[start : start + g]
-                if len(group) != g or len(set(group)) != 1:  # TRL lays out whole groups; check, never guess
-                    raise RuntimeError(f"rollout batch is not whole groups of G={g}: {prompts}")
-                trajs += engine_rollout.run_group(backend, self.entries[group[0]], n=g, protocol_cfg=self.protocol,
-                                                  sampling=sampling, reward_tokens=tokens[start : start + g])
+            groups = self.groups(backend, ids, step, proc, call=0)
+            if self.dynamic:
+                groups, gen = self.refill(backend, groups, set(ids), step, proc)
+                kept = [self._spread(grp) for grp in groups]
+            else:
+                gen = {"rounds": 1, "generated": [self._spread(grp) for grp in groups]}
+                kept = [True] * len(groups)
         finally:
             model.train(was_training)
         elapsed = time.perf_counter() - t0
-        self.last = trajs
+        trajs = [t for grp in groups for t in grp]
+        self.last, self.last_kept = trajs, kept
         for name, value in self.metrics(trajs, elapsed).items():
             trainer.record_metric(name, value)
-        return self.to_trl(trajs)
+        for name, value in self.price(groups, kept, gen, self.generated_tokens).items():
+            trainer.record_metric(name, value)
+        if self.dynamic and not any(kept):
+            print(f"rl: step {step + 1}: no group with reward spread after {gen['rounds']} generation round(s); "
+                  "nothing to train on, the step makes no update", file=sys.stderr, flush=True)
+        return self.to_trl(trajs, [k for k in kept for _ in range(g)])
 
-    def to_trl(self, trajs) -> dict:
-        """TRL's rollout fields, plus `r_<reward>` for every reward (TRL passes them to the reward functions)."""
+    def price(self, groups: list[list], kept: list[bool], gen: dict, gen_tokens: int) -> dict:
+        """What the step's learning signal cost (`rc/...`): rollouts generated (all rounds) and trained on,
+        groups dropped, useful groups (trained on, with reward spread), generation rounds, model tokens
+        generated per useful group (NaN with none), and the zero-variance share of every generated group."""
+        g = self.cfg.num_generations
+        useful = sum(k and self._spread(grp) for grp, k in zip(groups, kept))
+        flags = gen["generated"]
+        return {
+            "rc/rollouts_generated": len(flags) * g,
+            "rc/rollouts_trained": sum(kept) * g,
+            "rc/groups_dropped": sum(not f for f in flags) if self.dynamic else 0,
+            "rc/useful_groups": useful,
+            "rc/gen_rounds": gen["rounds"],
+            "rc/gen_tokens_per_useful_group": gen_tokens / useful if useful else float("nan"),
+            "rc/frac_zero_std_generated": sum(not f for f in flags) / len(flags),
+        }
+
+    def to_trl(self, trajs, trained: list[bool] | None = None) -> dict:
+        """TRL's rollout fields, plus `r_<reward>` for every reward (TRL passes them to the reward functions).
+        A rollout not `trained` on gets an all-zero `env_mask`: no token of it enters the loss."""
         keys = ("prompt_ids", "completion_ids", "logprobs", "env_mask", "reward_token", "entry_id")
         out: dict[str, list] = {k: [] for k in keys + tuple(f"r_{name}" for name in REWARDS)}
         eos = self.tokenizer.eos_token_id
-        for t in trajs:
+        for i, t in enumerate(trajs):
             p, c, m, lp = adv.trajectory_fields(t.token_ids, t.prompt_len, t.completion_mask, t.logprobs)
             if not c:  # nothing generated (e.g. context limit at once): one masked token keeps TRL's shapes
                 c, m, lp = [eos], [0], [0.0]
+            if trained is not None and not trained[i]:
+                m = [0] * len(c)
             out["prompt_ids"].append(p)
             out["completion_ids"].append(c)
             out["env_mask"].append(m)

@@ -41,7 +41,11 @@ PLOT_COLUMNS = (
     "step", "reward", "reward_high", "reward_low", "reward_none", "controllability_gap", "frac_zero_std",
     "adv_abs_mean", "adv_std", "kl", "clip_ratio", "loss", "reward_paper", "reward_official", "reward_partial",
     "model_tokens", "n_calls", "n_steps", "env_errors", "rollout_tokens_per_s", "rollout_s", "step_time",
+    "rollouts_generated", "rollouts_trained", "groups_dropped", "useful_groups", "gen_rounds",
+    "gen_tokens_per_useful_group", "frac_zero_std_generated", "step_skipped",
 )
+PRICE_COLUMNS = ("frac_zero_std_generated", "rollouts_generated", "useful_groups", "gen_tokens_per_useful_group")
+"""Per-step columns of what the learning signal cost (summarized with CIs over steps, as the mechanism)."""
 _SOURCES = {  # plot column -> key of TRL's averaged step logs
     "reward": "rc/reward", "reward_high": "rc/reward_high", "reward_low": "rc/reward_low",
     "reward_none": "rc/reward_none", "controllability_gap": "rc/controllability_gap",
@@ -51,6 +55,9 @@ _SOURCES = {  # plot column -> key of TRL's averaged step logs
     "model_tokens": "rc/model_tokens", "n_calls": "rc/n_calls", "n_steps": "rc/n_steps",
     "env_errors": "rc/env_errors", "rollout_tokens_per_s": "rc/rollout_tokens_per_s",
     "rollout_s": "rc/rollout_s", "step_time": "step_time",
+    **{c: f"rc/{c}" for c in ("rollouts_generated", "rollouts_trained", "groups_dropped", "useful_groups",
+                              "gen_rounds", "gen_tokens_per_useful_group", "frac_zero_std_generated",
+                              "step_skipped")},
 }
 
 
@@ -149,6 +156,23 @@ class RCGRPOTrainerMixin:
     def record_metric(self, name: str, value: float) -> None:
         mode = "train" if self.model.training else "eval"
         self._metrics[mode][name].append(float(value))
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        self._rc_any_trained = getattr(self, "_rc_any_trained", False) or bool(mask.any())
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        # A step whose every rollout is masked (dynamic sampling found no group with reward spread) must make
+        # no update at all: a zero gradient would still move the weights through Adam's moments, so the
+        # gradients are dropped (None: the optimizer skips those weights) after the step's last micro-batch.
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            if not self._rc_any_trained:
+                model.zero_grad(set_to_none=True)
+            self.record_metric("rc/step_skipped", 0.0 if self._rc_any_trained else 1.0)
+            self._rc_any_trained = False
+        return loss
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -257,6 +281,12 @@ def summarize(rows: list[dict]) -> dict:
         vals = [r[col] for r in rows if col in r and not math.isnan(r[col])]
         out[f"mean_{col}"] = sum(vals) / len(vals) if vals else None
     out["last_reward"] = rows[-1]["reward"] if rows and not math.isnan(rows[-1]["reward"]) else None
+    for col in ("rollouts_generated", "rollouts_trained", "groups_dropped", "useful_groups", "step_skipped"):
+        vals = [r[col] for r in rows if not math.isnan(r.get(col, float("nan")))]
+        out[f"total_{col}"] = sum(vals) if vals else None
+    gen, useful = out["total_rollouts_generated"], out["total_useful_groups"]
+    out["rollouts_per_useful_group"] = gen / useful if gen is not None and useful else None
+    out["price"] = step_summary(rows, PRICE_COLUMNS)
     out["mechanism"] = step_summary(rows)
     return out
 
@@ -299,7 +329,8 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
                           mode=mode, code=Path(__file__), entries=Path(spec.entries), split=Path(spec.split),
                           model=Path(spec.model_dir), adapter=spec.adapter_dir and Path(spec.adapter_dir))
     resume = runs.resume_point(spec.checkpoints, fp, run=spec.name)
-    rollout = EngineRollout(cfg, protocol, mode, levels, {e.id: e for e in entries}, tokenizer)
+    rollout = EngineRollout(cfg, protocol, mode, levels, {e.id: e for e in entries}, tokenizer,
+                            dynamic=spec.algo == "dynamic")
     lora = None
     if cfg.full_finetune:
         # No PEFT: TRL builds its reference model from `config._name_or_path`, so that path must BE the init.
