@@ -114,7 +114,11 @@ def test_a_failing_stage_stops_the_run_and_the_bundle_says_so(tmp_path):
     assert res.exit_code == 2
     assert f"error: run-plan: stage a failed (exit 3); its log: {tmp_path / 'logs' / 'a.log'}" in res.output
     assert not (tmp_path / "b.txt").exists()
+    (tmp_path / "b.txt").write_text("an old b")  # on disk, but not this run's: stays out of the bundle
+    res = CliRunner().invoke(run_cli.app, ["--plan", str(plan), "--root", str(tmp_path), "--bundle", str(bundle),
+                                           "--logs", str(tmp_path / "logs")])
     with tarfile.open(bundle) as tar:
+        assert "b.txt" not in tar.getnames()
         timings = json.load(tar.extractfile("timings.json"))
         assert "partial" in tar.extractfile("logs/a.log").read().decode()
         assert "plan.json" in tar.getnames()

@@ -235,11 +235,15 @@ def run_stage(stage: PlannedStage, root: Path, log_path: Path, env: dict[str, st
     return 0, time.monotonic() - t0
 
 
-def bundle_members(stages: list[PlannedStage], root: Path, extra: list[Path]) -> list[Path]:
-    """Files (relative to `root`) the bundle holds: every stage's records, its cached outputs that are files
-    of at most BUNDLE_FILE_MAX_BYTES, and the files/folders in `extra` (logs, the plan, params)."""
+def bundle_members(stages: list[PlannedStage], root: Path, extra: list[Path], record: RunRecord) -> list[Path]:
+    """Files (relative to `root`) the bundle holds: of every stage that ran or was found done in `record`,
+    its records and its cached outputs that are files of at most BUNDLE_FILE_MAX_BYTES (a stage not reached
+    yet contributes nothing: what is on disk for it is not this run's); then the files/folders in `extra`
+    (logs, the plan, params)."""
     found: list[Path] = []
     for s in stages:
+        if record.stages.get(s.name, StageRun("not_run", "")).status not in ("ran", "skipped", "failed", "stopped"):
+            continue
         for rel in s.records:
             path = root / rel
             if path.is_file():
@@ -306,7 +310,7 @@ def run_plan(stages: list[PlannedStage], root: str | Path, logs: str | Path, bun
     def refresh() -> None:
         record.wall_s = time.monotonic() - t_start
         if bundle is not None:
-            write_bundle(bundle, bundle_members(stages, root, extra), root, record)
+            write_bundle(bundle, bundle_members(stages, root, extra, record), root, record)
 
     handlers = procs.raise_on_terminate()
     failed = False
