@@ -113,6 +113,9 @@ def test_params_written_elsewhere_read_the_projects_profiles(repo, tmp_path_fact
     assert res.exit_code == 0, res.output
     assert config.read_params(elsewhere) == {"sft": {"max_steps": 2, "lr": 0.1}, "rl": {"steps": 50}}
     assert (repo / "params.yaml").read_text() == BASE  # the project's params untouched
+    res = CliRunner().invoke(params_stage.app, ["--profile", "paper", "--out", str(elsewhere)])  # again, over it
+    assert res.exit_code == 0, res.output
+    assert config.read_params(elsewhere) == {"sft": {"max_steps": 100, "lr": 0.1}, "rl": {"steps": 1000}}
 
 
 def test_layered_profiles_merge_left_to_right_from_the_pristine_params(repo):

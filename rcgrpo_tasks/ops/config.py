@@ -157,7 +157,11 @@ def apply_profile(base: str | Path | None, profile: str, out: str | Path, root: 
     out = Path(out)
     root = Path(root) if root is not None else out.parent
     if base is None:
-        text, origin = pristine_params(out if out.is_file() else root / "params.yaml")
+        # A params file written outside the project by an earlier `--out` has no pristine base of its own:
+        # the project's params are its base, as they were the first time.
+        own = out.is_file() and (out.resolve().parent == root.resolve() or generated_by(out.read_text()) is None
+                                 or pristine_copy(out).is_file())
+        text, origin = pristine_params(out if own else root / "params.yaml")
     elif Path(base).is_file():
         text, origin = Path(base).read_text(), str(base)
     else:
