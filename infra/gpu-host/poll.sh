@@ -12,6 +12,6 @@ tail -n 5 "$WORK/run/log"
 [ -f "$WORK/run/exit_code" ] && echo "run-plan exit code: $(cat "$WORK/run/exit_code")"
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null || true
 if [ -n "${OUT:-}" ]; then
-  for f in run/bundle.tar.gz run/log run/checks.log; do [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"; done
+  for f in run/bundle.tar.gz run/prepare.tar.gz run/log run/checks.log; do [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"; done
 fi
 exit 0

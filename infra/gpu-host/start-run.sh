@@ -20,15 +20,15 @@ cat > run/job.sh <<JOB
 set -uo pipefail
 source /tmp/gpuhost.env
 cd "$WORK"
-plan=(rcgrpo run-plan --plan .gpuhost/p4/plan.json --bundle run/bundle.tar.gz --logs run/logs)
-"\${plan[@]}" --stage prepare_model
+plan=(rcgrpo run-plan --plan .gpuhost/p4/plan.json --logs run/logs)
+"\${plan[@]}" --stage prepare_model --bundle run/prepare.tar.gz   # its wall time: prepare.tar.gz
 if [ "$CHECKS" = 1 ]; then
   { python3 -m pytest -q -m gpu tests/ 2>&1 | tail -n 30
     python3 bench/rollout_throughput.py --model models/base --device cuda --dtype bfloat16 --entries 16 --g 5 \
       --protocol paper --max-new-tokens 128 2>&1 | tail -n 30
   } > run/checks.log 2>&1
 fi
-"\${plan[@]}"
+"\${plan[@]}" --bundle run/bundle.tar.gz
 echo \$? > run/exit_code
 JOB
 setsid nohup bash run/job.sh > run/log 2>&1 < /dev/null &
