@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -130,3 +131,26 @@ def test_stratified_limit():
     entries = [get_entry(f"multi_turn_{c}_{i}") for c in ("base", "long_context") for i in range(3)]
     assert [e.category for e in evaluate.stratified(entries, 3)] == ["base", "long_context", "base"]
     assert evaluate.stratified(entries, None) == entries
+
+
+def test_stage_trajectories_are_the_same_bytes_on_every_run():
+    """The ids and wall times a DVC stage stores do not change between runs (dvc.lock can vouch for them)."""
+    from rcgrpo_tasks.engine.trajectory import DATASET_WALL_TIME, Trajectory, as_stage_output
+
+    fields = {f.name for f in dataclasses.fields(Trajectory)}
+    assert {"trajectory_id", "wall_time_s", "entry_id"} <= fields
+    runs = []
+    for wall in (1.5, 9.0):
+        t = dataclasses.replace(_any_trajectory(), wall_time_s=wall)
+        runs.append(as_stage_output([t, t], "evaluate:x"))
+    assert runs[0] == runs[1] and runs[0][0].wall_time_s == DATASET_WALL_TIME
+    assert runs[0][0].trajectory_id != runs[0][1].trajectory_id  # distinct rows, distinct ids
+    assert as_stage_output([t], "evaluate:y")[0].trajectory_id != runs[0][0].trajectory_id
+
+
+def _any_trajectory():
+    from rcgrpo_tasks.engine.trajectory import Trajectory
+
+    return Trajectory(entry_id="multi_turn_base_0", category="base", protocol="paper", reward_token=None,
+                      messages=[], token_ids=[1, 2], prompt_len=1, completion_mask=[0, 1], logprobs=[0.0, -1.0],
+                      result=[[["ls()"]]], termination="done", n_steps=1, n_model_tokens=1, wall_time_s=3.0)

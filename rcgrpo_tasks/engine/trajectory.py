@@ -40,6 +40,15 @@ def new_trajectory_id() -> str:
     return uuid.uuid4().hex
 
 
+def as_stage_output(trajs: Iterable[Trajectory], namespace: str) -> list[Trajectory]:
+    """`trajs` as a DVC stage stores them (evaluate, controllability): each id derived from `namespace`, the
+    row's position and its entry (uuid5) and wall time `DATASET_WALL_TIME`, so the same rollouts are the
+    same bytes on every run; the stage's metrics keep the timings."""
+    return [dataclasses.replace(t, trajectory_id=uuid.uuid5(uuid.NAMESPACE_URL, f"rcgrpo:{namespace}:{i}:{t.entry_id}").hex,
+                                wall_time_s=DATASET_WALL_TIME)
+            for i, t in enumerate(trajs)]
+
+
 @dataclass
 class Trajectory:
     entry_id: str

@@ -10,7 +10,7 @@ from pathlib import Path
 from rcgrpo_tasks.engine.backend import reward_pair_ids
 from rcgrpo_tasks.engine.decoding import MAX_OUTPUTS, DecodeConfig
 from rcgrpo_tasks.engine.rollout import run_rollouts
-from rcgrpo_tasks.engine.trajectory import write_trajectories
+from rcgrpo_tasks.engine.trajectory import as_stage_output, write_trajectories
 from rcgrpo_tasks.env import bfcl
 from rcgrpo_tasks.env.calls import CallParseError, parse_call_string
 from rcgrpo_tasks.env.environment import BfclEnvironment
@@ -154,7 +154,7 @@ def run_eval(cfg: EvaluateConfig, prompt: PromptConfig, backend, entries: list[b
 
 def write_outputs(folder: Path, trajs: list, rows: list[dict], summary: dict) -> None:
     write_jsonl(folder / "results.jsonl", rows)
-    write_trajectories(folder / "trajectories.jsonl", trajs)
+    write_trajectories(folder / "trajectories.jsonl", as_stage_output(trajs, f"evaluate:{summary.get('label', '')}"))
     lines = ["category,accuracy,ci_low,ci_high,n"]
     for cat, c in [*summary["categories"].items(), ("overall", summary["overall"])]:
         lines.append(f"{cat},{c['accuracy']:.2f},{c['ci'][0]:.2f},{c['ci'][1]:.2f},{c['n']}")

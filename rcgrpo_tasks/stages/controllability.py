@@ -40,7 +40,7 @@ from pathlib import Path
 import typer
 
 from rcgrpo_tasks.engine.compute import load_compute
-from rcgrpo_tasks.engine.trajectory import write_trajectories
+from rcgrpo_tasks.engine.trajectory import as_stage_output, write_trajectories
 from rcgrpo_tasks.env.protocols import PromptConfig, reward_tokens
 from rcgrpo_tasks.evaluation.controllability import (
     ControllabilityConfig,
@@ -97,7 +97,7 @@ def main(
                                 {"model": str(model_dir), "adapter": str(adapter_dir)})
         write_json(staged.file(metrics), result)
         if trajectories:
-            write_trajectories(staged.file(trajectories), trajs)
+            write_trajectories(staged.file(trajectories), as_stage_output(trajs, "controllability"))
         tracking.log_metrics(_numbers(result))
         tracking.log_dict(result, "controllability.json")
     s, z = result["sampled"], result["zero_variance"]
