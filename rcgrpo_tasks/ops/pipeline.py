@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import tarfile
 import time
@@ -35,6 +36,8 @@ from rcgrpo_tasks.ops import procs
 from rcgrpo_tasks.ops.io import InputError, atomic_path, read_json, write_json
 
 PLAN_FORMAT = 1
+MISSING = "output missing here"
+"""The reason of an up-to-date stage that runs only to rebuild a missing output (its outputs do not change)."""
 BUNDLE_FILE_MAX_BYTES = 2 * 1024 * 1024
 """Cached output files up to this size go into the bundle (per-entry results, reports, controllability
 trajectories); larger ones (models, datasets, policy samples) stay on the host."""
@@ -189,19 +192,17 @@ def why_run(stage: PlannedStage, root: Path, changed: set[str]) -> str | None:
         return f"upstream {upstream[0]} re-ran"
     missing = [o for o in stage.outs if not (root / o).exists()]
     if missing:  # rebuilt from the same deps: the same bytes, so what depends on it stays up to date
-        return f"output missing here: {missing[0]}"
+        return f"{MISSING}: {missing[0]}"
     return None
 
 
 def _changes(stage: PlannedStage, reason: str | None) -> bool:
     """Whether running `stage` for `reason` may change its outputs (not a mere rebuild of a missing one)."""
-    return reason is not None and not reason.startswith("output missing")
+    return reason is not None and not reason.startswith(MISSING)
 
 
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
-        import shutil
-
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
         path.unlink()
