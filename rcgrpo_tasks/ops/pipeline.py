@@ -36,8 +36,6 @@ from rcgrpo_tasks.ops import procs
 from rcgrpo_tasks.ops.io import InputError, atomic_path, read_json, write_json
 
 PLAN_FORMAT = 1
-MISSING = "output missing here"
-"""The reason of an up-to-date stage that runs only to rebuild a missing output (its outputs do not change)."""
 BUNDLE_FILE_MAX_BYTES = 2 * 1024 * 1024
 """Cached output files up to this size go into the bundle (per-entry results, reports, controllability
 trajectories); larger ones (models, datasets, policy samples) stay on the host."""
@@ -182,23 +180,28 @@ def select(upstream: Mapping[str, Sequence[str]], wanted: list[str] | None) -> l
 
 # -- running it (no DVC needed) -----------------------------------------------------------------------------
 
-def why_run(stage: PlannedStage, root: Path, changed: set[str]) -> str | None:
-    """Why `stage` must run on this host (None: it is skipped); `changed` = the stages that ran (or will)
-    because they were stale, whose outputs may differ from what DVC saw. See the module docstring."""
-    if not stage.done:
-        return "stale where the plan was made"
-    upstream = [u for u in stage.upstream if u in changed]
-    if upstream:
-        return f"upstream {upstream[0]} re-ran"
-    missing = [o for o in stage.outs if not (root / o).exists()]
-    if missing:  # rebuilt from the same deps: the same bytes, so what depends on it stays up to date
-        return f"{MISSING}: {missing[0]}"
-    return None
-
-
-def _changes(stage: PlannedStage, reason: str | None) -> bool:
-    """Whether running `stage` for `reason` may change its outputs (not a mere rebuild of a missing one)."""
-    return reason is not None and not reason.startswith(MISSING)
+def decide(stages: list[PlannedStage], root: Path) -> list[tuple[PlannedStage, str | None]]:
+    """(stage, why it must run on this host, or None: skipped) for every stage of the plan, in order, by the
+    rule of the module docstring. A stage that runs because it was stale (or because a stage upstream of it
+    did) may change its outputs, so what depends on it runs too; an up-to-date stage that runs only to
+    rebuild a missing output writes the same bytes, so what depends on it stays up to date."""
+    changed: set[str] = set()
+    out = []
+    for stage in stages:
+        upstream = [u for u in stage.upstream if u in changed]
+        missing = [o for o in stage.outs if not (root / o).exists()]
+        if not stage.done:
+            reason = "stale where the plan was made"
+        elif upstream:
+            reason = f"upstream {upstream[0]} re-ran"
+        elif missing:
+            reason = f"output missing here: {missing[0]}"
+        else:
+            reason = None
+        if not stage.done or upstream:
+            changed.add(stage.name)
+        out.append((stage, reason))
+    return out
 
 
 def _remove(path: Path) -> None:
@@ -304,7 +307,7 @@ def run_plan(stages: list[PlannedStage], root: str | Path, logs: str | Path, bun
     root, logs = Path(root), Path(logs)
     echo = echo or (lambda line: print(line, flush=True))
     env = stage_env(env)
-    record, changed = RunRecord(), set()
+    record = RunRecord()
     extra = [logs, *(extra or [])]
     t_start = time.monotonic()
 
@@ -316,13 +319,10 @@ def run_plan(stages: list[PlannedStage], root: str | Path, logs: str | Path, bun
     handlers = procs.raise_on_terminate()
     failed = False
     try:
-        for stage in stages:
+        for stage, reason in decide(stages, root):
             if failed:
                 record.stages[stage.name] = StageRun("not_run", "an earlier stage failed")
                 continue
-            reason = why_run(stage, root, changed)
-            if _changes(stage, reason):
-                changed.add(stage.name)
             if reason is None:
                 record.stages[stage.name] = StageRun("skipped", "up to date where the plan was made")
                 echo(f"[run-plan] {stage.name}: skipped (up to date where the plan was made, outputs present)")
@@ -359,10 +359,4 @@ def timing_table(record: RunRecord) -> str:
 
 def describe(stages: list[PlannedStage], root: Path) -> list[str]:
     """One line per stage: what `run_plan` would do here and why (a dry look, runs nothing)."""
-    lines, changed = [], set()
-    for s in stages:
-        reason = why_run(s, root, changed)
-        if _changes(s, reason):
-            changed.add(s.name)
-        lines.append(f"{s.name}: {'run (' + reason + ')' if reason else 'skip'}")
-    return lines
+    return [f"{s.name}: {'run (' + reason + ')' if reason else 'skip'}" for s, reason in decide(stages, root)]
