@@ -305,11 +305,11 @@ class EngineRollout:
         rewards = [reward_value(t.score, self.cfg.reward) if t.score else float("nan") for t in group]
         return adv.spread_groups([float("nan") if r is None else r for r in rewards], len(group))[0]
 
-    def refill(self, backend, groups: list[list], used: set[str], step: int, proc: int) -> tuple[list[list], dict]:
-        """Dynamic sampling: replace groups without reward spread by groups of unused train entries (drawn
-        with a seed of (run seed, step, process)) for up to `dynamic_max_rounds - 1` more rounds. Returns
-        (groups, {rounds, generated groups' spread flags})."""
-        spread = [self._spread(grp) for grp in groups]
+    def refill(self, backend, groups: list[list], spread: list[bool], used: set[str], step: int,
+               proc: int) -> dict:
+        """Dynamic sampling: replace, in place, the groups without reward spread (`spread`, per group, kept up
+        to date) by groups of unused train entries (drawn with a seed of (run seed, step, process)) for up to
+        `dynamic_max_rounds - 1` more rounds. Returns {rounds, spread flags of every group generated}."""
         generated = list(spread)
         rng = random.Random(adv.token_seed(self.cfg.seed, step, proc, call=-1))
         rounds = 1
@@ -323,7 +323,7 @@ class EngineRollout:
                 groups[i], spread[i] = grp, self._spread(grp)
                 generated.append(spread[i])
             rounds += 1
-        return groups, {"rounds": rounds, "generated": generated}
+        return {"rounds": rounds, "generated": generated}
 
     def __call__(self, prompts: list, trainer) -> dict:
         step, proc = trainer.state.global_step, trainer.accelerator.process_index
@@ -341,11 +341,12 @@ class EngineRollout:
         try:
             backend = self.backend(trainer)
             groups = self.groups(backend, ids, step, proc, call=0)
+            spread = [self._spread(grp) for grp in groups]
             if self.dynamic:
-                groups, gen = self.refill(backend, groups, set(ids), step, proc)
-                kept = [self._spread(grp) for grp in groups]
+                gen = self.refill(backend, groups, spread, set(ids), step, proc)
+                kept = list(spread)
             else:
-                gen = {"rounds": 1, "generated": [self._spread(grp) for grp in groups]}
+                gen = {"rounds": 1, "generated": list(spread)}
                 kept = [True] * len(groups)
         finally:
             model.train(was_training)
@@ -354,19 +355,19 @@ class EngineRollout:
         self.last, self.last_kept = trajs, kept
         for name, value in self.metrics(trajs, elapsed).items():
             trainer.record_metric(name, value)
-        for name, value in self.price(groups, kept, gen, self.generated_tokens).items():
+        for name, value in self.price(spread, kept, gen, self.generated_tokens).items():
             trainer.record_metric(name, value)
         if self.dynamic and not any(kept):
             print(f"rl: step {step + 1}: no group with reward spread after {gen['rounds']} generation round(s); "
                   "nothing to train on, the step makes no update", file=sys.stderr, flush=True)
         return self.to_trl(trajs, [k for k in kept for _ in range(g)])
 
-    def price(self, groups: list[list], kept: list[bool], gen: dict, gen_tokens: int) -> dict:
+    def price(self, spread: list[bool], kept: list[bool], gen: dict, gen_tokens: int) -> dict:
         """What the step's learning signal cost (`rc/...`): rollouts generated (all rounds) and trained on,
         groups dropped, useful groups (trained on, with reward spread), generation rounds, model tokens
         generated per useful group (NaN with none), and the zero-variance share of every generated group."""
         g = self.cfg.num_generations
-        useful = sum(k and self._spread(grp) for grp, k in zip(groups, kept))
+        useful = sum(k and s for s, k in zip(spread, kept))
         flags = gen["generated"]
         return {
             "rc/rollouts_generated": len(flags) * g,
