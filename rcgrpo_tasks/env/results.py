@@ -8,8 +8,8 @@ depends on the model's handler:
 - `fc`: function-calling models: a list of `{name: "<JSON arguments>"}` objects, decoded by bfcl-eval's
   `convert_to_function_call`; a text reply (a bare string, or a one-element text list) fails to decode.
 
-As bfcl-eval's runner (`_evaluate_single_multi_turn_entry`) does, a step that fails to decode or decodes to
-nothing is dropped, and a result that is not a list (`"Error during inference: ..."`) is left as it is, for
+As bfcl-eval's runner (`_evaluate_single_multi_turn_entry`) does, a step that fails to decode is dropped (one
+that decodes to nothing is dropped by the scorer, as every empty step is), and a result that is not a list (`"Error during inference: ..."`) is left as it is, for
 the scorer to judge an inference error. `detect` picks the decoding of a whole file from what its steps
 hold; a handler with its own decoder (XML or JSON tool-call formats) is out of scope: decode those with
 bfcl-eval first and score the call strings.
@@ -56,11 +56,6 @@ def detect(results: Iterable[Any]) -> tuple[Decoding, str]:
     return "calls", "steps are lists of call strings"
 
 
-def _empty(decoded: list[str]) -> bool:
-    """bfcl-eval `is_empty_execute_response`."""
-    return len(decoded) == 0 or (len(decoded) == 1 and len(decoded[0]) == 0)
-
-
 def decode_result(result: Any, decoding: Decoding) -> Any:
     """`result` as turns -> steps -> call strings (`calls`: unchanged). A non-list result, or a turn that is
     not a list, is returned unchanged for the scorer to reject as bfcl-eval's runner does."""
@@ -72,10 +67,8 @@ def decode_result(result: Any, decoding: Decoding) -> Any:
         steps = []
         for step in turn:
             try:
-                decoded = decode(step)
+                steps.append(decode(step))
             except Exception:  # bfcl-eval drops a step it cannot decode (text, a malformed call)
                 continue
-            if not _empty(decoded):
-                steps.append(decoded)
         turns.append(steps)
     return turns
