@@ -162,3 +162,11 @@ def test_a_malformed_plan_fails_naming_the_file_and_field(tmp_path, plan, match)
     assert str(path) in str(err.value)
     res = CliRunner().invoke(run_cli.app, ["--plan", str(path), "--dry-run"])
     assert res.exit_code == 2 and "error:" in res.output
+
+
+def test_plan_outside_a_dvc_project_is_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "out" / "plan.json"
+    res = CliRunner().invoke(plan_cli.app, ["--out", str(out), "--repo", str(tmp_path / "nothing-here"),
+                                            "--outputs-archive", str(tmp_path / "out" / "outs.tar.gz")])
+    assert res.exit_code == 2 and "DVC cannot read the pipeline" in res.output
+    assert not (tmp_path / "out").exists()

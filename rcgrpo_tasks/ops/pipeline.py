@@ -88,29 +88,33 @@ def dvc_stages(repo_dir: str | Path, with_status: bool = True, main_only: bool =
     DVC itself resolves it. `with_status`: mark the stages `dvc status` finds up to date as `done` (hashes
     every dep: seconds to minutes)."""
     import networkx as nx
+    from dvc.exceptions import DvcException
     from dvc.repo import Repo
     from dvc.stage import PipelineStage
 
-    with Repo(str(repo_dir)) as repo:
-        graph = repo.index.graph  # edges point from a stage to the stages it depends on
-        order = {s: i for i, s in enumerate(repo.index.stages)}
+    try:
+        with Repo(str(repo_dir)) as repo:
+            graph = repo.index.graph  # edges point from a stage to the stages it depends on
+            order = {s: i for i, s in enumerate(repo.index.stages)}
 
-        def address(stage) -> str:  # like Stage.addressing, but relative to the repo, not to the cwd
-            rel = os.path.relpath(stage.dvcfile.path, repo.root_dir)
-            return stage.name if rel == "dvc.yaml" else f"{rel}:{stage.name}"
+            def address(stage) -> str:  # like Stage.addressing, but relative to the repo, not to the cwd
+                rel = os.path.relpath(stage.dvcfile.path, repo.root_dir)
+                return stage.name if rel == "dvc.yaml" else f"{rel}:{stage.name}"
 
-        stages = [s for s in nx.lexicographical_topological_sort(graph.reverse(), key=lambda s: order[s])
-                  if isinstance(s, PipelineStage) and (not main_only or ":" not in address(s))]
-        stale = set(repo.status(targets=[s.addressing for s in stages], with_deps=False)) if with_status else None
-        planned = []
-        for s in stages:
-            cmds = (s.cmd,) if isinstance(s.cmd, str) else tuple(s.cmd)
-            planned.append(PlannedStage(
-                address(s), cmds, tuple(address(d) for d in graph.successors(s) if isinstance(d, PipelineStage)),
-                tuple(str(o.def_path) for o in s.outs if o.use_cache),
-                tuple(str(o.def_path) for o in s.outs if not o.use_cache),
-                done=stale is not None and s.addressing not in stale))
-        return planned
+            stages = [s for s in nx.lexicographical_topological_sort(graph.reverse(), key=lambda s: order[s])
+                      if isinstance(s, PipelineStage) and (not main_only or ":" not in address(s))]
+            stale = set(repo.status(targets=[s.addressing for s in stages], with_deps=False)) if with_status else None
+            planned = []
+            for s in stages:
+                cmds = (s.cmd,) if isinstance(s.cmd, str) else tuple(s.cmd)
+                planned.append(PlannedStage(
+                    address(s), cmds, tuple(address(d) for d in graph.successors(s) if isinstance(d, PipelineStage)),
+                    tuple(str(o.def_path) for o in s.outs if o.use_cache),
+                    tuple(str(o.def_path) for o in s.outs if not o.use_cache),
+                    done=stale is not None and s.addressing not in stale))
+            return planned
+    except DvcException as exc:  # not a DVC project, a broken dvc.yaml, ...: one line naming the project
+        raise InputError(f"{repo_dir}: DVC cannot read the pipeline: {exc}") from exc
 
 
 def write_plan(stages: list[PlannedStage], path: str | Path, meta: dict | None = None) -> None:

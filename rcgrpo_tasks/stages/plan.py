@@ -18,7 +18,7 @@ import typer
 from rcgrpo_tasks.ops import pipeline
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import current_profile
-from rcgrpo_tasks.ops.io import atomic_path
+from rcgrpo_tasks.ops.io import atomic_outputs
 
 app = typer.Typer(add_completion=False, help="Write the DVC pipeline as a plan that runs without DVC.")
 
@@ -56,17 +56,18 @@ def main(
                     path = repo / rel
                     if not path.exists():
                         note += f" {rel}: missing here"
-                    elif _size(path) > max_output_mb * 2**20:
-                        note += f" {rel}: {_size(path) / 2**20:.0f} MB, rebuilt there"
+                    elif (size := _size(path)) > max_output_mb * 2**20:
+                        note += f" {rel}: {size / 2**20:.0f} MB, rebuilt there"
                     else:
                         carried.append(rel)
             lines.append(f"{s.name:<28} {'up to date' if s.done else 'to run'}{note}")
         meta = {"profile": current_profile(repo / "params.yaml"), "commit": _commit(repo), "carried": carried}
-        if outputs_archive is not None:
-            with atomic_path(outputs_archive) as tmp, tarfile.open(tmp, "w:gz") as tar:
-                for rel in carried:
-                    tar.add(repo / rel, arcname=rel)
-        pipeline.write_plan(stages, out, meta)
+        with atomic_outputs() as staged:  # the plan and its archive are published together or not at all
+            if outputs_archive is not None:
+                with tarfile.open(staged.file(outputs_archive), "w:gz") as tar:
+                    for rel in carried:
+                        tar.add(repo / rel, arcname=rel)
+            pipeline.write_plan(stages, staged.file(out), meta)
     typer.echo("\n".join(lines))
     size = f" ({outputs_archive.stat().st_size / 2**20:.1f} MB)" if outputs_archive is not None else ""
     typer.echo(f"wrote {out}: {len(stages)} stages, {sum(not s.done for s in stages)} to run, profile "
