@@ -201,3 +201,17 @@ def test_autocast_option_runs_close_to_fp32(backend):
     sp = SamplingParams(temperature=0.0, max_new_tokens=4)
     exact, approx = backend.generate(prompts, sp)[0], fast.generate(prompts, sp)[0]
     assert max(abs(a - b) for a, b in zip(exact.logprobs, approx.logprobs)) < 0.05
+
+
+def test_cpu_bf16_override_decides_auto_dtype_and_autocast(backend, monkeypatch):
+    from rcgrpo_tasks.engine.models import bf16_supported
+    from rcgrpo_tasks.ops.io import InputError
+
+    monkeypatch.setenv("RCGRPO_CPU_BF16", "0")
+    assert not bf16_supported()
+    assert HFBackend.from_model(backend.model, backend.tokenizer, autocast=True).autocast is False
+    monkeypatch.setenv("RCGRPO_CPU_BF16", "1")
+    assert bf16_supported()
+    monkeypatch.setenv("RCGRPO_CPU_BF16", "yes")
+    with pytest.raises(InputError, match="RCGRPO_CPU_BF16"):
+        bf16_supported()

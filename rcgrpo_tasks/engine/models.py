@@ -7,6 +7,7 @@ the RL stage and the bench all load through it. Heavy imports happen inside the 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rcgrpo_tasks.ops.io import InputError, read_json
@@ -45,7 +46,16 @@ def check_adapter_dir(adapter_dir: str | Path) -> Path:
 
 
 def bf16_supported() -> bool:
-    """True when this CPU has native bf16 matmuls (AVX512-BF16 or AMX)."""
+    """True when this CPU has native bf16 matmuls (AVX512-BF16 or AMX).
+
+    `RCGRPO_CPU_BF16=0` makes a bf16 CPU behave as one without (every `auto` dtype and autocast falls back
+    to float32), so a run measured here reproduces a host that lacks it; `=1` forces bf16 on.
+    """
+    forced = os.environ.get("RCGRPO_CPU_BF16", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    if forced:
+        raise InputError(f"environment RCGRPO_CPU_BF16={forced!r}: expected 0, 1 or unset")
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
