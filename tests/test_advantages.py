@@ -70,7 +70,7 @@ def test_token_sampling_frequency_matches_p():
 
 def test_token_draws_are_deterministic_per_step():
     s1, s2 = adv.token_seed(7, 3), adv.token_seed(7, 3)
-    assert s1 == s2 and adv.token_seed(7, 4) != s1 and adv.token_seed(7, 3, process=1) != s1
+    assert s1 == s2 and adv.token_seed(7, 4) != s1 and adv.token_seed(7, 3, group=1) != s1
     assert adv.sample_reward_tokens(16, "rc", 0.5, s1, levels=LEVELS) == adv.sample_reward_tokens(16, "rc", 0.5, s2, levels=LEVELS)
 
 

@@ -48,7 +48,7 @@ def test_iid_draw_is_unchanged_and_stratified_needs_whole_groups():
 class FakeTrainer:
     def __init__(self):
         self.state = SimpleNamespace(global_step=0)
-        self.accelerator = SimpleNamespace(process_index=0)
+        self.accelerator = SimpleNamespace(process_index=0, is_main_process=True)
         self.model = SimpleNamespace(training=True, eval=lambda: None, train=lambda mode: None)
         self.metrics: dict[str, list[float]] = {}
 

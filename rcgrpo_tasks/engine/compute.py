@@ -25,11 +25,23 @@ _SETTING = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 class ComputeConfig:
     device: str = "auto"
     """`auto` (CUDA when available, else the CPU) | `cpu` | `cuda` | `cuda:N`."""
+    processes: int = 1
+    """Training processes of the `sft` and `rl` stages on this machine. 1: the stage trains in its own
+    process. N > 1: the stage runs itself under `accelerate launch` with N processes (one per GPU; gloo
+    processes on the CPU), so `dvc repro` and the Prefect flow run it unchanged."""
+    accelerate_config: str | None = None
+    """accelerate config file for a launch (e.g. configs/accelerate_zero3.yaml: DeepSpeed ZeRO-3); null =
+    plain data parallel (DDP: NCCL on GPUs, gloo on the CPU). Its `num_processes` is overridden by
+    `processes`."""
 
     def __post_init__(self) -> None:
         # The format is checked here (no torch import); availability only when resolved.
         if not _SETTING.match(str(self.device).strip().lower()):
             raise ValueError(f"device {self.device!r}: expected {DEVICE_SETTINGS}")
+        if isinstance(self.processes, bool) or not isinstance(self.processes, int) or self.processes < 1:
+            raise ValueError(f"processes {self.processes!r}: expected an integer >= 1")
+        if self.accelerate_config is not None and not str(self.accelerate_config).strip():
+            raise ValueError("accelerate_config: expected a file path or null")
 
     def resolve(self):
         """The `torch.device` this setting names on this machine (ConfigError when it is absent)."""

@@ -131,19 +131,33 @@ def die_with_parent() -> bool:
     return True
 
 
-def start_group(cmd: list[str], **kwargs) -> subprocess.Popen:
-    """Popen `cmd` as the leader of a new session, so `stop_group` reaches it and all its children."""
+def start_group(cmd: list[str], die_with_us: bool = False, **kwargs) -> subprocess.Popen:
+    """Popen `cmd` as the leader of a new session, so `stop_group` reaches it and all its children.
+    `die_with_us`: the leader gets SIGTERM when this process dies, even by SIGKILL (Linux; a new session
+    is out of reach of this one's signals otherwise)."""
+    if die_with_us and sys.platform.startswith("linux"):
+        kwargs["preexec_fn"] = _term_on_parent_death
     return subprocess.Popen(cmd, start_new_session=True, **kwargs)
 
 
-def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> int | None:
+def _term_on_parent_death() -> None:
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 20.0, leader_first: bool = False) -> int | None:
     """SIGTERM the process group led by `proc` and wait until every member is gone (the leader may exit
     before its children); SIGKILL whatever is left after `grace_s`. Returns the leader's exit code (None
-    if it could not be reaped). Safe on a group that already exited."""
+    if it could not be reaped). Safe on a group that already exited. `leader_first`: the SIGTERM goes to
+    the leader alone (a launcher that passes it on to its workers: they must get it once, not twice)."""
     deadline = time.monotonic() + grace_s
     for sig in (signal.SIGTERM, signal.SIGKILL):
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
+            if leader_first and sig == signal.SIGTERM:
+                os.kill(proc.pid, sig)
+            else:
+                os.killpg(proc.pid, sig)
         while time.monotonic() < deadline:
             proc.poll()  # reap the leader, or the group stays "alive" as a zombie
             if not group_alive(proc.pid):

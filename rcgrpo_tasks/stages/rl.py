@@ -28,6 +28,11 @@ and `train/grpo_trainer.py`, the method docs/rl.md):
 7. Placement: params `compute.device` (auto | cpu | cuda); one stderr line says where it trains, the
    metrics JSON and MLflow params carry `placement`; the rollout copy lives on the policy's device. A
    micro-batch that runs out of memory is halved and the accumulation doubled (same batch), with a warning.
+8. Processes: params `compute.processes` N > 1 runs this command again under `accelerate launch` in N
+   processes (`train.processes`; docs/multi-gpu.md). Each decodes its own whole groups, seeded by their
+   place in the batch, so the run equals one process at N x the micro-batch; the main process alone
+   writes outputs, MLflow and diagnostics, from every process's rollouts. Every rollout (entry, token,
+   rewards, advantage) is logged to `rollouts.jsonl` in the checkpoint folder.
 
 Reads: params sections `rl`, `prompt` (the episode prompt every stage shares; `rl.max_outputs` is the
 output budget), `compute` and `label_rewards.tokens`; `--model-dir`, `--adapter-dir`, `--entries`, `--split`.
@@ -48,7 +53,8 @@ import typer
 
 from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.ops.cli import cli_errors
-from rcgrpo_tasks.train import runs
+from rcgrpo_tasks.train import processes, runs
+from rcgrpo_tasks.train.grpo import check_world
 from rcgrpo_tasks.train.grpo_trainer import (
     RLRun,
 )
@@ -74,14 +80,18 @@ def main(
                                                        "`compute`)."),
 ) -> None:
     """GRPO / RC-GRPO on TRL GRPOTrainer over the multi-turn rollout engine."""
+    options = dict(locals())  # this command's arguments, to run it again under a launch
     with cli_errors():
         cfg, protocol, levels = load_rl_config(params)
         compute = load_compute(params)
-        runs.train_device(compute.device)  # a device this machine lacks fails here, before anything loads
+        device = runs.train_device(compute.device)  # a device this machine lacks fails here, before anything loads
         spec = RLRun(init=init, algo=algo, model_dir=model_dir, adapter_dir=adapter_dir, entries=entries,
                      split=split, out=out, checkpoints=checkpoints, metrics=metrics, plots=plots,
                      conditioning=conditioning)
         spec.check()
+        if processes.should_launch(compute):  # N processes: this command again, under accelerate launch
+            check_world(cfg, compute.processes)  # whole groups per process, checked before anything starts
+            raise typer.Exit(processes.relaunch(compute, device, "rl", options))
         summary = train_rl(cfg, protocol, levels, spec, compute=compute)
     typer.echo(json.dumps({k: summary.get(k) for k in ("steps", "mean_reward", "mean_frac_zero_std",
                                                           "mean_controllability_gap", "resumed_from")}))

@@ -11,6 +11,8 @@ Writes: `--out` (atomically): a standard PEFT adapter folder + the extended toke
 (or, with `full_finetune`, a full model folder); `--metrics` (JSON summary), `--plots` (per-step TSV for
 `dvc plots`); `--checkpoints` (periodic Trainer checkpoints, a DVC `persist` output: a killed run re-run
 with the same params, inputs and training code resumes from the last complete one; others discard them).
+Processes: params `compute.processes` N > 1 runs this command again under `accelerate launch` in N processes
+(`train.processes`; docs/multi-gpu.md): micro-batch `batch_size` per process, the main process alone writes.
 SIGTERM (dvc / Prefect cancel): one line on stderr; the current step is checkpointed (or, past `runs.STOP_GRACE_S`,
 the run stops at once), the MLflow run ends KILLED, nothing is published, exit 143.
 MLflow (via `tracking`): params (config, data/model hashes), step metrics (loss, lr, grad norm, tokens/s),
@@ -37,7 +39,7 @@ import typer
 
 from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.ops.cli import cli_errors
-from rcgrpo_tasks.train import runs
+from rcgrpo_tasks.train import processes, runs
 from rcgrpo_tasks.train.finetune import (
     SftRun,
 )
@@ -58,12 +60,15 @@ def main(
     plots: Path | None = typer.Option(None, help="Output: per-step TSV (dvc plots)."),
 ) -> None:
     """SFT / RCTP fine-tuning with TRL SFTTrainer + PEFT LoRA."""
+    options = dict(locals())  # this command's arguments, to run it again under a launch
     spec = SftRun(variant, model_dir, data, out, checkpoints, metrics, plots)
     with cli_errors():
         cfg, tokens = load_sft_config(params, variant)
         compute = load_compute(params)
-        runs.train_device(compute.device)  # a device this machine lacks fails here, before anything loads
+        device = runs.train_device(compute.device)  # a device this machine lacks fails here, before anything loads
         spec.check()
+        if processes.should_launch(compute):  # N processes: this command again, under accelerate launch
+            raise typer.Exit(processes.relaunch(compute, device, "sft", options))
         summary = train_variant(cfg, tokens, spec, compute=compute)
     if summary:
         typer.echo(json.dumps({k: summary.get(k) for k in ("variant", "steps", "loss_first", "loss_last",

@@ -57,9 +57,10 @@ def conditioning_for(init: str, algo: str) -> Conditioning:
     raise ValueError(f"unknown algo {algo!r}; expected one of {ALGOS}")
 
 
-def token_seed(seed: int, step: int, process: int = 0, call: int = 0) -> int:
-    """Deterministic 63-bit seed for one draw (same run seed + step -> same tokens after a resume)."""
-    rng = random.Random(f"rcgrpo-reward-token:{seed}:{step}:{process}:{call}")
+def token_seed(seed: int, step: int, group: int = 0, call: int = 0) -> int:
+    """Deterministic 63-bit seed for one draw of one group (`group`: its index in the step's whole batch):
+    the same run seed + step -> the same tokens after a resume and on any number of processes."""
+    rng = random.Random(f"rcgrpo-reward-token:{seed}:{step}:{group}:{call}")
     return rng.getrandbits(63)
 
 

@@ -23,6 +23,8 @@ The trainer itself (`RCGRPOTrainer`, `build_trainer`) is in `grpo_trainer.py`.
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import random
 import sys
 import time
@@ -40,7 +42,7 @@ from rcgrpo_tasks.env.protocols import ProtocolConfig, initial_messages
 from rcgrpo_tasks.env.scoring import REWARDS, Reward, reward_value
 from rcgrpo_tasks.ops.config import ConfigError, flat_field
 from rcgrpo_tasks.train import advantages as adv
-from rcgrpo_tasks.train import runs
+from rcgrpo_tasks.train import processes, runs
 
 DECODE_KEYS = ("temperature", "top_p", "max_outputs", "max_new_tokens")
 
@@ -265,16 +267,23 @@ class EngineRollout:
 
     `levels`: the reward tokens (label_rewards.tokens, lowest first); `protocol`: the episode settings
     (params `prompt` with `max_outputs`); `dynamic`: drop and refill groups without reward spread (module
-    docstring)."""
+    docstring).
+
+    Across processes: TRL hands process p the p-th contiguous share of whole groups of the step's batch and
+    each process decodes its own groups (no communication while decoding). A group's reward tokens and
+    sampling seed depend on its index in the whole batch, never on the process decoding it, so N processes
+    roll out exactly the groups one process would. Refill draws, the diagnostics and the price are
+    computed from every process's groups (`processes.gather`), identically on each."""
 
     def __init__(self, cfg: RLConfig, protocol: ProtocolConfig, mode: adv.Conditioning, levels: tuple[str, ...],
                  entries: dict, tokenizer, dynamic: bool = False):
         self.cfg, self.protocol, self.mode, self.levels = cfg, protocol, mode, tuple(levels)
         self.entries, self.tokenizer, self.dynamic = entries, tokenizer, dynamic
-        self.last: list = []  # trajectories of the latest call (tests, debugging)
-        self.last_kept: list[bool] = []  # per group of the latest call: trained on
+        self.last: list = []  # this process's trajectories of the latest call (tests, debugging)
+        self.last_kept: list[bool] = []  # per group of this process in the latest call: trained on
+        self.records: list[dict] = []  # every process's rollouts of the latest call, batch order (rollout_record)
         self.snapshot = None  # CPU: merged low-precision copy of the policy that the engine samples from
-        self.generated_tokens = 0  # model tokens of every rollout generated in the latest call (all rounds)
+        self.generated_tokens = 0  # model tokens of every rollout this process generated in the latest call
 
     def backend(self, trainer):
         """The engine backend over the current policy: TRL's vLLM, the refreshed snapshot, or the live model."""
@@ -287,17 +296,19 @@ class EngineRollout:
             model = self.snapshot
         return HFBackend.from_model(model, self.tokenizer)
 
-    def groups(self, backend, entry_ids: list[str], step: int, proc: int, call: int) -> list[list]:
-        """One engine group of G rollouts per entry id; reward tokens and sampling seeded by (step, process,
-        call), so a resumed run regenerates the same groups."""
+    def groups(self, backend, entry_ids: list[str], step: int, slots: list[int], call: int) -> list[list]:
+        """One engine group of G rollouts per entry id; `slots`: each group's index in the step's whole batch.
+        Reward tokens and sampling are seeded by (run seed, step, slot, call): a resumed run, or a run on
+        another number of processes, regenerates the same groups."""
         g = self.cfg.num_generations
-        tokens = adv.sample_reward_tokens(len(entry_ids) * g, self.mode, self.cfg.p_high,
-                                          adv.token_seed(self.cfg.seed, step, proc, call=2 * call),
-                                          levels=self.levels, draw=self.cfg.token_draw, g=g)
-        sampling = self.cfg.decode.sampling(adv.token_seed(self.cfg.seed, step, proc, call=2 * call + 1))
-        out = [engine_rollout.run_group(backend, self.entries[eid], n=g, protocol_cfg=self.protocol,
-                                        sampling=sampling, reward_tokens=tokens[i * g : (i + 1) * g])
-               for i, eid in enumerate(entry_ids)]
+        out = []
+        for eid, slot in zip(entry_ids, slots):
+            tokens = adv.sample_reward_tokens(g, self.mode, self.cfg.p_high,
+                                              adv.token_seed(self.cfg.seed, step, slot, call=2 * call),
+                                              levels=self.levels, draw=self.cfg.token_draw, g=g)
+            sampling = self.cfg.decode.sampling(adv.token_seed(self.cfg.seed, step, slot, call=2 * call + 1))
+            out.append(engine_rollout.run_group(backend, self.entries[eid], n=g, protocol_cfg=self.protocol,
+                                                sampling=sampling, reward_tokens=tokens))
         self.generated_tokens += sum(t.n_model_tokens for grp in out for t in grp)
         return out
 
@@ -305,28 +316,36 @@ class EngineRollout:
         rewards = [reward_value(t.score, self.cfg.reward) if t.score else float("nan") for t in group]
         return adv.spread_groups([float("nan") if r is None else r for r in rewards], len(group))[0]
 
-    def refill(self, backend, groups: list[list], spread: list[bool], used: set[str], step: int,
-               proc: int) -> dict:
-        """Dynamic sampling: replace, in place, the groups without reward spread (`spread`, per group, kept up
-        to date) by groups of unused train entries (drawn with a seed of (run seed, step, process)) for up to
-        `dynamic_max_rounds - 1` more rounds. Returns {rounds, spread flags of every group generated}."""
+    def refill(self, backend, groups: list[list], spread: list[bool], ids: list[str], step: int,
+               first: int) -> dict:
+        """Dynamic sampling: replace, in place, the groups without reward spread (`spread`, per group of this
+        process, kept up to date; `first`: the batch index of its first group) by groups of train entries
+        not used yet in the step, for up to `dynamic_max_rounds - 1` more rounds. Each round draws, with a
+        seed of (run seed, step, round), one fresh entry per flat group of the WHOLE batch (every process
+        draws the same list and decodes its own slots); rounds go on while any process has a flat group.
+        Returns {rounds, spread flags of every group this process generated}."""
         generated = list(spread)
-        rng = random.Random(adv.token_seed(self.cfg.seed, step, proc, call=-1))
+        used = {eid for part in processes.gather(ids) for eid in part}
         rounds = 1
-        while rounds < self.cfg.dynamic_max_rounds and not all(spread):
-            bad = [i for i, ok in enumerate(spread) if not ok]
+        while rounds < self.cfg.dynamic_max_rounds:
+            flat = [j for j, ok in enumerate(f for part in processes.gather(spread) for f in part) if not ok]
+            if not flat:
+                break
+            rng = random.Random(adv.token_seed(self.cfg.seed, step, -1, call=rounds))
             pool = sorted(set(self.entries) - used) or sorted(self.entries)
-            fresh = [pool[j] for j in rng.sample(range(len(pool)), len(bad))] if len(pool) >= len(bad) \
-                else [rng.choice(pool) for _ in bad]
+            fresh = [pool[j] for j in rng.sample(range(len(pool)), len(flat))] if len(pool) >= len(flat) \
+                else [rng.choice(pool) for _ in flat]
             used.update(fresh)
-            for i, grp in zip(bad, self.groups(backend, fresh, step, proc, call=rounds)):
+            mine = [(j - first, eid) for j, eid in zip(flat, fresh) if first <= j < first + len(groups)]
+            new = self.groups(backend, [eid for _, eid in mine], step, [first + i for i, _ in mine], call=rounds)
+            for (i, _), grp in zip(mine, new):
                 groups[i], spread[i] = grp, self._spread(grp)
                 generated.append(spread[i])
             rounds += 1
         return {"rounds": rounds, "generated": generated}
 
     def __call__(self, prompts: list, trainer) -> dict:
-        step, proc = trainer.state.global_step, trainer.accelerator.process_index
+        step, acc = trainer.state.global_step, trainer.accelerator
         g = self.cfg.num_generations
         ids = []
         for start in range(0, len(prompts), g):
@@ -334,16 +353,17 @@ class EngineRollout:
             if len(group) != g or len(set(group)) != 1:  # TRL lays out whole groups; check, never guess
                 raise RuntimeError(f"rollout batch is not whole groups of G={g}: {prompts}")
             ids.append(group[0])
+        first = acc.process_index * len(ids)  # every process holds the same number of groups (check_world)
         model = trainer.model
         was_training = model.training
         model.eval()  # no dropout when sampling from the live model; TRL reads its mode before and after
         t0, self.generated_tokens = time.perf_counter(), 0
         try:
             backend = self.backend(trainer)
-            groups = self.groups(backend, ids, step, proc, call=0)
+            groups = self.groups(backend, ids, step, [first + i for i in range(len(ids))], call=0)
             spread = [self._spread(grp) for grp in groups]
             if self.dynamic:
-                gen = self.refill(backend, groups, spread, set(ids), step, proc)
+                gen = self.refill(backend, groups, spread, ids, step, first)
                 kept = list(spread)
             else:
                 gen = {"rounds": 1, "generated": list(spread)}
@@ -353,11 +373,16 @@ class EngineRollout:
         elapsed = time.perf_counter() - t0
         trajs = [t for grp in groups for t in grp]
         self.last, self.last_kept = trajs, kept
-        for name, value in self.metrics(trajs, elapsed).items():
+        mine = [rollout_record(t, step, first + i // g, kept[i // g]) for i, t in enumerate(trajs)]
+        parts = processes.gather((mine, elapsed, spread, kept, gen["generated"], self.generated_tokens))
+        self.records = [r for part in parts for r in part[0]]
+        every = {"spread": [f for p in parts for f in p[2]], "kept": [f for p in parts for f in p[3]],
+                 "generated": [f for p in parts for f in p[4]], "rounds": gen["rounds"]}
+        for name, value in self.metrics(self.records, max(p[1] for p in parts)).items():
             trainer.record_metric(name, value)
-        for name, value in self.price(spread, kept, gen, self.generated_tokens).items():
+        for name, value in self.price(every["spread"], every["kept"], every, sum(p[5] for p in parts)).items():
             trainer.record_metric(name, value)
-        if self.dynamic and not any(kept):
+        if self.dynamic and not any(every["kept"]) and acc.is_main_process:
             print(f"rl: step {step + 1}: no group with reward spread after {gen['rounds']} generation round(s); "
                   "nothing to train on, the step makes no update", file=sys.stderr, flush=True)
         return self.to_trl(trajs, [k for k in kept for _ in range(g)])
@@ -401,14 +426,16 @@ class EngineRollout:
             out["entry_id"].append(t.entry_id)
         return out
 
-    def metrics(self, trajs, elapsed: float) -> dict:
-        """Rollout diagnostics of one call (`rc/...`): reward overall and per token, controllability gap,
+    def metrics(self, records: list[dict], elapsed: float) -> dict:
+        """Rollout diagnostics of one call over every process's rollouts (`rollout_record`s; `elapsed`: the
+        slowest process's rollout time), as `rc/...`: reward overall and per token, controllability gap,
         zero-std groups, model tokens, calls, steps, environment errors, rollout speed."""
-        rewards = [reward_value(t.score, self.cfg.reward) if t.score else float("nan") for t in trajs]
-        tokens = [t.reward_token for t in trajs]
+        rewards = [r["rewards"].get(self.cfg.reward) for r in records]
+        rewards = [float("nan") if v is None else v for v in rewards]
+        tokens = [r["reward_token"] for r in records]
         by = adv.reward_by_token(rewards, tokens, levels=self.levels)
-        n_tok = sum(t.n_model_tokens for t in trajs)
-        n = len(trajs)
+        n_tok = sum(r["model_tokens"] for r in records)
+        n = len(records)
         return {
             "rc/reward": sum(rewards) / n,
             "rc/reward_high": by.get("high", float("nan")),
@@ -417,10 +444,21 @@ class EngineRollout:
             "rc/controllability_gap": adv.controllability_gap(rewards, tokens, levels=self.levels),
             "rc/frac_zero_std": adv.zero_std_fraction(rewards, self.cfg.num_generations),
             "rc/model_tokens": n_tok / n,
-            "rc/n_calls": sum(_n_calls(t.result) for t in trajs) / n,
-            "rc/n_steps": sum(t.n_steps for t in trajs) / n,
-            "rc/env_errors": sum(_env_errors(t.messages) for t in trajs) / n,
-            "rc/frac_terminated_error": sum(t.termination == "error" for t in trajs) / n,
+            "rc/n_calls": sum(r["calls"] for r in records) / n,
+            "rc/n_steps": sum(r["steps"] for r in records) / n,
+            "rc/env_errors": sum(r["env_errors"] for r in records) / n,
+            "rc/frac_terminated_error": sum(r["termination"] == "error" for r in records) / n,
             "rc/rollout_tokens_per_s": n_tok / elapsed if elapsed > 0 else float("nan"),
             "rc/rollout_s": elapsed,
         }
+
+
+def rollout_record(t, step: int, group: int, kept: bool) -> dict:
+    """What the run logs of one rollout (`grpo_trainer.ROLLOUTS_FILE`, diagnostics): step, the group's index
+    in the step's batch, entry, reward token, every reward, model tokens, calls, steps, environment errors,
+    termination, whether it was trained on, and a hash of its token ids (the same rollout on any process)."""
+    return {"step": step, "group": group, "entry_id": t.entry_id, "reward_token": t.reward_token,
+            "rewards": {name: reward_value(t.score, name) if t.score else None for name in REWARDS},
+            "model_tokens": t.n_model_tokens, "calls": _n_calls(t.result), "steps": t.n_steps,
+            "env_errors": _env_errors(t.messages), "termination": t.termination, "trained": kept,
+            "tokens_sha1": hashlib.sha1(json.dumps(list(t.token_ids)).encode()).hexdigest()}

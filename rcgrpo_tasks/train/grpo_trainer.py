@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -29,13 +30,16 @@ from rcgrpo_tasks.env.entries import read_split
 from rcgrpo_tasks.env.protocols import ProtocolConfig
 from rcgrpo_tasks.env.scoring import REWARDS
 from rcgrpo_tasks.ops.config import ConfigError, as_dict
-from rcgrpo_tasks.ops.io import InputError, atomic_dir, write_json
+from rcgrpo_tasks.ops.io import InputError, atomic_dir, read_jsonl, write_json
 from rcgrpo_tasks.train import advantages as adv
-from rcgrpo_tasks.train import runs
+from rcgrpo_tasks.train import processes, runs
 from rcgrpo_tasks.train.diagnostics import step_summary
 from rcgrpo_tasks.train.grpo import EngineRollout, RLConfig, check_world, train_entries
 
 DIAGNOSTICS_FILE = "diagnostics.tsv"
+ROLLOUTS_FILE = "rollouts.jsonl"
+"""Every rollout of the run, one JSON line each (`grpo.rollout_record` + its advantage), in the checkpoint
+folder: which entries, tokens, rewards and advantages each step trained on, whatever the process count."""
 MODEL_META_FILE = "rcgrpo_model.json"
 PLOT_COLUMNS = (
     "step", "reward", "reward_high", "reward_low", "reward_none", "controllability_gap", "frac_zero_std",
@@ -148,10 +152,29 @@ def _init_on_disk(model, tokenizer, spec: RLRun, dtype: str):
 # ---------------------------------------------------------------- trainer
 
 
+class EpochSeededSamplerMixin:
+    """TRL's `RepeatSampler` with each epoch's prompt order seeded by (seed, epoch).
+
+    TRL's draws every epoch's order from one generator seeded once, and a resumed run skips the finished
+    epochs without iterating them, so from its first new epoch on it would train on other prompts than the
+    uninterrupted run. The Trainer calls `set_epoch` at the start of every epoch (through accelerate's
+    sharded loaders too)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.shuffle:
+            self.generator.manual_seed((self.seed or 0) * 1_000_003 + epoch)
+
+
 class RCGRPOTrainerMixin:
-    """GRPOTrainer + per-step metrics from the rollout function + the advantages it used (read-only)."""
+    """GRPOTrainer + per-step metrics from the rollout function + the advantages it used (read-only), and
+    a prompt order that a resumed run reproduces (`EpochSeededSamplerMixin`)."""
 
     last_advantages: list[float] = []
+
+    def _get_train_sampler(self, dataset=None):
+        base = super()._get_train_sampler(dataset)
+        return runs.lazy_subclass(EpochSeededSamplerMixin, "trl.trainer.utils.RepeatSampler")(
+            base.data_source, base.mini_repeat_count, base.batch_size, base.repeat_count, base.shuffle, base.seed)
 
     def record_metric(self, name: str, value: float) -> None:
         mode = "train" if self.model.training else "eval"
@@ -167,20 +190,40 @@ class RCGRPOTrainerMixin:
         # no update at all: a zero gradient would still move the weights through Adam's moments, so the
         # gradients are dropped (None: the optimizer skips those weights) after the step's last micro-batch.
         loss = super().training_step(model, inputs, num_items_in_batch)
+        # Across processes the decision is shared: a process without a kept group still trains (its zero
+        # gradient is averaged in) while any other process has one.
         if self._step % self.current_gradient_accumulation_steps == 0:
-            if not self._rc_any_trained:
+            trained = processes.any_process(self._rc_any_trained, self.accelerator.device)
+            if not trained:
                 model.zero_grad(set_to_none=True)
-            self.record_metric("rc/step_skipped", 0.0 if self._rc_any_trained else 1.0)
+            self.record_metric("rc/step_skipped", 0.0 if trained else 1.0)
             self._rc_any_trained = False
         return loss
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
-        a = output["advantages"].detach().float().cpu().tolist()
+        # TRL returns this process's share of the advantages; the diagnostics cover the whole batch.
+        a = self.accelerator.gather(output["advantages"].detach().float()).cpu().tolist()
         self.last_advantages = a
         self.record_metric("rc/adv_abs_mean", adv.advantage_spread(a))
         self.record_metric("rc/adv_std", adv.advantage_std(a))
+        records = getattr(self.rollout_func, "records", None)
+        if self.accelerator.is_main_process and records and len(records) == len(a):
+            self._log_rollouts([{**r, "advantage": x} for r, x in zip(records, a)])
         return output
+
+    def _log_rollouts(self, rows: list[dict]) -> None:
+        """Append the step's rollouts to ROLLOUTS_FILE in the checkpoint folder; the first write of a run
+        (or of a resumed run) drops the rows of the steps it redoes."""
+        path = Path(self.args.output_dir) / ROLLOUTS_FILE
+        step = rows[0]["step"]
+        if not getattr(self, "_rc_rollouts_opened", False):
+            kept = [r for r in read_jsonl(path) if r["step"] < step] if path.is_file() else []
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+            self._rc_rollouts_opened = True
+        with path.open("a") as fh:
+            fh.writelines(json.dumps(r, sort_keys=True) + "\n" for r in rows)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
                                            batch_size=None, compute_entropy=False, compute_aux_loss=False,

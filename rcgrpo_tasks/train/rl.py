@@ -3,7 +3,6 @@ micro-batch fitting, the merged policy, per-step diagnostics and the summary (th
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -11,7 +10,7 @@ from rcgrpo_tasks.engine.compute import ComputeConfig
 from rcgrpo_tasks.env.protocols import PromptConfig, ProtocolConfig, reward_tokens
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config, read_params
-from rcgrpo_tasks.train import runs
+from rcgrpo_tasks.train import processes, runs
 from rcgrpo_tasks.train.grpo import RLConfig
 from rcgrpo_tasks.train.grpo_trainer import (
     DIAGNOSTICS_FILE,
@@ -45,7 +44,7 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
     mode = spec.mode
     compute = compute or ComputeConfig()
     device = runs.train_device(compute.device)
-    main_proc = int(os.environ.get("RANK", "0")) == 0
+    main_proc = processes.process_state(device).is_main_process
     track = track and main_proc
     tags = {"rl.init": spec.init, "rl.algo": spec.algo, "rl.conditioning": mode}
     params = {"rl": as_dict(cfg), "prompt": as_dict(protocol), "tokens": list(levels),

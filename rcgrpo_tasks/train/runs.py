@@ -44,6 +44,7 @@ from rcgrpo_tasks.engine.models import bf16_supported
 from rcgrpo_tasks.ops import procs, tracking
 from rcgrpo_tasks.ops.config import ConfigError, as_dict
 from rcgrpo_tasks.ops.io import OutputError, OutputSet, write_json, write_text
+from rcgrpo_tasks.train import processes
 
 T = TypeVar("T")
 FINGERPRINT_FILE = "rcgrpo_fingerprint.json"
@@ -124,7 +125,7 @@ def resume_point(ckpt_dir: Path, fp: str, **stamp: Any) -> str | None:
     folder, the others wait for it, then every process reads the same checkpoint."""
     from accelerate import PartialState
 
-    state = PartialState()
+    state = PartialState()  # created by `processes.process_state` at the start of the run
     if state.is_main_process:
         last_checkpoint(ckpt_dir, fp, **stamp)
     state.wait_for_everyone()
@@ -401,18 +402,6 @@ class Interrupted(procs.Terminated):
         self.code = 128 + signum
 
 
-def _any_process(flag: bool, device) -> bool:
-    """`flag` OR-ed over every process of a distributed run (every rank must stop at the same step)."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return flag
-    t = torch.tensor(float(flag), device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 class StopOnSignalMixin:
     """Stop signal during training: finish the optimizer step, save a checkpoint of it, stop; `check()`
     (after `train()`) then raises `Interrupted`. Outside the training loop, or on a second signal,
@@ -440,7 +429,7 @@ class StopOnSignalMixin:
         self.training = False
 
     def on_step_end(self, args, state, control, **kwargs):
-        if _any_process(self.received is not None, args.device):
+        if processes.any_process(self.received is not None, args.device):
             self.stopped = control.should_save = control.should_training_stop = True
 
     def check(self) -> None:

@@ -13,7 +13,7 @@ from rcgrpo_tasks.engine.compute import ComputeConfig
 from rcgrpo_tasks.env.protocols import reward_tokens
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config, read_params
-from rcgrpo_tasks.train import runs
+from rcgrpo_tasks.train import processes, runs
 from rcgrpo_tasks.train.adapters import log_model
 from rcgrpo_tasks.train.finetune import (
     META_FILE,
@@ -48,17 +48,16 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbac
     one touches the checkpoint folder's bookkeeping, MLflow and the outputs. `compute`: where it trains
     (params `compute`; default `auto`); a micro-batch that runs out of memory is halved, the gradient
     accumulation doubled (`runs.fit_micro_batch`)."""
-    from accelerate import PartialState
-
     spec.check()
     compute = compute or ComputeConfig()
     device = runs.train_device(compute.device)
+    state = processes.process_state(device)
     rows = balanced_order(load_rows(spec.data, tokens, cfg.require_reward_token), cfg.seed)
     n_rows = min(len(rows), cfg.max_examples or len(rows))
     if cfg.batch_size > n_rows:  # it would only grow padding until memory runs out
         raise ConfigError(f"sft.batch_size {cfg.batch_size} exceeds the {n_rows} row(s) trained from {spec.data}")
     fp = fingerprint(cfg, tokens, spec)  # the requested micro-batch: a fitted one resumes the same run
-    track = track and PartialState().is_main_process  # MLflow, outputs and bookkeeping: main process only
+    track = track and state.is_main_process  # MLflow, outputs and bookkeeping: main process only
     hashes = {"data_md5": runs.file_md5(spec.data), "model_fingerprint": runs.dir_fingerprint(spec.model_dir)[:16],
               **{f"dvc:{k}": v for k, v in runs.dvc_hashes([spec.data, spec.model_dir]).items()}}
     params = {"sft": as_dict(cfg), "variant": spec.variant, "tokens": list(tokens), "inputs": hashes,
@@ -66,7 +65,7 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbac
     if track:
         os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "true")
     stage = f"sft@{spec.variant}"
-    main = PartialState().is_main_process
+    main = state.is_main_process
     with runs.stop_on_signal() as stop, runs.published(main, track, stage, params, {"sft.variant": spec.variant},
                                                         spec.outputs) as (_, staged):
         own = [runs.step_metrics("loss")] if track else []

@@ -1,0 +1,24 @@
+"""Loaded at start-up by every Python process of a multi-process test (the test puts this folder on
+PYTHONPATH, so the stage's launcher and each of its processes import it): with RCGRPO_TEST_SCRIPTED_REWARDS
+set, the real engine and scorer run, then the paper reward is replaced by the rule of `test_rl`'s
+`scripted_rewards` (a random tiny model never succeeds, so every group would be flat and nothing would be
+compared). The rule depends only on the rollout's reward token and its index in the group, never on the
+process decoding it."""
+
+import os
+
+if os.environ.get("RCGRPO_TEST_SCRIPTED_REWARDS"):
+    from rcgrpo_tasks.engine import rollout as _engine
+
+    _real = _engine.run_group
+    _HIGH = "<|high_reward|>"
+
+    def _scripted(backend, entry, n, protocol_cfg, sampling, reward_tokens=None, provenance=None):
+        trajs = _real(backend, entry, n, protocol_cfg, sampling, reward_tokens, provenance)
+        mixed = len(set(reward_tokens or [])) > 1
+        for i, t in enumerate(trajs):
+            r = float(t.reward_token == _HIGH) if mixed else float(i % 2 == 0)
+            t.score = {**t.score, "paper_reward": r}
+        return trajs
+
+    _engine.run_group = _scripted
