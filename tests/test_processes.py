@@ -118,11 +118,12 @@ def test_two_processes_roll_out_the_groups_one_process_would(monkeypatch, draw):
 
 
 def _stage(root: Path, argv: list[str], params: dict, name: str, check: bool = True,
-           popen: bool = False) -> subprocess.CompletedProcess | subprocess.Popen:
-    """`python -m rcgrpo_tasks.cli <argv>` as DVC runs a stage, with `params` and the scripted-reward hook."""
+           popen: bool = False, rule: str = "obedient") -> subprocess.CompletedProcess | subprocess.Popen:
+    """`python -m rcgrpo_tasks.cli <argv>` as DVC runs a stage, with `params` and the scripted-reward hook
+    (`rule`: tests/multiproc/sitecustomize.py)."""
     path = root / f"{name}.params.yaml"
     path.write_text(yaml.safe_dump(params))
-    env = {**os.environ, "PYTHONHASHSEED": "0", "RCGRPO_TEST_SCRIPTED_REWARDS": "1",
+    env = {**os.environ, "PYTHONHASHSEED": "0", "RCGRPO_TEST_SCRIPTED_REWARDS": rule,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(HOOK), os.environ.get("PYTHONPATH")]))}
     env.pop("LOCAL_RANK", None)
     cmd = [sys.executable, "-m", "rcgrpo_tasks.cli", *argv, "--params", str(path)]
@@ -171,8 +172,8 @@ def _rl_params(processes_: int, micro: int) -> dict:
             "compute": {"device": "cpu", "processes": processes_}}
 
 
-def _rl_argv(root: Path, model_dir: Path, name: str) -> list[str]:
-    return ["rl", "--init", "rctp", "--algo", "rc_grpo", "--model-dir", str(model_dir), "--entries",
+def _rl_argv(root: Path, model_dir: Path, name: str, init: str = "rctp", algo: str = "rc_grpo") -> list[str]:
+    return ["rl", "--init", init, "--algo", algo, "--model-dir", str(model_dir), "--entries",
             str(root / "entries.jsonl"), "--split", str(root / "split.json"), "--out", str(root / "out" / name),
             "--checkpoints", str(root / "ckpt" / name), "--metrics", str(root / "res" / f"{name}.json"),
             "--plots", str(root / "res" / f"{name}.tsv")]
@@ -215,6 +216,27 @@ def test_rl_on_two_processes_equals_one_process_at_twice_the_micro_batch(rl_runs
     m1, m2 = (json.loads((root / "res" / f"{n}.json").read_text()) for n in ("one", "two"))
     assert (m1["micro_batch"], m2["micro_batch"]) == (4, 2) and m1["steps"] == m2["steps"] == 3
     print(f"rl: one process {seconds['one_s']:.1f} s, two processes {seconds['two_s']:.1f} s")
+
+
+def test_dynamic_sampling_on_two_processes_refills_as_one_process_does(rl_runs):
+    """Entries ending in an even digit are flat: dynamic sampling drops their groups and refills the slots
+    with entries drawn for the whole batch, each process decoding its own slots."""
+    root, model_dir, _ = rl_runs
+    for name, n, micro in (("dyn-one", 1, 4), ("dyn-two", 2, 2)):
+        _stage(root, _rl_argv(root, model_dir, name, "sft", "dynamic"), _rl_params(n, micro), name, rule="flat-even")
+    one, two = (read_jsonl(root / "ckpt" / n / "rollouts.jsonl") for n in ("dyn-one", "dyn-two"))
+    fields = ("step", "group", "entry_id", "reward_token", "rewards", "tokens_sha1", "trained")
+    assert [{k: r[k] for k in fields} for r in one] == [{k: r[k] for k in fields} for r in two]
+    assert [r["advantage"] for r in one] == pytest.approx([r["advantage"] for r in two], abs=1e-5)
+    d1, d2 = runs.read_tsv(root / "res" / "dyn-one.tsv"), runs.read_tsv(root / "res" / "dyn-two.tsv")
+    price = ("rollouts_generated", "rollouts_trained", "groups_dropped", "useful_groups", "gen_rounds",
+             "gen_tokens_per_useful_group", "frac_zero_std_generated", "step_skipped")
+    for col in price:
+        assert [r[col] for r in d1] == pytest.approx([r[col] for r in d2], nan_ok=True), col
+    assert sum(r["groups_dropped"] for r in d1) > 0  # refills happened
+    _close_weights(_safetensors(root / "out" / "dyn-one" / "model.safetensors"),
+                   _safetensors(root / "out" / "dyn-two" / "model.safetensors"),
+                   _safetensors(model_dir / "model.safetensors"))
 
 
 def test_two_process_rl_stopped_by_sigterm_resumes_to_the_same_run(rl_runs):

@@ -2,8 +2,8 @@
 PYTHONPATH, so the stage's launcher and each of its processes import it): with RCGRPO_TEST_SCRIPTED_REWARDS
 set, the real engine and scorer run, then the paper reward is replaced by the rule of `test_rl`'s
 `scripted_rewards` (a random tiny model never succeeds, so every group would be flat and nothing would be
-compared). The rule depends only on the rollout's reward token and its index in the group, never on the
-process decoding it."""
+compared). The rule depends only on the entry, the rollout's reward token and its index in the group,
+never on the process decoding it."""
 
 import os
 
@@ -16,8 +16,11 @@ if os.environ.get("RCGRPO_TEST_SCRIPTED_REWARDS"):
     def _scripted(backend, entry, n, protocol_cfg, sampling, reward_tokens=None, provenance=None):
         trajs = _real(backend, entry, n, protocol_cfg, sampling, reward_tokens, provenance)
         mixed = len(set(reward_tokens or [])) > 1
+        # "flat-even": entries whose id ends in an even digit fail in every rollout (a flat group for
+        # dynamic sampling to drop and refill).
+        flat = os.environ["RCGRPO_TEST_SCRIPTED_REWARDS"] == "flat-even" and int(entry.id[-1]) % 2 == 0
         for i, t in enumerate(trajs):
-            r = float(t.reward_token == _HIGH) if mixed else float(i % 2 == 0)
+            r = 0.0 if flat else float(t.reward_token == _HIGH) if mixed else float(i % 2 == 0)
             t.score = {**t.score, "paper_reward": r}
         return trajs
 
