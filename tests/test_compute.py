@@ -103,3 +103,18 @@ def test_fit_micro_batch_gives_up_on_other_errors_and_at_one():
     with pytest.warns(MemorySplitWarning), pytest.raises(torch.OutOfMemoryError):
         runs.fit_micro_batch(never_fits, 4, 1, "x")
     assert calls == [4, 2, 1]
+
+
+def test_fit_micro_batch_never_retries_inside_a_multi_process_launch(monkeypatch):
+    import torch
+
+    calls = []
+
+    def oom(micro, accum):
+        calls.append(micro)
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a retry on one rank would leave the other waiting in a collective
+    with pytest.raises(torch.OutOfMemoryError):
+        runs.fit_micro_batch(oom, 4, 1, "x")
+    assert calls == [4]

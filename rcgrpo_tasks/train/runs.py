@@ -226,13 +226,15 @@ def fit_micro_batch(attempt: Callable[[int, int], T], micro: int, accum: int, wh
     After a memory error the micro-batch shrinks (`smaller_micro_batch`) and the accumulation grows by the
     same factor (effective batch = micro x accum, kept), with a `MemorySplitWarning`, and `attempt` runs
     again: it must build a fresh trainer and continue from the run's resume point (the last complete
-    checkpoint, or the start). Any other error, or one at micro-batch 1, propagates."""
+    checkpoint, or the start). Any other error, or one at micro-batch 1, propagates; so does every error
+    inside a multi-process launch (one process retrying alone would leave the others waiting in a
+    collective: lower the micro-batch instead)."""
     while True:
         try:
             return attempt(micro, accum), micro, accum
         except Exception as exc:  # re-raised unless a smaller micro-batch may fit
             smaller = smaller_micro_batch(micro)
-            if not is_memory_error(exc) or smaller is None:
+            if not is_memory_error(exc) or smaller is None or int(os.environ.get("WORLD_SIZE", "1")) > 1:
                 raise
             message = (f"{what}: out of memory at micro-batch {micro} x {accum} accumulated "
                        f"({type(exc).__name__}); retrying at {smaller} x {accum * micro // smaller} "
