@@ -35,18 +35,9 @@ import time
 import traceback
 from pathlib import Path
 
-FALLBACK_ROOT = Path("/work/run24")
-"""Read-only pipeline checkout used when this tree has no `models/base` / `data/` (not produced here)."""
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 READY_TIMEOUT_S = 900.0
-
-
-def existing(path: str, default: str) -> str:
-    """`path`, or the fallback checkout's copy when `path` is the default and missing here."""
-    if path == default and not Path(path).exists() and (FALLBACK_ROOT / path).exists():
-        return str(FALLBACK_ROOT / path)
-    return path
 
 
 def tiny_model_dir(out: Path) -> Path:
@@ -249,13 +240,9 @@ def main() -> None:
         sys.exit(f"--groups {args.groups} must split into {args.procs} processes of whole groups")
     if cores % args.procs:
         sys.exit(f"{cores} cores do not split evenly into {args.procs} processes")
-    args.entries_file = existing(args.entries_file, "data/entries.jsonl")
-    args.split = existing(args.split, "data/split.json")
     tmp = tempfile.TemporaryDirectory(prefix="rollout_processes_") if args.smoke else None
     if tmp:
         args.model_dir, args.adapter_dir = str(tiny_model_dir(Path(tmp.name))), None
-    else:
-        args.model_dir = existing(args.model_dir, "models/base")
     jobs, proto = group_jobs(args, DEFAULT_REWARD_TOKENS)
     if len(jobs) < args.groups:
         sys.exit(f"only {len(jobs)} train entries")

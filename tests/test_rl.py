@@ -198,6 +198,25 @@ def test_killed_run_resumes_from_last_checkpoint(rl_env, scripted_rewards):
     assert rl.train_rl(cfg2, PROTOCOL, LEVELS, spec)["resumed_from"] is None
 
 
+def test_a_finished_run_rerun_is_restored_not_trained_a_step_further(rl_env, scripted_rewards):
+    """DVC reruns a stage whose code changed; with the same fingerprint its last checkpoint is the finished
+    run's. The Trainer resumed there would train one step past max_steps: the run is restored instead."""
+    root, model_dir = rl_env
+    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1})
+    spec = _spec(root, model_dir, "finished", "rctp", "rc_grpo")
+    shutil.rmtree(spec.checkpoints, ignore_errors=True)
+    first = rl.train_rl(cfg, PROTOCOL, LEVELS, spec)
+    weights = _weights(spec.out)
+    n_rollouts = len(scripted_rewards)
+    again = rl.train_rl(cfg, PROTOCOL, LEVELS, spec)
+    assert again["resumed_from"].endswith("checkpoint-1") and again["steps"] == first["steps"] == 1
+    assert len(scripted_rewards) == n_rollouts  # nothing rolled out
+    assert not (spec.checkpoints / "checkpoint-2").exists()
+    assert all(weights[k].equal(v) for k, v in _weights(spec.out).items())
+    provenance = json.loads((spec.out / grpo_trainer.MODEL_META_FILE).read_text())
+    assert provenance["steps"] == 1
+
+
 def test_sigterm_checkpoints_the_step_and_the_rerun_replays_it(rl_env, scripted_rewards):
     """SIGTERM during step 1 (dvc / Prefect cancel): step 1 is finished and checkpointed off the save_steps
     grid, nothing is written, exit status 143, the MLflow run KILLED; the re-run resumes at step 2 and its

@@ -162,6 +162,18 @@ def test_resume_matches_uninterrupted_run(datasets, tiny_model_dir, tmp_path):
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-4)
+
+    # A killed run whose last step was checkpointed, rerun: restored from it, not trained a step further.
+    done = spec(tmp_path, tiny_model_dir, "rctp", data, "done")
+    four = tiny_sft_config(lora_dropout=0.1, max_steps=4, keep_checkpoints=True)
+    with pytest.raises(Killed):
+        sft.train_variant(four, LEVELS, done, callbacks=[KillAfterSave()], track=False)
+    ckpt = load_file(done.checkpoints / "checkpoint-4" / "adapter_model.safetensors")
+    summary = sft.train_variant(four, LEVELS, done, track=False)
+    assert summary["resumed_from"].endswith("checkpoint-4") and summary["steps"] == 4
+    assert not (done.checkpoints / "checkpoint-5").exists()
+    restored = load_file(done.out / "adapter_model.safetensors")
+    assert ckpt.keys() == restored.keys() and all(torch.equal(restored[k], ckpt[k]) for k in ckpt)
     curve_full = [r.split("\t")[2] for r in full.plots.read_text().splitlines()[1:]]
     curve_cut = [r.split("\t")[2] for r in cut.plots.read_text().splitlines()[1:]]
     assert len(curve_cut) == 6 and [float(x) for x in curve_cut] == pytest.approx([float(x) for x in curve_full], rel=1e-3)

@@ -59,7 +59,7 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
             place = runs.record_placement(trainer, stage, device, track)
             t0 = time.perf_counter()
             with runs.disk_errors(spec.checkpoints):
-                return trainer, resume, place, trainer.train(resume_from_checkpoint=resume), t0
+                return trainer, resume, place, runs.train_or_restore(trainer, resume), t0
 
         grad_accum = cfg.batch_size // cfg.micro_batch_size  # fit_micro_batch's bookkeeping; TRL's comes from check_world
         run, micro, _ = runs.fit_micro_batch(attempt, cfg.micro_batch_size, grad_accum, stage)

@@ -132,6 +132,27 @@ def resume_point(ckpt_dir: Path, fp: str, **stamp: Any) -> str | None:
     return last_checkpoint(ckpt_dir, fp, clean=False)
 
 
+def train_or_restore(trainer, resume: str | None):
+    """`trainer.train(resume_from_checkpoint=resume)`, except for the last checkpoint of a finished run
+    (its `global_step` reached its `max_steps`): that one is loaded (weights, state) and not trained, since
+    the Trainer resumed there would run one step more. Returns the Trainer's `TrainOutput` (for a restored
+    run: its step and mean logged loss). Under DeepSpeed the weights load only inside `train()`, so there it
+    trains as asked."""
+    from transformers.trainer_callback import TrainerState
+    from transformers.trainer_utils import TrainOutput
+
+    state_file = Path(resume) / "trainer_state.json" if resume else None
+    if state_file is None or not state_file.is_file() or trainer.is_deepspeed_enabled:
+        return trainer.train(resume_from_checkpoint=resume)
+    state = TrainerState.load_from_json(str(state_file))
+    if not 0 < state.max_steps <= state.global_step:
+        return trainer.train(resume_from_checkpoint=resume)
+    trainer._load_from_checkpoint(resume)  # the Trainer's own loader: LoRA adapter or full weights
+    trainer.state = state
+    losses = [e["loss"] for e in state.log_history if isinstance(e.get("loss"), (int, float))]
+    return TrainOutput(state.global_step, sum(losses) / len(losses) if losses else float("nan"), {})
+
+
 def clear_checkpoints(ckpt_dir: Path) -> None:
     """Delete everything in `ckpt_dir` but its fingerprint stamp (the folder is a DVC `persist` output)."""
     for path in Path(ckpt_dir).iterdir():

@@ -77,7 +77,7 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbac
             place = runs.record_placement(built[0], stage, device, track)
             t0 = time.perf_counter()
             with runs.disk_errors(spec.checkpoints):
-                result = built[0].train(resume_from_checkpoint=resume)
+                result = runs.train_or_restore(built[0], resume)
             return built, place, resume, result, time.perf_counter() - t0
 
         run, micro, accum = runs.fit_micro_batch(attempt, cfg.batch_size, cfg.grad_accum, stage)
