@@ -218,6 +218,23 @@ def test_rl_on_two_processes_equals_one_process_at_twice_the_micro_batch(rl_runs
     print(f"rl: one process {seconds['one_s']:.1f} s, two processes {seconds['two_s']:.1f} s")
 
 
+def test_plain_grpo_on_two_processes_equals_one_process(rl_runs):
+    """GRPO from the SFT init (no reward token; scripted rewards alternate within each group)."""
+    root, model_dir, _ = rl_runs
+    for name, n, micro in (("grpo-one", 1, 4), ("grpo-two", 2, 2)):
+        _stage(root, _rl_argv(root, model_dir, name, "sft", "grpo"), _rl_params(n, micro), name)
+    one, two = (read_jsonl(root / "ckpt" / n / "rollouts.jsonl") for n in ("grpo-one", "grpo-two"))
+    fields = ("step", "group", "entry_id", "reward_token", "rewards", "tokens_sha1", "trained")
+    assert [{k: r[k] for k in fields} for r in one] == [{k: r[k] for k in fields} for r in two]
+    assert {r["reward_token"] for r in one} == {None}
+    assert [r["advantage"] for r in one] == pytest.approx([r["advantage"] for r in two], abs=1e-5)
+    d1, d2 = runs.read_tsv(root / "res" / "grpo-one.tsv"), runs.read_tsv(root / "res" / "grpo-two.tsv")
+    assert [r["loss"] for r in d1] == pytest.approx([r["loss"] for r in d2], rel=1e-3, abs=1e-6)
+    _close_weights(_safetensors(root / "out" / "grpo-one" / "model.safetensors"),
+                   _safetensors(root / "out" / "grpo-two" / "model.safetensors"),
+                   _safetensors(model_dir / "model.safetensors"))
+
+
 def test_dynamic_sampling_on_two_processes_refills_as_one_process_does(rl_runs):
     """Entries ending in an even digit are flat: dynamic sampling drops their groups and refills the slots
     with entries drawn for the whole batch, each process decoding its own slots."""
