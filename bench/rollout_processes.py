@@ -34,6 +34,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from unittest import mock
 
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -130,21 +131,14 @@ class Arm:
         self.barrier = ctx.Barrier(procs)
         self.commands = [ctx.Queue() for _ in range(procs)]
         self.info: dict[int, dict] = {}
-        saved = {var: os.environ.get(var) for var in THREAD_VARS}
-        os.environ.update({var: str(threads) for var in THREAD_VARS})  # inherited by the spawned interpreters
-        try:
+        # Set while the processes start: the spawned interpreters inherit them before torch loads.
+        with mock.patch.dict(os.environ, {var: str(threads) for var in THREAD_VARS}):
             self.processes = [ctx.Process(target=worker, name=f"{name}{p}", daemon=True,
                                           args=(name, p, threads, spec, self.shares[p], proto, self.barrier,
                                                 self.commands[p], results))
                               for p in range(procs)]
             for proc in self.processes:
                 proc.start()
-        finally:
-            for var, value in saved.items():
-                if value is None:
-                    os.environ.pop(var, None)
-                else:
-                    os.environ[var] = value
 
     def stop(self) -> None:
         for q in self.commands:

@@ -375,31 +375,31 @@ class EngineRollout:
         self.last, self.last_kept = trajs, kept
         mine = [rollout_record(t, step, first + i // g, kept[i // g]) for i, t in enumerate(trajs)]
         parts = processes.gather((mine, elapsed, spread, kept, gen["generated"], self.generated_tokens))
-        self.records = [r for part in parts for r in part[0]]
-        every = {"spread": [f for p in parts for f in p[2]], "kept": [f for p in parts for f in p[3]],
-                 "generated": [f for p in parts for f in p[4]], "rounds": gen["rounds"]}
+        self.records = [r for p in parts for r in p[0]]
+        kept_all = [k for p in parts for k in p[3]]
         for name, value in self.metrics(self.records, max(p[1] for p in parts)).items():
             trainer.record_metric(name, value)
-        for name, value in self.price(every["spread"], every["kept"], every, sum(p[5] for p in parts)).items():
+        for name, value in self.price([s for p in parts for s in p[2]], kept_all, [f for p in parts for f in p[4]],
+                                      gen["rounds"], sum(p[5] for p in parts)).items():
             trainer.record_metric(name, value)
-        if self.dynamic and not any(every["kept"]) and acc.is_main_process:
+        if self.dynamic and not any(kept_all) and acc.is_main_process:
             print(f"rl: step {step + 1}: no group with reward spread after {gen['rounds']} generation round(s); "
                   "nothing to train on, the step makes no update", file=sys.stderr, flush=True)
         return self.to_trl(trajs, [k for k in kept for _ in range(g)])
 
-    def price(self, spread: list[bool], kept: list[bool], gen: dict, gen_tokens: int) -> dict:
+    def price(self, spread: list[bool], kept: list[bool], flags: list[bool], rounds: int, gen_tokens: int) -> dict:
         """What the step's learning signal cost (`rc/...`): rollouts generated (all rounds) and trained on,
         groups dropped, useful groups (trained on, with reward spread), generation rounds, model tokens
-        generated per useful group (NaN with none), and the zero-variance share of every generated group."""
+        generated per useful group (NaN with none), and the zero-variance share of every generated group
+        (`flags`: the spread of each)."""
         g = self.cfg.num_generations
         useful = sum(k and s for s, k in zip(spread, kept))
-        flags = gen["generated"]
         return {
             "rc/rollouts_generated": len(flags) * g,
             "rc/rollouts_trained": sum(kept) * g,
             "rc/groups_dropped": sum(not f for f in flags) if self.dynamic else 0,
             "rc/useful_groups": useful,
-            "rc/gen_rounds": gen["rounds"],
+            "rc/gen_rounds": rounds,
             "rc/gen_tokens_per_useful_group": gen_tokens / useful if useful else float("nan"),
             "rc/frac_zero_std_generated": sum(not f for f in flags) / len(flags),
         }

@@ -193,7 +193,7 @@ class RCGRPOTrainerMixin:
         # Across processes the decision is shared: a process without a kept group still trains (its zero
         # gradient is averaged in) while any other process has one.
         if self._step % self.current_gradient_accumulation_steps == 0:
-            trained = processes.any_process(self._rc_any_trained, self.accelerator.device)
+            trained = processes.any_process(self._rc_any_trained)
             if not trained:
                 model.zero_grad(set_to_none=True)
             self.record_metric("rc/step_skipped", 0.0 if trained else 1.0)

@@ -111,16 +111,15 @@ def _group():
     return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
 
 
-def any_process(flag: bool, device=None) -> bool:
+def any_process(flag: bool) -> bool:
     """`flag` OR-ed over every process (every rank must take the same branch: stop, skip a step)."""
     dist = _group()
     if dist is None:
         return flag
     import torch
 
-    t = torch.tensor(float(flag), device=device if device is not None and device.type != "cpu" else "cpu")
-    if dist.get_backend() == "nccl" and t.device.type == "cpu":
-        t = t.cuda()
+    # NCCL reduces tensors on the process's current GPU, gloo on the CPU.
+    t = torch.tensor(float(flag), device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 

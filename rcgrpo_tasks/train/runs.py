@@ -452,7 +452,7 @@ class StopOnSignalMixin:
         self.training = False
 
     def on_step_end(self, args, state, control, **kwargs):
-        if processes.any_process(self.received is not None, args.device):
+        if processes.any_process(self.received is not None):
             self.stopped = control.should_save = control.should_training_stop = True
 
     def check(self) -> None:
