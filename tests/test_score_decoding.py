@@ -86,6 +86,48 @@ def test_each_shape_is_detected_and_scored_as_bfcl_evaluate_scores_it(tmp_path, 
     assert not verdicts["multi_turn_base_11"]["valid"]
     assert verdicts["multi_turn_base_0"]["valid"] is (decoding == "calls")
     assert verdicts["multi_turn_base_1"]["error_type"] == "multi_turn:inference_error"
+    dropped = {row["id"]: _undecodable(row["result"], decode) for row in rows}
+    assert {i: v["undecodable_steps"] for i, v in verdicts.items()} == dropped
+    assert json.loads(summary.read_text())["undecodable_steps"] == sum(dropped.values())
+    assert (sum(dropped.values()) > 0) is (decoding != "calls")  # text replies in the prompt and fc files
+    assert f"undecodable: {sum(dropped.values())} step(s) did not decode" in res.output
+
+
+def _undecodable(result, decode) -> int:
+    """Steps bfcl-eval's decoder fails on (its runner drops them)."""
+    if not isinstance(result, list):
+        return 0
+    n = 0
+    for step in (s for turn in result for s in turn):
+        try:
+            decode(step)
+        except Exception:
+            n += 1
+    return n
+
+
+def test_rows_needing_different_decodings_are_refused_naming_the_first_of_each(tmp_path):
+    rows = [{"id": IDS[0], "result": _turns(IDS[0], False)}, {"id": IDS[1], "result": _as_prompt(_turns(IDS[1], False))},
+            {"id": IDS[2], "result": _as_fc(_turns(IDS[2], False))}]
+    path, out = tmp_path / "result.json", tmp_path / "v.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = CliRunner().invoke(score.app, [str(path), "-o", str(out)])
+    assert res.exit_code == 2 and not out.exists()
+    assert f"{path}:1 ({IDS[0]}) holds lists of call strings" in res.output
+    assert f"{path}:2 ({IDS[1]}) holds model text with calls" in res.output
+    assert f"{path}:3 ({IDS[2]}) holds function-calling" in res.output
+    res = CliRunner().invoke(score.app, [str(path), "-o", str(out), "--decoding", "calls"])
+    assert res.exit_code == 0 and len(out.read_text().splitlines()) == 3
+
+
+def test_rows_whose_steps_are_all_prose_need_no_decoding_of_their_own(tmp_path):
+    """A function-calling model that only replied in text, beside rows with calls: not a mixed file."""
+    rows = [{"id": IDS[0], "result": _as_fc(_turns(IDS[0], False))},
+            {"id": IDS[1], "result": [["I could not do that."] for _ in _turns(IDS[1], False)]}]
+    path, out = tmp_path / "result.json", tmp_path / "v.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = CliRunner().invoke(score.app, [str(path), "-o", str(out)])
+    assert res.exit_code == 0 and "decoding: fc (detected:" in res.output
 
 
 def test_a_forced_decoding_overrides_detection_and_a_wrong_one_drops_every_step(tmp_path):
@@ -110,4 +152,5 @@ def test_detection_rules():
     assert results.detect([[[["a()"]]]])[0] == "calls"
     assert results.detect([[["[a()]"]], "Error during inference: x"])[0] == "prompt"
     assert results.detect([[["text"], [{"a": "{}"}]]])[0] == "fc"
-    assert results.decode_result("Error during inference: x", "fc") == "Error during inference: x"
+    assert results.decode_result("Error during inference: x", "fc") == ("Error during inference: x", 0)
+    assert results.decode_result([["[a(x=1)]", "no calls here"], []], "prompt") == ([[["a(x=1)"]], []], 1)

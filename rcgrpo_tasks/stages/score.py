@@ -1,19 +1,29 @@
-"""`rcgrpo score RESULTS.jsonl --output VERDICTS.jsonl`: score a BFCL v4 multi-turn result file.
+"""`rcgrpo score RESULTS.jsonl --output VERDICTS.jsonl`: score a BFCL v4 result file of either task.
 
-Reads BFCL's result format, one entry per line: `{"id": "multi_turn_base_0", "result": turns}`, every
-step decoded as `bfcl evaluate` decodes it (`env.results`): call strings (the rollout engine's trajectories
-carry the same `result` field, so they score directly), a prompt-mode model's text, or a function-calling
-model's `{name: "<JSON arguments>"}` objects, as `bfcl generate` writes them; `--decoding auto` (default)
-tells them apart per file and says which it used.
-Writes one line per scored entry: `id`, `category`, `valid`, `error_type`, `partial_credit`,
-`paper_reward`; prints per-category and overall accuracy (official: correct / entries of the category,
-overall = mean of categories) and, with `--summary`, writes it as JSON.
+Reads BFCL's result format, one entry per line: `{"id": ..., "result": ...}`, entries found by id in both
+tasks (a file holds one task: a mix exits 2 naming the first row of each). Results are decoded as
+`bfcl evaluate` decodes them (`env.results`), never run:
+- multi-turn (`multi_turn_base_0`): turns -> steps, a step being call strings (the rollout engine's
+  trajectories carry the same `result` field), a prompt-mode model's text, or a function-calling model's
+  `{name: "<JSON arguments>"}` objects; scored by `env.scoring` (bfcl-eval's `multi_turn_checker`);
+- single-turn (`simple_python_0`, `live_multiple_3-1-0`, ...): a prompt-mode model's text, a
+  function-calling model's `[{name: "<JSON arguments>"}]`, or this project's `[[call strings]]`; judged
+  by BFCL's AST checker (`env.ast_check`); `--underscore-to-dot` for models that send `math_factorial`
+  for `math.factorial` (bfcl-eval's per-model flag).
+`--decoding auto` (default) takes the one decoding the rows need and refuses (exit 2, nothing written) a
+file whose rows need different ones, naming the first row of each; `--decoding calls|prompt|fc` scores
+every row that way.
+
+Writes one line per scored entry: `id`, `category`, `valid`, `error_type`, `partial_credit`, `paper_reward`,
+`undecodable_steps` (multi-turn: steps dropped because they did not decode; single-turn: 1 for an output
+that did not decode); prints per-category and overall accuracy (official: correct / entries of the
+category, overall = mean of categories) and the undecodable count, and, with `--summary`, writes it as JSON.
 
 Bad lines (invalid JSON or UTF-8, nesting too deep, a line over the reader's cap, not an object, no
 `id`/`result`, unknown id, duplicate id, a result the scorer cannot handle) are reported one by one on
-stderr with file:line and skipped; every other line is still scored, and the exit status is 1. The
-verdicts and the summary are published together (`atomic_outputs`) or not at all; an unwritable output
-exits 2 naming the path. Scoring never evaluates the call strings (env.calls parses literals only).
+stderr with file:line and skipped; every other line is still scored, and the exit status is 1. A file
+with no line to score exits 2 and writes nothing. The verdicts and the summary are published together
+(`atomic_outputs`) or not at all; an unwritable output exits 2 naming the path.
 """
 
 from __future__ import annotations
@@ -23,14 +33,13 @@ from pathlib import Path
 
 import typer
 
-from rcgrpo_tasks.env import bfcl
 from rcgrpo_tasks.env import results as bfcl_results
-from rcgrpo_tasks.env.scoring import score_entry
+from rcgrpo_tasks.env import tasks
 from rcgrpo_tasks.ops.io import InputError, atomic_outputs, read_jsonl_numbered, write_json, write_jsonl
 
 
-def score_rows(rows: list[tuple[int, dict]], path: str, entries: dict[str, bfcl.Entry],
-               decoding: bfcl_results.Decoding = "calls") -> tuple[list[dict], list[str]]:
+def score_rows(rows: list[tuple[int, dict]], path: str, entries: dict, decoding: str = "calls",
+               underscore_to_dot: bool = False) -> tuple[list[dict], list[str]]:
     """Score (line number, row) pairs, each result decoded by `decoding`; returns (verdict rows, per-line
     errors)."""
     verdicts, errors, seen = [], [], set()
@@ -51,12 +60,13 @@ def score_rows(rows: list[tuple[int, dict]], path: str, entries: dict[str, bfcl.
         seen.add(entry_id)
         entry = entries[entry_id]
         try:
-            s = score_entry(entry, bfcl_results.decode_result(row["result"], decoding))
+            s, undecodable = tasks.task_of(entry).score_result(entry, row["result"], decoding, underscore_to_dot)
         except Exception as exc:  # model output is data: a shape the scorer chokes on is one bad line
             errors.append(f"{path}:{lineno}: result could not be scored ({type(exc).__name__}: {exc})"[:500])
             continue
         verdicts.append({"id": entry_id, "category": entry.category, "valid": s.valid, "error_type": s.error_type,
-                         "partial_credit": s.partial_credit, "paper_reward": s.paper_reward})
+                         "partial_credit": s.partial_credit, "paper_reward": s.paper_reward,
+                         "undecodable_steps": undecodable})
     return verdicts, errors
 
 
@@ -69,7 +79,7 @@ def summarize(verdicts: list[dict]) -> dict:
         c: {"n": len(vs), "accuracy": sum(v["valid"] for v in vs) / len(vs),
             "partial_credit": sum(v["partial_credit"] for v in vs) / len(vs),
             "paper_reward": sum(v["paper_reward"] for v in vs) / len(vs)}
-        for c, vs in sorted(cats.items(), key=lambda kv: bfcl.CATEGORIES.index(kv[0]))
+        for c, vs in sorted(cats.items(), key=lambda kv: tasks.ALL_CATEGORIES.index(kv[0]))
     }
     def mean(key: str) -> float:
         return sum(c[key] for c in per_cat.values()) / len(per_cat) if per_cat else 0.0
@@ -78,11 +88,56 @@ def summarize(verdicts: list[dict]) -> dict:
 
 
 def _print_summary(summary: dict) -> None:
-    typer.echo(f"{'category':<14}{'n':>5}{'accuracy':>10}{'partial':>10}{'paper R':>10}")
+    width = max([14] + [len(c) + 2 for c in summary["per_category"]])
+    typer.echo(f"{'category':<{width}}{'n':>5}{'accuracy':>10}{'partial':>10}{'paper R':>10}")
     for cat, s in summary["per_category"].items():
-        typer.echo(f"{cat:<14}{s['n']:>5}{s['accuracy']:>10.4f}{s['partial_credit']:>10.4f}{s['paper_reward']:>10.4f}")
-    typer.echo(f"{'overall':<14}{summary['n']:>5}{summary['accuracy']:>10.4f}"
+        typer.echo(f"{cat:<{width}}{s['n']:>5}{s['accuracy']:>10.4f}{s['partial_credit']:>10.4f}"
+                   f"{s['paper_reward']:>10.4f}")
+    typer.echo(f"{'overall':<{width}}{summary['n']:>5}{summary['accuracy']:>10.4f}"
                f"{summary['partial_credit']:>10.4f}{summary['paper_reward']:>10.4f}")
+    unit = summary["undecodable_unit"]
+    dropped = "were dropped" if unit == "step" else "are ast_decoder:decoder_failed"
+    typer.echo(f"undecodable: {summary[f'undecodable_{unit}s']} {unit}(s) did not decode and {dropped}")
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(2)
+
+
+def _task_of(rows: list[tuple[int, dict]], path: Path, entries: dict) -> tasks.Task | None:
+    """The one task of the file's known ids (None: no known id); a mix raises InputError naming rows."""
+    first: dict[str, tuple[int, str]] = {}
+    for lineno, row in rows:
+        entry = entries.get(row.get("id")) if isinstance(row.get("id"), str) else None
+        if entry is not None and entry.task not in first:
+            first[entry.task] = (lineno, entry.id)
+    if len(first) > 1:
+        named = "; ".join(f"{path}:{lineno} ({eid}) is {task}" for task, (lineno, eid) in first.items())
+        raise InputError(f"{path}: rows of different tasks: {named}. A file holds one task; split it")
+    return tasks.get_task(next(iter(first))) if first else None
+
+
+def _decoding(rows, path: Path, decoding: str, task: tasks.Task | None) -> str:
+    if decoding != "auto":
+        typer.echo(f"decoding: {decoding} (as asked)")
+        return decoding
+    try:
+        chosen, why = bfcl_results.choose_decoding(rows, str(path), single_turn=task is not None and task.single_output)
+    except bfcl_results.MixedDecodingError as exc:
+        raise InputError(str(exc)) from exc
+    typer.echo(f"decoding: {chosen} (detected: {why})")
+    return chosen
+
+
+def _publish(output: Path, summary_path: Path | None, verdicts: list[dict], summ: dict) -> None:
+    try:
+        with atomic_outputs() as out:
+            write_jsonl(out.file(output), verdicts)
+            if summary_path:
+                write_json(out.file(summary_path), summ)
+    except InputError as exc:  # OutputError: unwritable path, file too large, a concurrent writer
+        raise _fail(str(exc)) from exc
 
 
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
@@ -93,43 +148,41 @@ def main(
     results: Path = typer.Argument(..., help="BFCL result JSONL (id, result)."),
     output: Path = typer.Option(..., "--output", "-o", help="Verdicts JSONL to write."),
     summary: Path | None = typer.Option(None, help="Also write the accuracy summary as JSON."),
-    decoding: str = typer.Option("auto", help="How a step is decoded: auto (from the file), calls (call strings), "
-                                              "prompt (model text) or fc (function-calling objects)."),
+    decoding: str = typer.Option("auto", help="How a result is decoded: auto (from the file), calls (call "
+                                              "strings), prompt (model text) or fc (function-calling objects)."),
+    underscore_to_dot: bool = typer.Option(False, "--underscore-to-dot",
+                                           help="Single-turn: the model sent `a_b` for the function `a.b`."),
 ) -> None:
     """Score a BFCL result JSONL with the official-semantics scorer."""
+    if decoding not in bfcl_results.DECODINGS:
+        raise _fail(f"--decoding {decoding!r}: expected one of {', '.join(bfcl_results.DECODINGS)}")
     try:
         rows, errors = read_jsonl_numbered(results)
     except InputError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
-    if decoding not in bfcl_results.DECODINGS:
-        typer.echo(f"error: --decoding {decoding!r}: expected one of {', '.join(bfcl_results.DECODINGS)}", err=True)
-        raise typer.Exit(2)
+        raise _fail(str(exc)) from exc
     if not rows:
-        typer.echo(f"error: {results}: no result rows{' (every line was bad)' if errors else ''}", err=True)
         for e in errors:
             typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
-    if decoding == "auto":
-        decoding, why = bfcl_results.detect(row.get("result") for _, row in rows)
-        typer.echo(f"decoding: {decoding} (detected: {why})")
-    else:
-        typer.echo(f"decoding: {decoding} (as asked)")
+        raise _fail(f"{results}: no result rows{' (every line was bad)' if errors else ''}")
+    entries = tasks.entries_by_id()
     try:
-        verdicts, row_errors = score_rows(rows, str(results), bfcl.entries_by_id(), decoding)
-    except RuntimeError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        task = _task_of(rows, results, entries)
+        if underscore_to_dot and task is not None and not task.dotted_names:
+            raise InputError(f"--underscore-to-dot: the {task.name} task's function names have no dots")
+        decoding = _decoding(rows, results, decoding, task)
+    except InputError as exc:
+        raise _fail(str(exc)) from exc
+    verdicts, row_errors = score_rows(rows, str(results), entries, decoding, underscore_to_dot)
     errors += row_errors
-    summ = {**summarize(verdicts), "decoding": decoding}
-    try:
-        with atomic_outputs() as out:
-            write_jsonl(out.file(output), verdicts)
-            if summary:
-                write_json(out.file(summary), summ)
-    except InputError as exc:  # OutputError: unwritable path, file too large, a concurrent writer
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+    if not verdicts:
+        for e in errors:
+            typer.echo(f"error: {e}", err=True)
+        raise _fail(f"{results}: no line could be scored ({len(errors)} bad line(s)); nothing written")
+    undecodable = sum(v["undecodable_steps"] for v in verdicts)
+    task = task or tasks.task_of(entries[verdicts[0]["id"]])
+    summ = {**summarize(verdicts), "decoding": decoding, "task": task.name, "undecodable_unit": task.undecodable_unit,
+            f"undecodable_{task.undecodable_unit}s": undecodable}
+    _publish(output, summary, verdicts, summ)
     _print_summary(summ)
     for e in errors:
         typer.echo(f"error: {e}", err=True)
