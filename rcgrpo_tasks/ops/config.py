@@ -11,6 +11,12 @@ run time, so `params.yaml` stays the single file DVC tracks and a profile switch
 stages whose sections changed. A profile is always applied to the PRISTINE params (the file as a person
 wrote it, or its committed version once it was generated), never on top of another profile; `default`
 restores the pristine file; an unknown profile fails listing the valid ones and writes nothing.
+
+Read once, checked at publication: every section a stage reads (`load_config`, `read_sections`) is
+remembered as it was read, and `check_params_unchanged()` (run by `ops.tracking.published_run` before
+anything is published) fails when the file now says otherwise. DVC reads the params when it writes
+dvc.lock, after the command: results made with the old values would otherwise be recorded, and served
+from its run cache, under the new ones.
 """
 
 from __future__ import annotations
@@ -24,13 +30,19 @@ from typing import Any, TypeVar
 
 import yaml
 
-from rcgrpo_tasks.ops.io import write_text
+from rcgrpo_tasks.ops.io import OutputError, write_text
 
 T = TypeVar("T")
+_USED: dict[Path, dict[str, Any]] = {}  # params file (resolved) -> {section: its value as this process read it}
 
 
 class ConfigError(ValueError):
     """A params file or section is invalid; the message names the file and the field."""
+
+
+class ParamsChanged(OutputError):
+    """The params file changed while a stage ran: its results no longer match the file (nothing is published).
+    An OutputError, so the `rcgrpo` entry point prints one line and exits 2."""
 
 
 def _deep_merge(base: dict, over: dict) -> dict:
@@ -55,6 +67,63 @@ def read_params(params_path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
     return data
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "absent"
+
+
+ABSENT = _Absent()
+"""How a section or key missing from the file is remembered and shown."""
+
+
+def read_sections(params_path: str | Path, *sections: str) -> dict:
+    """{section: value} of `params_path` for the sections a stage uses (a missing one is left out), remembered
+    as read so `check_params_unchanged` can tell whether they changed before the stage publishes."""
+    path = Path(params_path)
+    data = read_params(path)
+    used = _USED.setdefault(path.resolve(), {})
+    for section in sections:
+        used[section] = copy.deepcopy(data[section]) if section in data else ABSENT
+    return {section: data[section] for section in sections if section in data}
+
+
+def _changed_keys(old: Any, new: Any, prefix: str) -> list[str]:
+    """Dotted keys whose values differ between two parsed params values, with both values."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [k for key in sorted(set(old) | set(new), key=str)
+                for k in _changed_keys(old.get(key, ABSENT), new.get(key, ABSENT), f"{prefix}.{key}")]
+    return [] if old == new else [f"{prefix} ({old!r} -> {new!r})"]
+
+
+def changed_params() -> list[str]:
+    """`file: key (old -> new)` for every params key this process read that its file no longer holds."""
+    changed = []
+    for path, sections in _USED.items():
+        try:
+            now = read_params(path)
+        except ConfigError as exc:
+            changed.append(str(exc))
+            continue
+        shown = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
+        for section, value in sections.items():
+            changed += [f"{shown}:{key}" for key in _changed_keys(value, now.get(section, ABSENT), section)]
+    return changed
+
+
+def check_params_unchanged(what: str = "this stage") -> None:
+    """ParamsChanged (one line naming the changed keys) when a params section read by this process has changed
+    in its file since: the stage's results were made with the old values, so none may be published."""
+    changed = changed_params()
+    if changed:
+        shown = "; ".join(changed[:8]) + (f"; and {len(changed) - 8} more" if len(changed) > 8 else "")
+        raise ParamsChanged(f"params changed while {what} ran: {shown}; nothing was published: rerun it")
+
+
+def forget_params() -> None:
+    """Forget the sections read so far (a test, or a process that runs several stages one after another)."""
+    _USED.clear()
 
 
 DEFAULT_PROFILE = "default"
@@ -292,8 +361,8 @@ def from_dict(cls: type[T], data: dict, where: str = "") -> T:
 
 
 def load_config(cls: type[T], params_path: str | Path, section: str) -> T:
-    """Load `section` of `params_path` (with its profile overlay) into `cls`."""
-    data = read_params(params_path)
+    """Load `section` of `params_path` into `cls` (remembered as read: `check_params_unchanged`)."""
+    data = read_sections(params_path, section)
     if section not in data:
         raise ConfigError(f"{params_path}: missing section {section!r}")
     return from_dict(cls, data[section] or {}, where=f"{params_path}:{section}")

@@ -15,7 +15,8 @@ sibling (same filesystem) and renamed into place when the body succeeds; `atomic
 several outputs together (datasets and metrics) and rolls the already-renamed ones back if a later rename
 fails. Each output holds an exclusive `fcntl` lock on `.<name>.lock` beside it while it is written, so a
 second process writing the same output fails at once with a message naming the holder's pid. OS errors
-(read-only folder, file too large, disk full) become OutputError naming the final path, not the temp.
+(read-only folder, file too large, disk full) become OutputError naming the final path, not the temp; so do
+the writers that report a full disk without an OSError (torch's zip writer, safetensors: `disk_full`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import errno
 import fcntl
 import json
 import os
+import re
+import resource
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -184,6 +187,50 @@ def _write_error(path: Path, exc: OSError) -> OutputError:
             errno.EROFS: "read-only filesystem", errno.EFBIG: "file too large (size limit)",
             errno.ENOSPC: "disk full"}.get(exc.errno or -1)
     return OutputError(f"cannot write {path}: {hint + ' - ' if hint else ''}{reason}")
+
+
+DISK_FULL = re.compile(r"no space left|file too large|disk quota|file write failed|failed writing file|"
+                       r"filetoolarge|storagefull|os error (27|28|122)|inline_container\.cc.*unexpected pos|"
+                       r"PytorchStreamWriter failed",
+                       re.I)
+"""How torch's zip writer (`inline_container.cc`: a RuntimeError such as `unexpected pos` or `PytorchStreamWriter
+failed writing file`) and safetensors (SafetensorError) report a full disk or a file over the size limit:
+neither raises OSError, and neither names the path."""
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether `exc` is a write that failed for lack of space or over the file size limit (`ulimit -f`)."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+    return isinstance(exc, Exception) and bool(DISK_FULL.search(str(exc)))
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def space_note(path: str | Path) -> str:
+    """What limits writes under `path`: free space on its filesystem and any file size limit."""
+    folder = Path(path)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    notes = []
+    with contextlib.suppress(OSError):
+        notes.append(f"{_mib(shutil.disk_usage(folder).free)} free there")
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        notes.append(f"file size limit {_mib(limit)} (ulimit -f)")
+    return ", ".join(notes)
+
+
+def disk_full_error(paths: str | Path | list[Path], exc: BaseException) -> OutputError:
+    """OutputError naming the output(s) `paths` (never a temp) for a `disk_full` error: one line."""
+    paths = [Path(p) for p in paths] if isinstance(paths, list) else [Path(paths)]
+    text = str(exc).strip()
+    first = text.splitlines()[0][:300] if text else type(exc).__name__
+    note = space_note(paths[0]) if paths else ""
+    named = ", ".join(str(public_path(p)) for p in paths) or "output"
+    return OutputError(f"{named}: could not be written (disk full or file too large: {first}){'; ' + note if note else ''}")
 
 
 def lock_path(path: str | Path) -> Path:
@@ -393,6 +440,10 @@ def atomic_outputs(before_commit: Callable[[], None] | None = None) -> Iterator[
             if translated is None:
                 raise
             raise translated from exc
+        except Exception as exc:
+            if isinstance(exc, OutputError) or not disk_full(exc):
+                raise
+            raise disk_full_error([final for final, _ in outputs.staged], exc) from exc
         finally:
             for _, tmp in outputs.staged:
                 _TEMPS.pop(tmp, None)

@@ -39,6 +39,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from rcgrpo_tasks.ops import procs
+from rcgrpo_tasks.ops.config import check_params_unchanged
 from rcgrpo_tasks.ops.io import OutputSet, atomic_outputs, claim_outputs, public_path
 
 DEFAULT_URI = "sqlite:///mlflow.db"
@@ -276,10 +278,15 @@ def run_name(stage: str, variant: str | None = None) -> str:
     return f"{stage}@{variant}" if variant else stage
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
+    """`Type: message` on one line for the `rcgrpo.error` tag; a stop signal without a message (Prefect's
+    TerminationSignal carries only `.signal`) is named: `TerminationSignal: stopped by SIGTERM`."""
     if isinstance(exc, GeneratorExit):  # the `with` was never left: its generator is collected at exit
         return "process exited with the run still open"
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:5000]
+    text, signum = " ".join(str(exc).split()), getattr(exc, "signal", None)
+    if isinstance(signum, int) and text in ("", str(signum)) and signum in signal.valid_signals():
+        text = f"stopped by {signal.Signals(signum).name}"
+    return f"{type(exc).__name__}: {text or 'no message'}"[:5000]
 
 
 def _end(run_id: str, status: str, error: str | None) -> None:
@@ -334,7 +341,7 @@ def stage_run(stage: str, config: Any = None, tags: Mapping[str, Any] | None = N
         yield run
     except BaseException as exc:
         killed = isinstance(exc, (KeyboardInterrupt, procs.Terminated))
-        _end(run_id, "KILLED" if killed else "FAILED", _describe(exc))
+        _end(run_id, "KILLED" if killed else "FAILED", describe_error(exc))
         if run_id in _OPEN_RUNS:  # only now: if _end was cut short, the atexit hook ends the run
             _OPEN_RUNS.remove(run_id)
         raise
@@ -361,13 +368,16 @@ def published_run(stage: str, config: Any = None, outputs: tuple = (), tags: Map
     FINISHED, THEN the outputs are renamed into place: a tracking server lost at any point publishes
     nothing (exit 2, run FAILED or reaped); a failed rename ends the already-finished run FAILED. The
     only window left is a crash between the two, which publishes nothing under a FINISHED run.
-    `track=False`: the same claim and all-or-nothing outputs without a run (yields None for it)."""
-    if not track:
-        with claim_outputs(*outputs), atomic_outputs() as staged:
-            yield None, staged
-        return
-    with claim_outputs(*outputs), stage_run(stage, config, tags, variant) as run:
-        with atomic_outputs(before_commit=lambda: _finish(run.info.run_id)) as staged:
+    Before both, the params the stage read must still be what their file says (`ops.config.
+    check_params_unchanged`), else nothing is published and the run ends FAILED with the changed keys.
+    `track=False`: the same claim, check and all-or-nothing outputs without a run (yields None for it)."""
+    with claim_outputs(*outputs), stage_run(stage, config, tags, variant) if track else contextlib.nullcontext() as run:
+        def commit() -> None:
+            check_params_unchanged(run_name(stage, variant))
+            if run is not None:
+                _finish(run.info.run_id)
+
+        with atomic_outputs(before_commit=commit) as staged:
             yield run, staged
 
 
