@@ -122,3 +122,13 @@ def test_levels_are_label_rewards_tokens_and_rl_uses_their_ends():
     for bad in ((), ("<a>",), ("<a>", "<a>")):
         with pytest.raises(ValueError, match="distinct"):
             adv.reward_levels(bad)
+
+
+def test_a_rollout_the_model_ended_stops_at_its_end_of_turn():
+    # model 3 (the last one the end-of-turn id 2) | template tail 2: cut after the model's end-of-turn
+    c, env, lp = [20, 21, 2, 13, 198], [1, 1, 1, 0, 0], [-0.1, -0.2, -0.3, 0.0, 0.0]
+    assert adv.end_at_stop(c, env, lp, {2}) == ([20, 21, 2], [1, 1, 1], [-0.1, -0.2, -0.3])
+    # the last model token is not an end-of-turn (an output cut at the token cap): unchanged, TRL sees a tail
+    assert adv.end_at_stop([20, 21, 5, 13], [1, 1, 1, 0], [-0.1] * 3 + [0.0], {2}) == (
+        [20, 21, 5, 13], [1, 1, 1, 0], [-0.1] * 3 + [0.0])
+    assert adv.end_at_stop([7, 8], [0, 0], [0.0, 0.0], {2}) == ([7, 8], [0, 0], [0.0, 0.0])  # no model token

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from rcgrpo_tasks.train import advantages as adv
-from rcgrpo_tasks.train import diagnostics, grpo_trainer, runs
+from rcgrpo_tasks.train import diagnostics, runs
 
 NAN = float("nan")
 
@@ -39,12 +39,12 @@ def test_step_summary_means_and_cis():
 
 
 def test_rl_summary_states_the_mechanism_and_keeps_the_means():
-    rows = [{c: NAN for c in grpo_trainer.PLOT_COLUMNS} | r for r in RC]
-    out = grpo_trainer.summarize(rows)
+    rows = [{c: NAN for c in diagnostics.PLOT_COLUMNS} | r for r in RC]
+    out = diagnostics.summarize(rows)
     assert out["mean_frac_zero_std"] == pytest.approx(0.3125) and out["steps"] == 4  # the report reads these
     assert out["mechanism"]["frac_zero_std"]["mean"] == pytest.approx(out["mean_frac_zero_std"])
     assert set(out["mechanism"]) == set(diagnostics.MECHANISM_COLUMNS)
-    assert {"adv_abs_mean", "adv_std", "frac_zero_std", "controllability_gap"} <= set(grpo_trainer.PLOT_COLUMNS)
+    assert {"adv_abs_mean", "adv_std", "frac_zero_std", "controllability_gap"} <= set(diagnostics.PLOT_COLUMNS)
 
 
 def test_advantage_std_and_spread():
@@ -59,7 +59,7 @@ def test_plot_mechanism_draws_grpo_and_rc_grpo_side_by_side(tmp_path):
     tsvs = {}
     for label, rows in (("rctp-grpo", GRPO), ("rctp-rc_grpo", RC), ("sft-grpo", GRPO)):
         tsvs[label] = tmp_path / f"rl_{label}.tsv"
-        runs.write_tsv(tsvs[label], rows, grpo_trainer.PLOT_COLUMNS)
+        runs.write_tsv(tsvs[label], rows, diagnostics.PLOT_COLUMNS)
     tsvs["sft-rc_grpo"] = tmp_path / "never_written.tsv"  # a run without steps: an empty line, not a crash
     assert diagnostics.run_groups(list(tsvs)) == {"rctp": ["rctp-grpo", "rctp-rc_grpo"],
                                                    "sft": ["sft-grpo", "sft-rc_grpo"]}

@@ -70,11 +70,11 @@ def _rollout(monkeypatch, rule, n_entries=6, **cfg):
 
     calls = []
 
-    def run_group(backend, entry, n, protocol_cfg, sampling, reward_tokens=None, provenance=None):
+    def group(entry, reward_tokens, sampling):
         calls.append(entry.id)
-        return [_traj(entry.id, reward_tokens[i], rule(entry.id, i), i) for i in range(n)]
+        return [_traj(entry.id, reward_tokens[i], rule(entry.id, i), i) for i in range(len(reward_tokens))]
 
-    monkeypatch.setattr(engine, "run_group", run_group)
+    monkeypatch.setattr(engine, "run_seeded_groups", lambda backend, groups, *a, **k: [group(*g) for g in groups])
     monkeypatch.setattr(grpo.EngineRollout, "backend", lambda self, trainer: None)
     config = from_dict(grpo.RLConfig, {**TEST_RL, "max_entries": None, "num_generations": 4, "batch_size": 8,
                                        "micro_batch_size": 4, **cfg})
@@ -133,15 +133,16 @@ def entry_rewards(monkeypatch):
     """The real engine and scorer, then the paper reward replaced by `rule[entry_id](i)` (default: flat 0)."""
     from rcgrpo_tasks.engine import rollout as engine
 
-    real, rule = engine.run_group, {}
+    real, rule = engine.run_seeded_groups, {}
 
-    def run_group(backend, entry, n, protocol_cfg, sampling, reward_tokens=None, provenance=None):
-        trajs = real(backend, entry, n, protocol_cfg, sampling, reward_tokens, provenance)
-        for i, t in enumerate(trajs):
-            t.score = {**t.score, "paper_reward": rule.get(entry.id, lambda i: 0.0)(i)}
-        return trajs
+    def run_seeded_groups(backend, groups, protocol_cfg, provenance=None):
+        out = real(backend, groups, protocol_cfg, provenance)
+        for (entry, _, _), trajs in zip(groups, out):
+            for i, t in enumerate(trajs):
+                t.score = {**t.score, "paper_reward": rule.get(entry.id, lambda i: 0.0)(i)}
+        return out
 
-    monkeypatch.setattr(engine, "run_group", run_group)
+    monkeypatch.setattr(engine, "run_seeded_groups", run_seeded_groups)
     return rule
 
 

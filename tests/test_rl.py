@@ -38,18 +38,19 @@ def scripted_rewards(monkeypatch):
     policy (high -> 1, low -> 0) and, without a split by token, alternating success within the group."""
     from rcgrpo_tasks.engine import rollout as engine
 
-    real, calls = engine.run_group, []
+    real, calls = engine.run_seeded_groups, []
 
-    def run_group(backend, entry, n, protocol_cfg, sampling, reward_tokens=None, provenance=None):
-        trajs = real(backend, entry, n, protocol_cfg, sampling, reward_tokens, provenance)
-        mixed = len(set(reward_tokens)) > 1
-        for i, t in enumerate(trajs):
-            r = float(t.reward_token == HIGH) if mixed else float(i % 2 == 0)
-            t.score = {**t.score, "paper_reward": r}
-        calls.append(trajs)
-        return trajs
+    def run_seeded_groups(backend, groups, protocol_cfg, provenance=None):
+        out = real(backend, groups, protocol_cfg, provenance)
+        for (_, tokens, _), trajs in zip(groups, out):
+            mixed = len(set(tokens)) > 1
+            for i, t in enumerate(trajs):
+                r = float(t.reward_token == HIGH) if mixed else float(i % 2 == 0)
+                t.score = {**t.score, "paper_reward": r}
+            calls.append(trajs)
+        return out
 
-    monkeypatch.setattr(engine, "run_group", run_group)
+    monkeypatch.setattr(engine, "run_seeded_groups", run_seeded_groups)
     return calls
 
 
@@ -383,7 +384,7 @@ def test_world_size_must_keep_groups_whole():
 
 def test_vllm_backends_over_trl_engines_without_vllm(tiny_model_dir):
     """The GPU path's engine backends, built as `grpo.trl_vllm_backend` builds them (no vLLM here): colocate
-    wraps TRL's engine through the constructor; server mode sends one request per row with its own cap and
+    wraps TRL's engine through the constructor; server mode sends one request per length cap (concurrently) and
     detects the stop token."""
     from types import SimpleNamespace
 
@@ -401,13 +402,13 @@ def test_vllm_backends_over_trl_engines_without_vllm(tiny_model_dir):
     calls, body = [], tok.encode("get done", add_special_tokens=False)[:2]
 
     class Client:  # TRL's VLLMClient.generate interface
-        def generate(self, prompts, n, temperature, top_p, max_tokens, logprobs):
+        def generate(self, prompts, n, temperature, top_p, max_tokens, logprobs, generation_kwargs=None):
             calls.append((prompts, max_tokens))
             ids = [*body, tok.eos_token_id][:max_tokens]
             return {"completion_ids": [ids], "logprobs": [[[-0.5]] * len(ids)]}
 
     server = VLLMServerBackend(Client(), tok, max_positions=128)
     out = server.session().generate(["a", "b"], [[1, 2], [3]], SamplingParams(max_new_tokens=3), max_new_tokens=[3, 2])
-    assert calls == [([[1, 2]], 3), ([[3]], 2)]
+    assert sorted(calls) == [([[1, 2]], 3), ([[3]], 2)]  # one request per cap, sent concurrently
     assert [c.finish_reason for c in out] == ["stop", "length"]
     assert out[0].logprobs == [-0.5] * 3 and out[0].text == tok.decode(body) == out[1].text != ""

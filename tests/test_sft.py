@@ -242,14 +242,22 @@ def test_sigterm_outside_the_training_loop_exits_at_once():
     assert info.value.code == 143 and stop.received is None
 
 
+def _model_only_checkpoint(folder: Path) -> None:
+    """A checkpoint holding just the model and the Trainer state (what `save_only_model` writes)."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    save_file({"w": torch.zeros(2)}, folder / "model.safetensors")
+    (folder / "trainer_state.json").write_text('{"global_step": 2}')
+
+
 def test_checkpoints_of_other_params_are_discarded(tmp_path):
     ck = tmp_path / "ck"
-    (ck / "checkpoint-2").mkdir(parents=True)
-    (ck / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    _model_only_checkpoint(ck / "checkpoint-2")
     (ck / "checkpoint-3").mkdir()  # killed while being written: no trainer_state.json
     assert runs.last_checkpoint(ck, "fp-a") is None  # no fingerprint file: not ours
-    (ck / "checkpoint-2").mkdir()
-    (ck / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    _model_only_checkpoint(ck / "checkpoint-2")
     (ck / "checkpoint-3").mkdir()
     assert runs.last_checkpoint(ck, "fp-a").endswith("checkpoint-2")
     assert runs.last_checkpoint(ck, "fp-b") is None and not (ck / "checkpoint-2").exists()

@@ -10,8 +10,8 @@ sequence so far and the backend decides what it can reuse:
   with only the new tokens (tool observations, next user turn) instead of re-prefilling the
   conversation. Log-probs are those of the sampling distribution `softmax(logits / T)` (T = 1 when
   greedy) — what TRL recomputes for the GRPO ratio; top-p truncation is not folded in.
-- `vllm` (GPU workers, extra `[gpu]`): vLLM's offline engine with automatic prefix caching (the same
-  reuse, done by vLLM) and LoRA requests for adapters. Import-guarded; untested on CPU machines.
+- `vllm` (`engine/vllm.py`; the `[gpu]` extra on CUDA, `make vllm-venv` on a CPU): vLLM's offline engine with
+  automatic prefix caching (the same reuse, done by vLLM) and LoRA requests for adapters. Import-guarded.
 - `scripted`: a policy from a script or callable (tests, expert/gold replay); no model.
 """
 

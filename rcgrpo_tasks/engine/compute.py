@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rcgrpo_tasks.engine.device import DEVICE_SETTINGS, resolve_device
-from rcgrpo_tasks.ops.config import ConfigError, from_dict, read_params
+from rcgrpo_tasks.ops.config import ConfigError, from_dict, read_sections
 
 SECTION = "compute"
 _SETTING = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -51,7 +51,7 @@ class ComputeConfig:
 def load_compute(params_path: str | Path) -> ComputeConfig:
     """The `compute` section of `params_path` (defaults when the file has none); bad keys or values raise
     ConfigError naming the file and field."""
-    data = read_params(params_path)
+    data = read_sections(params_path, SECTION)
     section = data.get(SECTION)
     if section is None:
         return ComputeConfig()

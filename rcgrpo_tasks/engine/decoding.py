@@ -9,18 +9,25 @@ seeds more than decoding (entry samples, bootstrap, perturbations), so it stays 
 to `sampling`. Where a stage decodes is params `compute.device` (`engine.compute`), shared by all stages.
 
 The upper bounds are far above any real run and exist to fail fast, before any work, on a typo such as
-`max_new_tokens: 100000000`.
+`max_new_tokens: 100000000`. Where a stage knows its model, `check_context` holds `max_new_tokens` to what
+that model can hold: one output beside a prompt within its `max_position_embeddings`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from rcgrpo_tasks.engine.backend import SamplingParams
+from rcgrpo_tasks.engine.models import model_context
+from rcgrpo_tasks.ops.config import ConfigError
 
 MAX_NEW_TOKENS = 131_072
 """Per model output: the longest context of any model this pipeline targets."""
+PROMPT_FLOOR = 64
+"""Fewest tokens an episode's first prompt takes (the chat template's markers, a system prompt, a question):
+an output budget must leave at least this room in the model's context."""
 MAX_OUTPUTS = 1_000
 """Model outputs per episode / per turn."""
 MAX_BATCH_ROWS = 16_384
@@ -40,9 +47,10 @@ class DecodeConfig:
     max_new_tokens: int = 64
     """Tokens per model output (one step of an episode)."""
     backend: Literal["hf", "vllm"] = "hf"
-    """Inference engine: `hf` (the project's transformers decoder, CPU or CUDA) or `vllm` (GPU workers)."""
+    """Inference engine: `hf` (the project's transformers decoder) or `vllm` (vLLM: the `[gpu]` extra on CUDA, the
+    CPU vLLM environment `make vllm-venv` on a CPU); docs/engine.md "vLLM" has the measured choice."""
     dtype: Literal["float32", "bfloat16", "auto"] = "auto"
-    """hf weights dtype; `auto` = bf16 where the CPU / GPU has native bf16, else float32."""
+    """Weights dtype; `auto` = bf16 where the CPU / GPU has native bf16, else float32 (both backends)."""
     batch_rows: int = 8
     """Rollouts decoded together in one session (hf)."""
 
@@ -54,11 +62,24 @@ class DecodeConfig:
             if not 1 <= getattr(self, name) <= cap:
                 raise ValueError(f"{name} must be in [1, {cap}], got {getattr(self, name)}")
 
+    def check_context(self, model_dir: str | Path, key: str) -> None:
+        """ConfigError naming `key` (e.g. `params.yaml:evaluate.max_new_tokens`) and the model's context when one
+        output of `max_new_tokens` cannot fit in the context of `model_dir` beside a prompt (`PROMPT_FLOOR`).
+        Reads only config.json, so it fails before any weights load; a folder without one is left to the loader.
+        A longer prompt leaves less room: the rollout cuts each output to the room its prompt leaves."""
+        if not (Path(model_dir) / "config.json").is_file():
+            return
+        context = model_context(model_dir)
+        if self.max_new_tokens > context - PROMPT_FLOOR:
+            raise ConfigError(f"{key} {self.max_new_tokens}: one output cannot fit in the context of {model_dir} "
+                              f"({context} positions, config.json max_position_embeddings) beside a prompt of at "
+                              f"least {PROMPT_FLOOR} tokens; use at most {context - PROMPT_FLOOR}")
+
     def sampling(self, seed: int | None, **extra) -> SamplingParams:
         """The engine's per-call sampling parameters (`extra`: guidance)."""
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
                               seed=seed, **extra)
 
     def backend_kwargs(self, device: str) -> dict:
-        """`load_backend` keyword arguments: dtype and device for hf (vLLM places itself)."""
-        return {"dtype": self.dtype, "device": device} if self.backend == "hf" else {}
+        """`load_backend` keyword arguments: dtype and device, under the same rules for both backends."""
+        return {"dtype": self.dtype, "device": device}

@@ -5,7 +5,9 @@
   model where it is. `describe()` says where it runs (device, dtype).
 - Batching: every row of a `generate` call is decoded together (the rollout loop hands over every group of
   a batch); rows sharing a prompt prefix (a GRPO group's system prompt + task) prefill it once at batch 1
-  and copy it, all rows laid out left-padded in one cache (`rcgrpo_tasks.engine.kvcache`).
+  and copy it, all rows laid out left-padded in one cache (`rcgrpo_tasks.engine.kvcache`); inside such a
+  prefix group, a longer prefix several rows share (each group's task under a system prompt other groups
+  share) is prefilled once more on top of it, so each distinct prompt is prefilled once.
 - KV reuse: a later call appends only each row's new tokens (observations, next user turn), never
   re-prefilling. Rows of different lengths share the cache through masked holes (position ids count real
   tokens), compacted once holes exceed `COMPACT_AT`; rows whose keys disappear are dropped. A span of new
@@ -25,7 +27,7 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from pathlib import Path
 
 from rcgrpo_tasks.engine.backend import (
@@ -39,7 +41,15 @@ from rcgrpo_tasks.engine.backend import (
 )
 from rcgrpo_tasks.engine.device import placement, resolve_device
 from rcgrpo_tasks.engine.graphs import StepGraph
-from rcgrpo_tasks.engine.kvcache import decode_mask, plan_capacity, prefill_mask, ragged_segments, slot_cache_class
+from rcgrpo_tasks.engine.kvcache import (
+    decode_mask,
+    plan_capacity,
+    prefill_mask,
+    prefix_groups,
+    ragged_segments,
+    slot_cache_class,
+    sub_prefixes,
+)
 from rcgrpo_tasks.engine.models import ModelLoadError, bf16_supported, check_adapter_dir, check_model_dir, load_trained
 from rcgrpo_tasks.engine.sampling import guided_logits, row_seed, sample_tokens, with_twins
 
@@ -78,39 +88,6 @@ def use_cpu_attention(model) -> bool:
     AttentionMaskInterface.register(CPU_ATTENTION, sdpa_mask)
     model.set_attn_implementation(CPU_ATTENTION)
     return True
-
-
-def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
-    """Length of the longest common prefix, leaving every row at least one token of its own."""
-    limit = min(len(s) for s in seqs) - 1
-    first = seqs[0]
-    for i in range(max(limit, 0)):
-        t = first[i]
-        if any(s[i] != t for s in seqs):
-            return i
-    return max(limit, 0)
-
-
-def prefix_groups(prompts: list[list[int]]) -> list[tuple[list[int], int]]:
-    """Rows grouped by shared prompt prefix: [(row indices, prefix length)].
-
-    Greedy over the lexicographically sorted prompts: a row joins the current group when prefilling the
-    group's (possibly shorter) common prefix once saves at least as many tokens as before. A GRPO group
-    becomes one group; entries sharing a system prompt share it.
-    """
-    order = sorted(range(len(prompts)), key=lambda i: prompts[i])
-    groups: list[tuple[list[int], int]] = []
-    cur, lcp = [order[0]], len(prompts[order[0]]) - 1
-    for i in order[1:]:
-        new = min(lcp, _common_prefix([prompts[cur[-1]], prompts[i]]))
-        if new > 0 and len(cur) * new >= (len(cur) - 1) * lcp:
-            cur.append(i)
-            lcp = new
-        else:
-            groups.append((cur, lcp))
-            cur, lcp = [i], len(prompts[i]) - 1
-    groups.append((cur, lcp))
-    return groups
 
 
 class _Rows:
@@ -204,27 +181,45 @@ class HFSession(Session):
         self._prefill_prefixes(prompts, prefix_groups(prompts), reserve)
 
     def _prefill_prefixes(self, prompts: list[list[int]], groups: list[tuple[list[int], int]], reserve: int) -> None:
-        """Prefill each group's shared prefix once (batch 1) and copy it into its rows, right-aligned at column
-        `width` (the longest prefix), in a cache sized for the whole call."""
+        """Prefill each group's shared prefix once (batch 1) and, inside a group, each longer prefix that several
+        of its rows share once more on top of it (`kvcache.sub_prefixes`: a GRPO group's task message under a system
+        prompt that other entries share), then copy them into their rows, right-aligned at column `width`
+        (the longest prefix), in a cache sized for the whole call."""
         import torch
 
         dev = self.b.model.device
-        prefix_len = {i: n for rows, n in groups for i in rows}
+        plan = [(rows, n, sub_prefixes(prompts, rows, n)) for rows, n in groups]
+        prefix_len = {i: n + m for rows, n, subs in plan for sub, m in subs for i in sub}
         width = max(prefix_len.values())
         longest_rest = max(len(p) - prefix_len[i] for i, p in enumerate(prompts))
         self.st = st = _Rows(len(prompts), plan_capacity(0, width + longest_rest + reserve), dev)
-        for rows, n in groups:
+        for rows, n, subs in plan:
             if not n:
                 continue
             one = _Rows(1, n, dev)
             self._append(one, torch.tensor([prompts[rows[0]][:n]]), torch.ones((1, n), dtype=torch.bool))
-            index = torch.tensor(rows, device=dev)
-            st.cache.place(one.cache, index, width - n)
-            st.mask[index, width - n:width] = True
-            st.nreal[index] = n
+            for sub, m in subs:
+                src = one if not m else self._extend(one, prompts[sub[0]][n:n + m])
+                index = torch.tensor(sub, device=dev)
+                st.cache.place(src.cache, index, width - n - m)
+                st.mask[index, width - n - m:width] = True
+                st.nreal[index] = n + m
             del one
         st.cache.n = width
         self.covered = [list(p[:prefix_len[i]]) for i, p in enumerate(prompts)]
+
+    def _extend(self, one: _Rows, ids: list[int]) -> _Rows:
+        """A copy of batch-1 prefix cache `one` with `ids` appended (a longer shared prefix)."""
+        import torch
+
+        n, dev = one.cache.n, self.b.model.device
+        two = _Rows.__new__(_Rows)
+        two.cache = one.cache.take_rows(torch.tensor([0], device=dev), n + len(ids))
+        two.mask = torch.zeros((1, n + len(ids)), dtype=torch.bool, device=dev)
+        two.mask[:, :n] = True
+        two.nreal = one.nreal.clone()
+        self._append(two, torch.tensor([ids]), torch.ones((1, len(ids)), dtype=torch.bool))
+        return two
 
     def _append(self, st: _Rows, ids, new_mask):
         """Append `ids` (rows, S; CPU) with `new_mask` (bool) to `st` chunk by chunk; logits of the last column."""

@@ -1,4 +1,5 @@
-"""The `hf` session's KV cache: preallocated per-layer buffers shared by all rows, plus their attention masks.
+"""The `hf` session's KV cache: preallocated per-layer buffers shared by all rows, plus their attention masks,
+and the prompt layout it is filled in (`prefix_groups`, `sub_prefixes`: which prefixes are prefilled once).
 
 Layout: per layer K and V of shape (rows, kv_heads, capacity, head_dim); columns [0, n) are in use and
 every row ends at column n - 1 (rows are left-padded; a column a row does not use is a "hole", masked).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 GROWTH = 1.25
 """Minimum growth factor of the capacity when a call needs more columns (fewer re-allocations and graph captures)."""
@@ -217,3 +219,44 @@ def _additive(m, dtype):
     import torch
 
     return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
+
+
+def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
+    """Length of the longest common prefix, leaving every row at least one token of its own."""
+    limit = min(len(s) for s in seqs) - 1
+    first = seqs[0]
+    for i in range(max(limit, 0)):
+        t = first[i]
+        if any(s[i] != t for s in seqs):
+            return i
+    return max(limit, 0)
+
+
+def prefix_groups(prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+    """Rows grouped by shared prompt prefix: [(row indices, prefix length)].
+
+    Greedy over the lexicographically sorted prompts: a row joins the current group when prefilling the
+    group's (possibly shorter) common prefix once saves at least as many tokens as before. A GRPO group
+    becomes one group; entries sharing a system prompt share it.
+    """
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i])
+    groups: list[tuple[list[int], int]] = []
+    cur, lcp = [order[0]], len(prompts[order[0]]) - 1
+    for i in order[1:]:
+        new = min(lcp, _common_prefix([prompts[cur[-1]], prompts[i]]))
+        if new > 0 and len(cur) * new >= (len(cur) - 1) * lcp:
+            cur.append(i)
+            lcp = new
+        else:
+            groups.append((cur, lcp))
+            cur, lcp = [i], len(prompts[i]) - 1
+    groups.append((cur, lcp))
+    return groups
+
+def sub_prefixes(prompts: list[list[int]], rows: list[int], n: int) -> list[tuple[list[int], int]]:
+    """Rows of a prefix group (shared prefix `n`) by the longer prefix they share beyond it: [(rows, extra
+    length)]; a row alone gets 0 (its rest is prefilled with the other rows' rests, batched)."""
+    if not n or len(rows) == 1:
+        return [(rows, 0)]
+    return [([rows[j] for j in sub], m if len(sub) > 1 else 0)
+            for sub, m in prefix_groups([prompts[i][n:] for i in rows])]

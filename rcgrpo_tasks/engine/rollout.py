@@ -1,13 +1,14 @@
-"""Multi-turn rollout engine: drives protocol episodes with a generation backend, records trajectories.
+"""Rollout engine: drives episodes (of any task, `env.tasks`) with a generation backend, records trajectories.
 
 `run_group(backend, entry, n, protocol_cfg, sampling, reward_tokens)` is one GRPO group: n rollouts of one
 entry in lockstep on one backend session (rollout i conditioned on reward_tokens[i]); the shared prompt
 prefix is prefilled once and each rollout's KV cache is extended with each observation (`hf` backend).
 `run_groups` decodes many groups together (all in one session, or whole groups packed `batch_rows` rows
-to a session) with per-rollout seeds, so a rollout's tokens do not depend on its batch; `run_rollouts`
+to a session) with per-rollout seeds, so a rollout's tokens do not depend on its batch; `run_seeded_groups`
+decodes groups that each carry their own sampling seed in one session (RL's generation batch); `run_rollouts`
 runs g rollouts of many entries through it; `replay_calls` drives the same engine with a scripted policy
-that emits given calls (gold replay, expert trajectories). Every trajectory is scored with
-`rcgrpo_tasks.env.scoring.score_entry`.
+that emits given calls (gold replay, expert trajectories). Every trajectory is scored by its episode (the
+task's scorer: `env.scoring.score_entry` for multi-turn, BFCL's AST checker for single-turn).
 
 Memory pressure: a step that fails with CUDA out-of-memory (or cuDNN's attention error under it) splits
 its batch's unfinished rollouts in half and continues each half on a fresh session, with a
@@ -29,15 +30,16 @@ import warnings
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from rcgrpo_tasks.engine.backend import Backend, Completion, SamplingParams, ScriptedBackend
 from rcgrpo_tasks.engine.device import MemorySplitWarning, free_memory, is_memory_error
 from rcgrpo_tasks.engine.sampling import row_seed
 from rcgrpo_tasks.engine.trajectory import Trajectory
-from rcgrpo_tasks.env.bfcl import Entry
-from rcgrpo_tasks.env.calls import format_calls, parse_call_string
-from rcgrpo_tasks.env.protocols import Episode, ProtocolConfig, initial_messages
-from rcgrpo_tasks.env.scoring import score_entry
+from rcgrpo_tasks.env.protocols import Episode, ProtocolConfig
+from rcgrpo_tasks.env.tasks import task_of
+
+Entry = Any  # an entry of any task (`env.tasks`): the engine never looks inside one
 
 ENGINE_VERSION = 1
 DEFAULT_FINAL_TEXT = "I have completed the requested task."
@@ -203,13 +205,13 @@ def _drive_batch(backend: Backend, rollouts: list[_Rollout], sampling: SamplingP
 
 def _to_trajectory(r: _Rollout, provenance: dict) -> Trajectory:
     ep = r.episode
-    score = score_entry(ep.entry, ep.result).to_json()
+    score = ep.score().to_json()
     return Trajectory(
         entry_id=ep.entry.id, category=ep.entry.category, protocol=ep.cfg.protocol,
         reward_token=ep.reward_token, messages=ep.messages, token_ids=r.token_ids, prompt_len=r.prompt_len,
         completion_mask=r.mask, logprobs=r.logprobs, result=ep.result, termination=ep.termination or "error",
         n_steps=ep.n_steps, n_model_tokens=sum(r.mask), wall_time_s=round(r.wall_time_s, 3), score=score,
-        provenance={**provenance, "protocol": ep.cfg.record()},
+        provenance={**provenance, "task": task_of(ep.entry).name, "protocol": ep.cfg.record()},
     )
 
 
@@ -251,7 +253,7 @@ def run_groups(backend: Backend, groups: Sequence[tuple[Entry, Sequence[str | No
         for k in chunk:
             entry, tokens = groups[k]
             sp = dataclasses.replace(sampling, seed=group_seed(sampling.seed, entry.id))
-            episodes += [Episode(entry, protocol_cfg, t) for t in tokens]
+            episodes += [task_of(entry).episode(entry, protocol_cfg, t) for t in tokens]
             samplings += [sp] * len(tokens)
             indices += range(len(tokens))
         trajs = _run(backend, episodes, samplings, indices, provenance)
@@ -260,6 +262,33 @@ def run_groups(backend: Backend, groups: Sequence[tuple[Entry, Sequence[str | No
             out[k], at = trajs[at:at + len(groups[k][1])], at + len(groups[k][1])
         if progress:
             progress(trajs)
+    return out
+
+
+def run_seeded_groups(backend: Backend, groups: Sequence[tuple[Entry, Sequence[str | None], SamplingParams]],
+                      protocol_cfg: ProtocolConfig, provenance: dict | None = None) -> list[list[Trajectory]]:
+    """GRPO groups `(entry, reward token per rollout, sampling)`, each with its OWN sampling seed, all decoded
+    in one session (RL: every group of a generation batch at once).
+
+    Rollout i of a group samples with seed `row_seed(group_seed(sampling.seed, entry.id), i)`, exactly as
+    `run_group(backend, entry, n, protocol_cfg, sampling, tokens)` seeds it, so decoding the groups together
+    gives the rollouts one `run_group` per group gives (up to float rounding of the batched logits), while
+    the backend decodes every row in one batch and prefills each distinct prompt prefix once. The samplings
+    may differ only in their seed (one decode loop serves every row)."""
+    shared = {dataclasses.replace(sp, seed=None) for _, _, sp in groups}
+    if len(shared) > 1:
+        raise ValueError(f"run_seeded_groups: samplings differ in more than their seed: {sorted(map(str, shared))}")
+    episodes, samplings, indices = [], [], []
+    for entry, tokens, sampling in groups:
+        sp = dataclasses.replace(sampling, seed=group_seed(sampling.seed, entry.id))
+        episodes += [task_of(entry).episode(entry, protocol_cfg, t) for t in tokens]
+        samplings += [sp] * len(tokens)
+        indices += range(len(tokens))
+    trajs = _run(backend, episodes, samplings, indices, provenance) if episodes else []
+    out, at = [], 0
+    for _, tokens, _ in groups:
+        out.append(trajs[at:at + len(tokens)])
+        at += len(tokens)
     return out
 
 
@@ -274,7 +303,8 @@ def run_rollouts(backend: Backend, entries: Sequence[Entry], g: int, protocol_cf
     tool classes): entries packed together then share the whole system prompt, which the session
     prefills once for all their rows.
     """
-    order = sorted(range(len(entries)), key=lambda i: (initial_messages(entries[i], protocol_cfg)[0]["content"], i))
+    order = sorted(range(len(entries)),
+                   key=lambda i: (task_of(entries[i]).initial_messages(entries[i], protocol_cfg)[0]["content"], i))
     groups = [(entries[j], [reward_token_fn(entries[j], i) if reward_token_fn else None for i in range(g)])
               for j in order]
     done = run_groups(backend, groups, protocol_cfg, sampling, provenance, batch_rows, progress)
@@ -284,16 +314,8 @@ def run_rollouts(backend: Backend, entries: Sequence[Entry], g: int, protocol_cf
 
 def replay_steps(entry: Entry, protocol_cfg: ProtocolConfig, turns_of_calls: Sequence[Sequence],
                  final_text: str = DEFAULT_FINAL_TEXT) -> list[str]:
-    """The model outputs that replay `turns_of_calls` (per turn: call strings = one step, or a list of steps)."""
-    steps_per_turn = [[list(t)] if t and isinstance(t[0], str) else [list(s) for s in t] for t in turns_of_calls]
-    render = lambda step: format_calls([parse_call_string(c) for c in step])  # noqa: E731
-    texts: list[str] = []
-    if protocol_cfg.protocol == "paper":
-        texts = [render(s) for steps in steps_per_turn for s in steps if s]
-        return texts + ["[done()]"]
-    for steps in steps_per_turn:
-        texts += [render(s) for s in steps if s] + [final_text]
-    return texts
+    """The model outputs that replay `turns_of_calls` (the entry's task renders them: `Task.replay_texts`)."""
+    return task_of(entry).replay_texts(entry, protocol_cfg, turns_of_calls, final_text)
 
 
 def replay_calls(entry: Entry, protocol_cfg: ProtocolConfig, turns_of_calls: Sequence[Sequence], tokenizer,
@@ -303,5 +325,5 @@ def replay_calls(entry: Entry, protocol_cfg: ProtocolConfig, turns_of_calls: Seq
     texts = replay_steps(entry, protocol_cfg, turns_of_calls, final_text)
     backend = ScriptedBackend(tokenizer, [texts], max_positions=max_positions)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=1_000_000)
-    return run_episodes(backend, [Episode(entry, protocol_cfg, reward_token)], sampling,
+    return run_episodes(backend, [task_of(entry).episode(entry, protocol_cfg, reward_token)], sampling,
                         {"source": "replay", **(provenance or {})})[0]

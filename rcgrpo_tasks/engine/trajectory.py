@@ -1,4 +1,4 @@
-"""Trajectory records: one multi-turn rollout, as JSONL rows with a versioned schema.
+"""Trajectory records: one rollout (multi-turn or single-turn), as JSONL rows with a versioned schema.
 
 A trajectory carries everything later stages need without re-running the model:
 - the chat (`messages`: system/user/assistant/tool dicts) and the whole rendered token sequence

@@ -1,8 +1,10 @@
 """Trainable reward tokens on PEFT adapters: add them, train through TRL, save small, load back.
 
 Shared by the sft stage (training), controllability / RL / evaluate (loading) and the bench:
-- `add_special_tokens`: reward tokens (and any extra) as special tokens with single ids; embeddings grown;
-  their rows start at the old rows' mean (`mean_resizing`) or apart from each other (`apart_rows`).
+- `add_special_tokens`: reward tokens (and any extra) as special tokens with single ids; embeddings grown
+  (spare rows of a padded embedding used as they are); their rows start at the old rows' mean
+  (`mean_resizing`, `mean_rows`) or apart from each other (`apart_rows`); `token_indices`: their rows as
+  PEFT trainable tokens (SFT/RCTP and RL).
 - `token_lr_groups` / `scale_row_updates`: the token rows' own learning rate (`token_lr_multiplier`).
 - `load_logged_model(uri)`: `rcgrpo_tasks.engine.models.load_trained` (THE loader of an sft-stage output)
   for an adapter logged to MLflow.
@@ -29,14 +31,18 @@ def add_special_tokens(tokenizer, model, tokens: tuple[str, ...], seed: int = 0,
     """Add `tokens` as special tokens (single ids), grow the embeddings if needed; returns their ids.
 
     New rows are drawn from the old rows' mean and covariance (transformers' `mean_resizing`) under `seed`,
-    so a run and its resumption start from the same rows. `init="apart"` then overwrites the rows of the
-    tokens this call added (input and, when untied, output embeddings) with `apart_rows`: `levels` (the
-    reward tokens, lowest first) spread along one direction, any other added token on its own direction."""
+    so a run and its resumption start from the same rows. A model whose embedding already has rows for the
+    new ids (Qwen-style checkpoints carry spare rows beyond the tokenizer) is not resized, and those spare
+    rows, never trained, get the same mean init (`mean_rows`) from the tokenizer's real rows. `init="apart"`
+    then overwrites the rows of the tokens this call added (input and, when untied, output embeddings) with
+    `apart_rows`: `levels` (the reward tokens, lowest first) spread along one direction, any other added
+    token on its own direction. Under DeepSpeed ZeRO-3 the row count is the full (`ds_shape`) one, so the
+    vocabulary never shrinks, and rows are written with the sharded matrices gathered."""
     import torch
 
     if init not in REWARD_TOKEN_INITS:
         raise ValueError(f"reward_token_init must be one of {REWARD_TOKEN_INITS}, got {init!r}")
-    old_vocab = len(tokenizer)
+    old_vocab, rows_before = len(tokenizer), embedding_rows(model)
     new = [t for t in tokens if t not in tokenizer.get_vocab()]
     if new:
         tokenizer.add_special_tokens({"extra_special_tokens": new}, replace_extra_special_tokens=False)
@@ -44,23 +50,69 @@ def add_special_tokens(tokenizer, model, tokens: tuple[str, ...], seed: int = 0,
     for tok, i in zip(tokens, ids):
         if tokenizer(tok, add_special_tokens=False)["input_ids"] != [i]:
             raise RuntimeError(f"{tok} does not encode to the single id {i}")
-    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
-        # Never shrink: Qwen-style checkpoints carry spare rows beyond the tokenizer.
+    if len(tokenizer) > rows_before:  # never shrink
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             model.resize_token_embeddings(len(tokenizer))
+    generator = torch.Generator().manual_seed(seed)
     if init == "apart" and new:
         order = [t for t in levels if t in new] + [t for t in new if t not in levels]
         n_levels = sum(t in levels for t in new)
         rows = [tokenizer.convert_tokens_to_ids(t) for t in order]
-        generator = torch.Generator().manual_seed(seed)
-        matrices = {id(m.weight): m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings())
-                    if m is not None}  # tied embeddings: one matrix
-        with torch.no_grad():
-            for weight in matrices.values():
-                values = apart_rows(weight[:old_vocab], n_levels, len(rows) - n_levels, generator)
-                weight[rows] = values.to(weight.dtype)
+        _write_rows(model, rows, old_vocab, lambda old: apart_rows(old, n_levels, len(rows) - n_levels, generator))
+    elif spare := [i for i in (tokenizer.convert_tokens_to_ids(t) for t in new) if i < rows_before]:
+        _write_rows(model, spare, old_vocab, lambda old: mean_rows(old, len(spare), generator))
     return ids
+
+
+def embedding_rows(model) -> int:
+    """Rows of the input embedding; under ZeRO-3 its full row count (a partitioned weight's local shape is 0)."""
+    weight = model.get_input_embeddings().weight
+    return int(getattr(weight, "ds_shape", weight.shape)[0])
+
+
+def _write_rows(model, rows: list[int], old_vocab: int, make) -> None:
+    """Set `rows` of the input and (untied) output embedding to `make(real rows (old_vocab, d))`, gathering
+    ZeRO-3-partitioned matrices first (every process computes the same seeded rows; rank 0's are kept)."""
+    import torch
+
+    matrices = {id(m.weight): m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings())
+                if m is not None}  # tied embeddings: one matrix
+    with _gathered(list(matrices.values())), torch.no_grad():
+        for weight in matrices.values():
+            weight[rows] = make(weight[:old_vocab]).to(weight.dtype)
+
+
+def _gathered(params: list):
+    """DeepSpeed's `GatheredParameters` (modifier rank 0) for ZeRO-3-partitioned `params`, else nothing."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+
+def mean_rows(old, n: int, generator):
+    """(n, d) rows drawn as transformers' `mean_resizing` draws grown rows: N(mu, 1e-9 Cov) of the real rows
+    `old` (V, d), so they sit at the mean (the spare rows of a padded embedding were never trained)."""
+    import torch
+
+    rows = old.detach().float()
+    mu = rows.mean(0)
+    centred = rows - mu
+    noise = (centred.T @ torch.randn(rows.shape[0], n, generator=generator)).T / max(rows.shape[0] - 1, 1) ** 0.5
+    return mu + noise * 1e-9 ** 0.5
+
+
+def token_indices(model, token_ids: list[int]) -> list[int] | dict[str, list[int]]:
+    """PEFT `trainable_token_indices` for `token_ids`. Tied embeddings (SmolLM2): the input rows, tied into
+    the LM head by PEFT. Untied (Qwen): the rows of both the input embedding and the LM head, so the saved
+    adapter restores them exactly on load."""
+    if bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False)):
+        return list(token_ids)
+    names = {id(m): n for n, m in model.named_modules()}
+    return {names[id(model.get_input_embeddings())].split(".")[-1]: list(token_ids),
+            names[id(model.get_output_embeddings())].split(".")[-1]: list(token_ids)}
 
 
 def apart_rows(old, n_levels: int, n_other: int, generator):

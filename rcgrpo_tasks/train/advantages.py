@@ -227,3 +227,26 @@ def trajectory_fields(
     env_mask = [1 if m else 0 for m in completion_mask[prompt_len:]]
     lps = [float(lp) if m else 0.0 for lp, m in zip(logprobs[prompt_len:], env_mask, strict=True)]
     return list(token_ids[:prompt_len]), list(token_ids[prompt_len:]), env_mask, lps
+
+
+FINISHED = ("done", "completed")
+"""Terminations where the model itself ended the episode (`done()`, or an output without a call); the others
+(`step_limit`, `context_limit`, `error`) were cut by a budget."""
+
+
+def end_at_stop(completion_ids: Sequence[int], env_mask: Sequence[int], logprobs: Sequence[float],
+                end_ids: set[int]) -> tuple[list[int], list[int], list[float]]:
+    """The TRL fields (C,) of a rollout whose model ended the episode (`FINISHED`), cut after its last model
+    token where that token is an end-of-turn id (`end_ids`); otherwise unchanged.
+
+    Why: TRL counts a completion as finished only when its last token is an EOS / pad id, and a multi-turn
+    rollout ends with the chat template's tokens after the model's end-of-turn (`<|im_end|>` then a newline),
+    so every rollout would count as truncated (`completions/clipped_ratio` 1; `mask_truncated_completions`
+    would mask them all). The dropped tail is environment / template tokens after the last model token:
+    no loss, and under causal attention nothing before it changes. A rollout cut by a budget keeps its tail
+    and stays truncated for TRL."""
+    last = max((i for i, m in enumerate(env_mask) if m), default=None)
+    if last is None or completion_ids[last] not in end_ids:
+        return list(completion_ids), list(env_mask), list(logprobs)
+    return list(completion_ids[:last + 1]), list(env_mask[:last + 1]), list(logprobs[:last + 1])
+

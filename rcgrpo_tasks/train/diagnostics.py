@@ -5,8 +5,11 @@ groups have zero reward variance (no learning signal) than under GRPO. The rl st
 `frac_zero_std` (share of groups whose reward std < `advantages.ZERO_STD_TOL`), the advantage spread
 (`adv_abs_mean` = mean |A|, `adv_std` = std of A over the batch) and `controllability_gap` (mean reward
 of the step's high-token rollouts minus its low-token ones; NaN unless both tokens occur, i.e. always
-under GRPO's `fixed` / `none` conditioning) in its plots TSV (`train.grpo_trainer.PLOT_COLUMNS`).
+under GRPO's `fixed` / `none` conditioning) in its plots TSV (`PLOT_COLUMNS`).
 
+- `diagnostics_row` / `diag_metrics` / `DiagnosticsMixin`: TRL's averaged log of each optimizer step as a
+  row of the plots TSV (resumable, in the checkpoint folder) and as MLflow metrics `diag/<column>`;
+  `summarize`: the run summary (the metrics JSON the report reads).
 - `step_summary(rows)`: mean of each of those columns over the steps where it is defined, with a 95 %
   percentile-bootstrap CI over steps (`ops.stats.bootstrap_ci`). Steps of one run are not independent
   (the policy drifts, entries repeat), so the CI describes the spread of the logged steps, not a
@@ -23,13 +26,98 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rcgrpo_tasks.ops.stats import bootstrap_ci
-from rcgrpo_tasks.train.runs import read_tsv
+from rcgrpo_tasks.train.runs import read_tsv, write_tsv
 
 MECHANISM_COLUMNS = ("frac_zero_std", "adv_abs_mean", "adv_std", "controllability_gap", "reward")
 """Per-step columns that show the mechanism, in plotting order."""
 TITLES = {"frac_zero_std": "zero-variance groups (share)", "adv_abs_mean": "advantage spread: mean |A|",
           "adv_std": "advantage spread: std A", "controllability_gap": "gap: R(high) - R(low)",
           "reward": "mean reward"}
+STEP_MARKER = "loss"
+"""A key of every optimizer step's TRL log (and of no other log): a step's row is written on it."""
+PLOT_COLUMNS = (
+    "step", "reward", "reward_high", "reward_low", "reward_none", "controllability_gap", "frac_zero_std",
+    "adv_abs_mean", "adv_std", "kl", "clip_ratio", "loss", "reward_paper", "reward_official", "reward_partial",
+    "model_tokens", "n_calls", "n_steps", "env_errors", "rollout_tokens_per_s", "rollout_s", "step_time",
+    "rollouts_generated", "rollouts_trained", "groups_dropped", "useful_groups", "gen_rounds",
+    "gen_tokens_per_useful_group", "frac_zero_std_generated", "step_skipped", "truncated", "logp_diff_mean",
+    "logp_diff_max", "sampler_kl", "is_weight_mean", "is_weight_min", "is_capped",
+)
+"""One row per optimizer step. A step that generated nothing (`num_iterations` or `minibatches` > 1 reuse
+a generation batch) has no rollout columns (NaN) but its own loss, KL and clip fraction. `truncated`: TRL's
+share of rollouts cut by a budget (`completions/clipped_ratio`); `logp_diff_*`, `sampler_kl`, `is_*`: the
+sampler/trainer mismatch of the step's generation batch (`offpolicy`)."""
+PRICE_COLUMNS = ("frac_zero_std_generated", "rollouts_generated", "useful_groups", "gen_tokens_per_useful_group")
+"""Per-step columns of what the learning signal cost (summarized with CIs over steps, as the mechanism)."""
+_SOURCES = {  # plot column -> key of TRL's averaged step logs
+    "reward": "rc/reward", "reward_high": "rc/reward_high", "reward_low": "rc/reward_low",
+    "reward_none": "rc/reward_none", "controllability_gap": "rc/controllability_gap",
+    "frac_zero_std": "rc/frac_zero_std", "adv_abs_mean": "rc/adv_abs_mean", "adv_std": "rc/adv_std", "kl": "kl",
+    "clip_ratio": "clip_ratio/region_mean", "loss": "loss", "reward_paper": "rewards/paper_reward/mean",
+    "reward_official": "rewards/official_verdict/mean", "reward_partial": "rewards/partial_credit/mean",
+    "model_tokens": "rc/model_tokens", "n_calls": "rc/n_calls", "n_steps": "rc/n_steps",
+    "env_errors": "rc/env_errors", "rollout_tokens_per_s": "rc/rollout_tokens_per_s",
+    "rollout_s": "rc/rollout_s", "step_time": "step_time",
+    **{c: f"rc/{c}" for c in ("rollouts_generated", "rollouts_trained", "groups_dropped", "useful_groups",
+                              "gen_rounds", "gen_tokens_per_useful_group", "frac_zero_std_generated",
+                              "step_skipped", "logp_diff_mean", "logp_diff_max", "sampler_kl",
+                              "is_weight_mean", "is_weight_min", "is_capped")},
+    "truncated": "completions/clipped_ratio",
+}
+
+
+# ---------------------------------------------------------------- per-step rows and the run summary
+
+
+def diagnostics_row(logs: dict, step: int) -> dict:
+    """TRL's averaged step logs -> one row of the plots TSV (PLOT_COLUMNS; NaN where a value is missing)."""
+    row: dict = {"step": step}
+    for col, key in _SOURCES.items():
+        value = logs.get(key)
+        row[col] = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan")
+    return row
+
+
+def diag_metrics(logs: dict, step: int) -> dict:
+    """A step's row as MLflow metrics `diag/<column>` (the same names live and when replayed after a resume)."""
+    return {f"diag/{k}": v for k, v in diagnostics_row(logs, step).items() if k != "step" and not math.isnan(v)}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per-run summary of the step rows: mean over steps (NaN-free) of each diagnostic, the last reward, and
+    `mechanism` = {column: {mean, ci_low, ci_high, steps}} (95 % bootstrap CI over steps,
+    `step_summary`) for the zero-variance share, the advantage spread, the gap and the reward, and the
+    largest sampler/trainer log-prob gap of the run (`max_logp_diff_max`)."""
+    out: dict = {"steps": len(rows)}
+    for col in PLOT_COLUMNS[1:]:
+        vals = [r[col] for r in rows if col in r and not math.isnan(r[col])]
+        out[f"mean_{col}"] = sum(vals) / len(vals) if vals else None
+    rewards = _finite([r.get("reward", float("nan")) for r in rows])  # steps that generated
+    out["last_reward"] = rewards[-1] if rewards else None
+    for col in ("rollouts_generated", "rollouts_trained", "groups_dropped", "useful_groups", "step_skipped"):
+        vals = [r[col] for r in rows if not math.isnan(r.get(col, float("nan")))]
+        out[f"total_{col}"] = sum(vals) if vals else None
+    gen, useful = out["total_rollouts_generated"], out["total_useful_groups"]
+    out["rollouts_per_useful_group"] = gen / useful if gen is not None and useful else None
+    worst = [r["logp_diff_max"] for r in rows if not math.isnan(r.get("logp_diff_max", float("nan")))]
+    out["max_logp_diff_max"] = max(worst) if worst else None
+    out["price"] = step_summary(rows, PRICE_COLUMNS)
+    out["mechanism"] = step_summary(rows)
+    return out
+
+
+class DiagnosticsMixin:
+    """Every step's row -> `tsv` (rows of later steps, redone after a resume, replace the old ones)."""
+
+    def __init__(self, tsv: Path):
+        self.tsv = tsv
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs or STEP_MARKER not in logs:
+            return
+        row = diagnostics_row(logs, state.global_step)
+        kept = [r for r in read_tsv(self.tsv) if r["step"] < state.global_step]
+        write_tsv(self.tsv, kept + [row], PLOT_COLUMNS)
 
 
 def _finite(values: Sequence[float]) -> list[float]:

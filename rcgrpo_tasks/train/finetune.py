@@ -39,6 +39,7 @@ from rcgrpo_tasks.train.adapters import (
     expose_head_bias,
     scale_row_updates,
     small_adapter_saves,
+    token_indices,
     token_lr_groups,
     trainable_token_params,
 )
@@ -272,16 +273,9 @@ def lora_config(cfg: SftConfig, model, token_ids: list[int]):
     """
     from peft import LoraConfig
 
-    tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
-    if tied:
-        indices: list[int] | dict[str, list[int]] = list(token_ids)
-    else:
-        names = {id(m): n for n, m in model.named_modules()}
-        indices = {names[id(model.get_input_embeddings())].split(".")[-1]: list(token_ids),
-                   names[id(model.get_output_embeddings())].split(".")[-1]: list(token_ids)}
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=runs.lora_targets(cfg.lora_target_modules), trainable_token_indices=indices,
-                      task_type="CAUSAL_LM")
+                      target_modules=runs.lora_targets(cfg.lora_target_modules),
+                      trainable_token_indices=token_indices(model, token_ids), task_type="CAUSAL_LM")
 
 
 def trainer_args(cfg: SftConfig, ckpt_dir: Path, bf16: bool, device=None):

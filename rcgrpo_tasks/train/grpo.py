@@ -1,13 +1,17 @@
-"""GRPO / RC-GRPO settings and the rollout function TRL calls: multi-turn BFCL episodes on the project engine.
+"""GRPO / RC-GRPO settings and the rollout function TRL calls: BFCL episodes (either task) on the project engine.
 
 - `RLConfig` (params.yaml `rl`) and `check_world` (groups must not straddle processes).
 - `train_entries`: the train-split entries a run samples from (`env.entries`, the one reader of the split).
-- `EngineRollout`: TRL's `rollout_func`. Per call it draws the rollouts' reward tokens (`advantages`),
-  runs one engine group (`engine.rollout.run_group`) per entry on the current policy, records the rollout
+- `check_reward`: `rl.reward` must be defined for the entries under `prompt.protocol`.
+- `EngineRollout`: TRL's `rollout_func`. Per call it draws the rollouts' reward tokens and sampling seeds
+  per group (`advantages`), decodes every group of the call in ONE engine session on the current policy
+  (`engine.rollout.run_seeded_groups`: the same rollouts as one `run_group` per group), records the rollout
   diagnostics and the step's price (rollouts generated and trained on, groups dropped, tokens per useful
   group) on the trainer and hands TRL prompt ids (system + first user message, with the rollout's own
-  reward token), completion ids (everything after: model and environment tokens), `env_mask`
-  (environment tokens carry no loss), the sampling log-probs and every reward (`env.scoring.REWARDS`).
+  reward token), completion ids (everything after: model and environment tokens, ending at the model's
+  end-of-turn where it ended the episode itself), `env_mask` (environment tokens carry no loss), the
+  sampling log-probs (the trainer measures and corrects the mismatch: `offpolicy`) and every reward
+  (`env.scoring.REWARDS`).
 - Dynamic sampling (algo `dynamic`, DAPO's): a group without reward spread is dropped and its slot refilled
   by a group of another train entry, for at most `dynamic_max_rounds` generation rounds; groups still
   without spread are not trained on (their `env_mask` is all 0: no loss, no KL term), and a step with none
@@ -15,14 +19,13 @@
   keeps its size (TRL's layout), so an unfilled slot is masked rather than removed, and TRL's `grpo` loss
   still averages over every sequence of the batch, masked ones counting as 0.
 - The policy it samples from: a merged low-precision copy on the policy's own device, refreshed every
-  generation (`policy_snapshot`, `rollout_dtype`), or the live model; with vLLM, TRL's engine
-  (`trl_vllm_backend`).
+  generation, or the live model; with vLLM, TRL's engine (`rollout_policy`).
 The trainer itself (`RCGRPOTrainer`, `build_trainer`) is in `grpo_trainer.py`.
 """
 
 from __future__ import annotations
 
-import copy
+import functools
 import hashlib
 import json
 import random
@@ -33,16 +36,17 @@ from pathlib import Path
 from typing import Literal
 
 from rcgrpo_tasks.engine import rollout as engine_rollout
+from rcgrpo_tasks.engine.backend import stop_token_ids
 from rcgrpo_tasks.engine.decoding import DecodeConfig
-from rcgrpo_tasks.engine.hf import HFBackend, use_cpu_attention
-from rcgrpo_tasks.engine.models import bf16_supported
-from rcgrpo_tasks.engine.vllm import VLLMBackend, VLLMServerBackend
+from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.env.entries import split_entries
-from rcgrpo_tasks.env.protocols import ProtocolConfig, initial_messages
+from rcgrpo_tasks.env.protocols import ProtocolConfig
 from rcgrpo_tasks.env.scoring import REWARDS, Reward, reward_value
+from rcgrpo_tasks.env.tasks import task_of
 from rcgrpo_tasks.ops.config import ConfigError, flat_field
 from rcgrpo_tasks.train import advantages as adv
 from rcgrpo_tasks.train import processes, runs
+from rcgrpo_tasks.train.rollout_policy import policy_snapshot, rollout_dtype, trl_vllm_backend
 
 DECODE_KEYS = ("temperature", "top_p", "max_outputs", "max_new_tokens")
 
@@ -66,7 +70,22 @@ class RLConfig:
     epsilon: float = 0.2
     """PPO clip range. Paper: 0.2."""
     num_iterations: int = 1
-    """PPO epochs per generation batch (mu); with 1 the ratio is 1 and nothing is clipped."""
+    """PPO epochs per generation batch (TRL's num_iterations, mu). With 1 (and one minibatch) every update is
+    on the batch's own policy: the ratio is 1 and the clip never acts. From 2 on, the later passes train the
+    moved policy on the same rollouts and the clip bounds them."""
+    minibatches: int = 1
+    """Optimizer steps per generation batch, each on its own share (PPO minibatches): one generation of
+    minibatches x batch_size rollouts serves that many steps, the later ones off-policy (the clip acts).
+    TRL's steps_per_generation = minibatches x gradient accumulation."""
+    importance_sampling: Literal["auto", "on", "off"] = "auto"
+    """Token-level truncated importance sampling of the sampler/trainer mismatch, TRL's
+    `vllm_importance_sampling_correction` with mode `token_truncate`, for engine rollouts as for vLLM ones:
+    each token's policy loss weighted by min(pi_trainer / pi_sampler, cap), the trainer's log-probs taken
+    once per generation batch. `auto`: on where the sampler's numerics differ from the trainer's (vLLM, the
+    rollout snapshot, bf16 autocast in the trainer only: `rollout_policy.sampler_differs`). The mismatch is
+    logged either way."""
+    importance_sampling_cap: float = 3.0
+    """Upper bound C of the importance weights (TRL's `vllm_importance_sampling_clip_max`, default 3.0)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """TRL advantage scaling: `group` = GRPO's (r - mean) / std over the group."""
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
@@ -85,8 +104,8 @@ class RLConfig:
     """How rollouts sample (`engine.decoding`; flat keys: temperature, top_p, max_outputs, max_new_tokens).
     TRL rescales its log-probs with the same temperature. The engine is the trainer's own policy
     (`rollout_dtype`, `use_vllm`), so backend, dtype and batch_rows do not apply."""
-    categories: tuple[str, ...] = ("base", "miss_func", "miss_param", "long_context")
-    """Train-split categories to sample entries from."""
+    categories: tuple[str, ...] | None = None
+    """Train-split categories to sample entries from; null = every category of the prepared entries."""
     max_entries: int | None = None
     """Use only this many train entries (the shortest prompts first); null = all."""
     full_finetune: bool = False
@@ -139,20 +158,28 @@ class RLConfig:
         if not 1 <= self.dynamic_max_rounds <= 16:
             raise ValueError(f"dynamic_max_rounds must be in [1, 16] (each round is a full generation), got "
                              f"{self.dynamic_max_rounds}")
-        for name in ("max_steps", "save_steps", "num_iterations", "lora_r"):
+        for name in ("max_steps", "save_steps", "num_iterations", "minibatches", "lora_r"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.learning_rate <= 0 or self.beta < 0 or not 0 < self.epsilon < 1:
             raise ValueError("need learning_rate > 0, beta >= 0 and 0 < epsilon < 1")
         if self.decode.temperature <= 0:
             raise ValueError("need temperature > 0 (rollouts are sampled)")
-        if self.max_entries is not None and self.max_entries * g < self.batch_size:
-            raise ValueError(f"max_entries ({self.max_entries}) x G < batch_size: a step needs "
-                             f"{self.batch_size // g} distinct entries")
+        if not self.importance_sampling_cap >= 1.0:
+            raise ValueError(f"importance_sampling_cap must be >= 1 (a cap below 1 down-weights every token), "
+                             f"got {self.importance_sampling_cap}")
+        if self.max_entries is not None and self.max_entries < self.entries_per_generation:
+            raise ValueError(f"max_entries ({self.max_entries}) x G < batch_size x minibatches: a generation "
+                             f"needs {self.entries_per_generation} distinct entries")
 
     @property
     def entries_per_step(self) -> int:
         return self.batch_size // self.num_generations
+
+    @property
+    def entries_per_generation(self) -> int:
+        """Distinct entries one generation batch draws (every minibatch's)."""
+        return self.entries_per_step * self.minibatches
 
 
 def check_world(cfg: RLConfig, world_size: int) -> int:
@@ -167,87 +194,48 @@ def check_world(cfg: RLConfig, world_size: int) -> int:
 def train_entries(entries_path: Path, split_path: Path, cfg: RLConfig, protocol: ProtocolConfig,
                   tokenizer=None) -> list:
     """Train-split entries of `cfg.categories` (with `max_entries`: those with the shortest prompts, counted
-    in `tokenizer` tokens, else characters); too few for one step is a ConfigError."""
+    in `tokenizer` tokens, else characters); too few for one generation batch is a ConfigError."""
     entries = split_entries(entries_path, split_path, "train", cfg.categories)
     if cfg.max_entries is not None:
-        entries.sort(key=lambda e: (_prompt_length(e, protocol, tokenizer), e.id))
+        entries.sort(key=lambda e: (prompt_length(e, protocol, tokenizer), e.id))
         entries = entries[: cfg.max_entries]
-    if len(entries) < cfg.entries_per_step:
+    if len(entries) < cfg.entries_per_generation:
         raise ConfigError(f"{split_path}: {len(entries)} train entries in {cfg.categories}, need at least "
-                          f"{cfg.entries_per_step} per step")
+                          f"{cfg.entries_per_generation} per generation batch")
     return entries
 
 
-def _prompt_length(entry, protocol: ProtocolConfig, tokenizer) -> int:
-    text = "".join(m["content"] for m in initial_messages(entry, protocol))
+def check_deepspeed(cfg: RLConfig, mode: str) -> None:
+    """LoRA with trainable reward-token rows (`rc` / `fixed` conditioning) is refused under ZeRO-3: PEFT
+    gathers partitioned trainable-token rows on CUDA only, and this path is not tested here. Full fine-tuning
+    (the paper's ZeRO-3 setup) trains the rows as part of the embedding. ConfigError naming the fields."""
+    if cfg.deepspeed is None or cfg.full_finetune or mode == "none":
+        return
+    try:
+        stage = (json.loads(Path(cfg.deepspeed).read_text()).get("zero_optimization") or {}).get("stage", 0)
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"rl.deepspeed: {cfg.deepspeed}: not a readable DeepSpeed JSON ({exc})") from exc
+    if stage == 3:
+        raise ConfigError(f"rl.deepspeed: {cfg.deepspeed} is ZeRO-3 and rl.full_finetune is false: the LoRA's "
+                          f"reward-token rows (conditioning {mode!r}) cannot be trained on partitioned embeddings "
+                          "here; use rl.full_finetune: true, or a ZeRO-2 config")
+
+
+def check_reward(cfg: RLConfig, protocol: ProtocolConfig, entries) -> None:
+    """`rl.reward` must be defined for the entries under `prompt.protocol` (`Task.reward_defined`): the
+    multi-turn task's paper protocol merges every turn into one episode, where the official verdict and the
+    per-turn credit are always 0, so RL would silently be a KL-only no-op. ConfigError naming both fields."""
+    for task in {task_of(e) for e in entries}:
+        if not task.reward_defined(cfg.reward, protocol.protocol):
+            raise ConfigError(f"rl.reward: {cfg.reward} is not defined for {task.name} entries under "
+                              f"prompt.protocol: {protocol.protocol} (every reward would be 0: RL a KL-only "
+                              f"no-op); use rl.reward: paper_reward, or prompt.protocol: official")
+
+
+def prompt_length(entry, protocol: ProtocolConfig, tokenizer=None) -> int:
+    """Length of an entry's initial messages: `tokenizer` tokens, else characters."""
+    text = "".join(m["content"] for m in task_of(entry).initial_messages(entry, protocol))
     return len(tokenizer(text)["input_ids"]) if tokenizer is not None else len(text)
-
-
-# ---------------------------------------------------------------- the policy rollouts sample from
-
-
-def rollout_dtype(setting: str, device_type: str):
-    """torch dtype of the rollout snapshot, or None to sample from the live training model."""
-    import torch
-
-    if setting == "auto":
-        return torch.bfloat16 if device_type == "cpu" and bf16_supported() else None
-    return None if setting == "live" else getattr(torch, setting)
-
-
-def policy_snapshot(model, dtype, snapshot=None):
-    """The current policy as a plain model in `dtype`: base weights + LoRA deltas merged (or all weights).
-
-    Why: CPU decoding is memory-bound; sampling from the PEFT model reads the fp32 base and runs every LoRA
-    matmul per token (bench/rl_snapshot.py compares the two; docs/rl.md has the measurement). The copy is
-    allocated once, on the policy's own device (CPU or GPU: a CPU copy of a GPU policy would decode on
-    the CPU), and refreshed in place before each rollout phase (only LoRA layers change; `get_delta_weight`
-    leaves the frozen base, i.e. the KL reference, untouched); on the CPU it decodes with the engine's CPU
-    attention. Same policy up to bf16 rounding, as vLLM on GPU.
-    """
-    import torch
-    from peft.tuners.lora import LoraLayer
-    from transformers import AutoModelForCausalLM
-
-    peft = hasattr(model, "get_base_model")
-    base = model.get_base_model() if peft else model
-    fresh = snapshot is None
-    if fresh:
-        with torch.device(next(base.parameters()).device):  # built there: buffers (rotary) included
-            snapshot = AutoModelForCausalLM.from_config(copy.deepcopy(base.config), dtype=dtype)
-        snapshot.eval().requires_grad_(False)
-        use_cpu_attention(snapshot)  # CPU only: a sampling-only copy gets the engine's faster decode attention
-    with torch.no_grad():
-        for name, param in snapshot.named_parameters():
-            module_name, _, leaf = name.rpartition(".")
-            module = base.get_submodule(module_name)
-            if isinstance(module, LoraLayer) and leaf == "weight":
-                adapter = module.active_adapters[0]
-                param.copy_(module.base_layer.weight + module.get_delta_weight(adapter))
-            elif fresh or not peft:  # frozen under LoRA: copied once
-                param.copy_(base.get_parameter(name) if not isinstance(module, LoraLayer)
-                            else getattr(module.base_layer, leaf))
-    return snapshot
-
-
-def trl_vllm_backend(trainer, tokenizer):
-    """GPU path (not run on CPU): the rollout engine's vLLM backend over the vLLM engine TRL manages.
-
-    TRL pushes the policy's weights into its vLLM before each `rollout_func` call (`sync_weights`), so the
-    engine samples from the current policy. `colocate`: TRL's in-process `vllm.LLM` (prefix caching,
-    token-id prompts, sampled log-probs). `server` (`trl vllm-serve`): only the main process holds TRL's
-    weight-sync client; every process sends its own completions to the server through a plain `VLLMClient`
-    (no communicator).
-    """
-    gen = trainer.vllm_generation
-    if gen.mode == "colocate":
-        return VLLMBackend.from_llm(gen.llm, tokenizer, model="<trl colocate>")
-    from trl.generation.vllm_client import VLLMClient
-
-    args = trainer.args
-    client = VLLMClient(base_url=args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}")
-    return VLLMServerBackend(client, tokenizer, max_positions=args.vllm_max_model_length or 8192,
-                             model="<trl server>")
 
 
 # ---------------------------------------------------------------- TRL's rollout function
@@ -263,7 +251,8 @@ def _env_errors(messages) -> int:
 
 
 class EngineRollout:
-    """TRL `rollout_func`: one engine group per run of identical entry ids in the (per-process) batch.
+    """TRL `rollout_func`: one group per run of identical entry ids in the (per-process) batch, all groups of a
+    call (and of each refill round) decoded in one engine session (`groups`).
 
     `levels`: the reward tokens (label_rewards.tokens, lowest first); `protocol`: the episode settings
     (params `prompt` with `max_outputs`); `dynamic`: drop and refill groups without reward spread (module
@@ -285,6 +274,11 @@ class EngineRollout:
         self.snapshot = None  # CPU: merged low-precision copy of the policy that the engine samples from
         self.generated_tokens = 0  # model tokens of every rollout this process generated in the latest call
 
+    @functools.cached_property
+    def end_ids(self) -> set[int]:
+        """The engine's end-of-turn ids (EOS and the chat template's turn end)."""
+        return stop_token_ids(self.tokenizer)
+
     def backend(self, trainer):
         """The engine backend over the current policy: TRL's vLLM, the refreshed snapshot, or the live model."""
         if trainer.use_vllm:
@@ -296,19 +290,25 @@ class EngineRollout:
             model = self.snapshot
         return HFBackend.from_model(model, self.tokenizer)
 
-    def groups(self, backend, entry_ids: list[str], step: int, slots: list[int], call: int) -> list[list]:
-        """One engine group of G rollouts per entry id; `slots`: each group's index in the step's whole batch.
-        Reward tokens and sampling are seeded by (run seed, step, slot, call): a resumed run, or a run on
-        another number of processes, regenerates the same groups."""
+    def group_specs(self, entry_ids: list[str], step: int, slots: list[int], call: int) -> list[tuple]:
+        """(entry, reward tokens, sampling) of one group of G rollouts per entry id; `slots`: each group's index
+        in the step's whole batch. Tokens and sampling seed are drawn from (run seed, step, slot, call): a
+        resumed run, or a run on another number of processes, regenerates the same groups."""
         g = self.cfg.num_generations
-        out = []
+        specs = []
         for eid, slot in zip(entry_ids, slots):
             tokens = adv.sample_reward_tokens(g, self.mode, self.cfg.p_high,
                                               adv.token_seed(self.cfg.seed, step, slot, call=2 * call),
                                               levels=self.levels, draw=self.cfg.token_draw, g=g)
             sampling = self.cfg.decode.sampling(adv.token_seed(self.cfg.seed, step, slot, call=2 * call + 1))
-            out.append(engine_rollout.run_group(backend, self.entries[eid], n=g, protocol_cfg=self.protocol,
-                                                sampling=sampling, reward_tokens=tokens))
+            specs.append((self.entries[eid], tokens, sampling))
+        return specs
+
+    def groups(self, backend, entry_ids: list[str], step: int, slots: list[int], call: int) -> list[list]:
+        """The `group_specs` groups, every one decoded in ONE engine session (`engine.rollout.run_seeded_groups`):
+        the backend batches all their rows and prefills each distinct prompt prefix once, and every group
+        keeps the seeds it would have alone (the same rollouts as one `run_group` per group)."""
+        out = engine_rollout.run_seeded_groups(backend, self.group_specs(entry_ids, step, slots, call), self.protocol)
         self.generated_tokens += sum(t.n_model_tokens for grp in out for t in grp)
         return out
 
@@ -406,14 +406,17 @@ class EngineRollout:
 
     def to_trl(self, trajs, trained: list[bool] | None = None) -> dict:
         """TRL's rollout fields, plus `r_<reward>` for every reward (TRL passes them to the reward functions).
-        A rollout not `trained` on gets an all-zero `env_mask`: no token of it enters the loss."""
+        A rollout not `trained` on gets an all-zero `env_mask`: no token of it enters the loss. A rollout the
+        model ended itself ends at its end-of-turn token (`advantages.end_at_stop`; `end_ids` are added to
+        TRL's EOS ids), so TRL's `clipped_ratio` counts the rollouts cut by a budget."""
         keys = ("prompt_ids", "completion_ids", "logprobs", "env_mask", "reward_token", "entry_id")
         out: dict[str, list] = {k: [] for k in keys + tuple(f"r_{name}" for name in REWARDS)}
-        eos = self.tokenizer.eos_token_id
         for i, t in enumerate(trajs):
             p, c, m, lp = adv.trajectory_fields(t.token_ids, t.prompt_len, t.completion_mask, t.logprobs)
-            if not c:  # nothing generated (e.g. context limit at once): one masked token keeps TRL's shapes
-                c, m, lp = [eos], [0], [0.0]
+            if t.termination in adv.FINISHED:
+                c, m, lp = adv.end_at_stop(c, m, lp, self.end_ids)
+            if not c:  # nothing generated (context limit at once): one masked token keeps TRL's shapes; not an
+                c, m, lp = [p[-1]], [0], [0.0]  # end-of-turn id, so TRL counts the rollout as truncated
             if trained is not None and not trained[i]:
                 m = [0] * len(c)
             out["prompt_ids"].append(p)

@@ -3,15 +3,21 @@
 - Init and reference: `load_init_model` merges the SFT/RCTP adapter into the base weights and TRL gets a
   fresh LoRA on top, so TRL's reference (adapter disabled) is exactly the init model: the KL term anchors
   to the SFT/RCTP model, as in the paper. Full fine-tuning: the merged init is saved and reloaded so that
-  TRL's reference model (built from the model's path) is the init too (`_init_on_disk`).
+  TRL's reference model (built from the model's path) is the init too (`_init_on_disk`). Under LoRA the
+  reward tokens' embedding rows (input and output) train too, as in RCTP (PEFT trainable tokens), unless
+  the run conditions on no token.
 - `RCGRPOTrainer`: TRL does not expose the advantages it used, nor a public way for a rollout function to
   add per-step metrics; the subclass wraps `_generate_and_score_completions` to read the advantages
-  (mean |A|, cross-checked against `advantages.group_advantages` in the tests), adds `record_metric`, and
-  on CPU projects only completion positions through the LM head. Training, loss, KL and clipping are TRL's.
+  (mean |A|, cross-checked against `advantages.group_advantages` in the tests), measures and corrects the
+  sampler/trainer mismatch (`offpolicy`), adds `record_metric`, skips a step with nothing to train on
+  before its backward (so no optimizer, DeepSpeed's included, moves a weight), and on CPU projects only
+  completion positions through the LM head. Training, loss, KL and clipping are TRL's.
+- Updates per generation batch: `num_iterations` (PPO epochs) and `minibatches` (TRL's
+  `steps_per_generation` = minibatches x gradient accumulation).
 - Rewards: one TRL reward function per `env.scoring.REWARDS`; one-hot `reward_weights` pick `cfg.reward`.
-- Diagnostics: every step's row (PLOT_COLUMNS) goes to a resumable TSV in the checkpoint folder
-  (`DiagnosticsMixin`) and, as `diag/<column>`, to MLflow; `summarize` adds the mechanism's averages with
-  bootstrap CIs over steps (`train.diagnostics`).
+  The engine's end-of-turn ids are TRL's EOS ids too (`completions/clipped_ratio` counts budget cuts).
+- Diagnostics: every step's row (`diagnostics.PLOT_COLUMNS`) goes to a resumable TSV in the checkpoint
+  folder and, as `diag/<column>`, to MLflow (`train.diagnostics`).
 - Placement: `grpo_args` / `build_trainer` take the resolved device (`runs.train_device`) and a fitted
   micro-batch (`runs.fit_micro_batch`); the checkpoint fingerprint keeps the requested one.
 """
@@ -19,50 +25,31 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rcgrpo_tasks.engine.models import check_adapter_dir, check_model_dir, load_trained
-from rcgrpo_tasks.env.entries import read_split
+from rcgrpo_tasks.env.entries import read_split, split_entries
 from rcgrpo_tasks.env.protocols import ProtocolConfig
 from rcgrpo_tasks.env.scoring import REWARDS
 from rcgrpo_tasks.ops.config import ConfigError, as_dict
 from rcgrpo_tasks.ops.io import InputError, atomic_dir, read_jsonl, write_json
 from rcgrpo_tasks.train import advantages as adv
 from rcgrpo_tasks.train import processes, runs
-from rcgrpo_tasks.train.diagnostics import step_summary
-from rcgrpo_tasks.train.grpo import EngineRollout, RLConfig, check_world, train_entries
+from rcgrpo_tasks.train.adapters import expose_head_bias, token_indices
+from rcgrpo_tasks.train.diagnostics import STEP_MARKER, DiagnosticsMixin, diag_metrics
+from rcgrpo_tasks.train.grpo import EngineRollout, RLConfig, check_deepspeed, check_reward, check_world, train_entries
+from rcgrpo_tasks.train.offpolicy import OffPolicyMixin, loss_mask
+from rcgrpo_tasks.train.rollout_policy import rollout_dtype, sampler_differs
 
 DIAGNOSTICS_FILE = "diagnostics.tsv"
 ROLLOUTS_FILE = "rollouts.jsonl"
 """Every rollout of the run, one JSON line each (`grpo.rollout_record` + its advantage), in the checkpoint
 folder: which entries, tokens, rewards and advantages each step trained on, whatever the process count."""
 MODEL_META_FILE = "rcgrpo_model.json"
-PLOT_COLUMNS = (
-    "step", "reward", "reward_high", "reward_low", "reward_none", "controllability_gap", "frac_zero_std",
-    "adv_abs_mean", "adv_std", "kl", "clip_ratio", "loss", "reward_paper", "reward_official", "reward_partial",
-    "model_tokens", "n_calls", "n_steps", "env_errors", "rollout_tokens_per_s", "rollout_s", "step_time",
-    "rollouts_generated", "rollouts_trained", "groups_dropped", "useful_groups", "gen_rounds",
-    "gen_tokens_per_useful_group", "frac_zero_std_generated", "step_skipped",
-)
-PRICE_COLUMNS = ("frac_zero_std_generated", "rollouts_generated", "useful_groups", "gen_tokens_per_useful_group")
-"""Per-step columns of what the learning signal cost (summarized with CIs over steps, as the mechanism)."""
-_SOURCES = {  # plot column -> key of TRL's averaged step logs
-    "reward": "rc/reward", "reward_high": "rc/reward_high", "reward_low": "rc/reward_low",
-    "reward_none": "rc/reward_none", "controllability_gap": "rc/controllability_gap",
-    "frac_zero_std": "rc/frac_zero_std", "adv_abs_mean": "rc/adv_abs_mean", "adv_std": "rc/adv_std", "kl": "kl",
-    "clip_ratio": "clip_ratio/region_mean", "loss": "loss", "reward_paper": "rewards/paper_reward/mean",
-    "reward_official": "rewards/official_verdict/mean", "reward_partial": "rewards/partial_credit/mean",
-    "model_tokens": "rc/model_tokens", "n_calls": "rc/n_calls", "n_steps": "rc/n_steps",
-    "env_errors": "rc/env_errors", "rollout_tokens_per_s": "rc/rollout_tokens_per_s",
-    "rollout_s": "rc/rollout_s", "step_time": "step_time",
-    **{c: f"rc/{c}" for c in ("rollouts_generated", "rollouts_trained", "groups_dropped", "useful_groups",
-                              "gen_rounds", "gen_tokens_per_useful_group", "frac_zero_std_generated",
-                              "step_skipped")},
-}
 
 
 @dataclass(frozen=True)
@@ -165,9 +152,18 @@ class EpochSeededSamplerMixin:
             self.generator.manual_seed((self.seed or 0) * 1_000_003 + epoch)
 
 
-class RCGRPOTrainerMixin:
-    """GRPOTrainer + per-step metrics from the rollout function + the advantages it used (read-only), and
-    a prompt order that a resumed run reproduces (`EpochSeededSamplerMixin`)."""
+class PreparedInputs:
+    """A micro-batch `RCGRPOTrainerMixin.training_step` already took from TRL's buffer (`_prepare_inputs`
+    hands it through unchanged)."""
+
+    def __init__(self, inputs: dict):
+        self.inputs = inputs
+
+
+class RCGRPOTrainerMixin(OffPolicyMixin):
+    """GRPOTrainer + per-step metrics from the rollout function + the advantages it used (read-only), the
+    sampler/trainer mismatch and its correction (`OffPolicyMixin`), steps with nothing to train on skipped,
+    and a prompt order that a resumed run reproduces (`EpochSeededSamplerMixin`)."""
 
     last_advantages: list[float] = []
 
@@ -180,25 +176,41 @@ class RCGRPOTrainerMixin:
         mode = "train" if self.model.training else "eval"
         self._metrics[mode][name].append(float(value))
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
-        self._rc_any_trained = getattr(self, "_rc_any_trained", False) or bool(mask.any())
-        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+    def _prepare_inputs(self, generation_batch):
+        if isinstance(generation_batch, PreparedInputs):
+            return generation_batch.inputs
+        return super()._prepare_inputs(generation_batch)
+
+    def _step_trains(self) -> bool:
+        """Whether any micro-batch of the optimizer step starting now has a token with loss (TRL's buffer:
+        slice `_step % steps_per_generation` per micro-batch)."""
+        per_gen, accum = self.args.steps_per_generation, self.current_gradient_accumulation_steps
+        slices = [self._buffered_inputs[(self._step + j) % per_gen] for j in range(accum)]
+        return any(bool(loss_mask(b).any()) for b in slices)
 
     def training_step(self, model, inputs, num_items_in_batch):
         # A step whose every rollout is masked (dynamic sampling found no group with reward spread) must make
-        # no update at all: a zero gradient would still move the weights through Adam's moments, so the
-        # gradients are dropped (None: the optimizer skips those weights) after the step's last micro-batch.
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        # Across processes the decision is shared: a process without a kept group still trains (its zero
-        # gradient is averaged in) while any other process has one.
-        if self._step % self.current_gradient_accumulation_steps == 0:
-            trained = processes.any_process(self._rc_any_trained)
-            if not trained:
-                model.zero_grad(set_to_none=True)
-            self.record_metric("rc/step_skipped", 0.0 if trained else 1.0)
-            self._rc_any_trained = False
-        return loss
+        # no update at all: a zero gradient would still move the weights through Adam's moments. The step is
+        # decided at its first micro-batch, once its generation batch exists, and then runs no forward and no
+        # backward: no gradient exists, so the optimizer skips every weight, and under DeepSpeed (which steps
+        # inside `backward`) the engine never steps. One decision for every process (a collective).
+        import torch
+
+        model.train()  # as the Trainer's own step does first: TRL buffers generations in train mode only
+        t0 = time.perf_counter()
+        prepared = PreparedInputs(self._prepare_inputs(inputs))  # TRL generates here when a batch is due
+        self._current_train_step_time += time.perf_counter() - t0  # TRL's step_time includes generation
+        accum = self.current_gradient_accumulation_steps
+        if self._step % accum == 0:
+            self._rc_skip = not processes.any_process(self._step_trains())
+            self.record_metric("rc/step_skipped", float(self._rc_skip))
+        if not self._rc_skip:
+            return super().training_step(model, prepared, num_items_in_batch)
+        self._step += 1  # TRL's bookkeeping of a step: its micro-step counter schedules the next generation
+        if self._step % accum == 0:
+            self._metrics["train"]["step_time"].append(self._current_train_step_time)
+            self._current_train_step_time = 0.0
+        return torch.zeros((), device=self.args.device)
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -207,6 +219,7 @@ class RCGRPOTrainerMixin:
         self.last_advantages = a
         self.record_metric("rc/adv_abs_mean", adv.advantage_spread(a))
         self.record_metric("rc/adv_std", adv.advantage_std(a))
+        self._rc_offpolicy(output)
         records = getattr(self.rollout_func, "records", None)
         if self.accelerator.is_main_process and records and len(records) == len(a):
             self._log_rollouts([{**r, "advantage": x} for r, x in zip(records, a)])
@@ -274,81 +287,58 @@ def reward_funcs() -> list:
     return [_reward_func(name) for name in REWARDS]
 
 
+def correct_mismatch(cfg: RLConfig, device_type: str, autocast: bool) -> bool:
+    """`rl.importance_sampling` resolved for a run on `device_type` with trainer bf16 `autocast`: `on`, `off`,
+    or (`auto`) where the rollouts' numerics differ from the trainer's (`rollout_policy.sampler_differs`)."""
+    if cfg.importance_sampling != "auto":
+        return cfg.importance_sampling == "on"
+    return sampler_differs(cfg.use_vllm, rollout_dtype(cfg.rollout_dtype, device_type), autocast)
+
+
 def grpo_args(cfg: RLConfig, ckpt_dir: Path, grad_accum: int, device=None):
     """TRL `GRPOConfig` of a run: checkpoints under `ckpt_dir`, no reporting (MLflow goes through callbacks),
-    on `device` (`runs.train_device`; None = CUDA when available)."""
+    on `device` (`runs.train_device`; None = CUDA when available). `minibatches` optimizer steps per
+    generation batch; TRL's importance sampling (its vLLM path) as `correct_mismatch` says, token-truncated
+    at `importance_sampling_cap` (the engine path reads the same fields: `build_trainer`)."""
+    import torch
     from trl import GRPOConfig
 
+    bf16 = runs.resolve_bf16(cfg.bf16, device)
+    device_type = device.type if device is not None else "cuda" if torch.cuda.is_available() else "cpu"
     weights = [1.0 if name == cfg.reward else 0.0 for name in REWARDS]
     kwargs = dict(
         output_dir=str(ckpt_dir), per_device_train_batch_size=cfg.micro_batch_size,
         gradient_accumulation_steps=grad_accum, num_generations=cfg.num_generations, max_steps=cfg.max_steps,
         learning_rate=cfg.learning_rate, lr_scheduler_type=cfg.lr_scheduler, warmup_steps=0, beta=cfg.beta,
-        epsilon=cfg.epsilon, num_iterations=cfg.num_iterations, scale_rewards=cfg.scale_rewards,
-        loss_type=cfg.loss_type, reward_weights=weights, temperature=cfg.decode.temperature, top_p=cfg.decode.top_p,
+        epsilon=cfg.epsilon, num_iterations=cfg.num_iterations, steps_per_generation=cfg.minibatches * grad_accum,
+        scale_rewards=cfg.scale_rewards, loss_type=cfg.loss_type, reward_weights=weights,
+        temperature=cfg.decode.temperature, top_p=cfg.decode.top_p,
         max_completion_length=cfg.decode.max_new_tokens * cfg.decode.max_outputs, disable_dropout=True,
         gradient_checkpointing=cfg.gradient_checkpointing, logging_steps=1, save_strategy="steps",
         save_steps=cfg.save_steps, save_total_limit=cfg.save_total_limit, report_to=[], seed=cfg.seed,
         data_seed=cfg.seed, remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True,
-        bf16=runs.resolve_bf16(cfg.bf16, device), use_cpu=runs.use_cpu(device), deepspeed=cfg.deepspeed,
-        use_vllm=cfg.use_vllm,
+        bf16=bf16, use_cpu=runs.use_cpu(device), deepspeed=cfg.deepspeed, use_vllm=cfg.use_vllm,
         vllm_mode=cfg.vllm_mode, vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        vllm_importance_sampling_correction=correct_mismatch(cfg, device_type, bf16),
+        vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=cfg.importance_sampling_cap,
     )
     kwargs.update(cfg.extra)
     return GRPOConfig(**kwargs)
 
 
-# ---------------------------------------------------------------- diagnostics
-
-
-def diagnostics_row(logs: dict, step: int) -> dict:
-    """TRL's averaged step logs -> one row of the plots TSV (PLOT_COLUMNS; NaN where a value is missing)."""
-    row: dict = {"step": step}
-    for col, key in _SOURCES.items():
-        value = logs.get(key)
-        row[col] = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan")
-    return row
-
-
-def diag_metrics(logs: dict, step: int) -> dict:
-    """A step's row as MLflow metrics `diag/<column>` (the same names live and when replayed after a resume)."""
-    return {f"diag/{k}": v for k, v in diagnostics_row(logs, step).items() if k != "step" and not math.isnan(v)}
-
-
-def summarize(rows: list[dict]) -> dict:
-    """Per-run summary of the step rows: mean over steps (NaN-free) of each diagnostic, the last reward, and
-    `mechanism` = {column: {mean, ci_low, ci_high, steps}} (95 % bootstrap CI over steps,
-    `diagnostics.step_summary`) for the zero-variance share, the advantage spread, the gap and the reward."""
-    out: dict = {"steps": len(rows)}
-    for col in PLOT_COLUMNS[1:]:
-        vals = [r[col] for r in rows if col in r and not math.isnan(r[col])]
-        out[f"mean_{col}"] = sum(vals) / len(vals) if vals else None
-    out["last_reward"] = rows[-1]["reward"] if rows and not math.isnan(rows[-1]["reward"]) else None
-    for col in ("rollouts_generated", "rollouts_trained", "groups_dropped", "useful_groups", "step_skipped"):
-        vals = [r[col] for r in rows if not math.isnan(r.get(col, float("nan")))]
-        out[f"total_{col}"] = sum(vals) if vals else None
-    gen, useful = out["total_rollouts_generated"], out["total_useful_groups"]
-    out["rollouts_per_useful_group"] = gen / useful if gen is not None and useful else None
-    out["price"] = step_summary(rows, PRICE_COLUMNS)
-    out["mechanism"] = step_summary(rows)
-    return out
-
-
-class DiagnosticsMixin:
-    """Every step's row -> `tsv` (rows of later steps, redone after a resume, replace the old ones)."""
-
-    def __init__(self, tsv: Path):
-        self.tsv = tsv
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs or "rc/reward" not in logs:
-            return
-        row = diagnostics_row(logs, state.global_step)
-        kept = [r for r in runs.read_tsv(self.tsv) if r["step"] < state.global_step]
-        runs.write_tsv(self.tsv, kept + [row], PLOT_COLUMNS)
-
-
 # ---------------------------------------------------------------- build and save
+
+
+def rl_lora(cfg: RLConfig, model, tokenizer, levels: tuple[str, ...], mode: str):
+    """The RL LoRA on the merged init; under a reward-token conditioning (`rc`, `fixed`) with the reward
+    tokens' embedding rows trainable (PEFT trainable tokens: input and, untied, output rows), as RCTP trains
+    them, so RL can move the tokens it conditions on. The reference (adapter disabled) keeps the init rows."""
+    from peft import LoraConfig
+
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in levels] if mode != "none" else []
+    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=runs.lora_targets(cfg.lora_target_modules), task_type="CAUSAL_LM",
+                      trainable_token_indices=token_indices(model, ids) if ids else None)
 
 
 def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], spec: RLRun,
@@ -360,11 +350,12 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     (None = CUDA when available); `micro_batch`: train at this micro-batch instead of
     `cfg.micro_batch_size` (more accumulation, the same batch; the checkpoints stay the run's)."""
     from datasets import Dataset
-    from peft import LoraConfig
 
     mode = spec.mode
     fit = cfg if micro_batch is None else replace(cfg, micro_batch_size=micro_batch)
     grad_accum = check_world(fit, int(os.environ.get("WORLD_SIZE", "1")))
+    check_deepspeed(cfg, mode)
+    check_reward(cfg, protocol, split_entries(spec.entries, spec.split, "train", cfg.categories))
     model, tokenizer = load_init_model(spec.model_dir, spec.adapter_dir, cfg.dtype)
     check_reward_tokens(tokenizer, mode, levels)
     entries = train_entries(spec.entries, spec.split, cfg, protocol, tokenizer)
@@ -374,28 +365,35 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     resume = runs.resume_point(spec.checkpoints, fp, run=spec.name)
     rollout = EngineRollout(cfg, protocol, mode, levels, {e.id: e for e in entries}, tokenizer,
                             dynamic=spec.algo == "dynamic")
-    lora = None
-    if cfg.full_finetune:
-        # No PEFT: TRL builds its reference model from `config._name_or_path`, so that path must BE the init.
-        model = _init_on_disk(model, tokenizer, spec, cfg.dtype)
-    else:
-        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                          target_modules=runs.lora_targets(cfg.lora_target_modules), task_type="CAUSAL_LM")
+    # No PEFT under full fine-tuning: TRL builds its reference model from `config._name_or_path`, so that
+    # path must BE the init.
+    lora = None if cfg.full_finetune else rl_lora(cfg, model, tokenizer, levels, mode)
+    model = _init_on_disk(model, tokenizer, spec, cfg.dtype) if cfg.full_finetune else model
     diagnostics = runs.lazy_subclass(DiagnosticsMixin, "transformers.TrainerCallback")(spec.checkpoints / DIAGNOSTICS_FILE)
-    own = [runs.step_metrics("rc/reward", diag_metrics)] if track else []
+    own = [runs.step_metrics(STEP_MARKER, diag_metrics)] if track else []
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is "experimental" in TRL 1.16
     trainer = runs.lazy_subclass(RCGRPOTrainerMixin, "trl.GRPOTrainer")(
         model=model, reward_funcs=reward_funcs(), args=grpo_args(fit, spec.checkpoints, grad_accum, device),
         train_dataset=Dataset.from_list([{"prompt": e.id} for e in entries]), processing_class=tokenizer,
         peft_config=lora, rollout_func=rollout, callbacks=[diagnostics, *own, *(callbacks or [])],
     )
-    if lora is not None:
+    _finish(trainer, cfg, rollout, lora is not None)
+    return trainer, resume, rollout
+
+
+def _finish(trainer, cfg: RLConfig, rollout: EngineRollout, peft: bool) -> None:
+    """What TRL's constructor cannot be told: the engine's end-of-turn ids as EOS ids, the engine rollouts'
+    importance-sampling cap (TRL's vLLM path corrects itself), PEFT's save and LM-head settings."""
+    trainer.eos_token_ids = sorted(set(trainer.eos_token_ids) | rollout.end_ids)
+    correct = trainer.args.vllm_importance_sampling_correction and not cfg.use_vllm
+    trainer.rc_importance_cap = cfg.importance_sampling_cap if correct else None
+    if peft:
         # The RL LoRA sits on the MERGED init; pointing it at the base folder would make PEFT see the resized
         # vocabulary and store the whole embedding matrix in every checkpoint (~110 MB each, untrained).
         peft_model = trainer.accelerator.unwrap_model(trainer.model)
         peft_model.peft_config["default"].base_model_name_or_path = None
         peft_model.get_base_model().name_or_path = ""  # PEFT refills the field from here on every save
-    return trainer, resume, rollout
+        expose_head_bias(peft_model)  # TRL's fused LM head (GPU) reads lm_head.bias off the token wrapper
 
 
 def save_policy(trainer, cfg: RLConfig, spec: RLRun, folder: Path | None, provenance: dict) -> None:

@@ -9,18 +9,11 @@ from pathlib import Path
 from rcgrpo_tasks.engine.compute import ComputeConfig
 from rcgrpo_tasks.env.protocols import PromptConfig, ProtocolConfig, reward_tokens
 from rcgrpo_tasks.ops import tracking
-from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config, read_params
+from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config, read_sections
 from rcgrpo_tasks.train import processes, runs
+from rcgrpo_tasks.train.diagnostics import PLOT_COLUMNS, summarize
 from rcgrpo_tasks.train.grpo import RLConfig
-from rcgrpo_tasks.train.grpo_trainer import (
-    DIAGNOSTICS_FILE,
-    MODEL_META_FILE,
-    PLOT_COLUMNS,
-    RLRun,
-    build_trainer,
-    save_policy,
-    summarize,
-)
+from rcgrpo_tasks.train.grpo_trainer import DIAGNOSTICS_FILE, MODEL_META_FILE, RLRun, build_trainer, save_policy
 
 
 def load_rl_config(params: str | Path) -> tuple[RLConfig, ProtocolConfig, tuple[str, ...]]:
@@ -28,7 +21,7 @@ def load_rl_config(params: str | Path) -> tuple[RLConfig, ProtocolConfig, tuple[
     cfg = load_config(RLConfig, params, "rl")
     protocol = load_config(PromptConfig, params, "prompt").protocol_config(cfg.decode.max_outputs)
     try:
-        levels = reward_tokens(read_params(params))
+        levels = reward_tokens(read_sections(params, "label_rewards"))
     except ValueError as exc:
         raise ConfigError(f"{params}: {exc}") from exc
     return cfg, protocol, levels
@@ -42,6 +35,7 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
     trains (params `compute`; default `auto`); a micro-batch that runs out of memory is halved, the
     gradient accumulation doubled (`runs.fit_micro_batch`)."""
     mode = spec.mode
+    cfg.decode.check_context(spec.model_dir, "rl.max_new_tokens")
     compute = compute or ComputeConfig()
     device = runs.train_device(compute.device)
     main_proc = processes.process_state(device).is_main_process

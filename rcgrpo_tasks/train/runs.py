@@ -2,8 +2,9 @@
 
 - Resume: `fingerprint(config, **inputs)` hashes params, run arguments, input contents (`file_md5` = the
   hash DVC records for a file, `dir_fingerprint` for a model folder) and the training code;
-  `last_checkpoint(folder, fp)` is the newest complete Trainer checkpoint stamped with that fingerprint
-  (a folder of another run is emptied first); `clear_checkpoints` keeps only the stamp.
+  `last_checkpoint(folder, fp)` is the newest complete and intact Trainer checkpoint stamped with that
+  fingerprint (a folder of another run is emptied first; damaged ones are passed over and named:
+  `train.checkpoints`); `clear_checkpoints` keeps only the stamp.
 - Placement: `train_device(setting)` (params `compute.device`, checked before anything trains),
   `use_cpu(device)` for TrainingArguments, `record_placement` (one log line, MLflow params, the dict the
   metrics JSON carries); `fit_micro_batch` retries a run that ran out of memory with half the micro-batch
@@ -20,14 +21,12 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import hashlib
 import importlib
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import sys
@@ -43,8 +42,8 @@ from rcgrpo_tasks.engine.device import MemorySplitWarning, free_memory, is_memor
 from rcgrpo_tasks.engine.models import bf16_supported
 from rcgrpo_tasks.ops import procs, tracking
 from rcgrpo_tasks.ops.config import ConfigError, as_dict
-from rcgrpo_tasks.ops.io import OutputError, OutputSet, write_json, write_text
-from rcgrpo_tasks.train import processes
+from rcgrpo_tasks.ops.io import OutputError, OutputSet, disk_full, disk_full_error, write_json, write_text
+from rcgrpo_tasks.train import checkpoints, processes
 
 T = TypeVar("T")
 FINGERPRINT_FILE = "rcgrpo_fingerprint.json"
@@ -103,33 +102,41 @@ def _stamp(fp_file: Path) -> str | None:
         return None
 
 
+def _claim(ckpt_dir: Path, fp: str, **stamp: Any) -> None:
+    """Empty `ckpt_dir` when it belongs to another run (stamped with another fingerprint, or none), then stamp
+    it with `fp` (and the `stamp` fields)."""
+    fp_file = ckpt_dir / FINGERPRINT_FILE
+    if ckpt_dir.exists() and _stamp(fp_file) != fp:
+        shutil.rmtree(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    write_json(fp_file, {"fingerprint": fp, **stamp})
+
+
 def last_checkpoint(ckpt_dir: Path, fp: str, clean: bool = True, **stamp: Any) -> str | None:
-    """Newest complete `checkpoint-N` (its trainer_state.json, written last, exists) in `ckpt_dir`.
+    """Newest complete and intact `checkpoint-N` in `ckpt_dir` (`checkpoints.newest_intact`: its
+    trainer_state.json, written last, exists, and every file the Trainer loads on resume loads).
 
     With `clean` (one process does it): a folder stamped with another fingerprint, or with none, belongs to
     another run and is emptied; the folder is then stamped with `fp` (and the `stamp` fields)."""
-    ckpt_dir = Path(ckpt_dir)
-    fp_file = ckpt_dir / FINGERPRINT_FILE
     if clean:
-        if ckpt_dir.exists() and _stamp(fp_file) != fp:
-            shutil.rmtree(ckpt_dir)
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        write_json(fp_file, {"fingerprint": fp, **stamp})
-    done = [p for p in ckpt_dir.glob("checkpoint-*") if (p / "trainer_state.json").is_file()
-            and p.name.split("-")[-1].isdigit()]
-    return str(max(done, key=lambda p: int(p.name.split("-")[-1]))) if done else None
+        _claim(Path(ckpt_dir), fp, **stamp)
+    return checkpoints.newest_intact(Path(ckpt_dir))[0]
 
 
 def resume_point(ckpt_dir: Path, fp: str, **stamp: Any) -> str | None:
     """`last_checkpoint` of a (possibly distributed) run: the main process alone cleans and stamps the
-    folder, the others wait for it, then every process reads the same checkpoint."""
+    folder, the others wait for it, then every process reads the same checkpoint. Damaged checkpoints
+    passed over are reported by the main process (stderr, MLflow tags: `checkpoints.report`)."""
     from accelerate import PartialState
 
     state = PartialState()  # created by `processes.process_state` at the start of the run
     if state.is_main_process:
-        last_checkpoint(ckpt_dir, fp, **stamp)
+        _claim(Path(ckpt_dir), fp, **stamp)
     state.wait_for_everyone()
-    return last_checkpoint(ckpt_dir, fp, clean=False)
+    resume, damaged = checkpoints.newest_intact(Path(ckpt_dir))
+    if state.is_main_process:
+        checkpoints.report(Path(ckpt_dir), resume, damaged)
+    return resume
 
 
 def train_or_restore(trainer, resume: str | None):
@@ -327,25 +334,16 @@ class RunSpec:
                 tracking.log_artifact(path)
 
 
-DISK_FULL = re.compile(r"no space left|file too large|disk quota|file write failed|failed writing file|"
-                       r"filetoolarge|storagefull|os error (27|28|122)", re.I)
-"""How torch's zip writer (`inline_container.cc`: RuntimeError) and safetensors (SafetensorError) report a
-full disk or a file over the filesystem's limit: neither raises OSError, and neither names the path."""
-
-
 @contextlib.contextmanager
 def disk_errors(path: Path) -> Iterator[None]:
-    """Turn a write that failed for lack of space (an OSError, or torch's / safetensors' own errors,
-    `DISK_FULL`) into an OutputError naming `path` (one line from the `rcgrpo` entry point, exit 2)."""
+    """Turn a write that failed for lack of space (an OSError, or torch's / safetensors' own errors:
+    `ops.io.disk_full`) into an OutputError naming `path` (one line from the `rcgrpo` entry point, exit 2)."""
     try:
         yield
     except Exception as exc:
-        if isinstance(exc, OutputError) or not (
-                isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-                or DISK_FULL.search(str(exc))):
+        if isinstance(exc, OutputError) or not disk_full(exc):
             raise
-        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-        raise OutputError(f"{path}: could not be written (disk full or file too large: {first})") from exc
+        raise disk_full_error(path, exc) from exc
 
 
 @contextlib.contextmanager

@@ -10,18 +10,19 @@ import os
 if os.environ.get("RCGRPO_TEST_SCRIPTED_REWARDS"):
     from rcgrpo_tasks.engine import rollout as _engine
 
-    _real = _engine.run_group
+    _real = _engine.run_seeded_groups
     _HIGH = "<|high_reward|>"
 
-    def _scripted(backend, entry, n, protocol_cfg, sampling, reward_tokens=None, provenance=None):
-        trajs = _real(backend, entry, n, protocol_cfg, sampling, reward_tokens, provenance)
-        mixed = len(set(reward_tokens or [])) > 1
-        # "flat-even": entries whose id ends in an even digit fail in every rollout (a flat group for
-        # dynamic sampling to drop and refill).
-        flat = os.environ["RCGRPO_TEST_SCRIPTED_REWARDS"] == "flat-even" and int(entry.id[-1]) % 2 == 0
-        for i, t in enumerate(trajs):
-            r = 0.0 if flat else float(t.reward_token == _HIGH) if mixed else float(i % 2 == 0)
-            t.score = {**t.score, "paper_reward": r}
-        return trajs
+    def _scripted(backend, groups, protocol_cfg, provenance=None):
+        out = _real(backend, groups, protocol_cfg, provenance)
+        for (entry, tokens, _), trajs in zip(groups, out):
+            mixed = len(set(tokens or [])) > 1
+            # "flat-even": entries whose id ends in an even digit fail in every rollout (a flat group for
+            # dynamic sampling to drop and refill).
+            flat = os.environ["RCGRPO_TEST_SCRIPTED_REWARDS"] == "flat-even" and int(entry.id[-1]) % 2 == 0
+            for i, t in enumerate(trajs):
+                r = 0.0 if flat else float(t.reward_token == _HIGH) if mixed else float(i % 2 == 0)
+                t.score = {**t.score, "paper_reward": r}
+        return out
 
-    _engine.run_group = _scripted
+    _engine.run_seeded_groups = _scripted
