@@ -322,7 +322,7 @@ def rcgrpo(
     finally:
         tags = {**lock_hashes(repo), "rcgrpo.results": json.dumps(results)}
         if error is not None:
-            tags["rcgrpo.error"] = f"{type(error).__name__}: {str(error)[:4000]}"
+            tags["rcgrpo.error"] = tracking.describe_error(error)[:4000]
             if current:
                 tags["rcgrpo.failed_stage"] = current
         with contextlib.suppress(Exception) if error is not None else contextlib.nullcontext():

@@ -24,6 +24,15 @@ def _smollm2_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+@pytest.fixture(autouse=True)
+def _params_read_afresh():
+    """Every test starts with no params sections remembered: a file another test read and then edited must
+    not fail this test's publication (`ops.config.check_params_unchanged`)."""
+    from rcgrpo_tasks.ops.config import forget_params
+
+    forget_params()
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """The real SmolLM2 tokenizer + chat template, saved as a normal HF folder."""

@@ -110,15 +110,18 @@ def test_config_rejects_bad_values(tmp_path):
 
 
 def test_call_recall_and_summary():
+    from rcgrpo_tasks.env.scoring import call_recall
+
     entry = get_entry("multi_turn_base_0")
     gold = [[list(t)] for t in entry.ground_truth]
-    assert evaluate.call_recall(entry, gold) == 1.0
-    assert evaluate.call_recall(entry, [[]]) == 0.0
+    assert call_recall(entry, gold) == 1.0
+    assert call_recall(entry, [[]]) == 0.0
     n_gold = sum(len(t) for t in entry.ground_truth)
     # keyword spacing differs from the gold text: calls are compared bound, not as strings
-    assert evaluate.call_recall(entry, [[["cd(folder = 'document')"]]]) == pytest.approx(1 / n_gold)
-    rows = [{"id": f"multi_turn_{c}_{i}", "category": c, "protocol": "paper", "valid": i % 2 == 0,
-             "partial_credit": 0.5, "paper_reward": float(i % 2 == 0), "termination": "done", "n_steps": 2,
+    assert call_recall(entry, [[["cd(folder = 'document')"]]]) == pytest.approx(1 / n_gold)
+    rows = [{"id": f"multi_turn_{c}_{i}", "task": "multi_turn", "category": c, "protocol": "paper",
+             "valid": i % 2 == 0, "partial_credit": 0.5, "partial_credit_kind": "gold_call_recall",
+             "paper_reward": float(i % 2 == 0), "termination": "done", "n_steps": 2,
              "n_model_tokens": 10} for c in ("base", "miss_func") for i in range(4)]
     s = evaluate.summarize(rows, "x", n_boot=200, seed=0)
     assert s["accuracy"] == 50.0 and s["categories"]["base"]["n"] == 4
@@ -154,3 +157,31 @@ def _any_trajectory():
     return Trajectory(entry_id="multi_turn_base_0", category="base", protocol="paper", reward_token=None,
                       messages=[], token_ids=[1, 2], prompt_len=1, completion_mask=[0, 1], logprobs=[0.0, -1.0],
                       result=[[["ls()"]]], termination="done", n_steps=1, n_model_tokens=1, wall_time_s=3.0)
+
+
+def test_single_turn_evaluation_scores_bfcl_ast_verdicts(tok):
+    """The same held-out evaluation on the single-turn task: a scripted policy answers half the entries with
+    their expert call and the rest in prose; rows carry BFCL's verdicts and error types, and the task."""
+    from rcgrpo_tasks.engine.backend import ScriptedBackend
+    from rcgrpo_tasks.env import single_turn
+    from rcgrpo_tasks.env.protocols import PromptConfig
+    from rcgrpo_tasks.env.single_turn_perturb import expert_calls
+
+    entries = evaluate.stratified(single_turn.load_entries(single_turn.DEFAULT_CATEGORIES), 8)
+    right = {e.id for e in entries[::2]}
+
+    def policy(key, step, prompt_ids):
+        text = tok.decode(prompt_ids)
+        e = next(e for e in entries if e.question[-1]["content"] in text)
+        return "[" + ", ".join(expert_calls(e)) + "]" if e.id in right else "I cannot help with that."
+
+    cfg = dataclasses.replace(evaluate.EvaluateConfig(n_bootstrap=50), limit=8)
+    trajs, rows, summary = evaluate.run_eval(cfg, PromptConfig(), ScriptedBackend(tok, policy), entries, None, "x")
+    assert summary["task"] == "single_turn" and summary["n"] == 8 and summary["accuracy"] == 50.0
+    assert set(summary["categories"]) == set(single_turn.DEFAULT_CATEGORIES)
+    for r in rows:
+        assert r["task"] == "single_turn" and r["valid"] is (r["id"] in right) and r["n_steps"] == 1
+        assert r["error_type"] == (None if r["id"] in right else "ast_decoder:decoder_failed")
+        assert r["partial_credit_kind"] == "gold_calls_matched" and r["partial_credit"] == float(r["valid"])
+    md = evaluate.report_markdown(summary, {}, None)
+    assert "`single_turn` task" in md and "AST checker" in md

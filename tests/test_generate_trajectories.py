@@ -7,13 +7,14 @@ import random
 
 import pytest
 
-from rcgrpo_tasks.data.dataset import GenerateConfig, allocate, check_prompt, draw_failures, generate
+from rcgrpo_tasks.data.dataset import GenerateConfig, allocate, check_task, draw_failures, generate
 from rcgrpo_tasks.env.bfcl import Entry, load_entries
 from rcgrpo_tasks.env.calls import parse_call_string
 from rcgrpo_tasks.env.entries import split_entries
 from rcgrpo_tasks.env.perturb import PERTURBATIONS, entry_functions, perturb
 from rcgrpo_tasks.env.protocols import PromptConfig
 from rcgrpo_tasks.env.scoring import score_entry
+from rcgrpo_tasks.env.tasks import TASKS
 from rcgrpo_tasks.ops.config import ConfigError, from_dict
 from rcgrpo_tasks.ops.io import InputError
 
@@ -112,10 +113,21 @@ def test_bad_generate_config_rejected(bad):
         from_dict(GenerateConfig, bad, "params.yaml:generate_trajectories")
 
 
-def test_official_verdict_needs_the_official_prompt():
+def test_official_verdict_needs_the_official_prompt_on_multi_turn_only():
+    multi, single = TASKS["multi_turn"], TASKS["single_turn"]
     with pytest.raises(ConfigError, match="official_verdict"):
-        check_prompt(GenerateConfig(reward="official_verdict"), PromptConfig(protocol="paper"))
-    check_prompt(GenerateConfig(reward="official_verdict"), PromptConfig(protocol="official"))
+        check_task(GenerateConfig(reward="official_verdict"), PromptConfig(protocol="paper"), multi)
+    check_task(GenerateConfig(reward="official_verdict"), PromptConfig(protocol="official"), multi)
+    single_mix = {"policy": 0.1, "wrong_arg_value": 0.5, "missing_param": 0.4}
+    check_task(GenerateConfig(reward="official_verdict", failure_mix=single_mix), PromptConfig(protocol="paper"),
+               single)
+
+
+def test_failure_mix_kinds_must_be_the_tasks():
+    with pytest.raises(ConfigError, match=r"\['stop_early', 'wrong_turn'\] are not near-miss kinds of the single_turn"):
+        check_task(GenerateConfig(), PromptConfig(), TASKS["single_turn"])
+    with pytest.raises(ConfigError, match="missing_param"):
+        check_task(GenerateConfig(failure_mix={"missing_param": 1.0}), PromptConfig(), TASKS["multi_turn"])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -240,3 +252,30 @@ def test_max_entries_samples_train_only(tmp_path, entries, tiny_model_dir):
     assert m["n_entries_used"] == 3 and m["n_train_entries"] == 8
     assert len({t.entry_id for t in rows if t.provenance["source"] == "expert"}) <= 3
     assert not {t.entry_id for t in rows} & test_ids
+
+
+# ---------------------------------------------------------------------------------------------------
+# The single-turn task through the same stage
+
+
+SINGLE_MIX = {"policy": 0.1, "wrong_arg_value": 0.3, "missing_param": 0.15, "wrong_function": 0.15,
+              "extra_call": 0.15, "dropped_call": 0.15}
+
+
+def test_single_turn_set_experts_pass_bfcl_and_near_misses_fail(tmp_path, tiny_model_dir):
+    from rcgrpo_tasks.env import single_turn
+
+    entries = single_turn.load_entries(single_turn.DEFAULT_CATEGORIES)[::20]
+    entries_path, split = write_inputs(tmp_path, entries, n_train=40)
+    cfg = GenerateConfig(policy_entries=0, failure_mix=SINGLE_MIX)
+    rows, m = generate(cfg, PAPER, entries_path, split, tiny_model_dir)
+    assert m["task"] == "single_turn" and m["n_success"] == m["n_failure"] > 30
+    assert set(m["near_miss_tried"]) == set(TASKS["single_turn"].perturbations)
+    by_id = {e.id: e for e in entries}
+    for t in rows:
+        assert t.provenance["task"] == "single_turn" and t.n_steps == 1 and t.termination == "completed"
+        fresh = TASKS["single_turn"].score(by_id[t.entry_id], t.result)  # re-scored from the recorded calls
+        assert fresh.valid is t.score["valid"] is (t.provenance["source"] == "expert"), t.trajectory_id
+        assert [m["role"] for m in t.messages][-1] == "assistant" and t.messages[-1]["content"].startswith("[")
+    assert {t.provenance["kind"] for t in rows if t.provenance["source"] == "near_miss"} >= {
+        "wrong_arg_value", "missing_param", "wrong_function"}

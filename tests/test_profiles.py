@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import yaml
 
 from rcgrpo_tasks.ops import config
 
@@ -131,3 +133,24 @@ def test_layered_profiles_merge_left_to_right_from_the_pristine_params(repo):
         with pytest.raises(config.ConfigError, match="nope|empty layer"):
             config.apply_profile(None, bad, out)
     assert out.read_text() == before
+
+
+def test_multi_turn_profiles_switch_every_task_key():
+    """The CPU default runs single_turn; `multi-turn`, `gpu` and `paper` run the paper's task. Every key the
+    `multi-turn` profile sets back is set by `gpu` and `paper` too (or equal there), so neither inherits a
+    single-turn budget: each equals itself layered over `multi-turn`. Every profile's task and categories load."""
+    from rcgrpo_tasks.env.split import PrepareDataConfig
+    from rcgrpo_tasks.ops.config import _deep_merge
+
+    root = Path(__file__).resolve().parents[1]
+    base = yaml.safe_load((root / "params.yaml").read_text())
+    multi = yaml.safe_load((root / "configs" / "multi-turn.yaml").read_text())
+    assert base["prepare_data"]["task"] == "single_turn" and multi["prepare_data"]["task"] == "multi_turn"
+    for name in ("gpu", "paper"):
+        overlay = yaml.safe_load((root / "configs" / f"{name}.yaml").read_text())
+        alone, layered = _deep_merge(base, overlay), _deep_merge(_deep_merge(base, multi), overlay)
+        assert alone == layered, [(s, k) for s in layered for k in layered[s] if alone[s].get(k) != layered[s].get(k)]
+    for name in config.profile_names(root, set(base)):
+        merged = base if name == config.DEFAULT_PROFILE else _deep_merge(
+            base, yaml.safe_load((root / "configs" / f"{name}.yaml").read_text()))
+        config.from_dict(PrepareDataConfig, merged["prepare_data"], f"{name}:prepare_data")

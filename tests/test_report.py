@@ -116,3 +116,60 @@ def test_paired_bootstrap_ci_keeps_pairs():
     assert diff == 0.75 and 0 < lo <= 0.75 <= hi
     with pytest.raises(ValueError):
         paired_bootstrap_ci([1.0], [1.0, 0.0])
+
+
+def _single_turn_dir(tmp_path, label, flags):
+    rows = [{"id": f"simple_python_{i}", "task": "single_turn", "category": "simple_python", "valid": bool(ok),
+             "official_valid": bool(ok), "partial_credit": float(ok), "paper_reward": float(ok)}
+            for i, ok in enumerate(flags)]
+    d = tmp_path / label
+    write_jsonl(d / "results.jsonl", rows)
+    return d
+
+
+def test_every_row_says_its_task_and_the_paper_column_is_multi_turn_only(tmp_path):
+    evals = [("base", _single_turn_dir(tmp_path, "base", [1, 0, 0, 0])),
+             ("rctp-rc_grpo", _single_turn_dir(tmp_path, "rc", [1, 1, 0, 1]))]
+    rows = report.build_report(evals, [])
+    assert [r["task"] for r in rows] == ["single_turn", "single_turn"]
+    assert all(r["paper_table1_overall"] is None for r in rows)  # the paper reports multi-turn only
+    md = report.markdown_table(rows)
+    assert "| Task |" in md.splitlines()[0] and "| Base | single_turn | 4 |" in md
+    mt = report.build_report([("base", _eval_dir(tmp_path, "mt", {"base": 0.5}))], [])
+    assert mt[0]["task"] == "multi_turn" and mt[0]["paper_table1_overall"] == 11.25
+    mixed = tmp_path / "mixed"
+    write_jsonl(mixed / "results.jsonl", [{"id": "simple_python_1", "valid": True},
+                                          {"id": "multi_turn_base_1", "valid": False}])
+    with pytest.raises(InputError, match="2 tasks"):
+        report.load_eval("base", mixed)
+
+
+def test_reward_change_last_third_minus_first_with_a_ci():
+    steps = [{"step": s, "reward": r} for s, r in enumerate([0.1, 0.2, 0.1, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8], 1)]
+    c = report.reward_change(list(reversed(steps)))  # order of the rows does not matter
+    assert c["steps"] == 9 and c["steps_per_third"] == 3
+    assert c["first"] == pytest.approx(0.4 / 3) and c["last"] == pytest.approx(0.7)
+    assert c["change"] == pytest.approx(0.7 - 0.4 / 3) and 0 < c["ci"][0] <= c["change"] <= c["ci"][1]
+    flat = report.reward_change([{"step": s, "reward": 0.5} for s in range(1, 7)])
+    assert flat["change"] == 0.0 and flat["ci"] == [0.0, 0.0]
+    assert report.reward_change([{"step": 1, "reward": 0.5}])["change"] is None
+    assert report.reward_change([{"step": 1, "reward": float("nan")}, {"step": 2, "reward": 0.5}])["change"] is None
+
+
+def test_rl_rows_get_their_reward_change(tmp_path):
+    evals = [("rctp-grpo", _single_turn_dir(tmp_path, "g", [1, 0]))]
+    steps = {"rctp-grpo": [{"step": 1, "reward": 0.25}, {"step": 2, "reward": 0.5}, {"step": 3, "reward": 0.75}]}
+    (row,) = report.build_report(evals, [], steps=steps)
+    assert row["rl_reward_change"]["change"] == pytest.approx(0.5)
+    assert "0.250 -> 0.750: +0.500" in report.markdown_table([row])
+
+
+def test_rl_rows_are_compared_with_their_init_on_the_same_entries(tmp_path):
+    evals = [("rctp", _single_turn_dir(tmp_path, "r", [1, 0, 0, 0, 1, 0])),
+             ("rctp-rc_grpo", _single_turn_dir(tmp_path, "rc", [1, 1, 1, 0, 1, 1]))]
+    rows = {r["label"]: r for r in report.build_report(evals, [])}
+    assert "vs_init" not in rows["rctp"]
+    v = rows["rctp-rc_grpo"]["vs_init"]
+    assert v["init"] == "rctp" and v["n"] == 6 and v["diff"] == pytest.approx(50.0)
+    assert 0 < v["ci"][0] <= 50.0 <= v["ci"][1]
+    assert "| +50.0 [" in report.markdown_table(list(rows.values()))

@@ -136,6 +136,10 @@ def _bad_partial(rows, d):
     rows[0]["score"]["partial_credit"] = 1.5
 
 
+def _other_task(rows, d):
+    rows[0]["provenance"]["task"] = "single_turn"  # a stale file of the other task
+
+
 BROKEN = [
     ("not_null:entry_id", _null_entry),
     ("reward_values", _wrong_reward),
@@ -151,6 +155,7 @@ BROKEN = [
     ("schema", _unknown_field),
     ("label_consistent", _expert_failing),
     ("partial_credit_range", _bad_partial),
+    ("task", _other_task),
 ]
 
 

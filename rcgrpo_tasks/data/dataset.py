@@ -21,21 +21,23 @@ from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.models import model_context
 from rcgrpo_tasks.engine.rollout import replay_calls, run_group
 from rcgrpo_tasks.engine.trajectory import DATASET_WALL_TIME
-from rcgrpo_tasks.env.bfcl import Entry
-from rcgrpo_tasks.env.entries import split_entries
-from rcgrpo_tasks.env.perturb import PERTURBATIONS, Script, perturb
+from rcgrpo_tasks.env.entries import Entry, split_entries
+from rcgrpo_tasks.env.perturb import Script
 from rcgrpo_tasks.env.protocols import GOAL_RESERVE, PromptConfig
-from rcgrpo_tasks.env.scoring import BINARY_REWARDS, Reward, reward_value, score_entry
+from rcgrpo_tasks.env.scoring import BINARY_REWARDS, Reward, reward_value
+from rcgrpo_tasks.env.tasks import ALL_PERTURBATIONS, Task, task_of, task_of_entries
 from rcgrpo_tasks.ops.config import ConfigError, flat_field
 
 SOURCES: tuple[str, ...] = ("expert", "policy", "near_miss")
-KINDS: tuple[str, ...] = ("expert", "policy", *PERTURBATIONS, "on_policy")
-"""`on_policy`: the SFT model's own samples (`data.onpolicy`, the sample_policy stage), source `policy`."""
-FAILURE_SOURCES: tuple[str, ...] = ("policy", *PERTURBATIONS)
+KINDS: tuple[str, ...] = ("expert", "policy", *ALL_PERTURBATIONS, "on_policy")
+"""`on_policy`: the SFT model's own samples (`data.onpolicy`, the sample_policy stage), source `policy`.
+Near-miss kinds of every task (`env.tasks`); a set holds those of its own task."""
+FAILURE_SOURCES: tuple[str, ...] = ("policy", *ALL_PERTURBATIONS)
 
 
 def _default_mix() -> dict[str, float]:
-    return {"policy": 0.1, **{k: 0.15 for k in PERTURBATIONS}}
+    return {"policy": 0.1, **{k: 0.15 for k in ("wrong_arg_value", "wrong_function", "dropped_call", "extra_call",
+                                                 "stop_early", "wrong_turn")}}
 
 
 DECODE_KEYS = ("temperature", "top_p", "max_outputs", "max_new_tokens", "backend", "dtype")
@@ -57,7 +59,7 @@ class GenerateConfig:
     success_fraction: float = 0.5
     """Successes / all rows. The paper's 1:1 mix is 0.5."""
     failure_mix: dict = field(default_factory=_default_mix)
-    """Share of failures per source: `policy` and each perturbation kind; normalised to sum 1."""
+    """Share of failures per source: `policy` and each near-miss kind of the task; normalised to sum 1."""
     max_tokens: int | None = None
     """Longest trajectory kept, in tokens; null = the model's context (max_position_embeddings) minus 32,
     the room label_rewards' reward goal needs. Longer replays (long_context tool outputs) are cut by the
@@ -142,11 +144,13 @@ def expert_trajectories(entries: list[Entry], ctx: _Context) -> list:
     """Gold replays scoring 1; the others are counted in `experts_dropped` and left out."""
     out = []
     for entry in entries:
-        traj = _replay(entry, entry.ground_truth, ctx)
+        task = task_of(entry)
+        gold = task.expert_script(entry)
+        traj = _replay(entry, gold, ctx)
         if traj.termination == "context_limit":
             ctx.stats["experts_too_long"] += 1
             continue
-        script = score_entry(entry, _script_turns(entry.ground_truth)).to_json()
+        script = task.score(entry, _script_turns(gold)).to_json()
         traj = _finish(traj, ctx, f"{entry.id}.expert", {
             "source": "expert", "kind": "expert", "generator": "gold_replay", "model": None,
             "adapter": None, "sampling": None, "perturbation": None, "script_score": script})
@@ -164,12 +168,12 @@ def near_miss_stream(entries: list[Entry], kind: str, ctx: _Context):
     for entry in order:
         seen: set[Script] = set()
         for attempt in range(ctx.cfg.near_miss_attempts):
-            p = perturb(entry, kind, random.Random(f"{ctx.cfg.seed}:{entry.id}:{kind}:{attempt}"))
+            p = task_of(entry).perturb(entry, kind, random.Random(f"{ctx.cfg.seed}:{entry.id}:{kind}:{attempt}"))
             if p is None or p.turns in seen:
                 continue
             seen.add(p.turns)
             ctx.stats[f"tried.{kind}"] += 1
-            script = score_entry(entry, _script_turns(p.turns)).to_json()
+            script = task_of(entry).score(entry, _script_turns(p.turns)).to_json()
             # Cheap pre-screen on the script (the paper reward ignores turn grouping; the official
             # protocol keeps it), so harmless candidates skip the replay; the replay's score decides below.
             if reward_value(script, ctx.cfg.reward) != 0.0:
@@ -272,11 +276,16 @@ def _row_order(entries: list[Entry]):
     return lambda t: (index[t.entry_id], kind_rank[t.provenance["kind"]], t.trajectory_id)
 
 
-def check_prompt(cfg: GenerateConfig, prompt: PromptConfig) -> None:
-    """The official verdict as success needs the official protocol (the paper protocol merges all turns into
-    one, which the official checker always rejects as force_terminated)."""
-    if cfg.reward == "official_verdict" and prompt.protocol != "official":
-        raise ConfigError("generate_trajectories.reward: 'official_verdict' needs prompt.protocol 'official'")
+def check_task(cfg: GenerateConfig, prompt: PromptConfig, task: Task) -> None:
+    """The reward must be defined for the task under the protocol (multi-turn: the official verdict needs the
+    official protocol, `Task.reward_defined`), and every near-miss kind of `failure_mix` must be the task's."""
+    if not task.reward_defined(cfg.reward, prompt.protocol):
+        raise ConfigError(f"generate_trajectories.reward: {cfg.reward!r} is not defined for the {task.name} task "
+                          f"under prompt.protocol {prompt.protocol!r}")
+    foreign = sorted(k for k, w in cfg.failure_mix.items() if k != "policy" and w and k not in task.perturbations)
+    if foreign:
+        raise ConfigError(f"generate_trajectories.failure_mix: {foreign} are not near-miss kinds of the {task.name} "
+                          f"task (its kinds: {list(task.perturbations)})")
 
 
 def generate(cfg: GenerateConfig, prompt: PromptConfig, entries_path: str | Path, split_path: str | Path,
@@ -284,9 +293,10 @@ def generate(cfg: GenerateConfig, prompt: PromptConfig, entries_path: str | Path
     """(trajectories, metrics) for the train split; pure apart from reading the inputs."""
     from transformers import AutoTokenizer
 
-    check_prompt(cfg, prompt)
     t0 = time.perf_counter()
     train = split_entries(entries_path, split_path, "train")
+    task = task_of_entries(train)
+    check_task(cfg, prompt, task)
     entries = _sample(train, cfg.max_entries, f"{cfg.seed}:entries")
     ctx = _Context(cfg, prompt.protocol_config(cfg.decode.max_outputs),
                    AutoTokenizer.from_pretrained(model_dir), cfg.max_tokens or model_context(model_dir) - GOAL_RESERVE)
@@ -298,20 +308,20 @@ def generate(cfg: GenerateConfig, prompt: PromptConfig, entries_path: str | Path
     policy_fail = [t for t in policy if t.provenance["reward"] == 0.0]
     random.Random(f"{cfg.seed}:policy_failures").shuffle(policy_fail)
     sources: dict[str, Any] = {"policy": policy_fail}
-    sources.update({k: near_miss_stream(entries, k, ctx) for k in PERTURBATIONS})
+    sources.update({k: near_miss_stream(entries, k, ctx) for k in task.perturbations})
     successes = experts + [t for t in policy if t.provenance["reward"] == 1.0]
     successes, failures = balance(successes, cfg, sources)
     timings["near_miss"] = time.perf_counter() - t0 - sum(timings.values())
     rows = sorted(successes + failures, key=_row_order(entries))
-    metrics = _metrics(rows, policy, ctx, len(train), len(entries))
+    metrics = {"task": task.name, **_metrics(rows, policy, ctx, len(train), len(entries), task.perturbations)}
     metrics["seconds"] = {k: round(v, 2) for k, v in timings.items()} | {"total": round(time.perf_counter() - t0, 2)}
     return rows, metrics
 
 
-def _metrics(rows: list, policy: list, ctx: _Context, n_train: int, n_used: int) -> dict:
+def _metrics(rows: list, policy: list, ctx: _Context, n_train: int, n_used: int, kinds: tuple[str, ...]) -> dict:
     n_success = sum(1 for t in rows if t.provenance["reward"] == 1.0)
     tokens = [len(t.token_ids) for t in rows] or [0]
-    tried = {k: ctx.stats[f"tried.{k}"] for k in PERTURBATIONS}
+    tried = {k: ctx.stats[f"tried.{k}"] for k in kinds}
     return {
         "n_train_entries": n_train, "n_entries_used": n_used, "n_rows": len(rows),
         "n_success": n_success, "n_failure": len(rows) - n_success,

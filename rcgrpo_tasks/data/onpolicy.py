@@ -30,7 +30,7 @@ from rcgrpo_tasks.engine.backend import Backend
 from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.rollout import run_rollouts
 from rcgrpo_tasks.engine.trajectory import DATASET_WALL_TIME, Trajectory
-from rcgrpo_tasks.env.bfcl import CATEGORIES, Entry
+from rcgrpo_tasks.env.entries import Entry, check_categories
 from rcgrpo_tasks.env.protocols import ProtocolConfig
 from rcgrpo_tasks.env.scoring import reward_value
 from rcgrpo_tasks.ops.config import flat_field
@@ -49,8 +49,8 @@ class SampleConfig:
     (the paper's RCTP samples: 0.7)."""
     n_entries: int | None = 8
     """Train entries sampled (a seeded sample of `categories`, in file order); null = every one."""
-    categories: tuple[str, ...] = CATEGORIES
-    """BFCL categories drawn from."""
+    categories: tuple[str, ...] | None = None
+    """Categories drawn from; null = every category of the prepared entries."""
     samples_per_entry: int = 2
     """Rollouts per entry per round."""
     max_samples_per_entry: int = 4
@@ -65,14 +65,14 @@ class SampleConfig:
             raise ValueError("need samples_per_entry >= 1 and max_samples_per_entry >= samples_per_entry")
         if self.decode.temperature <= 0:
             raise ValueError("temperature must be > 0 (on-policy samples, not greedy)")
-        bad = [c for c in self.categories if c not in CATEGORIES]
-        if bad or not self.categories:
-            raise ValueError(f"categories: unknown {bad}; expected some of {list(CATEGORIES)}")
+        if self.categories is not None and not self.categories:
+            raise ValueError("categories must be null (every category) or a non-empty list")
+        check_categories(self.categories)
 
 
 def pick_entries(train: Sequence[Entry], cfg: SampleConfig) -> list[Entry]:
     """A seeded sample of `n_entries` train entries of `cfg.categories`, kept in file order."""
-    pool = [e for e in train if e.category in cfg.categories]
+    pool = [e for e in train if cfg.categories is None or e.category in cfg.categories]
     if cfg.n_entries is None or cfg.n_entries >= len(pool):
         return pool
     chosen = set(random.Random(f"{cfg.seed}:sample_policy").sample(range(len(pool)), cfg.n_entries))

@@ -22,7 +22,7 @@ from rcgrpo_tasks.ops.io import OutputSet, atomic_outputs, read_jsonl, write_jso
 
 TRAJECTORY_FIELDS: tuple[str, ...] = ("id", *(f.name for f in fields(Trajectory)))
 NULLABLE_FIELDS = frozenset({"reward_token"})
-DERIVED: tuple[str, ...] = ("source", "kind", "reward", "is_success", "partial_credit", "n_tokens",
+DERIVED: tuple[str, ...] = ("task", "source", "kind", "reward", "is_success", "partial_credit", "n_tokens",
                             "n_assistant", "parses", "label_consistent")
 
 
@@ -73,6 +73,7 @@ def _flat(row: dict, reward_fn: str) -> dict:
         recomputed = None
     expected = {"expert": 1.0, "near_miss": 0.0}.get(prov.get("source"), reward)
     out.update({
+        "task": prov.get("task"),
         "source": prov.get("source"),
         "kind": prov.get("kind"),
         "reward": reward,
@@ -114,7 +115,7 @@ def build_expectations(gx, cfg: ValidateConfig, gen: GenerateConfig, protocol: s
                                                       exact_match=True)),
         named("min_rows", E.ExpectTableRowCountToBeBetween(min_value=cfg.min_rows)),
     ]
-    for col in TRAJECTORY_FIELDS + ("source", "kind", "reward", "partial_credit", "n_tokens"):
+    for col in TRAJECTORY_FIELDS + ("task", "source", "kind", "reward", "partial_credit", "n_tokens"):
         if col not in NULLABLE_FIELDS:
             out.append(named(f"not_null:{col}", E.ExpectColumnValuesToNotBeNull(column=col)))
     out += [
@@ -124,6 +125,8 @@ def build_expectations(gx, cfg: ValidateConfig, gen: GenerateConfig, protocol: s
         named("provenance_source", E.ExpectColumnValuesToBeInSet(column="source", value_set=list(SOURCES))),
         named("provenance_kind", E.ExpectColumnValuesToBeInSet(column="kind", value_set=list(KINDS))),
         named("protocol", E.ExpectColumnValuesToBeInSet(column="protocol", value_set=[protocol])),
+        # Rows of another task than the split's (a stale trajectory file after a task switch) are not vouched for.
+        named("task", E.ExpectColumnValuesToBeInSet(column="task", value_set=[split.get("task", "multi_turn")])),
         named("termination", E.ExpectColumnValuesToBeInSet(column="termination", value_set=list(TERMINATIONS))),
         named("has_assistant_message", E.ExpectColumnValuesToBeBetween(column="n_assistant", min_value=1)),
         named("parses", E.ExpectColumnValuesToBeInSet(column="parses", value_set=[True])),

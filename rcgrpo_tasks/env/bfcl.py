@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,8 @@ class BfclDataError(RuntimeError):
 @dataclass(frozen=True)
 class Entry:
     """One BFCL v4 multi-turn entry with its ground truth."""
+
+    task = "multi_turn"  # class attribute, not a field: `env.tasks.task_of` dispatches on it
 
     id: str
     category: str
@@ -116,7 +119,8 @@ def data_dir() -> Path:
     return path
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def read_data_file(path: Path) -> list[dict]:
+    """A bfcl-eval data file (JSON Lines despite the `.json` suffix); a missing or bad file names itself."""
     if not path.is_file():
         raise BfclDataError(f"missing BFCL data file: {path}")
     rows = []
@@ -132,8 +136,8 @@ def _read_jsonl(path: Path) -> list[dict]:
 @functools.cache
 def _load_category(category: str) -> tuple[Entry, ...]:
     d = data_dir()
-    questions = _read_jsonl(d / f"BFCL_v4_multi_turn_{category}.json")
-    answers = {a["id"]: a["ground_truth"] for a in _read_jsonl(d / "possible_answer" / f"BFCL_v4_multi_turn_{category}.json")}
+    questions = read_data_file(d / f"BFCL_v4_multi_turn_{category}.json")
+    answers = {a["id"]: a["ground_truth"] for a in read_data_file(d / "possible_answer" / f"BFCL_v4_multi_turn_{category}.json")}
     out = []
     for q in questions:
         if q["id"] not in answers:
@@ -162,6 +166,19 @@ def load_entries(categories: tuple[str, ...] | list[str] = CATEGORIES) -> list[E
     return out
 
 
+def split_by_numeric_id(entries: list[Entry], test_fraction: float, seed: int) -> dict[str, list]:
+    """Seeded split by numeric id; every entry sharing a numeric id lands on the same side (miss_func_17 is a
+    variant of base_17: splitting them apart would leak the test question into training). With 10% that is
+    20 numeric ids x 4 categories = 80 test entries and 720 train, the paper's scheme (its ids are not
+    published)."""
+    numeric = sorted({e.numeric_id for e in entries})
+    n_test = max(1, round(len(numeric) * test_fraction))
+    test_nums = set(random.Random(seed).sample(numeric, n_test))
+    train = [e.id for e in entries if e.numeric_id not in test_nums]
+    test = [e.id for e in entries if e.numeric_id in test_nums]
+    return {"train": train, "test": test, "test_numeric_ids": sorted(test_nums)}
+
+
 @functools.cache
 def entries_by_id() -> dict[str, Entry]:
     return {e.id: e for e in load_entries()}
@@ -171,7 +188,7 @@ def entries_by_id() -> dict[str, Entry]:
 def _class_docs(class_name: str) -> tuple[dict, ...]:
     if class_name not in FUNC_DOC_FILES:
         raise BfclDataError(f"no function docs for class {class_name!r}")
-    return tuple(_read_jsonl(data_dir() / "multi_turn_func_doc" / FUNC_DOC_FILES[class_name]))
+    return tuple(read_data_file(data_dir() / "multi_turn_func_doc" / FUNC_DOC_FILES[class_name]))
 
 
 def entry_docs(entry: Entry) -> tuple[list[dict], dict[int, list[dict]]]:

@@ -10,10 +10,12 @@ Every problem is an `InputError` naming the file (and line or field), raised bef
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from rcgrpo_tasks.env import bfcl
-from rcgrpo_tasks.env.bfcl import Entry
+from rcgrpo_tasks.env import tasks
 from rcgrpo_tasks.ops.io import InputError, read_json, read_jsonl
+
+Entry = Any  # an entry of any task (`env.tasks`)
 
 SIDES = ("train", "test")
 
@@ -34,23 +36,27 @@ def read_split(split_path: str | Path) -> dict[str, list[str]]:
 
 
 def read_entries(entries_path: str | Path | None) -> dict[str, Entry]:
-    """Entries by id, in file order: from a prepare_data `entries.jsonl`, else straight from bfcl-eval."""
+    """Entries by id, in file order: from a prepare_data `entries.jsonl` (rows of one task), else straight from
+    bfcl-eval (every task)."""
     if entries_path is None:
-        return bfcl.entries_by_id()
+        return tasks.entries_by_id()
     pool: dict[str, Entry] = {}
     for lineno, row in enumerate(read_jsonl(entries_path), 1):
         try:
-            entry = Entry.from_json(row)
+            entry = tasks.entry_from_json(row)
         except (KeyError, TypeError, ValueError) as exc:
             raise InputError(f"{entries_path}:{lineno}: not an entry ({type(exc).__name__}: {exc})") from exc
+        if pool and entry.task != next(iter(pool.values())).task:
+            raise InputError(f"{entries_path}:{lineno}: a {entry.task} entry among {next(iter(pool.values())).task} "
+                             "entries (prepare_data writes one task)")
         pool[entry.id] = entry
     return pool
 
 
 def check_categories(categories) -> None:
-    bad = [c for c in categories or () if c not in bfcl.CATEGORIES]
+    bad = [c for c in categories or () if c not in tasks.ALL_CATEGORIES]
     if bad:
-        raise InputError(f"unknown categories {bad}; expected some of {list(bfcl.CATEGORIES)}")
+        raise InputError(f"unknown categories {bad}; expected some of {list(tasks.ALL_CATEGORIES)}")
 
 
 def split_entries(entries_path: str | Path, split_path: str | Path, side: str,
@@ -65,7 +71,12 @@ def split_entries(entries_path: str | Path, split_path: str | Path, side: str,
     if missing:
         raise InputError(f"{split_path}: {len(missing)} {side} id(s) not in {entries_path}, e.g. {missing[:3]}")
     wanted = set(ids)
-    return [e for e in pool.values() if e.id in wanted and (not categories or e.category in categories)]
+    chosen = [e for e in pool.values() if e.id in wanted and (not categories or e.category in categories)]
+    if categories and not chosen:
+        have = sorted({e.category for e in pool.values() if e.id in wanted})
+        raise InputError(f"{split_path}: no {side} entries in categories {list(categories)}; the prepared "
+                         f"entries ({entries_path}) have {have}")
+    return chosen
 
 
 def select_entries(pool: dict[str, Entry], ids: list[str] | None = None, split: str | Path | None = None,

@@ -1,7 +1,7 @@
 """The RC-GRPO paper's reference numbers and the report's row names (arXiv 2602.03025, Table 1).
 
 Qwen2.5-7B-Instruct, BFCL v4 multi-turn, 80 held-out entries, overall accuracy (%). Only the cells the
-paper reports; every other row is n/a. A reference for the shape of the result, not a target for the
+paper reports; every other row, and every row of another task, is n/a. A reference for the shape of the result, not a target for the
 embedded 135M model.
 """
 
@@ -16,6 +16,13 @@ ROWS: tuple[tuple[str, str], ...] = (
 which the paper does not run."""
 PAPER_TABLE1_OVERALL: dict[str, float] = {"base": 11.25, "sft-grpo": 48.75, "rctp-grpo": 73.75,
                                           "rctp-rc_grpo": 85.00}
+PAPER_TABLE1: dict[str, dict[str, float]] = {"multi_turn": PAPER_TABLE1_OVERALL}
+"""The paper's numbers per task: it reports BFCL v4 multi-turn only (single-turn rows show n/a)."""
+
+
+def paper_overall(task: str, label: str) -> float | None:
+    """The paper's Table 1 overall accuracy of a row on a task (None where it reports none)."""
+    return PAPER_TABLE1.get(task, {}).get(label)
 
 
 def row_name(label: str) -> str:

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rcgrpo_tasks.env.bfcl import ADDITIONAL_FUNCTION_PROMPT, Entry, entry_docs, render_docs
-from rcgrpo_tasks.env.calls import parse_calls
+from rcgrpo_tasks.env.calls import format_calls, parse_call_string, parse_calls
 from rcgrpo_tasks.env.environment import BfclEnvironment
+from rcgrpo_tasks.env.scoring import EntryScore, score_entry
 
 BFCL_MAX_STEPS_PER_TURN = 20  # bfcl_eval.constants.default_prompts.MAXIMUM_STEP_LIMIT
 DONE_DOC = {
@@ -216,6 +217,10 @@ class Episode:
         self.messages.extend(added)
         return added
 
+    def score(self) -> EntryScore:
+        """Every score of the trajectory so far (`env.scoring.score_entry` of `result`)."""
+        return score_entry(self.entry, self.result)
+
     def _execute(self, calls) -> list[dict]:
         strings = [c.to_string() for c in calls]
         self.result[-1].append(strings)
@@ -249,6 +254,23 @@ class Episode:
         elif self.n_steps >= self.cfg.max_outputs:
             self.terminate("step_limit")
         return added
+
+
+def replay_texts(protocol: str, turns_of_calls, final_text: str) -> list[str]:
+    """The model outputs that replay `turns_of_calls` (per turn: call strings = one step, or a list of steps)
+    under `protocol`: paper = every step, then `[done()]`; official = each turn's steps, then `final_text`
+    (any text that decodes to no call ends a turn)."""
+    steps_per_turn = [[list(t)] if t and isinstance(t[0], str) else [list(s) for s in t] for t in turns_of_calls]
+
+    def render(step):
+        return format_calls([parse_call_string(c) for c in step])
+
+    if protocol == "paper":
+        return [render(s) for steps in steps_per_turn for s in steps if s] + ["[done()]"]
+    texts: list[str] = []
+    for steps in steps_per_turn:
+        texts += [render(s) for s in steps if s] + [final_text]
+    return texts
 
 
 GOAL_RESERVE = 32

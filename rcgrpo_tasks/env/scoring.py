@@ -203,6 +203,26 @@ REWARDS: tuple[str, ...] = typing.get_args(Reward)
 BINARY_REWARDS: tuple[str, ...] = ("paper_reward", "official_verdict")
 
 
+def call_recall(entry: Entry, result: ModelTurns) -> float:
+    """Fraction of gold calls (multiset, arguments bound to parameter names, defaults applied) found among the
+    model's calls: the paper protocol's partial credit (it has no turn boundaries, so per-turn credit is
+    undefined there)."""
+    env = BfclEnvironment(entry)
+
+    def bound(strings) -> Counter:
+        out = []
+        for s in strings:
+            try:
+                out.append(env.bind(parse_call_string(s)))
+            except CallParseError:
+                continue
+        return Counter(b for b in out if b is not None)
+
+    need = bound([c for turn in entry.ground_truth for c in turn])
+    have = bound([c for turn in result for step in turn for c in step])
+    return sum((need & have).values()) / sum(need.values()) if need else 1.0
+
+
 def reward_value(score: dict | EntryScore | None, reward: str) -> float | None:
     """The chosen reward of one `score_entry` result (or its JSON dict); None where there is no score."""
     if score is None:

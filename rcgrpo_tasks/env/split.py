@@ -1,50 +1,52 @@
-"""The held-out split: BFCL v4 multi-turn entries from bfcl-eval split by numeric id (the prepare_data stage).
+"""The held-out split of the pipeline's task (the prepare_data stage): its entries from bfcl-eval, split
+by the task's rule (`env.tasks`).
 
-The same numeric id goes to the same side in every category (miss_func_17 is a variant of base_17, so
-splitting them apart would leak the test question into training). With the default 10% that is 20
-numeric ids x 4 categories = 80 test entries and 720 train, the paper's scheme (its exact ids are not
-published).
+- multi_turn: by numeric id, the same numeric id on the same side in every category (`bfcl.split_by_numeric_id`;
+  10% = 80 test entries and 720 train, the paper's scheme);
+- single_turn: stratified by category, `round(n * test_fraction)` of each category held out
+  (`single_turn.split_ids`).
 """
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
-from rcgrpo_tasks.env import bfcl
+from rcgrpo_tasks.env import tasks
 
 
 @dataclass(frozen=True)
 class PrepareDataConfig:
-    categories: tuple[str, ...] = bfcl.CATEGORIES
-    """BFCL v4 multi-turn categories to include."""
+    task: str = "multi_turn"
+    """The benchmark the whole pipeline runs (`env.tasks.TASK_NAMES`): every later stage reads its entries."""
+    categories: tuple[str, ...] | None = None
+    """Categories of the task to include; null = the task's defaults (multi_turn: all four; single_turn:
+    simple_python, multiple, parallel, parallel_multiple)."""
     test_fraction: float = 0.1
-    """Fraction of numeric ids held out (paper: 80 of 800 entries)."""
+    """Fraction held out (multi_turn: of numeric ids, paper: 80 of 800 entries; single_turn: of each category)."""
     seed: int = 0
     """Seed of the split; change it to draw another held-out set."""
 
-    def __post_init__(self):
-        unknown = set(self.categories) - set(bfcl.CATEGORIES)
-        if unknown or not self.categories:
-            raise ValueError(f"categories must be a non-empty subset of {bfcl.CATEGORIES}, got {self.categories}")
+    def __post_init__(self) -> None:
+        task = tasks.get_task(self.task)
+        if self.categories is not None:
+            unknown = sorted(set(self.categories) - set(task.categories))
+            if unknown or not self.categories:
+                raise ValueError(f"categories of task {self.task!r} must be a non-empty subset of "
+                                 f"{list(task.categories)}, got {list(self.categories)}")
         if not 0.0 < self.test_fraction < 1.0:
             raise ValueError(f"test_fraction must be in (0, 1), got {self.test_fraction}")
 
-
-def split_ids(entries: list[bfcl.Entry], test_fraction: float, seed: int) -> dict[str, list[str]]:
-    """Seeded split by numeric id; every entry sharing a numeric id lands on the same side."""
-    numeric = sorted({e.numeric_id for e in entries})
-    n_test = max(1, round(len(numeric) * test_fraction))
-    test_nums = set(random.Random(seed).sample(numeric, n_test))
-    train = [e.id for e in entries if e.numeric_id not in test_nums]
-    test = [e.id for e in entries if e.numeric_id in test_nums]
-    return {"train": train, "test": test, "test_numeric_ids": sorted(test_nums)}
+    @property
+    def chosen_categories(self) -> tuple[str, ...]:
+        return tuple(self.categories) if self.categories else tasks.get_task(self.task).default_categories
 
 
-def prepare(config: PrepareDataConfig) -> tuple[list[bfcl.Entry], dict]:
-    entries = bfcl.load_entries(config.categories)
-    split = split_ids(entries, config.test_fraction, config.seed)
-    split.update(seed=config.seed, test_fraction=config.test_fraction, categories=list(config.categories))
+def prepare(config: PrepareDataConfig) -> tuple[list, dict]:
+    task = tasks.get_task(config.task)
+    entries = task.load_entries(config.chosen_categories)
+    split = task.split(entries, config.test_fraction, config.seed)
+    split.update(task=task.name, seed=config.seed, test_fraction=config.test_fraction,
+                 categories=list(config.chosen_categories))
     return entries, split
 
 
@@ -52,5 +54,6 @@ def split_metrics(split: dict) -> dict:
     counts: dict[str, dict[str, int]] = {}
     for side in ("train", "test"):
         for entry_id in split[side]:
-            counts.setdefault(bfcl.category_of(entry_id), {"train": 0, "test": 0})[side] += 1
-    return {"n_train": len(split["train"]), "n_test": len(split["test"]), "per_category": counts}
+            counts.setdefault(tasks.task_of_id(entry_id).category_of(entry_id), {"train": 0, "test": 0})[side] += 1
+    return {"task": split.get("task", "multi_turn"), "n_train": len(split["train"]), "n_test": len(split["test"]),
+            "per_category": counts}

@@ -13,9 +13,10 @@ from rcgrpo_tasks.engine.backend import SamplingParams, reward_pair_ids
 from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.rollout import run_rollouts
-from rcgrpo_tasks.env.bfcl import numeric_id
-from rcgrpo_tasks.env.entries import split_entries
+from rcgrpo_tasks.env.entries import check_categories, split_entries
 from rcgrpo_tasks.env.protocols import PromptConfig
+from rcgrpo_tasks.env.tasks import task_of_entries
+from rcgrpo_tasks.evaluation.heldout import stratified
 from rcgrpo_tasks.ops.config import flat_field
 from rcgrpo_tasks.ops.io import InputError
 from rcgrpo_tasks.ops.stats import check_n_boot, mean, paired_bootstrap_ci
@@ -34,9 +35,9 @@ class ControllabilityConfig:
     sampled arm's temperature and top_p are `rl`'s (`sampled_as`); the backend is hf, loaded as evaluate
     loads a trained output."""
     n_entries: int = 4
-    """Held-out entries rolled (the first n of `categories` in the test split, by id order)."""
-    categories: tuple[str, ...] = ("base",)
-    """BFCL categories drawn from."""
+    """Held-out entries rolled: the first n of the test split taken round-robin over `categories`."""
+    categories: tuple[str, ...] | None = None
+    """Categories drawn from; null = every category of the prepared entries."""
     samples_per_token: int = 2
     """Sampled arm: rollouts per (entry, token) at the RL temperature."""
     greedy: bool = True
@@ -53,6 +54,7 @@ class ControllabilityConfig:
     def __post_init__(self) -> None:
         if self.guidance < 0:
             raise ValueError("guidance must be >= 0")
+        check_categories(self.categories)
         if self.n_entries < 1 or self.samples_per_token < 1:
             raise ValueError("n_entries and samples_per_token must be >= 1")
         if self.decode.batch_rows < 2:
@@ -72,12 +74,12 @@ def rl_record(rl: RLConfig) -> dict:
 
 
 def held_out_entries(entries_path: Path, split_path: Path, cfg: ControllabilityConfig) -> list:
-    """The first `n_entries` test entries of `cfg.categories` (category order, then numeric id)."""
+    """The first `n_entries` test entries of `cfg.categories`, round-robin over the categories (file order
+    within each), as evaluate's `limit` takes them."""
     test = split_entries(entries_path, split_path, "test", cfg.categories)
-    picked = sorted(test, key=lambda e: (cfg.categories.index(e.category), numeric_id(e.id)))
-    if not picked:
-        raise InputError(f"{split_path}: no test entries in categories {list(cfg.categories)}")
-    return picked[: cfg.n_entries]
+    if not test:
+        raise InputError(f"{split_path}: no test entries in categories {list(cfg.categories or [])} (empty: any)")
+    return stratified(test, cfg.n_entries)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -176,7 +178,8 @@ def measure(cfg: ControllabilityConfig, prompt: PromptConfig, tokens: tuple[str,
     proto = prompt.protocol_config(cfg.decode.max_outputs)
     prov = {"source": "controllability", **(provenance or {})}
     t0 = time.perf_counter()
-    metrics: dict = {"n_entries": len(entries), "high_token": high, "low_token": low, "entries": [e.id for e in entries]}
+    metrics: dict = {"task": task_of_entries(entries).name, "n_entries": len(entries), "high_token": high,
+                     "low_token": low, "entries": [e.id for e in entries]}
     trajs: list = []
     if cfg.greedy:
         greedy = dataclasses.replace(cfg.decode, temperature=0.0, top_p=1.0).sampling(cfg.seed)

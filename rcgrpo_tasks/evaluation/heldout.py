@@ -1,4 +1,4 @@
-"""Held-out evaluation: rollouts of one model on the held-out split, scored, summarised with bootstrap CIs (the evaluate stage runs `run_eval`)."""
+"""Held-out evaluation: rollouts of one model on the held-out split (either task), scored, summarised with bootstrap CIs (the evaluate stage runs `run_eval`)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ from rcgrpo_tasks.engine.backend import reward_pair_ids
 from rcgrpo_tasks.engine.decoding import MAX_OUTPUTS, DecodeConfig
 from rcgrpo_tasks.engine.rollout import run_rollouts
 from rcgrpo_tasks.engine.trajectory import as_stage_output, write_trajectories
-from rcgrpo_tasks.env import bfcl
-from rcgrpo_tasks.env.calls import CallParseError, parse_call_string
-from rcgrpo_tasks.env.environment import BfclEnvironment
-from rcgrpo_tasks.env.paper import PAPER_TABLE1_OVERALL, ROWS
+from rcgrpo_tasks.env.entries import Entry
+from rcgrpo_tasks.env.paper import ROWS, paper_overall
 from rcgrpo_tasks.env.protocols import DEFAULT_REWARD_TOKENS, PromptConfig
+from rcgrpo_tasks.env.tasks import ALL_CATEGORIES, get_task, task_of
 from rcgrpo_tasks.ops.cli import Progress
 from rcgrpo_tasks.ops.config import flat_field
 from rcgrpo_tasks.ops.io import write_jsonl, write_text
@@ -35,7 +34,7 @@ class EvaluateConfig:
     limit: int | None = None
     """Evaluate only N held-out entries, taken round-robin over categories (smoke profile); null = all."""
     official_full: bool = False
-    """Also run BFCL's official protocol on all 800 entries (GPU profile)."""
+    """Also run BFCL's official protocol on every prepared entry (multi-turn: all 800; GPU profile)."""
     official_max_steps_per_turn: int = 20
     """Model outputs per turn under the official protocol (`official_full`)."""
     n_bootstrap: int = 2000
@@ -55,11 +54,11 @@ class EvaluateConfig:
             raise ValueError(f"official_max_steps_per_turn must be in [1, {MAX_OUTPUTS}]")
 
 
-def stratified(entries: list[bfcl.Entry], limit: int | None) -> list[bfcl.Entry]:
+def stratified(entries: list[Entry], limit: int | None) -> list[Entry]:
     """The first `limit` entries taken round-robin over categories (all of them when limit is None)."""
     if limit is None:
         return entries
-    by_cat: dict[str, list[bfcl.Entry]] = {}
+    by_cat: dict[str, list[Entry]] = {}
     for e in entries:
         by_cat.setdefault(e.category, []).append(e)
     rounds = max(len(v) for v in by_cat.values())
@@ -67,33 +66,18 @@ def stratified(entries: list[bfcl.Entry], limit: int | None) -> list[bfcl.Entry]
     return order[:limit]
 
 
-def call_recall(entry: bfcl.Entry, result: list) -> float:
-    """Fraction of gold calls (multiset, canonically bound) found among the model's calls."""
-
-    env = BfclEnvironment(entry)
-
-    def bound(strings):
-        out = []
-        for s in strings:
-            try:
-                out.append(env.bind(parse_call_string(s)))
-            except CallParseError:
-                continue
-        return collections.Counter(b for b in out if b is not None)
-
-    need = bound([c for turn in entry.ground_truth for c in turn])
-    have = bound([c for turn in result for step in turn for c in step])
-    return sum((need & have).values()) / sum(need.values()) if need else 1.0
-
-
-def result_row(traj, entry: bfcl.Entry) -> dict:
+def result_row(traj, entry: Entry) -> dict:
+    """One held-out entry's row: success under the evaluated protocol (`valid`: the paper reward under
+    `paper`, the official verdict under `official`; single-turn: BFCL's AST verdict under both), the task's
+    partial credit (`Task.partial_credit`) and the trajectory's bookkeeping."""
     s = traj.score
     paper = traj.protocol == "paper"
+    partial, kind = task_of(entry).partial_credit(entry, s, traj.result, traj.protocol)
     return {
-        "id": traj.entry_id, "category": traj.category, "protocol": traj.protocol, "result": traj.result,
-        "valid": bool(s["paper_reward"] == 1.0) if paper else bool(s["valid"]),
+        "id": traj.entry_id, "task": task_of(entry).name, "category": traj.category, "protocol": traj.protocol,
+        "result": traj.result, "valid": bool(s["paper_reward"] == 1.0) if paper else bool(s["valid"]),
         "official_valid": bool(s["valid"]), "error_type": s["error_type"], "paper_reward": s["paper_reward"],
-        "partial_credit": call_recall(entry, traj.result) if paper else s["partial_credit"],
+        "partial_credit": partial, "partial_credit_kind": kind,
         "termination": traj.termination, "n_steps": traj.n_steps, "n_model_tokens": traj.n_model_tokens,
         "reward_token": traj.reward_token,
     }
@@ -108,14 +92,14 @@ def summarize(rows: list[dict], label: str, n_boot: int, seed: int) -> dict:
                 "partial_credit": sum(r["partial_credit"] for r in subset) / len(subset),
                 "paper_reward": sum(r["paper_reward"] for r in subset) / len(subset)}
 
-    cats = [c for c in bfcl.CATEGORIES if any(r["category"] == c for r in rows)]
+    cats = [c for c in ALL_CATEGORIES if any(r["category"] == c for r in rows)]
     overall = cell(rows, [r["category"] for r in rows])
     return {
-        "label": label, "n": len(rows), "protocol": rows[0]["protocol"],
+        "label": label, "task": rows[0]["task"], "n": len(rows), "protocol": rows[0]["protocol"],
         "categories": {c: cell([r for r in rows if r["category"] == c]) for c in cats},
         "overall": overall, "accuracy": overall["accuracy"], "partial_credit": overall["partial_credit"],
         "paper_reward": overall["paper_reward"], "paper_table1_overall": None,
-        "partial_credit_kind": "gold_call_recall" if rows[0]["protocol"] == "paper" else "turns_passed",
+        "partial_credit_kind": rows[0]["partial_credit_kind"],
         "terminations": dict(collections.Counter(r["termination"] for r in rows)),
         "n_model_tokens": sum(r["n_model_tokens"] for r in rows),
         "mean_steps": sum(r["n_steps"] for r in rows) / len(rows),
@@ -127,7 +111,7 @@ def guidance_of(cfg: EvaluateConfig, reward_token: str | None) -> float:
     return cfg.guidance if reward_token else 0.0
 
 
-def run_eval(cfg: EvaluateConfig, prompt: PromptConfig, backend, entries: list[bfcl.Entry], reward_token: str | None,
+def run_eval(cfg: EvaluateConfig, prompt: PromptConfig, backend, entries: list[Entry], reward_token: str | None,
              label: str, tokens: tuple[str, ...] = DEFAULT_REWARD_TOKENS) -> tuple[list, list[dict], dict]:
     """(trajectories, per-entry rows, summary) of greedy rollouts of `entries` under `prompt.protocol`;
     `tokens`: the pipeline's reward tokens, lowest first (guidance contrasts the highest with the lowest)."""
@@ -159,8 +143,8 @@ def write_outputs(folder: Path, trajs: list, rows: list[dict], summary: dict) ->
     for cat, c in [*summary["categories"].items(), ("overall", summary["overall"])]:
         lines.append(f"{cat},{c['accuracy']:.2f},{c['ci'][0]:.2f},{c['ci'][1]:.2f},{c['n']}")
     write_text(folder / "accuracy.csv", "\n".join(lines) + "\n")
-    accuracy_plot([{**summary, "paper_table1_overall": PAPER_TABLE1_OVERALL.get(summary["label"])}],
-                  folder / "accuracy.png", dict(ROWS))
+    accuracy_plot([{**summary, "paper_table1_overall": paper_overall(summary["task"], summary["label"])}],
+                  folder / "accuracy.png", dict(ROWS), title=f"BFCL v4 {summary['task']}, held-out split")
 
 
 def report_markdown(summary: dict, settings: dict, official: dict | None) -> str:
@@ -171,10 +155,11 @@ def report_markdown(summary: dict, settings: dict, official: dict | None) -> str
                        f"{c['partial_credit']:.3f} | {c['paper_reward']:.3f} |")
         return out
 
-    lines = [f"# Evaluation: {summary['label']}", ""]
+    lines = [f"# Evaluation: {summary['label']} ({summary['task']})", ""]
     lines += [f"- {k}: `{v}`" for k, v in settings.items()]
-    lines += ["", f"## Held-out split, `{summary['protocol']}` protocol", "", *table(summary), ""]
-    lines.append(f"Accuracy: {'paper reward = 1 (final state + every gold call)' if summary['protocol'] == 'paper' else 'official BFCL verdict'}; "
+    lines += ["", f"## Held-out split, `{summary['task']}` task, `{summary['protocol']}` protocol", "",
+              *table(summary), ""]
+    lines.append(f"Accuracy: {get_task(summary['task']).accuracy}; "
                  f"partial credit: {summary['partial_credit_kind']}; CIs: 95% percentile bootstrap over entries "
                  "(overall stratified by category).")
     lines += ["", f"Terminations: {summary['terminations']}; mean steps {summary['mean_steps']:.2f}; "

@@ -1,4 +1,5 @@
-"""The results table of the grid: accuracy per category with bootstrap CIs, the paper's Table 1 beside it, RL diagnostics (the report stage runs `build_report`)."""
+"""The results table of the grid: accuracy per category with bootstrap CIs, the paper's Table 1 beside it, RL
+diagnostics and how RL's reward moved (the report stage runs `build_report`). Every row names its task."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rcgrpo_tasks.env.bfcl import CATEGORIES, category_of
-from rcgrpo_tasks.env.paper import PAPER_TABLE1_OVERALL, ROWS
+from rcgrpo_tasks.env.paper import ROWS, paper_overall
+from rcgrpo_tasks.env.tasks import ALL_CATEGORIES, task_of_id
 from rcgrpo_tasks.ops.io import InputError, read_json, read_jsonl
-from rcgrpo_tasks.ops.stats import bootstrap_ci, mean
+from rcgrpo_tasks.ops.stats import bootstrap_ci, difference_ci, mean, paired_bootstrap_ci
 
 RESULT_FILES = ("results.jsonl",)  # the evaluate stage's per-entry file
 
@@ -20,17 +21,23 @@ class EvalResult:
     entries: list[dict]
     """Per entry: entry_id, category, correct (evaluate's `valid`, 0/1), official, partial_credit, paper_reward."""
     source: str
+    task: str = "multi_turn"
     rl: dict = field(default_factory=dict)
     controllability: dict = field(default_factory=dict)
     """The controllability stage's metrics for this model (RCTP): sampled / greedy gap, zero-variance shares."""
+    steps: list[dict] = field(default_factory=list)
+    """The RL run's per-step rows (plots TSV) for RL rows."""
 
 
 def _category(entry_id: str, row: dict) -> str:
     cat = row.get("category")
     if cat:
         return str(cat).replace("multi_turn_", "")
+    return task_of_id(entry_id).category_of(entry_id)
 
-    return category_of(entry_id).replace("multi_turn_", "")
+
+def _task(entry_id: str, row: dict) -> str:
+    return row.get("task") or task_of_id(entry_id).name
 
 
 def _normalise(row: dict, where: str) -> dict:
@@ -41,7 +48,8 @@ def _normalise(row: dict, where: str) -> dict:
     if entry_id is None or valid is None:
         raise InputError(f"{where}: needs 'entry_id'/'id' and 'valid' (or score.valid); got keys {sorted(row)}")
     official = score.get("official_valid", valid)
-    return {"entry_id": entry_id, "category": _category(entry_id, row), "correct": float(bool(valid)),
+    return {"entry_id": entry_id, "task": _task(entry_id, row), "category": _category(entry_id, row),
+            "correct": float(bool(valid)),
             "official": float("nan") if official is None else float(bool(official)),
             "partial_credit": float(score.get("partial_credit", float("nan"))),
             "paper_reward": float(score.get("paper_reward", float("nan")))}
@@ -59,13 +67,16 @@ def load_eval(label: str, path: Path) -> EvalResult:
     if not rows:
         raise InputError(f"{path}: no entries")
     entries = [_normalise(r, f"{path}:{i}") for i, r in enumerate(rows, 1)]
-    return EvalResult(label, entries, str(path))
+    task = {e["task"] for e in entries}
+    if len(task) != 1:
+        raise InputError(f"{path}: rows of {len(task)} tasks ({sorted(task)}); an evaluation covers one task")
+    return EvalResult(label, entries, str(path), task.pop())
 
 
 def summarize_row(res: EvalResult, seed: int = 0) -> dict:
     """Accuracy (%) per category and overall with 95% CIs, partial credit, paper reward, RL diagnostics."""
-    cats = sorted({e["category"] for e in res.entries}, key=lambda c: (CATEGORIES + (c,)).index(c))
-    out: dict = {"label": res.label, "n": len(res.entries), "categories": {}}
+    cats = sorted({e["category"] for e in res.entries}, key=lambda c: (ALL_CATEGORIES + (c,)).index(c))
+    out: dict = {"label": res.label, "task": res.task, "n": len(res.entries), "categories": {}}
     for cat in cats:
         vals = [e["correct"] for e in res.entries if e["category"] == cat]
         lo, hi = bootstrap_ci(vals, seed=seed)
@@ -76,13 +87,30 @@ def summarize_row(res: EvalResult, seed: int = 0) -> dict:
     out["official_accuracy"] = 100 * mean([e.get("official", float("nan")) for e in res.entries])
     out["partial_credit"] = mean([e["partial_credit"] for e in res.entries])
     out["paper_reward"] = mean([e["paper_reward"] for e in res.entries])
-    out["paper_table1_overall"] = PAPER_TABLE1_OVERALL.get(res.label)
+    out["paper_table1_overall"] = paper_overall(res.task, res.label)
     for key in ("mean_frac_zero_std", "mean_controllability_gap", "mean_adv_abs_mean", "steps",
                 "mean_frac_zero_std_generated", "rollouts_per_useful_group", "total_step_skipped"):
         if res.rl.get(key) is not None:
             out[f"rl_{key}"] = res.rl[key]
     out.update(controllability_fields(res.controllability))
+    if res.steps:
+        out["rl_reward_change"] = reward_change(res.steps, seed)
     return out
+
+
+def reward_change(steps: list[dict], seed: int = 0) -> dict:
+    """How RL's training reward moved: mean reward of the last third of the logged steps minus the first
+    third's, with a 95% bootstrap CI (each third's step rewards resampled on their own), and the per-step
+    rewards. Steps without a reward (NaN) are skipped; fewer than 2 steps: no change (None)."""
+    rewards = [float(r["reward"]) for r in sorted(steps, key=lambda r: r["step"])
+               if r.get("reward") is not None and not math.isnan(float(r["reward"]))]
+    k = len(rewards) // 3 or 1
+    if len(rewards) < 2:
+        return {"steps": len(rewards), "rewards": rewards, "first": None, "last": None, "change": None, "ci": None}
+    first, last = rewards[:k], rewards[-k:]
+    change, lo, hi = difference_ci(last, first, seed=seed)
+    return {"steps": len(rewards), "rewards": rewards, "first": mean(first), "last": mean(last),
+            "change": change, "ci": [lo, hi], "steps_per_third": k}
 
 
 def controllability_fields(ctl: dict) -> dict:
@@ -122,30 +150,49 @@ def _zero_var(cell: dict | None) -> str:
     return "n/a" if not cell else f"{_num(cell['all_high'], '.3f')} / {_num(cell['mixed'], '.3f')} (G={cell['G']})"
 
 
+def _versus(cell: dict | None) -> str:
+    if not cell or not cell["n"]:
+        return "n/a"
+    lo, hi = cell["ci"]
+    return f"{cell['diff']:+.1f} [{lo:+.1f}, {hi:+.1f}]"
+
+
+def _change(cell: dict | None) -> str:
+    if not cell or cell.get("change") is None:
+        return "n/a"
+    lo, hi = cell["ci"]
+    return f"{cell['first']:.3f} -> {cell['last']:.3f}: {cell['change']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+
 def markdown_table(rows: list[dict]) -> str:
-    cats = [c for c in CATEGORIES if any(c in r["categories"] for r in rows)]
+    cats = [c for c in ALL_CATEGORIES if any(c in r["categories"] for r in rows)]
     cats += sorted({c for r in rows for c in r["categories"]} - set(cats))
     names = dict(ROWS)
-    head = (["Model", "n"] + [f"{c} acc % [95% CI]" for c in cats]
-            + ["Overall acc % [95% CI]", "Official verdict %", "Partial credit", "Paper reward",
-               "Paper Table 1 overall % (7B, GPU)", "RL frac zero-std groups", "RL zero-std share generated",
+    head = (["Model", "Task", "n"] + [f"{c} acc % [95% CI]" for c in cats]
+            + ["Overall acc % [95% CI]", "vs init, pts [95% CI]", "Official verdict %", "Partial credit", "Paper reward",
+               "Paper Table 1 overall % (7B, GPU)", "RL reward first -> last third: change [95% CI]",
+               "RL frac zero-std groups", "RL zero-std share generated",
                "RL rollouts / useful group", "RL steps skipped", "RL controllability gap",
                "Ctl gap sampled [95% CI]", "Ctl gap greedy [95% CI]", "Ctl zero-var share all-high / mixed"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [names.get(r["label"], r["label"]), str(r["n"])] + [_fmt(r["categories"].get(c)) for c in cats]
-        cells += [_fmt(r["overall"]), _num(r["official_accuracy"], ".1f"), _num(r["partial_credit"], ".3f"),
-                  _num(r["paper_reward"], ".3f"), _num(r["paper_table1_overall"]),
+        cells = [names.get(r["label"], r["label"]), r.get("task", "multi_turn"), str(r["n"])]
+        cells += [_fmt(r["categories"].get(c)) for c in cats]
+        cells += [_fmt(r["overall"]), _versus(r.get("vs_init")), _num(r["official_accuracy"], ".1f"), _num(r["partial_credit"], ".3f"),
+                  _num(r["paper_reward"], ".3f"), _num(r["paper_table1_overall"]), _change(r.get("rl_reward_change")),
                   _num(r.get("rl_mean_frac_zero_std"), ".3f"), _num(r.get("rl_mean_frac_zero_std_generated"), ".3f"),
                   _num(r.get("rl_rollouts_per_useful_group"), ".1f"), _num(r.get("rl_total_step_skipped"), ".0f"),
                   _num(r.get("rl_mean_controllability_gap"), ".3f"),
                   _gap(r.get("ctl_gap_sampled")), _gap(r.get("ctl_gap_greedy")), _zero_var(r.get("ctl_zero_var"))]
         lines.append("| " + " | ".join(cells) + " |")
-    note = ("\nAccuracy: the evaluate stage's success (`valid`: the paper's binary reward under the paper protocol, "
-            "the official verdict under the official one) on the held-out split; \"Official verdict\": BFCL's "
-            "per-turn checker on the same trajectories. "
+    note = ("\nAccuracy: the evaluate stage's success on the held-out split (`valid`; multi_turn: the paper's "
+            "binary reward under the paper protocol, the official verdict under the official one; single_turn: "
+            "BFCL's AST checker); \"Official verdict\": BFCL's own checker on the same trajectories. "
             "CIs: 95% percentile bootstrap over entries. \"Paper Table 1\": the RC-GRPO paper's own numbers "
-            "(Qwen2.5-7B-Instruct, GPU, 80 held-out entries), for reference only; n/a = not reported there. "
+            "(Qwen2.5-7B-Instruct, GPU, BFCL v4 multi-turn, 80 held-out entries), for reference only; n/a = not "
+            "reported there (every single_turn row). RL reward change: mean training reward of the last third of "
+            "the steps minus the first third's, 95% bootstrap CI over steps. vs init: an RL row's overall accuracy "
+            "minus its init's (SFT or RCTP) on the same entries, 95% paired bootstrap CI over entries. "
             "RL columns: means over training steps (zero-std: group reward std < 1e-6) of the groups trained on "
             "and of every group generated (dynamic sampling drops and regenerates); rollouts / useful group: "
             "rollouts generated per group trained on with reward spread (n/a: none had spread); steps skipped: "
@@ -157,7 +204,8 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def build_report(evals: list[tuple[str, Path]], rl: list[tuple[str, Path]], seed: int = 0,
-                 controllability: list[tuple[str, Path]] = ()) -> list[dict]:
+                 controllability: list[tuple[str, Path]] = (), steps: dict[str, list[dict]] | None = None) -> list[dict]:
+    """Summaries of every evaluated row in the paper's order; `steps`: RL per-step rows by label."""
     rl_by, ctl_by = {}, {}
     for label, p in rl:
         if not p.is_file():
@@ -172,5 +220,22 @@ def build_report(evals: list[tuple[str, Path]], rl: list[tuple[str, Path]], seed
     for r in results:
         r.rl = rl_by.get(r.label, {})
         r.controllability = ctl_by.get(r.label, {})
+        r.steps = (steps or {}).get(r.label, [])
     results.sort(key=lambda r: order.get(r.label, len(order)))
-    return [summarize_row(r, seed) for r in results]
+    by_label = {r.label: r for r in results}
+    rows = [summarize_row(r, seed) for r in results]
+    for row, res in zip(rows, results):
+        init = by_label.get(res.label.split("-", 1)[0]) if "-" in res.label else None
+        if init is not None:
+            row["vs_init"] = versus(res, init, seed)
+    return rows
+
+
+def versus(res: EvalResult, init: EvalResult, seed: int = 0) -> dict:
+    """Accuracy (%) of an RL row minus its init's (`rctp-rc_grpo` vs `rctp`) on the entries both evaluated,
+    with a 95% paired bootstrap CI over entries."""
+    mine = {e["entry_id"]: e["correct"] for e in res.entries}
+    theirs = {e["entry_id"]: e["correct"] for e in init.entries}
+    common = [i for i in mine if i in theirs]
+    diff, lo, hi = paired_bootstrap_ci([mine[i] for i in common], [theirs[i] for i in common], seed=seed)
+    return {"init": init.label, "n": len(common), "diff": 100 * diff, "ci": [100 * lo, 100 * hi]}

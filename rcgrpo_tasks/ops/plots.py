@@ -18,7 +18,7 @@ def _finite(x) -> float:
 
 
 def accuracy_plot(rows: list[dict], path: Path, names: dict[str, str] | None = None,
-                  title: str = "BFCL v4 multi-turn, held-out split") -> None:
+                  title: str = "BFCL v4, held-out split") -> None:
     """Write the PNG of `accuracy_figure(rows, ...)` to `path`, atomically."""
     import matplotlib.pyplot as plt
 
@@ -31,7 +31,7 @@ def accuracy_plot(rows: list[dict], path: Path, names: dict[str, str] | None = N
 
 
 def accuracy_figure(rows: list[dict], names: dict[str, str] | None = None,
-                    title: str = "BFCL v4 multi-turn, held-out split"):
+                    title: str = "BFCL v4, held-out split"):
     """The matplotlib figure of `rows` (report/evaluate summaries: label, n, overall{accuracy, ci},
     partial_credit, paper_table1_overall)."""
     import matplotlib

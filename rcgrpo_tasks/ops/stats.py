@@ -66,3 +66,16 @@ def paired_bootstrap_ci(a: Sequence[float], b: Sequence[float], n_boot: int = N_
         return (float("nan"), float("nan"), float("nan"))
     lo, hi = bootstrap_ci(diffs, n_boot=n_boot, seed=seed, level=level)
     return (sum(diffs) / len(diffs), lo, hi)
+
+
+def difference_ci(a: Sequence[float], b: Sequence[float], n_boot: int = N_BOOT, seed: int = 0,
+                  level: float = 0.95) -> tuple[float, float, float]:
+    """(mean(a) - mean(b), CI low, CI high) of two independent samples, each resampled on its own."""
+    a, b = [float(x) for x in a], [float(x) for x in b]
+    if not a or not b:
+        return (float("nan"), float("nan"), float("nan"))
+    rng = random.Random(seed)
+    diffs = [sum(a[rng.randrange(len(a))] for _ in a) / len(a) - sum(b[rng.randrange(len(b))] for _ in b) / len(b)
+             for _ in range(n_boot)]
+    lo, hi = _percentiles(diffs, level)
+    return (sum(a) / len(a) - sum(b) / len(b), lo, hi)

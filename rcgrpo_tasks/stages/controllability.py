@@ -51,7 +51,7 @@ from rcgrpo_tasks.evaluation.controllability import (
 )
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
-from rcgrpo_tasks.ops.config import as_dict, load_config, read_params
+from rcgrpo_tasks.ops.config import as_dict, load_config, read_sections
 from rcgrpo_tasks.ops.io import write_json
 from rcgrpo_tasks.train.grpo import RLConfig
 
@@ -84,9 +84,10 @@ def main(
     with cli_errors(FileNotFoundError):
         cfg = load_config(ControllabilityConfig, params, "controllability")
         prompt = load_config(PromptConfig, params, "prompt")
-        tokens = reward_tokens(read_params(params))
+        tokens = reward_tokens(read_sections(params, "label_rewards"))
         rl = load_config(RLConfig, params, "rl")  # the sampled arm samples as RL does
         picked = held_out_entries(entries, split, cfg)
+        cfg.decode.check_context(model_dir, f"{params}:controllability.max_new_tokens")
         backend = load_policy(model_dir, adapter_dir, cfg.decode.dtype, (tokens[-1], tokens[0]),
                               load_compute(params).device)  # before any MLflow run
     typer.echo(f"controllability: decoding on {backend.describe().get('device')}")

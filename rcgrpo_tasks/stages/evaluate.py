@@ -48,7 +48,7 @@ from rcgrpo_tasks.evaluation.heldout import (
 )
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
-from rcgrpo_tasks.ops.config import as_dict, load_config, read_params
+from rcgrpo_tasks.ops.config import as_dict, load_config, read_sections
 from rcgrpo_tasks.ops.io import write_json, write_text
 
 
@@ -80,8 +80,9 @@ def main(
     label = name or out.name
     with cli_errors():
         cfg = load_config(EvaluateConfig, params, "evaluate")
+        cfg.decode.check_context(model, f"{params}:evaluate.max_new_tokens")
         prompt = load_config(PromptConfig, params, "prompt")
-        tokens = reward_tokens(read_params(params))
+        tokens = reward_tokens(read_sections(params, "label_rewards"))
         pool = read_entries(entries)
         held_out = stratified(select_entries(pool, split=split, side="test"), cfg.limit)
         compute = load_compute(params)

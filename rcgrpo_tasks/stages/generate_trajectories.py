@@ -43,9 +43,11 @@ from pathlib import Path
 
 import typer
 
-from rcgrpo_tasks.data.dataset import GenerateConfig, check_prompt, generate
+from rcgrpo_tasks.data.dataset import GenerateConfig, check_task, generate
 from rcgrpo_tasks.engine.compute import load_compute
+from rcgrpo_tasks.env.entries import split_entries
 from rcgrpo_tasks.env.protocols import PromptConfig
+from rcgrpo_tasks.env.tasks import task_of_entries
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config
@@ -67,8 +69,10 @@ def main(
     with cli_errors():
         cfg = load_config(GenerateConfig, params, "generate_trajectories")
         prompt = load_config(PromptConfig, params, "prompt")
-        check_prompt(cfg, prompt)
+        check_task(cfg, prompt, task_of_entries(split_entries(entries, split, "train")))
         device = load_compute(params).device
+        key = f"{params}:generate_trajectories.max_new_tokens"
+        cfg.decode.check_context(cfg.policy_model or model_dir, key)
     run_params = {**as_dict(cfg), "prompt": as_dict(prompt)}
     with tracking.published_run("generate_trajectories", run_params, outputs=(out, metrics)) as (_, staged), \
             cli_errors():

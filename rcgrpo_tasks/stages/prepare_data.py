@@ -1,13 +1,14 @@
-"""Stage `prepare_data`: BFCL v4 multi-turn entries from bfcl-eval, and the seeded 90/10 split.
+"""Stage `prepare_data`: the entries of the pipeline's task from bfcl-eval, and the seeded held-out split.
 
-Reads the installed `bfcl-eval` package's data (four categories, 200 entries each, ground truth included).
+`prepare_data.task` chooses the benchmark every later stage runs (`env.tasks`): `single_turn` (BFCL v4's
+AST categories: simple_python, multiple, parallel, parallel_multiple and the live ones) or `multi_turn`
+(BFCL v4 multi-turn: base, miss_func, miss_param, long_context; the paper's task).
 Writes (paths from `dvc.yaml`):
-- `--entries`: one `Entry.to_json()` per line (questions per turn, initial_config, involved classes,
-  ground truth, missed functions) — the frozen snapshot every later stage reads;
-- `--split`: `{"train": [ids], "test": [ids], ...}`: a seeded split by *numeric id*: the same numeric id
-  goes to the same side in every category (miss_func_17 is a variant of base_17, so splitting them apart
-  would leak the test question into training). With the default 10% that is 20 numeric ids x 4
-  categories = 80 test entries and 720 train, the paper's scheme (its exact ids are not published);
+- `--entries`: one entry per line (`to_json()`, naming its task): the frozen snapshot every later stage reads;
+- `--split`: `{"train": [ids], "test": [ids], "task": ..., ...}`, seeded. multi_turn: by *numeric id*, the
+  same numeric id on the same side in every category (miss_func_17 is a variant of base_17); 10% = 80 test
+  entries and 720 train, the paper's scheme (its exact ids are not published). single_turn: stratified by
+  category (10% of each);
 - `--metrics`: counts per category and side.
 
 Run: `rcgrpo prepare-data --params params.yaml --entries data/entries.jsonl --split data/split.json
@@ -21,6 +22,7 @@ from pathlib import Path
 import typer
 
 from rcgrpo_tasks.env.split import PrepareDataConfig, prepare, split_metrics
+from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import load_config
 from rcgrpo_tasks.ops.io import write_json, write_jsonl
@@ -35,16 +37,18 @@ def main(
     split: Path = typer.Option(..., help="Output: split JSON."),
     metrics: Path | None = typer.Option(None, help="Output: counts JSON."),
 ) -> None:
-    """Load BFCL v4 multi-turn from bfcl-eval and split it 90/10 by numeric id."""
+    """Load the task's BFCL v4 entries from bfcl-eval and split them (seeded)."""
     with cli_errors():
         config = load_config(PrepareDataConfig, params, "prepare_data")
     rows, split_data = prepare(config)
-    write_jsonl(entries, (e.to_json() for e in rows))
-    write_json(split, split_data)
     m = split_metrics(split_data)
-    if metrics:
-        write_json(metrics, m)
-    typer.echo(f"{len(rows)} entries -> {entries}; train {m['n_train']} / test {m['n_test']} -> {split}")
+    # Published together, and only while params.yaml still holds the values read (`published_run`).
+    with tracking.published_run("prepare_data", outputs=(entries, split, metrics), track=False) as (_, staged):
+        write_jsonl(staged.file(entries), (e.to_json() for e in rows))
+        write_json(staged.file(split), split_data)
+        if metrics:
+            write_json(staged.file(metrics), m)
+    typer.echo(f"{len(rows)} {config.task} entries -> {entries}; train {m['n_train']} / test {m['n_test']} -> {split}")
 
 
 if __name__ == "__main__":

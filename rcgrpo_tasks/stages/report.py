@@ -37,6 +37,7 @@ from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.io import InputError, write_json, write_text
 from rcgrpo_tasks.ops.plots import accuracy_plot
 from rcgrpo_tasks.train.diagnostics import plot_mechanism
+from rcgrpo_tasks.train.runs import read_tsv
 
 
 def _pairs(items: list[str], what: str) -> list[tuple[str, Path]]:
@@ -68,11 +69,16 @@ def main(
 ) -> None:
     """Assemble the results table (with CIs and the paper's numbers) and plot."""
     with cli_errors():
-        rows = build_report(_pairs(eval_, "--eval"), _pairs(rl, "--rl"), seed,
-                            _pairs(controllability, "--controllability"))
         step_files = dict(_pairs(steps, "--steps"))
+        missing = [str(p) for p in step_files.values() if not p.is_file()]
+        if missing:
+            raise InputError(f"--steps: not found: {missing} (run `dvc repro rl`)")
+        rows = build_report(_pairs(eval_, "--eval"), _pairs(rl, "--rl"), seed,
+                            _pairs(controllability, "--controllability"),
+                            {label: read_tsv(p) for label, p in step_files.items()})
         if mechanism is not None and not step_files:
             raise InputError("--mechanism needs the runs' per-step TSVs (--steps LABEL=TSV)")
+    task = " / ".join(sorted({r["task"] for r in rows}))
     md = markdown_table(rows)
     outputs = (table, json_out, plot_out, mechanism)
     with tracking.published_run("report", {"eval": eval_, "rl": rl, "seed": seed}, outputs=outputs,
@@ -80,10 +86,10 @@ def main(
         files = [staged.file(table), staged.file(json_out), staged.file(plot_out)]
         write_text(files[0], md)
         write_json(files[1], {"rows": {r["label"]: r for r in rows}, "paper_table1_overall": PAPER_TABLE1_OVERALL})
-        accuracy_plot(rows, files[2], dict(ROWS))
+        accuracy_plot(rows, files[2], dict(ROWS), title=f"BFCL v4 {task}, held-out split")
         if mechanism is not None:
             files.append(staged.file(mechanism))
-            plot_mechanism(step_files, files[-1])
+            plot_mechanism(step_files, files[-1], title=f"RC-GRPO mechanism per step (BFCL v4 {task})")
         if track:
             _log(rows, files)
     typer.echo(md)
@@ -95,8 +101,11 @@ def _log(rows: list[dict], files: list[Path]) -> None:
         metrics[f"{r['label']}/overall_acc"] = r["overall"]["accuracy"]
         for cat, c in r["categories"].items():
             metrics[f"{r['label']}/{cat}_acc"] = c["accuracy"]
+        change = r.get("rl_reward_change") or {}
+        if change.get("change") is not None:
+            metrics[f"{r['label']}/rl_reward_change"] = change["change"]
     tracking.log_metrics({k: v for k, v in metrics.items() if not math.isnan(v)})
-    tracking.log_table([{"model": row_name(r["label"]), "n": r["n"],
+    tracking.log_table([{"model": row_name(r["label"]), "task": r["task"], "n": r["n"],
                          "overall_acc": r["overall"]["accuracy"], "ci_lo": r["overall"]["ci"][0],
                          "ci_hi": r["overall"]["ci"][1], "paper_table1": r["paper_table1_overall"]}
                         for r in rows], "report_table")

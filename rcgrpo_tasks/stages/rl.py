@@ -1,4 +1,4 @@
-"""Stage `rl`: GRPO / RC-GRPO on TRL's `GRPOTrainer`, rolling out multi-turn BFCL episodes.
+"""Stage `rl`: GRPO / RC-GRPO on TRL's `GRPOTrainer`, rolling out BFCL episodes of the pipeline's task.
 
 What it does (one run of the grid init x algo, e.g. `rl@rctp-rc_grpo`; the library is `train/grpo.py`
 and `train/grpo_trainer.py`, the method docs/rl.md):
@@ -7,8 +7,9 @@ and `train/grpo_trainer.py`, the method docs/rl.md):
    to the RCTP model, as in the paper, not to the raw base.
 2. Trains with `GRPOTrainer(rollout_func=EngineRollout)`: the dataset rows are train-split entry ids; the
    rollout function runs the project's rollout engine on the current policy (a merged bf16 copy
-   refreshed every generation on CPU; TRL's vLLM engine on GPU); the environment executes the model's
-   calls between model steps; environment tokens carry no loss.
+   refreshed every generation on CPU; TRL's vLLM engine on GPU); multi_turn: the environment executes the
+   model's calls between model steps, environment tokens carry no loss; single_turn: one output per
+   rollout, scored by BFCL's AST checker.
 3. Rewards come from the shared scorer: `reward` (params `rl.reward`, `env.scoring.Reward`: paper_reward =
    binary trajectory reward, default; official_verdict; partial_credit) drives the advantage; all three
    are logged.
@@ -79,7 +80,7 @@ def main(
     params: Path = typer.Option(Path("params.yaml"), help="Params file (sections `rl`, `prompt`, `label_rewards`, "
                                                        "`compute`)."),
 ) -> None:
-    """GRPO / RC-GRPO on TRL GRPOTrainer over the multi-turn rollout engine."""
+    """GRPO / RC-GRPO on TRL GRPOTrainer over the project's rollout engine."""
     options = dict(locals())  # this command's arguments, to run it again under a launch
     with cli_errors():
         cfg, protocol, levels = load_rl_config(params)

@@ -28,14 +28,14 @@ from rcgrpo_tasks.engine.trajectory import write_trajectories
 from rcgrpo_tasks.env.entries import read_entries, select_entries
 from rcgrpo_tasks.env.protocols import DEFAULT_REWARD_TOKENS, PromptConfig, reward_tokens
 from rcgrpo_tasks.ops.cli import Progress, cli_errors
-from rcgrpo_tasks.ops.config import ConfigError, as_dict, from_dict, read_params
+from rcgrpo_tasks.ops.config import ConfigError, as_dict, from_dict, read_sections
 
 app = typer.Typer(add_completion=False)
 
 
 def prompt_config(params: Path | None, **overrides: str | None) -> PromptConfig:
     """`prompt` section of `params` (if the file exists) with the non-None `overrides` applied."""
-    base = read_params(params).get("prompt") or {} if params is not None and params.is_file() else {}
+    base = read_sections(params, "prompt").get("prompt") or {} if params is not None and params.is_file() else {}
     values = {**as_dict(from_dict(PromptConfig, base, where=f"{params}:prompt")),
               **{k: v for k, v in overrides.items() if v is not None}}
     return from_dict(PromptConfig, values, where="rollout options")
@@ -78,8 +78,9 @@ def main(
             raise ConfigError("--guidance needs --reward-token (guidance contrasts the two reward goals)")
         chosen = select_entries(read_entries(entries), _csv(ids), split, split_name, _csv(categories), limit)
         device = device or (load_compute(params).device if params.is_file() else "auto")
+        decode.check_context(model, "--max-new-tokens")
         engine_backend = load_backend(decode.backend, model, adapter, **decode.backend_kwargs(device))
-        tokens = reward_tokens(read_params(params)) if params.is_file() else DEFAULT_REWARD_TOKENS
+        tokens = reward_tokens(read_sections(params, "label_rewards")) if params.is_file() else DEFAULT_REWARD_TOKENS
         pair = reward_pair_ids(engine_backend.tokenizer, (tokens[-1], tokens[0])) if guidance else None
         sampling = decode.sampling(seed, guidance=guidance, guidance_pair=pair)
     typer.echo(f"rollout: decoding on {engine_backend.describe().get('device', backend)}", err=True)

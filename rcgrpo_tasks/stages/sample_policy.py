@@ -27,7 +27,7 @@ from pathlib import Path
 
 import typer
 
-from rcgrpo_tasks.data.dataset import GenerateConfig, check_prompt
+from rcgrpo_tasks.data.dataset import GenerateConfig, check_task
 from rcgrpo_tasks.data.onpolicy import SampleConfig, pick_entries, sample_policy
 from rcgrpo_tasks.engine.backends import load_backend
 from rcgrpo_tasks.engine.compute import load_compute
@@ -35,6 +35,7 @@ from rcgrpo_tasks.engine.models import model_context
 from rcgrpo_tasks.engine.trajectory import write_trajectories
 from rcgrpo_tasks.env.entries import split_entries
 from rcgrpo_tasks.env.protocols import GOAL_RESERVE, PromptConfig
+from rcgrpo_tasks.env.tasks import task_of_entries
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import Progress, cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config
@@ -58,11 +59,12 @@ def main(
         cfg = load_config(SampleConfig, params, "sample_policy")
         prompt = load_config(PromptConfig, params, "prompt")
         gen = load_config(GenerateConfig, params, "generate_trajectories")
-        check_prompt(gen, prompt)
         train = split_entries(entries, split, "train")
+        check_task(gen, prompt, task_of_entries(train))
         chosen = pick_entries(train, cfg)
         if not chosen:
-            raise InputError(f"{split}: no train entries in categories {list(cfg.categories)}")
+            raise InputError(f"{split}: no train entries in categories {list(cfg.categories or [])} (empty: any)")
+        cfg.decode.check_context(model_dir, f"{params}:sample_policy.max_new_tokens")
         backend = load_backend(cfg.decode.backend, model_dir, adapter_dir or None,  # before any MLflow run
                                **cfg.decode.backend_kwargs(load_compute(params).device))
         # Cut rollouts where the trajectory sets are cut: the model's context minus the reward goal's room.
