@@ -139,7 +139,10 @@ def test_multi_turn_profiles_switch_every_task_key():
     """The CPU default runs single_turn; `multi-turn`, `gpu` and `paper` run the paper's task. Every key the
     `multi-turn` profile sets back is set by `gpu` and `paper` too (or equal there), so neither inherits a
     single-turn budget: each equals itself layered over `multi-turn`. Every profile's task and categories load."""
+    from rcgrpo_tasks.data.dataset import GenerateConfig, check_task
+    from rcgrpo_tasks.env.protocols import PromptConfig
     from rcgrpo_tasks.env.split import PrepareDataConfig
+    from rcgrpo_tasks.env.tasks import get_task
     from rcgrpo_tasks.ops.config import _deep_merge
 
     root = Path(__file__).resolve().parents[1]
@@ -153,4 +156,7 @@ def test_multi_turn_profiles_switch_every_task_key():
     for name in config.profile_names(root, set(base)):
         merged = base if name == config.DEFAULT_PROFILE else _deep_merge(
             base, yaml.safe_load((root / "configs" / f"{name}.yaml").read_text()))
-        config.from_dict(PrepareDataConfig, merged["prepare_data"], f"{name}:prepare_data")
+        prep = config.from_dict(PrepareDataConfig, merged["prepare_data"], f"{name}:prepare_data")
+        # a profile layered over the single-turn default inherits its failure kinds unless it zeroes them
+        check_task(config.from_dict(GenerateConfig, merged["generate_trajectories"], f"{name}:generate_trajectories"),
+                   config.from_dict(PromptConfig, merged["prompt"], f"{name}:prompt"), get_task(prep.task))
