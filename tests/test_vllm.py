@@ -237,11 +237,13 @@ def test_trl_vllm_server_decodes_like_the_hf_backend(server, vllm_model_dir):
     assert first[0].token_ids != first[1].token_ids  # and apart within the group
 
 
-def test_one_rl_step_through_trl_colocate(vllm_model_dir, tmp_path, monkeypatch):
-    """GRPO with `use_vllm` / `colocate`: TRL starts vLLM inside the trainer, the engine's vLLM backend rolls
-    out on it, the policy's weights reach it (`reload_in_place`), and after training the engine decodes
-    what the saved policy decodes with the hf backend."""
-    from rcgrpo_tasks.engine.vllm import reload_in_place
+@pytest.mark.parametrize("init,algo", [("sft", "grpo"), ("rctp", "rc_grpo")])
+def test_one_rl_step_through_trl_colocate(vllm_model_dir, tmp_path, monkeypatch, init, algo):
+    """GRPO / RC-GRPO with `use_vllm` / `colocate`: TRL starts vLLM inside the trainer (on the merged init
+    written to disk: from an adapter with reward tokens, the base folder's vocabulary would be too small), the
+    engine's vLLM backend rolls out on it, the policy's weights reach it (`build_trainer`: vLLM's in-place
+    reload, PEFT's trainable-token deltas left out: RC-GRPO trains the reward-token rows), and after training
+    the engine decodes what the saved policy decodes with the hf backend."""
     from rcgrpo_tasks.ops.config import from_dict
     from rcgrpo_tasks.ops.io import write_json, write_jsonl
     from rcgrpo_tasks.train import grpo, grpo_trainer, rl
@@ -259,7 +261,6 @@ def test_one_rl_step_through_trl_colocate(vllm_model_dir, tmp_path, monkeypatch)
 
     def build(*a, **k):
         box["trainer"], resume, rollout = real_build(*a, **k)
-        reload_in_place(box["trainer"].vllm_generation)
         return box["trainer"], resume, rollout
 
     def groups(self, *a, **k):  # a random model never succeeds: alternate rewards so the policy moves
@@ -277,7 +278,8 @@ def test_one_rl_step_through_trl_colocate(vllm_model_dir, tmp_path, monkeypatch)
         max_new_tokens=6, max_outputs=2, categories=("base",), max_entries=2, lora_r=4, lora_alpha=8,
         save_steps=1, bf16=False, use_vllm=True, vllm_mode="colocate", extra={"vllm_max_model_length": 4096}))
     protocol = PromptConfig(system_prompt="short").protocol_config(2)
-    spec = grpo_trainer.RLRun(init="sft", algo="grpo", model_dir=vllm_model_dir, adapter_dir=None,
+    adapter = _lora(vllm_model_dir, tmp_path / "rctp", reward_tokens=True) if init == "rctp" else None
+    spec = grpo_trainer.RLRun(init=init, algo=algo, model_dir=vllm_model_dir, adapter_dir=adapter,
                               entries=tmp_path / "entries.jsonl", split=tmp_path / "split.json", out=tmp_path / "out",
                               checkpoints=tmp_path / "ckpt", metrics=tmp_path / "metrics.json",
                               plots=tmp_path / "diag.tsv")
@@ -287,8 +289,10 @@ def test_one_rl_step_through_trl_colocate(vllm_model_dir, tmp_path, monkeypatch)
     gen.sync_weights()  # the trained policy, as the next step would sample from it
     # TRL passes vLLM no dtype and vLLM's `auto` runs a float32 checkpoint in bf16 on any x86 CPU, so greedy
     # tokens may part from a float32 decode at near-ties: compare log-probs of the engine's own tokens.
-    ours = _rollouts(VLLMBackend.from_llm(gen.llm, box["trainer"].processing_class), _groups(2))
+    ours = _rollouts(VLLMBackend.from_llm(gen.llm, box["trainer"].processing_class),
+                     _groups(2, token=HIGH if adapter else None))
     sampled = model_logprobs(ours)
-    trained, init = (teacher_logprobs(HFBackend(d, device="cpu").model, ours) for d in (spec.out, vllm_model_dir))
-    err_trained, err_init = (max(abs(a - b) for a, b in zip(sampled, ref)) for ref in (trained, init))
+    trained, start = (teacher_logprobs(HFBackend(d, a, device="cpu").model, ours)
+                      for d, a in ((spec.out, None), (vllm_model_dir, adapter)))
+    err_trained, err_init = (max(abs(a - b) for a, b in zip(sampled, ref)) for ref in (trained, start))
     assert err_trained < 0.1 < err_init, (err_trained, err_init)  # the engine holds the trained policy

@@ -222,6 +222,21 @@ def reload_in_place(generation) -> None:
     generation.sync_weights = sync_weights
 
 
+def skip_token_adapters(generation) -> None:
+    """Make TRL's weight sync (`trainer.vllm_generation`, both modes) leave out PEFT's trainable-token deltas.
+
+    Under LoRA the reward tokens' rows train as a PEFT `TrainableTokensWrapper`; TRL merges the adapters before
+    it iterates the parameters, which writes the trained rows into the embedding it sends, but it still yields
+    the wrapper's own delta (`...embed_tokens.token_adapter.trainable_tokens_delta...`), a name no vLLM model
+    has, so the first sync fails. TRL skips only `lora_` names."""
+    iterate = generation._iter_named_params
+
+    def named_params():
+        return ((name, param) for name, param in iterate() if ".token_adapter." not in name)
+
+    generation._iter_named_params = named_params
+
+
 def refuse_guidance(sampling) -> None:
     """vLLM samples each request on its own: it cannot mix two contexts' logits per token (the `hf` backend
     can). A guided request is an error, never a silently unguided one."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rcgrpo_tasks.engine.models import check_adapter_dir, check_model_dir, load_trained
+from rcgrpo_tasks.engine.vllm import reload_in_place, skip_token_adapters
 from rcgrpo_tasks.env.entries import read_split, split_entries
 from rcgrpo_tasks.env.protocols import ProtocolConfig
 from rcgrpo_tasks.env.scoring import REWARDS
@@ -121,7 +122,9 @@ def check_reward_tokens(tokenizer, mode: str, levels: tuple[str, ...]) -> None:
 
 
 def _init_on_disk(model, tokenizer, spec: RLRun, dtype: str):
-    """Full fine-tuning: the merged init saved under the checkpoints folder and reloaded from there."""
+    """The merged init saved under the checkpoints folder and reloaded from there, for whatever builds a model
+    from the policy's path: TRL's reference under full fine-tuning, TRL's vLLM engine (which would otherwise
+    load the base folder, whose vocabulary lacks the reward tokens, and refuse the synced embedding)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -368,7 +371,7 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     # No PEFT under full fine-tuning: TRL builds its reference model from `config._name_or_path`, so that
     # path must BE the init.
     lora = None if cfg.full_finetune else rl_lora(cfg, model, tokenizer, levels, mode)
-    model = _init_on_disk(model, tokenizer, spec, cfg.dtype) if cfg.full_finetune else model
+    model = _init_on_disk(model, tokenizer, spec, cfg.dtype) if cfg.full_finetune or cfg.use_vllm else model
     diagnostics = runs.lazy_subclass(DiagnosticsMixin, "transformers.TrainerCallback")(spec.checkpoints / DIAGNOSTICS_FILE)
     own = [runs.step_metrics(STEP_MARKER, diag_metrics)] if track else []
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is "experimental" in TRL 1.16
@@ -382,9 +385,14 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
 
 
 def _finish(trainer, cfg: RLConfig, rollout: EngineRollout, peft: bool) -> None:
-    """What TRL's constructor cannot be told: the engine's end-of-turn ids as EOS ids, the engine rollouts'
+    """What TRL's constructor cannot be told: the engine's end-of-turn ids as EOS ids, TRL's vLLM weight sync
+    without PEFT's token deltas (and through vLLM's in-place reload on its CPU build), the engine rollouts'
     importance-sampling cap (TRL's vLLM path corrects itself), PEFT's save and LM-head settings."""
     trainer.eos_token_ids = sorted(set(trainer.eos_token_ids) | rollout.end_ids)
+    if cfg.use_vllm:
+        skip_token_adapters(trainer.vllm_generation)
+        if trainer.vllm_generation.mode == "colocate" and trainer.accelerator.device.type == "cpu":
+            reload_in_place(trainer.vllm_generation)  # vLLM's CPU build repacks weights TRL's sync writes into
     correct = trainer.args.vllm_importance_sampling_correction and not cfg.use_vllm
     trainer.rc_importance_cap = cfg.importance_sampling_cap if correct else None
     if peft:

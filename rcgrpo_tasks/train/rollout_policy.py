@@ -72,7 +72,8 @@ def policy_snapshot(model, dtype, snapshot=None):
 
 
 def trl_vllm_backend(trainer, tokenizer):
-    """GPU path (not run on CPU): the rollout engine's vLLM backend over the vLLM engine TRL manages.
+    """The rollout engine's vLLM backend over the vLLM engine TRL manages (`rl.use_vllm`; `colocate` runs on
+    vLLM's CPU build too, `server` needs NCCL for TRL's weight sync: GPU only).
 
     TRL pushes the policy's weights into its vLLM before each `rollout_func` call (`sync_weights`), so the
     engine samples from the current policy. `colocate`: TRL's in-process `vllm.LLM` (prefix caching,
