@@ -156,6 +156,20 @@ def test_reward_change_last_third_minus_first_with_a_ci():
     assert report.reward_change([{"step": 1, "reward": float("nan")}, {"step": 2, "reward": 0.5}])["change"] is None
 
 
+def test_reward_change_ci_resamples_the_rollouts_of_each_third():
+    """5 steps of 8 rollouts (one step per third): the CI comes from the 8 + 8 rollouts rebuilt from the step
+    means, not from two single step means (which give a zero-width interval)."""
+    means = [0.0, 0.25, 0.125, 0.25, 0.5]
+    steps = [{"step": s, "reward": m, "rollouts_generated": 8, "gen_rounds": 1} for s, m in enumerate(means, 1)]
+    c = report.reward_change(steps)
+    assert c["ci_over"] == "rollouts" and c["steps_per_third"] == 1 and c["change"] == pytest.approx(0.5)
+    assert c["ci"][0] < c["change"] < c["ci"][1] and c["ci"][1] - c["ci"][0] > 0.3
+    dynamic = [{**r, "rollouts_generated": 12, "gen_rounds": 2} if r["step"] == 2 else r for r in steps]
+    assert report.reward_change(dynamic)["ci"] == c["ci"]  # n = one generation batch, not what a refill added
+    partial = [{**r, "reward": m + 0.01} for r, m in zip(steps, means)]  # not k / 8: steps resampled
+    assert report.reward_change(partial)["ci_over"] == "steps"
+
+
 def test_rl_rows_get_their_reward_change(tmp_path):
     evals = [("rctp-grpo", _single_turn_dir(tmp_path, "g", [1, 0]))]
     steps = {"rctp-grpo": [{"step": 1, "reward": 0.25}, {"step": 2, "reward": 0.5}, {"step": 3, "reward": 0.75}]}

@@ -98,19 +98,49 @@ def summarize_row(res: EvalResult, seed: int = 0) -> dict:
     return out
 
 
+def _rollout_outcomes(steps: list[dict]) -> list[list[float]] | None:
+    """Each step's rollouts rebuilt from its mean reward over one generation batch: n = the batch's rollouts
+    (`rollouts_generated` of the steps that generated once; a dynamic-sampling step that refilled slots
+    generated more, its mean is still over one batch), successes = mean x n. Exact for a 0/1 reward (the
+    default `paper_reward`); None where no step generated once or a mean is not k / n (a fractional reward
+    such as partial credit)."""
+    try:
+        once = [float(r["rollouts_generated"]) for r in steps if float(r.get("gen_rounds") or 1) == 1]
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not once or len(set(once)) != 1 or once[0] < 1 or once[0] != int(once[0]):
+        return None
+    n, out = int(once[0]), []
+    for r in steps:
+        hits = float(r["reward"]) * n
+        if abs(hits - round(hits)) > 1e-4:
+            return None
+        out.append([1.0] * int(round(hits)) + [0.0] * (n - int(round(hits))))
+    return out
+
+
 def reward_change(steps: list[dict], seed: int = 0) -> dict:
     """How RL's training reward moved: mean reward of the last third of the logged steps minus the first
-    third's, with a 95% bootstrap CI (each third's step rewards resampled on their own), and the per-step
-    rewards. Steps without a reward (NaN) are skipped; fewer than 2 steps: no change (None)."""
-    rewards = [float(r["reward"]) for r in sorted(steps, key=lambda r: r["step"])
-               if r.get("reward") is not None and not math.isnan(float(r["reward"]))]
+    third's, with a 95% bootstrap CI and the per-step rewards. The CI resamples the ROLLOUTS of each third
+    (`_rollout_outcomes`: a 5-step run has 1 step per third, whose step means alone give no interval); where
+    the rollouts cannot be rebuilt, the steps of each third. Steps without a reward (NaN) are skipped; fewer
+    than 2 steps: no change (None)."""
+    kept = [r for r in sorted(steps, key=lambda r: r["step"])
+            if r.get("reward") is not None and not math.isnan(float(r["reward"]))]
+    rewards = [float(r["reward"]) for r in kept]
     k = len(rewards) // 3 or 1
     if len(rewards) < 2:
         return {"steps": len(rewards), "rewards": rewards, "first": None, "last": None, "change": None, "ci": None}
     first, last = rewards[:k], rewards[-k:]
-    change, lo, hi = difference_ci(last, first, seed=seed)
+    outcomes = _rollout_outcomes(kept)
+    if outcomes is not None:
+        a, b = [x for o in outcomes[-k:] for x in o], [x for o in outcomes[:k] for x in o]
+        unit = "rollouts"
+    else:
+        a, b, unit = last, first, "steps"
+    _, lo, hi = difference_ci(a, b, seed=seed)
     return {"steps": len(rewards), "rewards": rewards, "first": mean(first), "last": mean(last),
-            "change": change, "ci": [lo, hi], "steps_per_third": k}
+            "change": mean(last) - mean(first), "ci": [lo, hi], "steps_per_third": k, "ci_over": unit}
 
 
 def controllability_fields(ctl: dict) -> dict:
@@ -191,7 +221,7 @@ def markdown_table(rows: list[dict]) -> str:
             "CIs: 95% percentile bootstrap over entries. \"Paper Table 1\": the RC-GRPO paper's own numbers "
             "(Qwen2.5-7B-Instruct, GPU, BFCL v4 multi-turn, 80 held-out entries), for reference only; n/a = not "
             "reported there (every single_turn row). RL reward change: mean training reward of the last third of "
-            "the steps minus the first third's, 95% bootstrap CI over steps. vs init: an RL row's overall accuracy "
+            "the steps minus the first third's, 95% bootstrap CI over the rollouts of each third (over steps where a fractional reward hides the rollouts). vs init: an RL row's overall accuracy "
             "minus its init's (SFT or RCTP) on the same entries, 95% paired bootstrap CI over entries. "
             "RL columns: means over training steps (zero-std: group reward std < 1e-6) of the groups trained on "
             "and of every group generated (dynamic sampling drops and regenerates); rollouts / useful group: "
