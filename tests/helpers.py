@@ -7,7 +7,9 @@ them as `from helpers import ...`; the benches that need the reference checker a
 from __future__ import annotations
 
 import random
+import shutil
 import socket
+import subprocess
 from pathlib import Path
 
 from rcgrpo_tasks.engine.trajectory import Trajectory, TrajectoryError
@@ -81,3 +83,16 @@ def free_port_base(host: str = "127.0.0.1", span: int = 12, tries: int = 50) -> 
         if all(free(base + i) for i in range(span)):
             return base
     raise RuntimeError("no free block of ports found on loopback")
+
+
+def copy_tree(dest: Path) -> Path:
+    """The working tree as git would ship it (tracked + untracked-not-ignored files), no outputs."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO_ROOT, check=True,
+                           capture_output=True, text=True).stdout.split("\0")
+    for rel in filter(None, files):
+        src = REPO_ROOT / rel
+        if src.is_file() and not rel.startswith(("metrics/", "results/")) and rel != "dvc.lock":
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
+    return dest

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO_ROOT, free_port_base
+from helpers import REPO_ROOT, copy_tree, free_port_base
 
 from rcgrpo_tasks.ops import stack as st
 
@@ -43,19 +43,6 @@ with tracking.stage_run("probe", {"n": 3, "note": "no secrets here"}):
     tracking.log_metrics({"probe_metric": 0.75})
     tracking.log_artifact(out / "summary.txt")
 """
-
-
-def copy_tree(dest: Path) -> Path:
-    """The working tree as git would ship it (tracked + untracked-not-ignored files), no outputs."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO_ROOT, check=True,
-                           capture_output=True, text=True).stdout.split("\0")
-    for rel in filter(None, files):
-        src = REPO_ROOT / rel
-        if src.is_file() and not rel.startswith(("metrics/", "results/")) and rel != "dvc.lock":
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / rel)
-    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
-    return dest
 
 
 def add_stages(repo: Path, stages: dict) -> None:
