@@ -96,3 +96,18 @@ def copy_tree(dest: Path) -> Path:
             shutil.copy2(src, dest / rel)
     subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
     return dest
+
+
+def capture_trainer(monkeypatch) -> dict:
+    """Make `rl.train_rl` record what `rl.build_trainer` builds: the returned dict gets "trainer" and "rollout"."""
+    from rcgrpo_tasks.train import rl
+
+    box: dict = {}
+    real = rl.build_trainer
+
+    def build(*a, **k):
+        box["trainer"], resume, box["rollout"] = real(*a, **k)
+        return box["trainer"], resume, box["rollout"]
+
+    monkeypatch.setattr(rl, "build_trainer", build)
+    return box

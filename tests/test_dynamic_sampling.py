@@ -9,7 +9,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
-from helpers import HIGH, LEVELS, LOW
+from helpers import HIGH, LEVELS, LOW, capture_trainer
 from test_rl import PROTOCOL, TEST_RL, _spec, _weights
 
 from rcgrpo_tasks.ops.config import from_dict
@@ -148,14 +148,7 @@ def entry_rewards(monkeypatch):
 
 def test_dynamic_trains_on_kept_groups_and_skips_a_step_with_none(rl_env, entry_rewards, monkeypatch):
     root, model_dir = rl_env
-    box = {}
-    real = rl.build_trainer
-
-    def build(*a, **k):
-        box["trainer"], resume, box["rollout"] = real(*a, **k)
-        return box["trainer"], resume, box["rollout"]
-
-    monkeypatch.setattr(rl, "build_trainer", build)
+    box = capture_trainer(monkeypatch)
     cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1})
     flat = _spec(root, model_dir, "sft-dynamic-flat", "sft", "dynamic")
     summary = rl.train_rl(cfg, PROTOCOL, LEVELS, flat)  # every group flat: nothing to train on

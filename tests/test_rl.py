@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import HIGH, LEVELS
+from helpers import HIGH, LEVELS, capture_trainer
 
 from rcgrpo_tasks.env.protocols import PromptConfig
 from rcgrpo_tasks.ops.config import ConfigError, from_dict, load_config
@@ -54,18 +54,6 @@ def scripted_rewards(monkeypatch):
     return calls
 
 
-def _capture_trainer(monkeypatch) -> dict:
-    box: dict = {}
-    real = rl.build_trainer
-
-    def build(*a, **k):
-        box["trainer"], resume, box["rollout"] = real(*a, **k)
-        return box["trainer"], resume, box["rollout"]
-
-    monkeypatch.setattr(rl, "build_trainer", build)
-    return box
-
-
 def _weights(path):
     from safetensors.torch import load_file
 
@@ -80,7 +68,7 @@ def test_two_rl_steps_per_mode(rl_env, scripted_rewards, monkeypatch, init, algo
     root, model_dir = rl_env
     cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",)})
     spec = _spec(root, model_dir, f"{init}-{algo}", init, algo)
-    box = _capture_trainer(monkeypatch)
+    box = capture_trainer(monkeypatch)
     summary = rl.train_rl(cfg, PROTOCOL, LEVELS, spec)
 
     assert spec.mode == mode and summary["conditioning"] == mode

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from helpers import LEVELS
+from helpers import LEVELS, capture_trainer
 from test_rl import PROTOCOL, TEST_RL, _spec
 
 from rcgrpo_tasks.engine.rollout import run_group
@@ -117,14 +117,7 @@ def test_mismatch_is_logged_and_corrected_where_the_sampler_differs(rl_env, monk
     """fp32 trainer: sampling from the live fp32 model -> mismatch ~0, weights ~1, correction off (`auto`);
     from a bf16 snapshot -> a measured mismatch, weights != 1, correction on. Per step in the TSV, the summary."""
     root, model_dir = rl_env
-    box = {}
-    real = rl.build_trainer
-
-    def build(*a, **k):
-        box["trainer"], resume, rollout = real(*a, **k)
-        return box["trainer"], resume, rollout
-
-    monkeypatch.setattr(rl, "build_trainer", build)
+    box = capture_trainer(monkeypatch)
     cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1, "rollout_dtype": rollout_dtype})
     spec = _spec(root, model_dir, f"mismatch-{rollout_dtype}", "rctp", "rc_grpo")
     summary = rl.train_rl(cfg, PROTOCOL, LEVELS, spec, track=False)
@@ -169,14 +162,7 @@ def test_several_updates_per_generation_let_the_clip_act(rl_env, monkeypatch, up
 
     root, model_dir = rl_env
     calls = _scripted(monkeypatch)
-    box = {}
-    real = rl.build_trainer
-
-    def build(*a, **k):
-        box["trainer"], resume, rollout = real(*a, **k)
-        return box["trainer"], resume, rollout
-
-    monkeypatch.setattr(rl, "build_trainer", build)
+    box = capture_trainer(monkeypatch)
     cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "learning_rate": 0.05, "epsilon": 0.05,
                                     "rollout_dtype": "live", **updates})
     name = "-".join(f"{k}{v}" for k, v in updates.items())

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import HIGH, LEVELS
+from helpers import HIGH, LEVELS, capture_trainer
 from test_rl import PROTOCOL, TEST_RL, _spec
 
 from rcgrpo_tasks.engine.backend import SamplingParams, ScriptedBackend, stop_token_ids
@@ -97,14 +97,7 @@ def test_rl_trains_the_reward_token_rows_saves_and_merges_them(qwen_env, monkeyp
 
     root, _, tok, ids, _ = qwen_env
     _scripted_spread(monkeypatch)
-    box = {}
-    real = rl.build_trainer
-
-    def build(*a, **k):
-        box["trainer"], resume, box["rollout"] = real(*a, **k)
-        return box["trainer"], resume, box["rollout"]
-
-    monkeypatch.setattr(rl, "build_trainer", build)
+    box = capture_trainer(monkeypatch)
     seen = {}
 
     class AtTheEnd(TrainerCallback):  # before the policy is merged and saved
@@ -196,14 +189,7 @@ def test_a_skipped_step_moves_no_weight_under_deepspeed(rl_env, monkeypatch, tmp
                               "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
                               "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}}}))
     root, model_dir = rl_env
-    box = {}
-    real_build = rl.build_trainer
-
-    def build(*a, **k):
-        box["trainer"], resume, rollout = real_build(*a, **k)
-        return box["trainer"], resume, rollout
-
-    monkeypatch.setattr(rl, "build_trainer", build)
+    box = capture_trainer(monkeypatch)
     cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1, "deepspeed": str(ds),
                                     "full_finetune": True, "dynamic_max_rounds": 1, "bf16": False})
     spec = _spec(root, model_dir, "ds-skip", "sft", "dynamic")
