@@ -13,7 +13,7 @@ from rcgrpo_tasks.engine.device import MemorySplitWarning
 from rcgrpo_tasks.engine.hf import HFBackend, HFSession
 from rcgrpo_tasks.engine.kvcache import ALIGN, GROWTH, plan_capacity, ragged_segments
 from rcgrpo_tasks.engine.rollout import run_group, run_groups
-from rcgrpo_tasks.engine.sampling import mix64, mix64_tensor, row_seed, uniform_noise
+from rcgrpo_tasks.engine.sampling import mix32, mix64, mix64_tensor, row_seed, uniform_noise
 from rcgrpo_tasks.env.protocols import ProtocolConfig
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 50, 51, 52], [1, 2, 3, 4, 5, 6, 7, 8, 10], [1, 2, 3, 50, 51, 53, 54],
@@ -70,16 +70,14 @@ def test_all_groups_at_once_equal_one_group_at_a_time(backend):
         [[t.provenance["sampling"] for t in g] for g in apart]
 
 
-def test_graph_shaped_step_equals_the_eager_step(backend, monkeypatch):
-    """What a CUDA graph replays (attention over the whole capacity, stop check every 8 steps), run eagerly."""
+def test_whole_capacity_step_equals_the_step_over_the_columns_in_use(backend, monkeypatch):
+    """What CPU decoding and a CUDA graph run (attention over the whole capacity; a graph checks for stops
+    every 8 steps) equals attention over the columns in use (eager CUDA)."""
     sp = SamplingParams(temperature=1.0, max_new_tokens=12, seed=2)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
-    eager = [backend.generate(PROMPTS, s) for s in (sp, greedy)]
-
-    def full_capacity_runner(self, d, sampling):
-        return lambda t: self._step(d, sampling, self.st.cache.capacity)
-
-    monkeypatch.setattr(HFSession, "_runner", full_capacity_runner)
+    with monkeypatch.context() as m:
+        m.setattr(HFSession, "_runner", lambda self, d, sampling: lambda t: self._step(d, sampling, self.st.cache.n + t))
+        eager = [backend.generate(PROMPTS, s) for s in (sp, greedy)]
     monkeypatch.setattr(backend, "stop_check_every", 8)
     shaped = [backend.generate(PROMPTS, s) for s in (sp, greedy)]
     for a, b in zip(eager, shaped):
@@ -160,9 +158,16 @@ def test_noise_hash_matches_the_python_reference_and_is_uniform():
     xs = [0, 1, 2**40 + 3, -5, 2**62 + 12345]
     got = mix64_tensor(torch.tensor(xs, dtype=torch.int64)).tolist()
     assert [g & (2**64 - 1) for g in got] == [mix64(x) for x in xs]  # wrapping int64 == 64-bit unsigned math
-    u = uniform_noise(torch.tensor([1, 2]), torch.tensor([0, 0]), 50_000)
+    seeds, pos = torch.tensor([1, 2, 2]), torch.tensor([0, 0, 1])
+    u = uniform_noise(seeds, pos, 50_000)
+    for r in range(3):  # the tensor hash is the Python reference, id by id
+        key = mix64(int(seeds[r]) ^ (int(pos[r]) * 0x9E3779B97F4A7C15)) >> 32
+        want = [((mix32(key + i * 0x9E3779B9) >> 8) + 0.5) / 2**24 for i in (0, 1, 777, 49_999)]
+        assert u[r, [0, 1, 777, 49_999]].tolist() == pytest.approx(want, rel=1e-7)  # float32 of a 25-bit value
     assert 0 < float(u.min()) and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.01
-    assert not torch.equal(u[0], u[1])
+    assert torch.histc(u[0], bins=10, min=0, max=1).sub(5000).abs().max() < 250  # ~3.5 sd of a bin
+    assert max(abs(float(torch.corrcoef(u[[a, b]])[0, 1])) for a, b in ((0, 1), (1, 2))) < 0.02  # rows, positions
+    assert abs(float(torch.corrcoef(torch.stack([u[0, :-1], u[0, 1:]]))[0, 1])) < 0.02  # neighbouring ids
 
 
 def test_sampler_draws_from_softmax_over_temperature():
@@ -170,13 +175,17 @@ def test_sampler_draws_from_softmax_over_temperature():
 
     from rcgrpo_tasks.engine.sampling import sample_tokens
 
-    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(8000, -1)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]]).expand(8000, -1)
     sp = SamplingParams(temperature=0.7)
     tok, lp = sample_tokens(logits, sp, torch.full((8000,), 3), torch.arange(8000))
     want = torch.softmax(logits[0] / 0.7, -1)
-    freq = torch.bincount(tok, minlength=4).float() / 8000
-    assert torch.allclose(freq, want, atol=0.02)
+    freq = torch.bincount(tok, minlength=5).float() / 8000
+    assert torch.allclose(freq, want, atol=0.02) and tok.max() < 4  # p(-30) ~ 1e-19: never in 8000
     assert torch.allclose(lp, torch.log(want)[tok], atol=1e-6)
+    nucleus = SamplingParams(temperature=0.7, top_p=0.8)  # the two best tokens hold 0.88 of the mass
+    tok, _ = sample_tokens(logits, nucleus, torch.full((8000,), 3), torch.arange(8000))
+    freq = torch.bincount(tok, minlength=5).float() / 8000
+    assert torch.allclose(freq[:2], want[:2] / want[:2].sum(), atol=0.02) and tok.max() == 1
 
 
 # ------------------------------------------------------------------------------- split and retry

@@ -20,8 +20,8 @@
 - Reward-token guidance (`SamplingParams.guidance` > 0): every row gets a twin with the other reward token
   (`sampling.with_twins`), decoded in the same batch and cache; the row samples from the guided logits and the twin
   is fed the same token. Cost: twice the rows. Log-probs are those of the guided distribution.
-- `rcgrpo_cpu` attention (CPU models the backend loads itself): sdpa for prefill, a GQA-packed
-  matmul-softmax for one-token decode (CPU sdpa with a padding mask is ~3x slower in bf16).
+- `rcgrpo_cpu` attention (`rcgrpo_tasks.engine.cpu_attention`; CPU models the backend loads itself and RL
+  rollout snapshots): torch's GQA sdpa for prefill, a GQA-packed matmul-softmax for one-token decode.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from rcgrpo_tasks.engine.backend import (
     decode_text,
     stop_token_ids,
 )
+from rcgrpo_tasks.engine.cpu_attention import CPU_ATTENTION, use_cpu_attention
 from rcgrpo_tasks.engine.device import placement, resolve_device
 from rcgrpo_tasks.engine.graphs import StepGraph
 from rcgrpo_tasks.engine.kvcache import (
@@ -50,44 +51,18 @@ from rcgrpo_tasks.engine.kvcache import (
     slot_cache_class,
     sub_prefixes,
 )
-from rcgrpo_tasks.engine.models import ModelLoadError, bf16_supported, check_adapter_dir, check_model_dir, load_trained
+from rcgrpo_tasks.engine.models import (
+    ModelLoadError,
+    bf16_supported,
+    check_adapter_dir,
+    check_model_dir,
+    last_positions,
+    load_trained,
+)
 from rcgrpo_tasks.engine.sampling import guided_logits, row_seed, sample_tokens, with_twins
 
-CPU_ATTENTION = "rcgrpo_cpu"
 BOOL_MASK_ATTENTION = ("sdpa", CPU_ATTENTION, "flex_attention")
 """Attention implementations that take a bool mask (True = attend); `eager` adds a float mask instead."""
-
-
-def _cpu_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """sdpa, except one-token decode: a GQA-packed matmul + softmax (CPU sdpa with a mask is slow in bf16)."""
-    import torch
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if query.shape[2] != 1 or module.training:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    b, h, _, d = query.shape
-    hkv = key.shape[1]
-    scores = torch.matmul(query.reshape(b, hkv, h // hkv, d), key.transpose(2, 3))
-    scores = scores * (scaling if scaling is not None else d**-0.5)
-    if attention_mask is not None:  # (b, 1, 1, L): bool (True = attend) or additive float
-        scores = scores.masked_fill(~attention_mask, float("-inf")) if attention_mask.dtype == torch.bool \
-            else scores + attention_mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-    return torch.matmul(probs, value).reshape(b, h, 1, d).transpose(1, 2).contiguous(), None
-
-
-def use_cpu_attention(model) -> bool:
-    """Switch a CPU model to `_cpu_attention` (registered once with transformers' attention interfaces)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    if model.device.type != "cpu" or getattr(model.config, "_attn_implementation", None) != "sdpa":
-        return False
-    AttentionInterface.register(CPU_ATTENTION, _cpu_attention)
-    AttentionMaskInterface.register(CPU_ATTENTION, sdpa_mask)
-    model.set_attn_implementation(CPU_ATTENTION)
-    return True
 
 
 class _Rows:
@@ -239,7 +214,7 @@ class HFSession(Session):
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.b.autocast):
                 out = self.b.model(input_ids=ids[:, s:s + q], position_ids=pos[:, s:s + q],
                                    attention_mask=prefill_mask(st.mask, start, q, self.b.additive_mask),
-                                   past_key_values=st.cache, use_cache=True, logits_to_keep=1)
+                                   past_key_values=st.cache, use_cache=True, logits_to_keep=last_positions(1, q, dev))
             st.cache.advance(q)
             logits = out.logits[:, -1, :]
         st.nreal += new_mask.sum(1)
@@ -350,9 +325,13 @@ class HFSession(Session):
         return tok.repeat(2), lp.repeat(2)
 
     def _runner(self, d: _DecodeState, sampling: SamplingParams):
-        """`step(t)`: eager on CPU (attention over the columns in use); on CUDA a captured graph of `_step`
-        over the whole capacity, captured after one eager step (the warm-up) and replayed."""
+        """`step(t)`: attention over the whole capacity (masked columns add exactly 0): on CPU eagerly, since
+        attending a column slice of the buffers makes CPU's bf16 matmul copy every row's cache at every
+        step (3x slower attention at 40 rows x 800 columns; equal in float32); on CUDA a captured graph of
+        `_step`, captured after one eager step (the warm-up) and replayed. Eager CUDA reads the columns in use."""
         st = self.st
+        if st.mask.device.type == "cpu":
+            return lambda t: self._step(d, sampling, st.cache.capacity)
         if not self.b.cuda_graphs:
             return lambda t: self._step(d, sampling, st.cache.n + t)
         graph = StepGraph(lambda: self._step(d, sampling, st.cache.capacity), st.mask.device)

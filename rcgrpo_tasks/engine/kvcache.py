@@ -3,11 +3,12 @@ and the prompt layout it is filled in (`prefix_groups`, `sub_prefixes`: which pr
 
 Layout: per layer K and V of shape (rows, kv_heads, capacity, head_dim); columns [0, n) are in use and
 every row ends at column n - 1 (rows are left-padded; a column a row does not use is a "hole", masked).
-Writes go in place (no `torch.cat` per token, which would copy the whole cache at every decode
-step), and attention reads the view [:, :, :n] (eager) or the whole capacity (the static
-shapes of a captured CUDA graph). The capacity is what the rows need (tokens so far + this call's new
-tokens), grown by `GROWTH` only when a call needs more, one layer at a time so the peak stays near one
-copy. Buffers start zeroed: holes always hold finite values, so a masked column contributes exactly 0.
+Writes go in place (no `torch.cat` per token, which would copy the whole cache at every decode step), and
+decode attention reads the whole capacity (on CPU, where a column slice costs a copy of the cache, and in the
+static shapes of a captured CUDA graph) or the view [:, :, :n] (eager CUDA). The capacity is what the rows
+need (tokens so far + this call's new tokens), grown by `GROWTH` only when a call needs more, one layer at a
+time so the peak stays near one copy. Buffers start zeroed: holes always hold finite values, so a masked
+column contributes exactly 0.
 """
 
 from __future__ import annotations
@@ -260,3 +261,4 @@ def sub_prefixes(prompts: list[list[int]], rows: list[int], n: int) -> list[tupl
         return [(rows, 0)]
     return [([rows[j] for j in sub], m if len(sub) > 1 else 0)
             for sub, m in prefix_groups([prompts[i][n:] for i in rows])]
+

@@ -1,12 +1,18 @@
 """Token sampling for the `hf` session: counter-based randomness, so a row's samples do not depend on its batch.
 
 Each row has a 63-bit seed; the noise for (row, token position, vocabulary id) is a hash of the three
-(splitmix64's finaliser in int64 arithmetic, identical on CPU and CUDA), turned into Gumbel noise, and the
+(splitmix64's finaliser of seed and position, then a 32-bit integer hash of that key and the vocabulary id:
+wrapping int64 / int32 arithmetic, identical on CPU and CUDA), turned into Gumbel noise, and the
 sampled token is `argmax(log softmax(logits / T) + gumbel)` over the top-p nucleus: an exact draw from the
 nucleus renormalised, as `torch.multinomial` would make (Gumbel-max trick). What this buys:
 - a rollout samples the same tokens whether it is decoded alone, with its group, with every group of a
   batch, or in one half of a batch split after an out-of-memory error (up to float rounding of the logits);
 - no generator state: a CUDA graph can capture the whole decode step, and CPU and CUDA draw the same noise.
+The per-vocabulary hash is 32-bit because it runs over rows x vocabulary at every step: 7.7 ms instead of
+24 ms for 40 rows x 49k on 2 CPU cores (a step of 40 rows decodes in ~150 ms in bf16). Inverse-CDF sampling
+(one uniform per row) would cost less still, but it makes the token depend on the rounding of every logit
+before it in vocabulary order: on bf16 vs float32 logits of the same text it changed 31 % of the tokens,
+Gumbel-max 2.4 % (and 0.6 % vs 0 % under a 1e-6 relative perturbation), so batch invariance would be lost.
 Greedy (T = 0) is an argmax. The uniform draws have 24 bits: a token whose
 log-probability is ~20 nats below the best one's can never be drawn (a probability below 1e-8 ignored).
 Log-probs are those of `softmax(logits / T)`; top-p truncation is not folded in (what TRL recomputes).
@@ -47,14 +53,35 @@ def mix64_tensor(z):
     return z ^ ((z >> 31) & ((1 << 33) - 1))
 
 
+def mix32(x: int) -> int:
+    """A 32-bit integer hash (xorshift-multiply, the constants of Wellons' `lowbias32`) on a Python int:
+    the reference for `uniform_noise`'s per-vocabulary hash."""
+    x &= 0xFFFFFFFF
+    x = ((x ^ (x >> 16)) * 0x21F0AAAD) & 0xFFFFFFFF
+    x = ((x ^ (x >> 15)) * 0xD35A2D97) & 0xFFFFFFFF
+    return x ^ (x >> 15)
+
+
+def _int32(x: int) -> int:
+    """A 32-bit pattern as the signed value torch's int32 holds."""
+    return x - (1 << 32) if x >= 1 << 31 else x
+
+
+_M3, _M4, _GOLDEN32 = _int32(0x21F0AAAD), _int32(0xD35A2D97), _int32(0x9E3779B9)
+
+
 def uniform_noise(seeds, positions, vocab: int):
-    """(rows, vocab) float32 uniforms in (0, 1) from int64 `seeds` and `positions` (rows,): pure functions."""
+    """(rows, vocab) float32 uniforms in (0, 1) from int64 `seeds` and `positions` (rows,): pure functions.
+    Per row a 32-bit key (the high half of `mix64(seed ^ position * golden)`), per vocabulary id
+    `mix32(key + id * golden32)` in wrapping int32 (arithmetic right shifts, masked)."""
     import torch
 
-    row = mix64_tensor(seeds ^ (positions * _GOLDEN))  # (rows,)
-    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64) * _GOLDEN
-    z = mix64_tensor(row[:, None] + ids[None, :])
-    bits = (z >> (64 - _NOISE_BITS)) & ((1 << _NOISE_BITS) - 1)
+    key = (mix64_tensor(seeds ^ (positions * _GOLDEN)) >> 32).to(torch.int32)  # (rows,)
+    z = key[:, None] + torch.arange(vocab, device=seeds.device, dtype=torch.int32)[None, :] * _GOLDEN32
+    z = (z ^ ((z >> 16) & 0xFFFF)) * _M3
+    z = (z ^ ((z >> 15) & 0x1FFFF)) * _M4
+    z = z ^ ((z >> 15) & 0x1FFFF)
+    bits = (z >> (32 - _NOISE_BITS)) & ((1 << _NOISE_BITS) - 1)
     return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << _NOISE_BITS))
 
 
@@ -85,7 +112,7 @@ def sample_tokens(logits, sampling, seeds=None, positions=None):
         drop = sorted_p.cumsum(-1) - sorted_p > sampling.top_p  # keep the smallest set reaching top_p
         drop = torch.zeros_like(drop).scatter(1, order, drop)
         scores = logp.masked_fill(drop, float("-inf"))
-    gumbel = -torch.log(-torch.log(uniform_noise(seeds, positions, logits.shape[-1])))
+    gumbel = uniform_noise(seeds, positions, logits.shape[-1]).log_().neg_().log_().neg_()
     tok = (scores + gumbel).argmax(dim=-1)
     return tok, logp.gather(1, tok[:, None]).squeeze(1)
 

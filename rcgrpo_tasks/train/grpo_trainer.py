@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rcgrpo_tasks.engine.models import check_adapter_dir, check_model_dir, load_trained
+from rcgrpo_tasks.engine.models import check_adapter_dir, check_model_dir, last_positions, load_trained
 from rcgrpo_tasks.engine.vllm import reload_in_place, skip_token_adapters
 from rcgrpo_tasks.env.entries import read_split, split_entries
 from rcgrpo_tasks.env.protocols import ProtocolConfig
@@ -266,7 +266,7 @@ def completion_logps(model, input_ids, attention_mask, logits_to_keep: int, temp
     for s in range(0, input_ids.size(0), batch_size):
         ids = input_ids[s : s + batch_size]
         out = model(input_ids=ids, attention_mask=attention_mask[s : s + batch_size], use_cache=False,
-                    logits_to_keep=logits_to_keep + 1)
+                    logits_to_keep=last_positions(logits_to_keep + 1, ids.size(1), ids.device))
         logits = out.logits[:, :-1, :].float() / temperature  # (b, C, V): position t predicts token t+1
         logp_all = torch.log_softmax(logits, dim=-1)
         logps.append(logp_all.gather(-1, ids[:, -logits_to_keep:].unsqueeze(-1)).squeeze(-1))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 
-from rcgrpo_tasks.engine.hf import use_cpu_attention
+from rcgrpo_tasks.engine.cpu_attention import use_cpu_attention
 from rcgrpo_tasks.engine.models import bf16_supported
 from rcgrpo_tasks.engine.vllm import VLLMBackend, VLLMServerBackend
 
