@@ -16,6 +16,7 @@ repetition and in total: model tokens, wall and CPU seconds, model tokens/s of e
 CPU second: on a shared host the CPU-second figure moves less with the other jobs) and the ratios, and how many
 rollouts are token-identical in both arms (fp32: all; bf16: batched matmuls may round differently).
 
+Measured: docs/engine.md, "One session per RL step".
 Run: `python bench/rl_rollout.py [--model models/base --adapter ... --groups 8 --g 5 --max-new-tokens 32
 --max-outputs 2 --reps 3 --dtype auto --threads N]`.
 """
