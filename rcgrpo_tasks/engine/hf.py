@@ -47,6 +47,7 @@ from rcgrpo_tasks.engine.kvcache import (
     decode_mask,
     plan_capacity,
     prefill_mask,
+    prefix_lengths,
     prefix_tree,
     ragged_segments,
     slot_cache_class,
@@ -63,11 +64,6 @@ from rcgrpo_tasks.engine.sampling import guided_logits, row_seed, sample_tokens,
 
 BOOL_MASK_ATTENTION = ("sdpa", CPU_ATTENTION, "flex_attention")
 """Attention implementations that take a bool mask (True = attend); `eager` adds a float mask instead."""
-
-
-def _first_row(node: PrefixNode) -> int:
-    """A row under `node` (every node has one: a leaf ends rows)."""
-    return node.ends[0] if node.ends else _first_row(node.children[0])
 
 
 class _Rows:
@@ -167,18 +163,13 @@ class HFSession(Session):
         import torch
 
         dev = self.b.model.device
-        prefix_len = dict.fromkeys(range(len(prompts)), 0)
-        stack = list(tree)
-        while stack:
-            node = stack.pop()
-            prefix_len.update(dict.fromkeys(node.ends, node.end))
-            stack += node.children
-        width = max(prefix_len.values())
+        prefix_len = prefix_lengths(tree, len(prompts))
+        width = max(prefix_len)
         longest_rest = max(len(p) - prefix_len[i] for i, p in enumerate(prompts))
         self.st = st = _Rows(len(prompts), plan_capacity(0, width + longest_rest + reserve), dev)
 
         def visit(node: PrefixNode, parent: _Rows | None) -> None:
-            ids = prompts[_first_row(node)][node.start:node.end]
+            ids = prompts[node.row][node.start:node.end]
             if parent is None:
                 cur = _Rows(1, node.end, dev)
                 self._append(cur, torch.tensor([ids]), torch.ones((1, len(ids)), dtype=torch.bool))

@@ -234,6 +234,22 @@ class PrefixNode:
     ends: list[int]
     children: list[PrefixNode]
 
+    @property
+    def row(self) -> int:
+        """A row under this node (every node has one: a leaf ends rows)."""
+        return self.ends[0] if self.ends else self.children[0].row
+
+
+def prefix_lengths(tree: list[PrefixNode], rows: int) -> list[int]:
+    """Per row, the length of its prefilled prefix in `tree` (0: the row is in no node)."""
+    lengths, stack = [0] * rows, list(tree)
+    while stack:
+        node = stack.pop()
+        for i in node.ends:
+            lengths[i] = node.end
+        stack += node.children
+    return lengths
+
 
 def prefix_tree(prompts: list[list[int]]) -> list[PrefixNode]:
     """The roots of the radix tree of the prompts' shared prefixes: every distinct shared prefix is prefilled
