@@ -8,8 +8,10 @@ SAME policy: the RL LoRA on the init model (non-zero deltas), sampled from the m
 (`grpo.policy_snapshot`, `--dtype`, as `rl.rollout_dtype: auto` on a bf16 CPU), refreshed before every phase:
 - `per group`: one `engine.run_group` after another (8 sessions of 5 rows);
 - `one session`: `engine.run_seeded_groups` (`EngineRollout.groups`): one session of 40 rows.
-Entries are real BFCL entries (`env.bfcl.load_entries`; `--entries`: the shortest prompts of `--categories`,
-as `rl.max_entries` picks them); the prompt is params `prompt`'s default (paper protocol). Without reward
+Entries are real BFCL entries of `--task` (multi-turn by default; `--entries`: the shortest prompts of
+`--categories`, as `rl.max_entries` picks them); the prompt is params `prompt`'s default (paper protocol).
+The CPU default's own RL shape: `--task single_turn --groups 2 --g 4 --entries 64 --max-new-tokens 64
+--max-outputs 1`. Without reward
 tokens in the model's tokenizer, `--mode rc` adds them (mean init) in memory. Arms alternate per repetition
 (A B, B A, ...), each repetition a new step (new tokens and seeds, the same in both arms). Prints per
 repetition and in total: model tokens, wall and CPU seconds, model tokens/s of each arm (per wall and per
@@ -31,7 +33,7 @@ from pathlib import Path
 from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.models import bf16_supported
 from rcgrpo_tasks.engine.rollout import run_group, run_seeded_groups
-from rcgrpo_tasks.env import bfcl
+from rcgrpo_tasks.env import tasks
 from rcgrpo_tasks.env.protocols import DEFAULT_REWARD_TOKENS, PromptConfig
 from rcgrpo_tasks.ops.config import from_dict
 from rcgrpo_tasks.train import adapters, grpo, runs
@@ -77,7 +79,8 @@ def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="models/base")
     ap.add_argument("--adapter", default=None, help="init adapter (models/sft/rctp); default: the base model")
-    ap.add_argument("--categories", nargs="+", default=list(bfcl.CATEGORIES))
+    ap.add_argument("--task", default="multi_turn", choices=list(tasks.TASK_NAMES))
+    ap.add_argument("--categories", nargs="+", default=None, help="default: the task's default categories")
     ap.add_argument("--groups", type=int, default=8, help="groups per step and process (gpu profile: 40 / 5 = 8)")
     ap.add_argument("--g", type=int, default=5, help="rollouts per group (gpu profile: 5)")
     ap.add_argument("--entries", type=int, default=None, help="draw the groups from this many shortest-prompt "
@@ -108,12 +111,13 @@ def main() -> None:
                                     "seed": args.seed})
     policy, tok = lora_policy(args.model, args.adapter, cfg, args.mode, args.seed)
     proto = PromptConfig().protocol_config(args.max_outputs)
-    pool = bfcl.load_entries(tuple(args.categories))
+    task = tasks.get_task(args.task)
+    pool = task.load_entries(tuple(args.categories or task.default_categories))
     pool.sort(key=lambda e: (grpo.prompt_length(e, proto, tok), e.id))
     entries = pool[: args.entries or args.groups]
     rollout = grpo.EngineRollout(cfg, proto, args.mode, DEFAULT_REWARD_TOKENS, {e.id: e for e in entries}, tok)
     lengths = [grpo.prompt_length(e, proto, tok) for e in entries]
-    print(f"{args.groups} groups x G={args.g} from {len(entries)} entries (prompt tokens {min(lengths)}-{max(lengths)}), "
+    print(f"{args.task}: {args.groups} groups x G={args.g} from {len(entries)} entries (prompt tokens {min(lengths)}-{max(lengths)}), "
           f"mode {args.mode}, <= {args.max_outputs} outputs of <= {args.max_new_tokens} tokens, T={args.temperature}, "
           f"snapshot {dtype}, threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}")
     names = ("per group", "one session")

@@ -9,7 +9,7 @@ import pytest
 from rcgrpo_tasks.engine.backend import SamplingParams, ScriptedBackend
 from rcgrpo_tasks.engine.backends import load_backend
 from rcgrpo_tasks.engine.hf import HFBackend
-from rcgrpo_tasks.engine.kvcache import prefix_tree
+from rcgrpo_tasks.engine.kvcache import prefix_tree, walk
 from rcgrpo_tasks.engine.models import ModelLoadError
 from rcgrpo_tasks.engine.sampling import sample_tokens
 from rcgrpo_tasks.engine.vllm import VLLMBackend
@@ -87,6 +87,24 @@ def test_prefix_tree_nests_every_shared_prefix_once():
         (1, 4, 7, [2]), (2, 7, 10, [0, 1]),  # task a; row 2 alone under `low` ends at task a; rows 0, 1 share high
         (1, 4, 6, [3, 4]),  # task b: high and low rows each alone past it
     ])
+
+
+def test_a_short_leaf_joins_the_rests_and_blocks_are_stored_once(backend):
+    """`min_len`: a leaf adding fewer tokens than that to its parent is no node (a GRPO group's reward-token
+    split); the session stores each block of rows once (CPU attention) and still matches full forwards."""
+    system, task = list(range(100, 140)), list(range(200, 230))
+    prompts = [system + task + [7, 9], system + task + [7, 9, 3], system + task + [8, 9], system + [50, 51]]
+    flat = [(n.start, n.end, sorted(n.ends), len(n.children)) for n in walk(prefix_tree(prompts))]
+    assert flat == [(0, 40, [3], 1), (40, 70, [2], 1), (70, 71, [0, 1], 0)]  # rows 0 and 1 share [7]
+    assert [(n.start, n.end, sorted(n.ends)) for n in walk(prefix_tree(prompts, min_len=16))] == \
+        [(0, 40, [3]), (40, 70, [0, 1, 2])]  # the 2-token leaf folded into the task
+    sess = backend.session()
+    outs = sess.generate([0, 1, 2, 3], prompts, SamplingParams(temperature=1.0, max_new_tokens=4, seed=1))
+    _check(backend.model, prompts, outs)
+    shared = sess.cache.shared
+    assert backend.shared_prefixes and shared.width == 70 and shared.per_block == 3
+    assert shared.slots.tolist() == [3, 4, 4, 2, 0, 1] and shared.of_row.tolist() == [4, 5, 3, 0]  # 4: no row
+    assert sess.cache.n < 10  # the rows hold only what follows their block (<= 3 tokens) and what they decoded
 
 
 def test_unrelated_prompts_and_stop_tokens(backend):

@@ -95,8 +95,11 @@ def test_cache_is_sized_to_the_rows_and_grows_only_when_needed(backend):
     prompts = [list(range(10, 110)), list(range(10, 60))]
     outs = sess.generate([0, 1], prompts, sp)
     cache = sess.cache
-    assert cache.capacity == plan_capacity(0, 100 + 8)  # longest prompt + this call's new tokens
-    assert cache.keys[0].shape == (2, 2, cache.capacity, 16) and cache.nbytes() == 2 * 2 * 2 * 2 * cache.capacity * 16 * 4
+    # The 49 tokens both prompts share are stored once (a block); each row holds what follows it: the longest
+    # rest + this call's new tokens.
+    assert cache.shared.width == 49 and cache.capacity == plan_capacity(0, 100 - 49 + 8)
+    assert cache.keys[0].shape == (2, 2, cache.capacity, 16)
+    assert cache.nbytes() == 2 * 2 * 2 * (2 * cache.capacity + 49) * 16 * 4  # layers x K/V x heads x columns
     buffers = cache.keys[0]
     small = [p + o.token_ids + [5] for p, o in zip(prompts, outs)]
     outs = sess.generate([0, 1], small, SamplingParams(temperature=0.0, max_new_tokens=2))

@@ -50,7 +50,7 @@ def test_each_distinct_prompt_prefix_is_prefilled_once(backend):
 
     from rcgrpo_tasks.engine.backend import SamplingParams
 
-    system, task_a, task_b = list(range(100, 140)), list(range(200, 212)), list(range(300, 309))
+    system, task_a, task_b = list(range(100, 140)), list(range(200, 220)), list(range(300, 317))  # >= PREFIX_MIN
     prompts = [system + task_a + [7], system + task_a + [8], system + task_a + [7],
                system + task_b + [7], system + task_b + [8], [5, 6]]
     sess = backend.session()
@@ -66,7 +66,7 @@ def test_each_distinct_prompt_prefix_is_prefilled_once(backend):
     _check(backend.model, prompts, outs)
     # Prefilled tokens (decode steps do not append): every distinct prefix once, then each row's own token.
     assert sum(appended) == len(system) + len(task_a) + len(task_b) + len(prompts) + 1  # [5, 6]: its 2 tokens
-    assert [len(c) for c in sess.covered[:5]] == [52 + 4] * 3 + [49 + 4] * 2  # prefix, row token, 3 fed
+    assert [len(c) for c in sess.covered[:5]] == [60 + 4] * 3 + [57 + 4] * 2  # prefix, row token, 3 fed
 
 
 def test_truncated_importance_weights_are_trls(rl_env):

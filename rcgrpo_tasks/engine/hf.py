@@ -8,6 +8,8 @@
   extends (`kvcache.prefix_tree`: a system prompt several entries share, each entry's task on it, a GRPO
   group's rows up to their reward token, the rows with the same token past it), and copied into its rows, all
   rows laid out left-padded in one cache (`rcgrpo_tasks.engine.kvcache`).
+- Shared prefixes (CPU attention): each of those prefixes is stored once, as a block the rows that end there
+  read in attention (`kvcache.SharedPrefixes`), not copied into every row; the rows hold what follows it.
 - KV reuse: a later call appends only each row's new tokens (observations, next user turn), never
   re-prefilling. Rows of different lengths share the cache through masked holes (position ids count real
   tokens), compacted once holes exceed `COMPACT_AT`; rows whose keys disappear are dropped. A span of new
@@ -44,6 +46,7 @@ from rcgrpo_tasks.engine.device import placement, resolve_device
 from rcgrpo_tasks.engine.graphs import StepGraph
 from rcgrpo_tasks.engine.kvcache import (
     PrefixNode,
+    SharedPrefixes,
     decode_mask,
     plan_capacity,
     prefill_mask,
@@ -51,6 +54,7 @@ from rcgrpo_tasks.engine.kvcache import (
     prefix_tree,
     ragged_segments,
     slot_cache_class,
+    walk,
 )
 from rcgrpo_tasks.engine.models import (
     ModelLoadError,
@@ -96,6 +100,7 @@ class HFSession(Session):
     COMPACT_AT = 0.5  # compact the cache when more than half of it is holes ...
     COMPACT_MIN = 512  # ... and it is at least this long
     RAGGED_MIN = 64  # a suffix span only some rows use runs on those rows alone when at least this long
+    PREFIX_MIN = 16  # a shared prefix leaf shorter than this joins the rows' rests (`prefix_tree`'s min_len)
 
     def __init__(self, backend: HFBackend):
         self.b = backend
@@ -154,19 +159,23 @@ class HFSession(Session):
                 self.keys = keys
                 return
         self.keys = keys
-        self._prefill_prefixes(prompts, prefix_tree(prompts), reserve)
+        self._prefill_prefixes(prompts, prefix_tree(prompts, self.PREFIX_MIN), reserve)
 
     def _prefill_prefixes(self, prompts: list[list[int]], tree: list[PrefixNode], reserve: int) -> None:
-        """Prefill each shared prefix of `tree` once (batch 1) on top of its parent's, depth first, and copy it
-        into the rows that end there, right-aligned at column `width` (the longest prefix), in a cache sized for
-        the whole call."""
+        """Prefill each shared prefix of `tree` once (batch 1) on top of its parent's, depth first, and give it
+        to the rows that end there: as one block of the cache's `SharedPrefixes` (CPU attention), else copied
+        into each row, right-aligned at column `width` (the longest prefix); the cache is sized for the call."""
         import torch
 
         dev = self.b.model.device
         prefix_len = prefix_lengths(tree, len(prompts))
-        width = max(prefix_len)
+        ends = [node for node in walk(tree) if node.ends]
+        shared = SharedPrefixes.plan([n.ends for n in ends], [n.end for n in ends], len(prompts), dev) \
+            if self.b.shared_prefixes and ends else None
+        width = 0 if shared is not None else max(prefix_len)
         longest_rest = max(len(p) - prefix_len[i] for i, p in enumerate(prompts))
         self.st = st = _Rows(len(prompts), plan_capacity(0, width + longest_rest + reserve), dev)
+        st.cache.shared = shared
 
         def visit(node: PrefixNode, parent: _Rows | None) -> None:
             ids = prompts[node.row][node.start:node.end]
@@ -177,8 +186,11 @@ class HFSession(Session):
                 cur = self._extend(parent, ids)
             if node.ends:
                 index = torch.tensor(node.ends, device=dev)
-                st.cache.place(cur.cache, index, width - node.end)
-                st.mask[index, width - node.end:width] = True
+                if shared is not None:
+                    shared.put(ends.index(node), cur.cache)
+                else:
+                    st.cache.place(cur.cache, index, width - node.end)
+                    st.mask[index, width - node.end:width] = True
                 st.nreal[index] = node.end
             for child in node.children:
                 visit(child, cur)
@@ -210,7 +222,8 @@ class HFSession(Session):
         pos = st.nreal[:, None] + new_mask.long().cumsum(1) - 1
         pos = torch.where(new_mask, pos, st.nreal[:, None])
         rows, width = ids.shape
-        chunk = max(1, min(self.PREFILL_CHUNK, self.ATTN_BUDGET // (rows * (st.cache.n + width))))
+        blocks = st.cache.shared.width if st.cache.shared is not None else 0
+        chunk = max(1, min(self.PREFILL_CHUNK, self.ATTN_BUDGET // (rows * (blocks + st.cache.n + width))))
         logits = None
         for s in range(0, width, chunk):
             q = min(chunk, width - s)
@@ -219,7 +232,8 @@ class HFSession(Session):
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.b.autocast):
                 out = self.b.model(input_ids=ids[:, s:s + q], position_ids=pos[:, s:s + q],
                                    attention_mask=prefill_mask(st.mask, start, q, self.b.additive_mask),
-                                   past_key_values=st.cache, use_cache=True, logits_to_keep=last_positions(1, q, dev))
+                                   past_key_values=st.cache, use_cache=True, logits_to_keep=last_positions(1, q, dev),
+                                   **st.cache.attention_kwargs())
             st.cache.advance(q)
             logits = out.logits[:, -1, :]
         st.nreal += new_mask.sum(1)
@@ -311,7 +325,8 @@ class HFSession(Session):
                                 cache_enabled=False):
                 out = self.b.model(input_ids=feed, position_ids=st.nreal[:, None],
                                    attention_mask=decode_mask(st.mask, attend, self.b.additive_mask),
-                                   past_key_values=st.cache, use_cache=True, logits_to_keep=1)
+                                   past_key_values=st.cache, use_cache=True, logits_to_keep=1,
+                                   **st.cache.attention_kwargs())
         finally:
             st.cache.write_at = None
         st.nreal.add_(d.live.long())
@@ -452,6 +467,7 @@ class HFBackend(Backend):
                                  f"with attn_implementation='sdpa' or 'eager'")
         if self.additive_mask is not None and self.autocast:
             self.additive_mask = torch.bfloat16
+        self.shared_prefixes = attn == CPU_ATTENTION  # prefixes stored once: the attention that reads them
 
     @property
     def stop_ids(self) -> set[int]:

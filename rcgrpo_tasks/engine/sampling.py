@@ -20,6 +20,7 @@ Log-probs are those of `softmax(logits / T)`; top-p truncation is not folded in 
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Hashable
 
@@ -73,16 +74,29 @@ _M3, _M4, _GOLDEN32 = _int32(0x21F0AAAD), _int32(0xD35A2D97), _int32(0x9E3779B9)
 def uniform_noise(seeds, positions, vocab: int):
     """(rows, vocab) float32 uniforms in (0, 1) from int64 `seeds` and `positions` (rows,): pure functions.
     Per row a 32-bit key (the high half of `mix64(seed ^ position * golden)`), per vocabulary id
-    `mix32(key + id * golden32)` in wrapping int32 (arithmetic right shifts, masked)."""
+    `mix32(key + id * golden32)` in wrapping int32 (arithmetic right shifts, masked). In place on two
+    buffers: it runs over rows x vocabulary at every decode step, and a fresh multi-MB tensor per operation
+    costs its page faults (on 40 rows x 49k, more than the arithmetic)."""
     import torch
 
     key = (mix64_tensor(seeds ^ (positions * _GOLDEN)) >> 32).to(torch.int32)  # (rows,)
-    z = key[:, None] + torch.arange(vocab, device=seeds.device, dtype=torch.int32)[None, :] * _GOLDEN32
-    z = (z ^ ((z >> 16) & 0xFFFF)) * _M3
-    z = (z ^ ((z >> 15) & 0x1FFFF)) * _M4
-    z = z ^ ((z >> 15) & 0x1FFFF)
-    bits = (z >> (32 - _NOISE_BITS)) & ((1 << _NOISE_BITS) - 1)
-    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << _NOISE_BITS))
+    z = _vocab_counters(vocab, seeds.device) + key[:, None]
+    t = torch.empty_like(z)
+    for shift, mult in ((16, _M3), (15, _M4), (15, None)):
+        torch.bitwise_right_shift(z, shift, out=t).bitwise_and_((1 << (32 - shift)) - 1)
+        z.bitwise_xor_(t)
+        if mult is not None:
+            z.mul_(mult)
+    torch.bitwise_right_shift(z, 32 - _NOISE_BITS, out=t).bitwise_and_((1 << _NOISE_BITS) - 1)
+    return t.to(torch.float32).add_(0.5).mul_(1.0 / (1 << _NOISE_BITS))
+
+
+@functools.cache
+def _vocab_counters(vocab: int, device):
+    """`id * golden32` (wrapping int32) for every vocabulary id: the per-id half of the hash's input."""
+    import torch
+
+    return torch.arange(vocab, device=device, dtype=torch.int32) * _GOLDEN32
 
 
 def guided_logits(goal, other, scale: float):
@@ -96,25 +110,34 @@ def sample_tokens(logits, sampling, seeds=None, positions=None):
     """(token, log-prob under softmax(logits / T)) per row; greedy (argmax) when T == 0.
 
     `seeds`, `positions`: int64 tensors (rows,) on the logits' device (the row's seed and the sampled
-    token's index in its sequence); needed when T > 0. Pure tensor ops, no host sync.
+    token's index in its sequence); needed when T > 0. Pure tensor ops, no host sync. Without top-p the
+    Gumbel-max draw is `argmax(logits / T + gumbel)` (the row's log-normaliser, a constant, left out) and
+    only the drawn token's log-prob is normalised.
     """
     import torch
 
     logits = logits.float()
     if sampling.temperature == 0:
-        logp = torch.log_softmax(logits, dim=-1)
-        tok = logp.argmax(dim=-1)
-        return tok, logp.gather(1, tok[:, None]).squeeze(1)
-    logp = torch.log_softmax(logits / sampling.temperature, dim=-1)
-    scores = logp
+        tok = logits.argmax(dim=-1)
+        return tok, _logprob(logits, tok)
+    scaled = logits / sampling.temperature if sampling.temperature != 1 else logits
+    scores = scaled
     if sampling.top_p < 1.0:
+        logp = torch.log_softmax(scaled, dim=-1)
         sorted_p, order = logp.exp().sort(dim=-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p > sampling.top_p  # keep the smallest set reaching top_p
         drop = torch.zeros_like(drop).scatter(1, order, drop)
         scores = logp.masked_fill(drop, float("-inf"))
     gumbel = uniform_noise(seeds, positions, logits.shape[-1]).log_().neg_().log_().neg_()
-    tok = (scores + gumbel).argmax(dim=-1)
-    return tok, logp.gather(1, tok[:, None]).squeeze(1)
+    tok = gumbel.add_(scores).argmax(dim=-1)
+    return tok, _logprob(scaled, tok)
+
+
+def _logprob(scaled, tok):
+    """log softmax(scaled)[tok] per row, without materialising the whole log-softmax."""
+    import torch
+
+    return scaled.gather(1, tok[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
 
 
 def with_twins(keys: list, prompts: list[list[int]], caps: list[int], pair: tuple[int, int]):
