@@ -3,13 +3,14 @@
 Each row has a 63-bit seed; the noise for (row, token position, vocabulary id) is a hash of the three
 (splitmix64's finaliser of seed and position, then a 32-bit integer hash of that key and the vocabulary id:
 wrapping int64 / int32 arithmetic, identical on CPU and CUDA), turned into Gumbel noise, and the
-sampled token is `argmax(log softmax(logits / T) + gumbel)` over the top-p nucleus: an exact draw from the
-nucleus renormalised, as `torch.multinomial` would make (Gumbel-max trick). What this buys:
+sampled token is `argmax(logits / T + gumbel)` (with top-p: `argmax(log softmax(logits / T) + gumbel)` over the
+nucleus): an exact draw from softmax(logits / T), or from the nucleus renormalised, as `torch.multinomial`
+would make (Gumbel-max trick). What this buys:
 - a rollout samples the same tokens whether it is decoded alone, with its group, with every group of a
   batch, or in one half of a batch split after an out-of-memory error (up to float rounding of the logits);
 - no generator state: a CUDA graph can capture the whole decode step, and CPU and CUDA draw the same noise.
-The per-vocabulary hash is 32-bit because it runs over rows x vocabulary at every step: 7.7 ms instead of
-24 ms for 40 rows x 49k on 2 CPU cores (a step of 40 rows decodes in ~150 ms in bf16). Inverse-CDF sampling
+The per-vocabulary hash is 32-bit, in place, because it runs over rows x vocabulary at every step
+(docs/engine.md has its cost). Inverse-CDF sampling
 (one uniform per row) would cost less still, but it makes the token depend on the rounding of every logit
 before it in vocabulary order: on bf16 vs float32 logits of the same text it changed 31 % of the tokens,
 Gumbel-max 2.4 % (and 0.6 % vs 0 % under a 1e-6 relative perturbation), so batch invariance would be lost.
