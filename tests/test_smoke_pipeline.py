@@ -4,10 +4,10 @@ take CI past its time; the model's size is all that differs). A random model nev
 are zeros: what is checked is that the stages run, in order, on either task, and say which task they ran.
 
 Each task runs the chain to its RC-GRPO cell's evaluation plus the controllability check (12 of the 27
-stages: data, GX gate, labels, both fine-tunes, on-policy samples, rl@rctp-rc_grpo, evaluate; ~2.5 min on 2
-cores, each stage a process that imports torch and TRL), which holds every task-specific path; the rest of
-the grid is the same code on other inputs, and the report is tested on built inputs (test_report.py). The
-whole pipeline on the real model: `dvc repro` of the default (docs/rl.md "Measured").
+stages: data, GX gate, labels, both fine-tunes, on-policy samples, rl@rctp-rc_grpo, evaluate; each stage a
+process that imports torch, TRL and PEFT), which holds every task-specific path; the two chains run side by
+side. The rest of the grid is the same code on other inputs, and the report is tested on built inputs
+(test_report.py). The whole pipeline on the real model: `dvc repro` of the default (docs/rl.md "Measured").
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 from helpers import copy_tree
 
@@ -29,25 +28,44 @@ CHAIN = ("prepare_data", "prepare_model", "generate_trajectories", "validate_tra
          "evaluate@rctp-rc_grpo")
 
 
-@pytest.mark.parametrize("profile,task", [
-    ("smoke", "single_turn"),
-    ("multi-turn+smoke", "multi_turn"),
-])
-def test_the_stages_run_on_the_smoke_profile(tmp_path, tiny_model_dir, profile, task):
-    repo = copy_tree(tmp_path / "repo")
+PROFILES = {"single_turn": "smoke", "multi_turn": "multi-turn+smoke"}
+
+
+def test_the_stages_run_on_the_smoke_profile_of_each_task(tmp_path, tiny_model_dir):
+    """Both tasks' pipelines run side by side, one thread each: a stage is mostly a process importing torch,
+    TRL and PEFT on one core, so the two chains take about the time of one."""
+    runs = {task: _start(tmp_path / task, tiny_model_dir, profile) for task, profile in PROFILES.items()}
+    try:
+        for _, proc in runs.values():
+            proc.wait(timeout=1200)
+    finally:
+        for _, proc in runs.values():
+            proc.kill()
+    for task, (repo, proc) in runs.items():
+        stdout, stderr = ((repo.parent / name).read_text() for name in ("stdout", "stderr"))
+        assert proc.returncode == 0, f"{task}: " + stdout[-4000:] + stderr[-4000:]
+        _check(repo, stdout, task)
+
+
+def _start(root: Path, tiny_model_dir: Path, profile: str) -> tuple[Path, subprocess.Popen]:
+    """A copy of the repo on `profile` with the tiny model as its source, and its `dvc repro` started."""
+    repo = copy_tree(root / "repo")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_", "RCGRPO_"))}
-    env.update({"PATH": f"{BIN}{os.pathsep}{env['PATH']}", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db",
-                "RCGRPO_CPU_BF16": "0"})
+    env.update({"PATH": f"{BIN}{os.pathsep}{env['PATH']}", "MLFLOW_TRACKING_URI": f"sqlite:///{root}/mlflow.db",
+                "RCGRPO_CPU_BF16": "0", "OMP_NUM_THREADS": "1"})
     subprocess.run([str(BIN / "rcgrpo"), "params", "--profile", profile], cwd=repo, env=env, check=True,
                    capture_output=True)
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["prepare_model"]["source"] = str(tiny_model_dir)
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    out = subprocess.run([str(BIN / "dvc"), "repro", *TARGETS], cwd=repo, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    with open(root / "stdout", "w") as out, open(root / "stderr", "w") as err:  # files: no pipe fills up
+        return repo, subprocess.Popen([str(BIN / "dvc"), "repro", *TARGETS], cwd=repo, env=env, stdout=out,
+                                      stderr=err)
 
-    ran = [ln.split("'")[1] for ln in out.stdout.splitlines() if ln.startswith("Running stage")]
+
+def _check(repo: Path, stdout: str, task: str) -> None:
+    """Every stage of the chain ran once, on `task`, and RL took a step."""
+    ran = [ln.split("'")[1] for ln in stdout.splitlines() if ln.startswith("Running stage")]
     assert len(set(ran)) == len(ran), ran
     assert json.loads((repo / "metrics" / "prepare_data.json").read_text())["task"] == task
     assert set(CHAIN) == set(ran), ran
