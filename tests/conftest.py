@@ -9,12 +9,22 @@ so prompts, special tokens and masks are exercised exactly as with the real mode
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 from helpers import LEVELS
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`make test` runs `-n auto`) each worker and every process it starts gets an equal
+    share of the cores: torch would otherwise start a thread per core in every worker, and the workers'
+    threads would contend for the same cores. A value the caller set is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
 
 
 def _smollm2_dir() -> Path:

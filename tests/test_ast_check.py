@@ -47,10 +47,10 @@ def test_model_text_is_never_run(tmp_path, text):
                                   "f(x=" + "1 + " * 250 + "1)", "f(x='" + "a" * 200_000 + "')",
                                   "[" + ", ".join(["f(x=[1, 2])"] * 3000) + "]"])
 def test_bombs_are_refused_fast(text):
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: a test running beside this one (pytest-xdist) takes no share of it
     with pytest.raises(AstDecodeError, match="refused|invalid syntax"):
         decode_prompt(text)
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0
 
 
 def test_arithmetic_within_bounds_matches_python():

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import HIGH, LEVELS, capture_trainer
+from helpers import HIGH, LEVELS, capture_trainer, free_port_base
 from test_rl import PROTOCOL, TEST_RL, _spec
 
 from rcgrpo_tasks.engine.backend import SamplingParams, ScriptedBackend, stop_token_ids
@@ -181,7 +181,8 @@ def test_a_skipped_step_moves_no_weight_under_deepspeed(rl_env, monkeypatch, tmp
         return out
 
     monkeypatch.setattr(engine, "run_seeded_groups", flat)
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29561", "RANK": "0", "LOCAL_RANK": "0",
+    port = str(free_port_base(span=1))  # another module may run beside this one (pytest-xdist)
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": "0", "LOCAL_RANK": "0",
                        "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(key, value)
     ds = tmp_path / "ds.json"
@@ -231,7 +232,8 @@ def test_reward_tokens_on_a_zero3_sharded_padded_model(tokenizer_dir, tmp_path, 
     plain_tok = type(tok).from_pretrained(tokenizer_dir)
     ids = adapters.add_special_tokens(plain_tok, model, LEVELS, seed=0, init=init, levels=LEVELS)
     expected = [model.get_input_embeddings().weight.detach()[ids], model.get_output_embeddings().weight.detach()[ids]]
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29562", "RANK": "0", "LOCAL_RANK": "0",
+    port = str(free_port_base(span=1))  # another module may run beside this one (pytest-xdist)
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": "0", "LOCAL_RANK": "0",
                        "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(key, value)
     ds = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1, "train_batch_size": 1}
