@@ -163,6 +163,15 @@ def test_rollouts_the_model_ended_count_as_finished_for_trl(tok):
     assert len(fields["logprobs"][0]) == len(fields["env_mask"][0]) == len(done)
 
 
+def _one_process_group(monkeypatch) -> None:
+    """The environment of a one-process torch.distributed group, as DeepSpeed needs even alone, on a free port:
+    another module may run beside this one (pytest-xdist)."""
+    port = str(free_port_base(span=1))
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": "0", "LOCAL_RANK": "0",
+                       "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 def test_a_skipped_step_moves_no_weight_under_deepspeed(rl_env, monkeypatch, tmp_path):
     """Dynamic sampling with every group flat, under DeepSpeed (ZeRO-2, on the CPU): accelerate steps the
@@ -181,10 +190,7 @@ def test_a_skipped_step_moves_no_weight_under_deepspeed(rl_env, monkeypatch, tmp
         return out
 
     monkeypatch.setattr(engine, "run_seeded_groups", flat)
-    port = str(free_port_base(span=1))  # another module may run beside this one (pytest-xdist)
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": "0", "LOCAL_RANK": "0",
-                       "WORLD_SIZE": "1"}.items():
-        monkeypatch.setenv(key, value)
+    _one_process_group(monkeypatch)
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
                               "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
@@ -232,10 +238,7 @@ def test_reward_tokens_on_a_zero3_sharded_padded_model(tokenizer_dir, tmp_path, 
     plain_tok = type(tok).from_pretrained(tokenizer_dir)
     ids = adapters.add_special_tokens(plain_tok, model, LEVELS, seed=0, init=init, levels=LEVELS)
     expected = [model.get_input_embeddings().weight.detach()[ids], model.get_output_embeddings().weight.detach()[ids]]
-    port = str(free_port_base(span=1))  # another module may run beside this one (pytest-xdist)
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": "0", "LOCAL_RANK": "0",
-                       "WORLD_SIZE": "1"}.items():
-        monkeypatch.setenv(key, value)
+    _one_process_group(monkeypatch)
     ds = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1, "train_batch_size": 1}
     args = TrainingArguments(output_dir=str(tmp_path / "o"), deepspeed=ds, report_to=[])  # noqa: F841 (keeps ZeRO-3 on)
     assert is_deepspeed_zero3_enabled()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, free_port_base
 
 from rcgrpo_tasks.ops import procs
 
@@ -121,12 +120,6 @@ sys.exit(guarded("evaluate", body))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _server(store: Path, port: int) -> subprocess.Popen:
     cmd = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
            "--backend-store-uri", f"sqlite:///{store}/mlflow.db", "--default-artifact-root", str(store / "art")]
@@ -150,7 +143,7 @@ def _server(store: Path, port: int) -> subprocess.Popen:
 def test_server_lost_mid_stage_one_line_within_a_minute_no_running_run(tmp_path, monkeypatch):
     store = tmp_path / "store"
     store.mkdir()
-    port = _free_port()
+    port = free_port_base(span=1)
     uri = f"http://127.0.0.1:{port}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "lost-server")
@@ -192,7 +185,7 @@ def test_server_lost_mid_stage_one_line_within_a_minute_no_running_run(tmp_path,
 
 
 def test_unreachable_server_fails_a_tracked_command_in_seconds(monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port_base(span=1)}")
     t0 = time.monotonic()
     r = subprocess.run([str(BIN / "rcgrpo"), "report", "--help-not-reached"], capture_output=True, text=True,
                        cwd=REPO_ROOT, timeout=60)
