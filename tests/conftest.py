@@ -13,18 +13,38 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import LEVELS
+from helpers import LEVELS, TEST_DEVICE_ENV, cuda_visibility
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_APPLIED = "RCGRPO_TEST_DEVICE_APPLIED"
+TOKENIZER_ENV = "RCGRPO_TOKENIZER_DIR"
 
 
 def pytest_configure(config):
     """Under pytest-xdist (`make test` runs `-n auto`) each worker and every process it starts gets an equal
     share of the cores: torch would otherwise start a thread per core in every worker, and the workers'
-    threads would contend for the same cores. A value the caller set is kept."""
+    threads would contend for the same cores. A value the caller set is kept.
+
+    RCGRPO_TEST_DEVICE (auto | cpu | cuda | cuda:N; default auto) picks the device the whole suite runs on,
+    through CUDA_VISIBLE_DEVICES (`helpers.cuda_visibility`), set before torch first touches CUDA: every
+    `compute.device: auto` then resolves to it, in the tests and in the processes they start."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+    setting = os.environ.get(TEST_DEVICE_ENV, "")
+    if os.environ.get(_APPLIED) != setting:  # once: xdist workers inherit the controller's environment
+        try:
+            visible = cuda_visibility(setting, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from exc
+        if visible is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        os.environ[_APPLIED] = setting
+    if setting.strip().lower().startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise pytest.UsageError(f"{TEST_DEVICE_ENV}={setting}: CUDA is not available here")
 
 
 def _smollm2_dir() -> Path:
@@ -45,11 +65,15 @@ def _params_read_afresh():
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    """The real SmolLM2 tokenizer + chat template, saved as a normal HF folder."""
+    """The real SmolLM2 tokenizer + chat template, saved as a normal HF folder: read from the GGUF, or from the
+    folder RCGRPO_TOKENIZER_DIR names (that tokenizer saved, e.g. by infra/gpu-host/make_model.py on a host
+    the GGUF does not travel to)."""
     from transformers import AutoTokenizer
 
     out = tmp_path_factory.mktemp("smollm2_tokenizer")
-    tok = AutoTokenizer.from_pretrained(_smollm2_dir(), gguf_file=GGUF_FILE)
+    saved = os.environ.get(TOKENIZER_ENV, "").strip()
+    tok = AutoTokenizer.from_pretrained(saved) if saved else AutoTokenizer.from_pretrained(_smollm2_dir(),
+                                                                                          gguf_file=GGUF_FILE)
     tok.save_pretrained(out)
     return out
 

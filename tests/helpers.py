@@ -7,6 +7,7 @@ them as `from helpers import ...`; the benches that need the reference checker a
 from __future__ import annotations
 
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -24,6 +25,49 @@ LEVELS = (LOW, HIGH)
 TINY_SFT = dict(learning_rate=1e-2, max_steps=6, batch_size=4, max_length=256, lora_r=8, lora_alpha=16,
                 lora_dropout=0.0, save_steps=2, logging_steps=1, log_model=False, variants={})
 """A few optimizer steps of the 2-layer, 64-wide conftest model: seconds each on 2 cores."""
+TEST_DEVICE_ENV = "RCGRPO_TEST_DEVICE"
+"""auto | cpu | cuda | cuda:N: the device the suite's models run on (conftest applies it at start-up)."""
+
+
+def cuda_visibility(setting: str, visible: str | None) -> str | None:
+    """The CUDA_VISIBLE_DEVICES under which `compute.device: auto` resolves to the device `setting` names, given
+    the current value `visible` (None: unset); None = leave it as it is.
+
+    `auto` / `cuda` / empty: unchanged (auto is CUDA where present); `cpu`: no GPU visible, so every `auto`
+    in the suite, its subprocesses included, is the CPU (and `gpu`-marked tests skip); `cuda:N`: the N-th
+    visible GPU alone (it becomes `cuda:0`). A bad value or an absent index is a ValueError."""
+    value = (setting or "").strip().lower()
+    if value in ("", "auto", "cuda"):
+        return None
+    if value == "cpu":
+        return ""
+    match = re.fullmatch(r"cuda:(\d+)", value)
+    if match is None:
+        raise ValueError(f"{TEST_DEVICE_ENV}={setting!r}: expected auto | cpu | cuda | cuda:N")
+    index = int(match.group(1))
+    if visible is None:
+        return str(index)
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if index >= len(ids):
+        raise ValueError(f"{TEST_DEVICE_ENV}={setting!r}: CUDA_VISIBLE_DEVICES={visible!r} shows {len(ids)} GPU(s)")
+    return ids[index]
+
+
+def device_under_test():
+    """The `torch.device` the suite's models run on: what `compute.device: auto` resolves to here (after
+    conftest applied RCGRPO_TEST_DEVICE). Tests that place a model through the configuration assert against
+    it; tests where the CPU is the point pin `device="cpu"` instead."""
+    from rcgrpo_tasks.engine.device import resolve_device
+
+    return resolve_device("auto")
+
+
+def on_test_device(device) -> bool:
+    """True when `device` (a `torch.device` or a string such as "cuda:0" from `placement`) is of the kind of
+    `device_under_test()`."""
+    import torch
+
+    return torch.device(device).type == device_under_test().type
 
 
 def tiny_sft_config(**overrides):

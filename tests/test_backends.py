@@ -20,7 +20,7 @@ def _check(model, prompts, outs, temperature=1.0):
 
     for p, o in zip(prompts, outs):
         with torch.no_grad():
-            logits = model(torch.tensor([list(p) + o.token_ids])).logits[0].float()
+            logits = model(torch.tensor([list(p) + o.token_ids], device=model.device)).logits[0].float().cpu()
         logp = torch.log_softmax(logits / (temperature or 1.0), -1)
         fresh = [logp[len(p) - 1 + j, t].item() for j, t in enumerate(o.token_ids)]
         assert max(abs(a - b) for a, b in zip(fresh, o.logprobs)) < 1e-4
@@ -139,7 +139,7 @@ def test_adapter_folder_matches_in_memory_peft(tiny_model_dir, tmp_path):
     assert loaded.describe()["adapter"] == str(tmp_path / "adapter")
     prompt = [[5, 6, 7, 8, 9]]
     sp = SamplingParams(temperature=0.0, max_new_tokens=6)
-    mem = HFBackend.from_model(model.eval(), loaded.tokenizer).generate(prompt, sp)[0]
+    mem = HFBackend.from_model(model.eval().to(loaded.model.device), loaded.tokenizer).generate(prompt, sp)[0]
     disk = loaded.generate(prompt, sp)[0]
     assert disk.token_ids == mem.token_ids
     assert max(abs(a - b) for a, b in zip(disk.logprobs, mem.logprobs)) < 1e-4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers import TEST_DEVICE_ENV, cuda_visibility
 
 from rcgrpo_tasks.engine.device import is_memory_error, placement, resolve_device
 from rcgrpo_tasks.engine.hf import HFBackend
@@ -85,3 +86,13 @@ def test_backend_on_cuda(tiny_model_dir):
     assert backend.model.device.type == "cuda" and backend.cuda_graphs
     info = backend.describe()
     assert info["device"].startswith("cuda:") and info["dtype"] == "bfloat16" and info["device_name"]
+
+
+def test_test_device_setting_picks_the_gpus_auto_sees():
+    """RCGRPO_TEST_DEVICE through CUDA_VISIBLE_DEVICES (conftest): cpu hides every GPU, cuda:N shows the N-th
+    visible one alone, auto and cuda change nothing; anything else is refused before a test runs."""
+    assert [cuda_visibility(s, None) for s in ("", "auto", " CUDA ", "cpu", "cuda:1")] == [None, None, None, "", "1"]
+    assert cuda_visibility("cuda:1", "3,5,7") == "5" and cuda_visibility("cpu", "3,5") == ""
+    for bad, visible in (("gpu", None), ("cuda:2", "0,1"), ("cuda:0", "")):
+        with pytest.raises(ValueError, match=TEST_DEVICE_ENV):
+            cuda_visibility(bad, visible)

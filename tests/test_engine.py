@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 
 import pytest
-from helpers import get_entry
+from helpers import device_under_test, get_entry, on_test_device
 
 from rcgrpo_tasks.engine.backend import SamplingParams, ScriptedBackend
 from rcgrpo_tasks.engine.hf import HFBackend
@@ -20,7 +20,10 @@ PAPER = ProtocolConfig(protocol="paper", max_outputs=4)
 
 @pytest.fixture(scope="module")
 def tiny_backend(tiny_model_dir):
-    return HFBackend(tiny_model_dir)
+    """The hf backend as a stage places it (`device: auto`: the device under test)."""
+    backend = HFBackend(tiny_model_dir)
+    assert on_test_device(backend.model.device)
+    return backend
 
 
 def test_gold_replay_scores_100_percent_on_all_800_official(tok):
@@ -47,7 +50,7 @@ def _fresh_logprobs(model, traj: Trajectory, temperature: float):
     import torch
 
     with torch.no_grad():
-        logits = model(torch.tensor([traj.token_ids])).logits[0].float()
+        logits = model(torch.tensor([traj.token_ids], device=model.device)).logits[0].float().cpu()
     if temperature > 0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
@@ -87,7 +90,7 @@ def test_hf_from_model_peft_training_mode(tiny_model_dir, tok):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(device_under_test())  # where RL trains
     model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.5))
     model.train()
     backend = HFBackend.from_model(model, tok)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import HIGH, LEVELS, capture_trainer
+from helpers import HIGH, LEVELS, capture_trainer, device_under_test, on_test_device
 
 from rcgrpo_tasks.env.protocols import PromptConfig
 from rcgrpo_tasks.ops.config import ConfigError, from_dict, load_config
@@ -101,17 +101,17 @@ def test_two_rl_steps_per_mode(rl_env, scripted_rewards, monkeypatch, init, algo
         assert all(r["reward_high"] >= r["reward_low"] for r in rows if not math.isnan(r["controllability_gap"]))
     metrics = json.loads(spec.metrics.read_text())
     assert metrics["steps"] == 2 and metrics["mean_frac_zero_std"] is not None
-    # The mechanism with CIs over steps, and where it ran (this host: the CPU).
+    # The mechanism with CIs over steps, and where it ran (`compute.device: auto`: the device under test).
     zero = metrics["mechanism"]["frac_zero_std"]
     assert zero["steps"] == 2 and zero["ci_low"] <= zero["mean"] <= zero["ci_high"]
     assert zero["mean"] == pytest.approx(metrics["mean_frac_zero_std"])
     gap = metrics["mechanism"]["controllability_gap"]
     assert (gap["steps"] > 0) == (mode == "rc")  # one token only under GRPO: no gap
-    assert metrics["placement"]["device"] == "cpu" and metrics["micro_batch"] == cfg.micro_batch_size
+    assert on_test_device(metrics["placement"]["device"]) and metrics["micro_batch"] == cfg.micro_batch_size
     client = mlflow.MlflowClient()
     run = mlflow.search_runs(experiment_names=["test-rl"], filter_string=f"tags.`rl.algo` = '{algo}' and "
                              f"tags.`rl.init` = '{init}'", output_format="list")[0]
-    assert run.data.params["placement.device"] == "cpu" and run.data.params["compute.device"] == "auto"
+    assert on_test_device(run.data.params["placement.device"]) and run.data.params["compute.device"] == "auto"
     history = client.get_metric_history(run.info.run_id, "rc/frac_zero_std")
     assert sorted(m.step for m in history) == [1, 2]
     assert client.get_metric_history(run.info.run_id, "kl") and client.get_metric_history(run.info.run_id, "step_time")
@@ -125,7 +125,7 @@ def test_env_tokens_carry_no_loss_and_cpu_logps_match_trl(rl_env):
     root, model_dir = rl_env
     cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",)})
     trainer, _, _ = grpo_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "mask", "rctp", "rc_grpo"),
-                                            track=False)
+                                            track=False, device=torch.device("cpu"))  # the CPU fast path
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     g = torch.Generator().manual_seed(0)
@@ -251,21 +251,24 @@ def test_reference_is_the_init_model(rl_env):
     init.save_pretrained(adapter_dir)
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(adapter_dir)
     ids = torch.randint(0, 1000, (1, 12))
-    with torch.no_grad():
+    with torch.no_grad():  # on the CPU; the trainer's models on the device under test
         expected = init.merge_and_unload()(ids).logits
         base = AutoModelForCausalLM.from_pretrained(model_dir)(ids).logits
     assert not torch.allclose(expected, base, atol=1e-4)  # the adapter matters
+    device = device_under_test()
     spec = grpo_trainer.RLRun(**{**_spec(root, model_dir, "ref", "rctp", "grpo").__dict__, "adapter_dir": adapter_dir})
     for full in (False, True):
         cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "full_finetune": full})
         trainer, _, _ = grpo_trainer.build_trainer(cfg, PROTOCOL, LEVELS, spec, track=False)
+        assert on_test_device(trainer.accelerator.device)
+        on_device = ids.to(trainer.accelerator.device)
         with torch.no_grad():
             if full:
-                ref = trainer.ref_model(ids).logits
+                ref = trainer.ref_model(on_device).logits
             else:
                 with trainer.model.disable_adapter():
-                    ref = trainer.model(ids).logits
-        assert torch.allclose(ref, expected, atol=1e-4), full
+                    ref = trainer.model(on_device).logits
+        assert torch.allclose(ref.cpu(), expected, atol=1e-4), full
         if not full:  # the rollout snapshot = the live policy (LoRA merged), here after a fake update
             live = trainer.accelerator.unwrap_model(trainer.model)
             for name, prm in live.named_parameters():
@@ -278,11 +281,11 @@ def test_reference_is_the_init_model(rl_env):
             assert grpo.policy_snapshot(live, torch.float32, snap) is snap
             assert next(snap.parameters()).device == next(live.parameters()).device  # on the policy's device
             with torch.no_grad():
-                live_logits, snap_logits = live(ids).logits, snap(ids).logits
-            assert not torch.allclose(live_logits, expected, atol=1e-3)
+                live_logits, snap_logits = live(on_device).logits, snap(on_device).logits
+            assert not torch.allclose(live_logits.cpu(), expected, atol=1e-3)
             assert torch.allclose(snap_logits, live_logits, atol=1e-4)
-            # the copy decodes with the engine's CPU attention; the training model's config is untouched
-            assert snap.config._attn_implementation == "rcgrpo_cpu"
+            # a CPU copy decodes with the engine's CPU attention; the training model's config is untouched
+            assert (snap.config._attn_implementation == "rcgrpo_cpu") == (device.type == "cpu")
             assert live.get_base_model().config._attn_implementation != "rcgrpo_cpu"
 
 

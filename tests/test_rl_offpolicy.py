@@ -80,6 +80,7 @@ def test_truncated_importance_weights_are_trls(rl_env):
                                                track=False)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
+    dev = trainer.accelerator.device  # the batch lives where TRL's generation step leaves it
     g = torch.Generator().manual_seed(0)
     b, p, c = 2, 5, 6
     mask = torch.tensor([[1, 1, 1, 0, 1, 1], [1, 1, 1, 1, 1, 0]])
@@ -87,9 +88,11 @@ def test_truncated_importance_weights_are_trls(rl_env):
               "completion_ids": torch.randint(0, 1000, (b, c), generator=g),
               "completion_mask": torch.ones(b, c, dtype=torch.long), "tool_mask": mask,
               "advantages": torch.tensor([1.0, -1.0]), "num_items_in_batch": mask.sum()}
+    inputs, mask = {k: v.to(dev) for k, v in inputs.items()}, mask.to(dev)
     with torch.no_grad():
         old = trainer._rc_trainer_logps(inputs)
-    sampler = old + torch.randn(b, c, generator=g) * 0.8  # an off-policy sampler
+    assert old.device.type == dev.type
+    sampler = old + (torch.randn(b, c, generator=g) * 0.8).to(dev)  # an off-policy sampler
     weights = offpolicy.truncated_is_weights(old, sampler, mask, cap=2.0)
     assert float(weights.max()) == 2.0 and float(weights.min()) < 0.5 and bool((weights[mask == 0] == 1).all())
     batch = {**inputs, "old_per_token_logps": old, "ref_per_token_logps": old - 0.1}

@@ -120,6 +120,7 @@ def test_rl_trains_the_reward_token_rows_saves_and_merges_them(qwen_env, monkeyp
         assert sorted(moved) == sorted(ids), key
     saved = load_file(str(spec.out / "rl_adapter" / "adapter_model.safetensors"))
     assert any("trainable_tokens" in k for k in saved) and all(v.shape[0] < 1000 for v in saved.values())
+    seen = {k: v.cpu() for k, v in seen.items()}  # the run's device: the device under test
     torch.testing.assert_close(seen["reference"], init["model.embed_tokens.weight"][ids])
     torch.testing.assert_close(seen["live"], out["model.embed_tokens.weight"][ids])
     torch.testing.assert_close(seen["snapshot"], seen["live"])
@@ -251,4 +252,4 @@ def test_reward_tokens_on_a_zero3_sharded_padded_model(tokenizer_dir, tmp_path, 
     with deepspeed.zero.GatheredParameters(mats):
         for m, e in zip(mats, expected):
             assert m.shape[0] == rows  # nothing shrank
-            torch.testing.assert_close(m.detach()[ids], e)
+            torch.testing.assert_close(m.detach()[ids].cpu(), e)  # ZeRO-3 gathers onto its accelerator

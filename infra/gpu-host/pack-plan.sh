@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fourth payload for a GPU host without a package index (after shared/gpu-host/pack.sh's p1-p3): what
+# The fourth payload for a GPU host without a package index (after infra/gpu-host/pack.sh's p1-p3): what
 # `rcgrpo run-plan` needs there beyond them.
 #   - plan.json: the pipeline as DVC resolves it here (`rcgrpo plan`), each stage marked up to date or not;
 #   - outputs.tar.gz: the outputs of the up-to-date stages that p3 does not carry (the trajectory set and
@@ -9,7 +9,7 @@
 #   - setup-plan.sh: installs the wheels beside p3's and unpacks the outputs.
 # Run from the project root, with the profile applied and its data stages done:
 #   rcgrpo params --profile gpu && dvc repro validate_trajectories label_rewards@sft
-#   ../shared/gpu-host/pack.sh && infra/gpu-host/pack-plan.sh [OUT]
+#   infra/gpu-host/pack.sh && infra/gpu-host/pack-plan.sh [OUT]
 set -euo pipefail
 out=${1:-.gpuhost}
 py=${PY:-.venv/bin/python}

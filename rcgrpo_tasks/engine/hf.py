@@ -8,6 +8,9 @@
   extends (`kvcache.prefix_tree`: a system prompt several entries share, each entry's task on it, a GRPO
   group's rows up to their reward token, the rows with the same token past it), and copied into its rows, all
   rows laid out left-padded in one cache (`rcgrpo_tasks.engine.kvcache`).
+- CUDA prefill (`batched_prefill`, `rcgrpo_tasks.engine.prefill`): there the number of forwards is what
+  costs, so a new set of rows is prefilled by length bucket instead: each prompt rows share once, in a few
+  left-padded batches per bucket, its K/V copied into its rows; the prefix tree above is the CPU's.
 - Shared prefixes (CPU attention): each of those prefixes is stored once, as a block the rows that end there
   read in attention (`kvcache.SharedPrefixes`), not copied into every row; the rows hold what follows it.
 - KV reuse: a later call appends only each row's new tokens (observations, next user turn), never
@@ -43,7 +46,7 @@ from rcgrpo_tasks.engine.backend import (
 )
 from rcgrpo_tasks.engine.cpu_attention import CPU_ATTENTION, use_cpu_attention
 from rcgrpo_tasks.engine.device import placement, resolve_device
-from rcgrpo_tasks.engine.graphs import StepGraph
+from rcgrpo_tasks.engine.graphs import CPU, GRAPH, DecodeState, StepGraph, decode_path, graphs_wanted
 from rcgrpo_tasks.engine.kvcache import (
     PrefixNode,
     SharedPrefixes,
@@ -64,6 +67,7 @@ from rcgrpo_tasks.engine.models import (
     last_positions,
     load_trained,
 )
+from rcgrpo_tasks.engine.prefill import batched_prefill_wanted, left_padded, plan_prefill
 from rcgrpo_tasks.engine.sampling import guided_logits, row_seed, sample_tokens, with_twins
 
 BOOL_MASK_ATTENTION = ("sdpa", CPU_ATTENTION, "flex_attention")
@@ -159,7 +163,10 @@ class HFSession(Session):
                 self.keys = keys
                 return
         self.keys = keys
-        self._prefill_prefixes(prompts, prefix_tree(prompts, self.PREFIX_MIN), reserve)
+        if self.b.batched_prefill:
+            self._prefill_batched(prompts, reserve)
+        else:
+            self._prefill_prefixes(prompts, prefix_tree(prompts, self.PREFIX_MIN), reserve)
 
     def _prefill_prefixes(self, prompts: list[list[int]], tree: list[PrefixNode], reserve: int) -> None:
         """Prefill each shared prefix of `tree` once (batch 1) on top of its parent's, depth first, and give it
@@ -199,6 +206,26 @@ class HFSession(Session):
             visit(root, None)
         st.cache.n = width
         self.covered = [list(p[:prefix_len[i]]) for i, p in enumerate(prompts)]
+
+    def _prefill_batched(self, prompts: list[list[int]], reserve: int) -> None:
+        """The CUDA path (`engine.prefill`): each prompt rows share, less its last token, prefilled once in
+        left-padded batches by length bucket, copied into its rows right-aligned at `width` (`_prefill`: the rest)."""
+        import torch
+
+        dev, plan = self.b.model.device, plan_prefill(prompts)
+        width = max(len(h) for h in plan.heads)
+        rest = max(len(p) - len(h) for p, h in zip(prompts, plan.heads))
+        self.st = st = _Rows(len(prompts), plan_capacity(0, width + rest + reserve), dev)
+        for batch in plan.batches:
+            sub = _Rows(len(batch), max(len(plan.distinct[k]) for k in batch), dev)
+            self._append(sub, *left_padded([plan.distinct[k] for k in batch], self.b.pad_id))
+            rows = torch.tensor([r for k in batch for r in plan.rows_of[k]], device=dev)
+            take = torch.tensor([j for j, k in enumerate(batch) for _ in plan.rows_of[k]], device=dev)
+            st.cache.place(sub.cache, rows, width - sub.cache.n, take)
+            st.mask[rows, width - sub.cache.n:width] = sub.mask[take]
+            st.nreal[rows] = sub.nreal[take]
+        st.cache.n = width
+        self.covered = [list(h) for h in plan.heads]  # per row: its own list (extended in place later)
 
     def _extend(self, one: _Rows, ids: list[int]) -> _Rows:
         """A copy of batch-1 prefix cache `one` with `ids` appended (a longer shared prefix)."""
@@ -293,7 +320,7 @@ class HFSession(Session):
 
         st, dev = self.st, self.b.model.device
         steps = max(caps)
-        d = _DecodeState(st, caps, steps, self._row_seeds(), sorted(self.b.stop_ids), dev)
+        d = DecodeState(st.cache.n, caps, steps, self._row_seeds(), sorted(self.b.stop_ids), dev)
         d.record(*self._sample(logits, sampling, d.seeds))
         runner = self._runner(d, sampling)
         check = self.b.stop_check_every
@@ -312,7 +339,7 @@ class HFSession(Session):
         vals = [self.seeds[k] if k in self.seeds else row_seed(self.base_seed, k) for k in self.keys]
         return torch.tensor(vals, dtype=torch.int64, device=self.b.model.device)
 
-    def _step(self, d: _DecodeState, sampling: SamplingParams, attend: int) -> None:
+    def _step(self, d: DecodeState, sampling: SamplingParams, attend: int) -> None:
         """One decode step on device tensors only (graph-safe): feed each live row's last token, sample the next."""
         import torch
 
@@ -344,17 +371,17 @@ class HFSession(Session):
                                 self.st.nreal[:n])
         return tok.repeat(2), lp.repeat(2)
 
-    def _runner(self, d: _DecodeState, sampling: SamplingParams):
+    def _runner(self, d: DecodeState, sampling: SamplingParams):
         """`step(t)`: attention over the whole capacity (masked columns add exactly 0): on CPU eagerly, since
         attending a column slice of the buffers makes CPU's bf16 matmul copy every row's cache at every
         step (3x slower attention at 40 rows x 800 columns; equal in float32); on CUDA a captured graph of
         `_step`, captured after one eager step (the warm-up) and replayed. Eager CUDA reads the columns in use."""
-        st = self.st
-        if st.mask.device.type == "cpu":
+        st, path = self.st, decode_path(self.st.mask.device.type, self.b.cuda_graphs)
+        if path == CPU:
             return lambda t: self._step(d, sampling, st.cache.capacity)
-        if not self.b.cuda_graphs:
+        if path != GRAPH:
             return lambda t: self._step(d, sampling, st.cache.n + t)
-        graph = StepGraph(lambda: self._step(d, sampling, st.cache.capacity), st.mask.device)
+        graph = StepGraph(lambda: self._step(d, sampling, st.cache.capacity), st.mask.device, self.b.model)
         return lambda t: graph.run()
 
     def _completions(self, toks: list[list[int]], lps: list[list[float]]) -> list[Completion]:
@@ -368,34 +395,6 @@ class HFSession(Session):
             finish = "stop" if ids[-1] in stops else "length"
             out.append(Completion(ids, lp, decode_text(tokz, ids, stops), finish))
         return out
-
-
-class _DecodeState:
-    """A call's decode state as device tensors updated in place (what a captured graph reads and writes)."""
-
-    def __init__(self, st: _Rows, caps: list[int], steps: int, seeds, stops: list[int], dev):
-        import torch
-
-        rows = len(caps)
-        self.caps = torch.tensor(caps, dtype=torch.int64, device=dev)
-        self.stops = torch.tensor(stops or [-1], dtype=torch.int64, device=dev)
-        self.seeds = seeds
-        self.tok = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self.live = torch.ones(rows, dtype=torch.bool, device=dev)
-        self.t = torch.zeros(1, dtype=torch.int64, device=dev)  # the step being recorded
-        self.write_at = torch.full((1,), st.cache.n, dtype=torch.int64, device=dev)  # the column a step feeds
-        self.out_tok = torch.full((rows, steps), -1, dtype=torch.int64, device=dev)
-        self.out_lp = torch.zeros((rows, steps), dtype=torch.float32, device=dev)
-
-    def record(self, tok, lp) -> None:
-        """Store step t's tokens for the rows live at it; a row stays live unless it stopped or hit its cap."""
-        import torch
-
-        self.out_tok.index_copy_(1, self.t, torch.where(self.live, tok, -1)[:, None])
-        self.out_lp.index_copy_(1, self.t, lp[:, None])
-        stopped = (tok[:, None] == self.stops[None, :]).any(dim=1)
-        self.live &= ~stopped & (self.t + 1 < self.caps)
-        self.tok.copy_(tok)
 
 
 class HFBackend(Backend):
@@ -455,7 +454,7 @@ class HFBackend(Backend):
         self.model, self.tokenizer = model, tokenizer
         on_cuda = model.device.type == "cuda"
         self.autocast = bool(autocast) and (on_cuda or bf16_supported())
-        self.cuda_graphs = on_cuda and cuda_graphs is not False
+        self.cuda_graphs = graphs_wanted(model.device.type, cuda_graphs)
         self.stop_check_every = self.STOP_CHECK_CUDA if on_cuda else 1
         self.max_positions = int(getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_POSITIONS)
         self._stops = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
@@ -468,6 +467,7 @@ class HFBackend(Backend):
         if self.additive_mask is not None and self.autocast:
             self.additive_mask = torch.bfloat16
         self.shared_prefixes = attn == CPU_ATTENTION  # prefixes stored once: the attention that reads them
+        self.batched_prefill = batched_prefill_wanted(model.device.type)  # forwards by length bucket, not node
 
     @property
     def stop_ids(self) -> set[int]:

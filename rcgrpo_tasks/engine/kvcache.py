@@ -162,9 +162,10 @@ def slot_cache_class():
                 for t, d in zip(src, dst):
                     d[index.to(d.device), :, cols] = t[:, :, cols]
 
-        def place(self, prefix, rows, start: int) -> None:
-            """Copy batch-1 cache `prefix` (its n columns) into rows `rows` (int64 tensor), columns [start, start + n);
-            allocates this cache's buffers like `prefix`'s on first use."""
+        def place(self, prefix, rows, start: int, take=None) -> None:
+            """Copy batch-1 cache `prefix` (its n columns) into rows `rows` (int64 tensor), columns [start, start + n),
+            or with `take` (int64 tensor) its row take[i] into rows[i]; allocates this cache's buffers like
+            `prefix`'s on first use."""
             import torch
 
             if not self.keys:
@@ -175,7 +176,7 @@ def slot_cache_class():
             cols = slice(start, start + prefix.n)
             for src, buffers in ((prefix.keys, self.keys), (prefix.values, self.values)):
                 for t, dst in zip(src, buffers):
-                    dst[rows.to(dst.device), :, cols] = t[:, :, :prefix.n]
+                    dst[rows.to(dst.device), :, cols] = t[:, :, :prefix.n] if take is None else t[take, :, :prefix.n]
 
     return SlotCache
 

@@ -81,12 +81,14 @@ class OffPolicyMixin:
     rc_importance_cap: float | None = None
 
     def _rc_trainer_logps(self, batch: dict):
-        """The trainer's log-probs of the batch's completion tokens under the current weights (no grad)."""
+        """The trainer's log-probs of the batch's completion tokens under the current weights (no grad), on the
+        trainer's device whatever device the batch's tensors are on."""
         import torch
         from trl.models.utils import disable_gradient_checkpointing
 
-        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        dev = self.accelerator.device  # TRL's generation step leaves its batch there; a batch built elsewhere moves
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1).to(dev)
+        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1).to(dev)
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             logps, _, _ = self._get_per_token_logps_and_entropies(
                 self.model, ids, attention, batch["completion_ids"].size(1),
