@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml
 	# DeepSpeed for its CPU tests (a skipped dynamic-sampling step under ZeRO-2, reward-token rows under a
 	# ZeRO-3 sharded load): its setup.py imports torch, hence no build isolation; no CUDA ops are built.
 	$(BIN)/pip install -q --no-build-isolation "deepspeed==0.19.8"
+	# Its CPU shared-memory comm op is compiled on first use (~75 s, silently, inside the first DeepSpeed test):
+	# build it now, into torch's extension cache ($$TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions).
+	@echo "building DeepSpeed's CPU comm op (about a minute, once)"
+	$(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null
 	touch $(STAMP)
 
 # vLLM beside the project (docs/engine.md "vLLM"), the GPU image's recipe: vLLM first (it brings its own

@@ -30,8 +30,8 @@ from rcgrpo_tasks.engine.rollout import replay_calls  # noqa: E402
 from rcgrpo_tasks.env import bfcl  # noqa: E402
 from rcgrpo_tasks.env.protocols import ProtocolConfig  # noqa: E402
 from rcgrpo_tasks.ops.config import as_dict, from_dict  # noqa: E402
-from rcgrpo_tasks.ops.io import read_jsonl  # noqa: E402
-from rcgrpo_tasks.train import adapters, finetune, sft  # noqa: E402
+from rcgrpo_tasks.ops.inputs import read_jsonl  # noqa: E402
+from rcgrpo_tasks.train import adapters, finetune, sft, sft_rows  # noqa: E402
 
 
 def replay_rows(model_dir: Path, n: int) -> list[dict]:
@@ -83,7 +83,7 @@ def make_trainer(kind: str, cfg, args, rows: list[dict], tokens: tuple[str, ...]
         tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
         model = AutoModelForCausalLM.from_pretrained(args.model_dir)
         ids = adapters.add_special_tokens(tokenizer, model, tokens)
-        data, stats = finetune.tokenize_rows(rows, tokenizer, cfg.max_length)
+        data, stats = sft_rows.tokenize_rows(rows, tokenizer, cfg.max_length)
         conf = SFTConfig(output_dir=str(out), per_device_train_batch_size=cfg.batch_size, max_steps=cfg.max_steps,
                          learning_rate=cfg.learning_rate, max_length=cfg.max_length, seed=cfg.seed,
                          report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)

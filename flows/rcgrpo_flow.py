@@ -51,7 +51,7 @@ import yaml
 from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run, task_run
 
-from rcgrpo_tasks.ops import config, pipeline, procs, tracking
+from rcgrpo_tasks.ops import config, pipeline, procs, tracking, tracking_log, tracking_store
 
 BIN = Path(sys.executable).parent
 SKIP_MARKERS = ("didn't change, skipping", "is cached - skipping run")
@@ -182,7 +182,7 @@ def read_repo_params(repo_dir: str | Path) -> dict:
 
 @task(name="check-tracking", retries=2, retry_delay_seconds=[2, 5])
 def check_tracking() -> str:
-    return tracking.check_tracking()
+    return tracking_store.check_tracking()
 
 
 @task(name="open-parent-run", retries=2, retry_delay_seconds=[2, 5])
@@ -207,21 +207,46 @@ def apply_profile(repo_dir: str, profile: str) -> dict[str, str]:
     which sections changed and reruns those stages. Returns what the parent run records."""
     params = Path(repo_dir) / "params.yaml"
     merged = config.apply_profile(None, profile, params)
-    digest = tracking.params_hash(merged)
+    digest = tracking_log.params_hash(merged)
     get_run_logger().info("profile %r applied to %s from the pristine params (params sha256 %s)",
                           profile, params, digest)
     return {"rcgrpo.profile": profile, "rcgrpo.params_sha256": digest}
 
 
+MISSING_CACHE = "do not exist neither locally nor on remote"
+"""What `dvc fetch` warns when the remote lacks outputs that dvc.lock records."""
+
+
+def missing_cache_note(line: str, remote: str) -> str | None:
+    """What DVC's "Some of the cache files do not exist neither locally nor on remote" means in a pull (None:
+    `line` is not that warning). On a fresh machine it is expected, not an error: dvc.lock records outputs
+    that the remote `remote` has no copy of (a fresh remote, or a workspace that never pushed them); the
+    stages producing them run again in `dvc repro` (and `dvc push` stores them at the end)."""
+    if MISSING_CACHE not in line:
+        return None
+    return (f"(the warning above is expected on a fresh machine: remote {remote!r} holds no copy of some outputs "
+            "dvc.lock records; the stages that make them will run again and the push at the end stores them)")
+
+
 @task(name="dvc-transfer")
 def dvc_transfer(verb: str, repo_dir: str, targets: list[str], remote: str, retries: int) -> None:
     """`dvc fetch` / `dvc push` of the planned stages' outputs and run cache: network only, so a failure
-    here is transient (S3 down, timeouts) and the task is retried with backoff."""
+    here is transient (S3 down, timeouts) and the task is retried with backoff. DVC's missing-cache warning
+    is followed by what it means here (`missing_cache_note`)."""
     log = get_run_logger()
     cmd = [str(BIN / "dvc"), verb, "--run-cache", "--remote", remote, *targets]
     attempt = task_run.run_count or 1
     log.info("dvc %s (attempt %d/%d): %s", verb, attempt, retries + 1, " ".join(cmd[1:]))
-    rc, out, err = stream(cmd, repo_dir, stage_env(None), log.info, tail_lines=4)
+    notes: list[str] = []
+
+    def forward(line: str) -> None:
+        log.info(line)
+        if not notes and (note := missing_cache_note(line, remote)):
+            notes.append(note)
+
+    rc, out, err = stream(cmd, repo_dir, stage_env(None), forward, tail_lines=4)
+    for note in notes:
+        log.info(note)
     tail = "\n".join(t for t in (out, err) if t)
     if rc != 0:
         short = "\n".join(line[:300] for line in tail.splitlines())
@@ -287,8 +312,8 @@ def rcgrpo(
     # The main pipeline only: other dvc.yaml files (retrain/, written by the retrain flow) are not its stages.
     order = plan({k: v for k, v in discover_stages(repo).items() if ":" not in k}, stages)
     log.info("tracking %s; profile %s; stages: %s", uri, profile, ", ".join(order))
-    if tracking.runs_table_url():
-        log.info("MLflow runs table: %s", tracking.runs_table_url())
+    if tracking_store.runs_table_url():
+        log.info("MLflow runs table: %s", tracking_store.runs_table_url())
     params = {"flow": {"profile": profile, "stages": stages, "force": force, "push": push, "pull": pull},
               "params": read_repo_params(repo)}
     parent = open_parent_run(f"pipeline@{profile}", params, {
@@ -350,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         result = rcgrpo(profile=a.profile, stages=a.stages, force=a.force, push=not a.no_push,
                         pull=not a.no_pull, repo_dir=a.repo_dir, transfer_retries=a.transfer_retries,
                         retry_delay_s=a.retry_delay_s, stage_timeout_s=a.stage_timeout_s)
-    except (config.ConfigError, tracking.TrackingError, StageFailed) as exc:  # already in the flow's logs
+    except (config.ConfigError, tracking_store.TrackingError, StageFailed) as exc:  # already in the flow's logs
         print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2 if not isinstance(exc, StageFailed) else 1
     except procs.Terminated as exc:

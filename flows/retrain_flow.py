@@ -45,9 +45,9 @@ from flows.rcgrpo_flow import (  # noqa: E402
     run_stage,
     stage_env,
 )
-from rcgrpo_tasks.ops import tracking  # noqa: E402
+from rcgrpo_tasks.ops import tracking, tracking_store  # noqa: E402
 from rcgrpo_tasks.ops.config import GENERATED, read_params  # noqa: E402
-from rcgrpo_tasks.ops.io import atomic_dir, write_json, write_text  # noqa: E402
+from rcgrpo_tasks.ops.outputs import atomic_dir, write_json, write_text  # noqa: E402
 
 PIPELINE = "retrain/dvc.yaml"
 TEMPLATE = "flows/retrain.dvc.yaml"
@@ -85,12 +85,12 @@ def round_params(params: dict, profile: str, round_no: int) -> str:
 def resolve_champion(repo_dir: str, model_name: str, alias: str) -> dict[str, Any]:
     """Write retrain/champion/{champion.json, model/} for the version `alias` points at (downloaded only
     when the version changed). Raises NoChampion without one."""
-    mlflow = tracking.mlflow_module()
+    mlflow = tracking_store.mlflow_module()
     client = mlflow.MlflowClient()
     try:
         version = client.get_model_version_by_alias(model_name, alias)
     except Exception as exc:
-        raise NoChampion(f"registry has no {model_name}@{alias} ({tracking.reason(exc)}): run the full "
+        raise NoChampion(f"registry has no {model_name}@{alias} ({tracking_store.reason(exc)}): run the full "
                          "pipeline first (its promote stage registers the first champion)") from exc
     info = {"model_name": model_name, "alias": alias, "version": int(version.version),
             "run_id": version.run_id, "source": version.source}
@@ -99,7 +99,7 @@ def resolve_champion(repo_dir: str, model_name: str, alias: str) -> dict[str, An
     old = json.loads(record.read_text()) if record.is_file() else None
     if old != info or not (folder / "model").is_dir():
         with atomic_dir(folder / "model") as tmp:
-            tracking.call("download champion", mlflow.artifacts.download_artifacts,
+            tracking_store.call("download champion", mlflow.artifacts.download_artifacts,
                           artifact_uri=version.source, dst_path=str(tmp))
             inner = tmp / Path(version.source).name  # download_artifacts nests the folder's own name
             if inner.is_dir():

@@ -1,4 +1,4 @@
-"""rcgrpo: Reward-Conditioned GRPO for multi-turn tool-calling agents on BFCL v4 multi-turn.
+"""rcgrpo: Reward-Conditioned GRPO for tool-calling agents on BFCL v4 (single-turn AST and multi-turn tasks).
 
 Nothing runs at import: stage modules are imported by the `rcgrpo` CLI, DVC or Prefect when needed.
 """

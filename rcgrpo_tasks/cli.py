@@ -12,13 +12,13 @@ import importlib
 import os
 import sys
 
-from rcgrpo_tasks.ops import procs, tracking
-from rcgrpo_tasks.ops.io import OutputError
+from rcgrpo_tasks.ops import procs, tracking_store
+from rcgrpo_tasks.ops.outputs import OutputError
 
 # command -> (module, one-line summary). Keep in the order of the pipeline.
 COMMANDS: dict[str, tuple[str, str]] = {
     "params": ("rcgrpo_tasks.stages.params", "Materialize a profile (configs/<name>.yaml) into params.yaml."),
-    "prepare-data": ("rcgrpo_tasks.stages.prepare_data", "Load BFCL v4 multi-turn from bfcl-eval and split it 90/10 by numeric id."),
+    "prepare-data": ("rcgrpo_tasks.stages.prepare_data", "Load the task's BFCL v4 entries (single-turn AST or multi-turn) from bfcl-eval and split them."),
     "prepare-model": ("rcgrpo_tasks.stages.prepare_model", "Turn the bundled SmolLM2 GGUF (or a hub id / folder) into a trainable HF folder."),
     "score": ("rcgrpo_tasks.stages.score", "Score a BFCL result JSONL with the official-semantics scorer."),
     "rollout": ("rcgrpo_tasks.stages.rollout", "Roll a model over BFCL entries and write trajectory JSONL."),
@@ -28,10 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "label-rewards": ("rcgrpo_tasks.stages.label_rewards", "Map scores to reward tokens; write the sft and rctp chat datasets."),
     "sft": ("rcgrpo_tasks.stages.sft", "SFT / RCTP fine-tuning with TRL SFTTrainer + PEFT LoRA."),
     "sample-policy": ("rcgrpo_tasks.stages.sample_policy", "Sample the SFT model on train entries until each has a success and a failure."),
-    "controllability": ("rcgrpo_tasks.stages.controllability", "E[R|high] - E[R|low] of a reward-conditioned model on held-out entries."),
-    "rl": ("rcgrpo_tasks.stages.rl", "GRPO / RC-GRPO on TRL GRPOTrainer over the multi-turn rollout engine."),
+    "controllability": ("rcgrpo_tasks.stages.controllability", "Does a reward-conditioned model read its token: margin, paired sampled and greedy gaps."),
+    "rl": ("rcgrpo_tasks.stages.rl", "GRPO / RC-GRPO on TRL GRPOTrainer over the project's rollout engine."),
     "report": ("rcgrpo_tasks.stages.report", "Assemble the results table (with CIs and the paper's numbers) and plot."),
-    "promote": ("rcgrpo_tasks.stages.promote", "Register the best RC-GRPO adapter and move the `champion` alias if it wins."),
+    "promote": ("rcgrpo_tasks.stages.promote", "Register the best RL policy of the grid and move the `champion` alias if it wins."),
     "plan": ("rcgrpo_tasks.stages.plan", "Write the DVC pipeline as a plan that runs without DVC (for a GPU host)."),
     "run-plan": ("rcgrpo_tasks.stages.run_plan", "Run a plan from `rcgrpo plan` without DVC; bundle the results."),
     "stack": ("rcgrpo_tasks.stages.stack", "Start/stop/check the local stack: Prefect, MLflow, SeaweedFS S3."),
@@ -40,7 +40,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def _usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["Usage: rcgrpo COMMAND [ARGS]...", "", "RC-GRPO pipeline on BFCL v4 multi-turn.", "", "Commands:"]
+    lines = ["Usage: rcgrpo COMMAND [ARGS]...", "", "RC-GRPO pipeline on BFCL v4 (single-turn AST and multi-turn tasks).", "", "Commands:"]
     lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
     lines += ["", "Run `rcgrpo COMMAND --help` for a command's options."]
     return "\n".join(lines)
@@ -60,16 +60,16 @@ def guarded(name: str, run) -> int:
     dies with `dvc repro` (ops.procs.die_with_parent: nothing is written after its parent is gone);
     SIGTERM/SIGHUP unwind it (temp outputs removed, MLflow run KILLED); a tracked command checks its
     tracking server first; a tracking failure, an output another process holds or cannot be written
-    (`ops.io.OutputError`, `DISK_ERRNOS`) and a stop are one line on stderr, never a traceback (exit 2, or
+    (`ops.outputs.OutputError`, `DISK_ERRNOS`) and a stop are one line on stderr, never a traceback (exit 2, or
     128 + signal for a stop)."""
     if os.environ.get("DVC_STAGE") or os.environ.get("RCGRPO_DIE_WITH_PARENT"):
         procs.die_with_parent()
     handlers = procs.raise_on_terminate()
     try:
         if name in TRACKED:
-            tracking.preflight()
+            tracking_store.preflight()
         return run()
-    except (tracking.TrackingError, OutputError) as exc:
+    except (tracking_store.TrackingError, OutputError) as exc:
         print(f"error: rcgrpo {name}: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

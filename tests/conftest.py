@@ -133,7 +133,7 @@ def rl_env(tmp_path_factory, tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rcgrpo_tasks.env import bfcl
-    from rcgrpo_tasks.ops.io import write_json, write_jsonl
+    from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
 
     root = tmp_path_factory.mktemp("rl")
     model_dir = root / "model"

@@ -245,7 +245,7 @@ def test_autocast_option_runs_close_to_fp32(backend):
 
 def test_cpu_bf16_override_decides_auto_dtype_and_autocast(backend, monkeypatch):
     from rcgrpo_tasks.engine.models import bf16_supported
-    from rcgrpo_tasks.ops.io import InputError
+    from rcgrpo_tasks.ops.inputs import InputError
 
     monkeypatch.setenv("RCGRPO_CPU_BF16", "0")
     assert not bf16_supported()

@@ -9,7 +9,7 @@ import yaml
 from rcgrpo_tasks.engine.compute import ComputeConfig, load_compute
 from rcgrpo_tasks.engine.device import MemorySplitWarning
 from rcgrpo_tasks.ops.config import ConfigError
-from rcgrpo_tasks.train import runs
+from rcgrpo_tasks.train import placement
 
 
 def _params(tmp_path, data) -> str:
@@ -35,17 +35,17 @@ def test_training_device_never_falls_back(monkeypatch):
 
     assert ComputeConfig("cpu").resolve() == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert runs.train_device("auto") == torch.device("cpu") and runs.use_cpu(torch.device("cpu"))
+    assert placement.train_device("auto") == torch.device("cpu") and placement.use_cpu(torch.device("cpu"))
     with pytest.raises(ConfigError, match="CUDA is not available"):
-        runs.train_device("cuda")
+        placement.train_device("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     # An explicit cpu on a CUDA host forces the CPU (accelerate would otherwise pick the GPU).
-    assert runs.train_device("cpu") == torch.device("cpu") and runs.use_cpu(torch.device("cpu"))
-    assert not runs.use_cpu(torch.device("cuda")) and not runs.use_cpu(None)
-    assert runs.train_device("cuda") == torch.device("cuda") and runs.train_device("cuda:0") == torch.device("cuda:0")
+    assert placement.train_device("cpu") == torch.device("cpu") and placement.use_cpu(torch.device("cpu"))
+    assert not placement.use_cpu(torch.device("cuda")) and not placement.use_cpu(None)
+    assert placement.train_device("cuda") == torch.device("cuda") and placement.train_device("cuda:0") == torch.device("cuda:0")
     with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES=1"):  # the Trainer would train on cuda:0
-        runs.train_device("cuda:1")
+        placement.train_device("cuda:1")
 
 
 def test_explicit_cpu_reaches_the_training_arguments(tmp_path):
@@ -60,7 +60,7 @@ def test_explicit_cpu_reaches_the_training_arguments(tmp_path):
 @pytest.mark.parametrize("micro, steps", [(8, [4, 2, 1]), (10, [5, 1]), (6, [3, 1]), (1, [])])
 def test_smaller_micro_batch_divides(micro, steps):
     seen, m = [], micro
-    while (m := runs.smaller_micro_batch(m)) is not None:
+    while (m := placement.smaller_micro_batch(m)) is not None:
         seen.append(m)
     assert seen == steps
 
@@ -77,7 +77,7 @@ def test_fit_micro_batch_keeps_the_effective_batch():
         return "done"
 
     with pytest.warns(MemorySplitWarning, match=r"retrying at 4 x 2 .*same effective batch"):
-        result = runs.fit_micro_batch(attempt, 8, 1, "sft@x")
+        result = placement.fit_micro_batch(attempt, 8, 1, "sft@x")
     assert result == ("done", 2, 4) and tried == [(8, 1), (4, 2), (2, 4)]
     assert {m * a for m, a in tried} == {8}
 
@@ -92,7 +92,7 @@ def test_fit_micro_batch_gives_up_on_other_errors_and_at_one():
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
 
     with pytest.raises(RuntimeError, match="shapes"):
-        runs.fit_micro_batch(broken, 4, 1, "x")
+        placement.fit_micro_batch(broken, 4, 1, "x")
     assert calls == [4]  # not a memory error: no retry
 
     def never_fits(micro, accum):
@@ -101,7 +101,7 @@ def test_fit_micro_batch_gives_up_on_other_errors_and_at_one():
 
     calls.clear()
     with pytest.warns(MemorySplitWarning), pytest.raises(torch.OutOfMemoryError):
-        runs.fit_micro_batch(never_fits, 4, 1, "x")
+        placement.fit_micro_batch(never_fits, 4, 1, "x")
     assert calls == [4, 2, 1]
 
 
@@ -116,5 +116,5 @@ def test_fit_micro_batch_never_retries_inside_a_multi_process_launch(monkeypatch
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # a retry on one rank would leave the other waiting in a collective
     with pytest.raises(torch.OutOfMemoryError):
-        runs.fit_micro_batch(oom, 4, 1, "x")
+        placement.fit_micro_batch(oom, 4, 1, "x")
     assert calls == [4]

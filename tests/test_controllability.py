@@ -15,7 +15,8 @@ from helpers import HIGH, LEVELS, LOW
 from rcgrpo_tasks.env import bfcl
 from rcgrpo_tasks.evaluation import controllability as ctl
 from rcgrpo_tasks.ops.config import ConfigError, from_dict
-from rcgrpo_tasks.ops.io import InputError, write_json, write_jsonl
+from rcgrpo_tasks.ops.inputs import InputError
+from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
 from rcgrpo_tasks.stages import controllability as ctl_stage
 from rcgrpo_tasks.train.grpo import RLConfig
 
@@ -117,7 +118,8 @@ def test_obedient_policy_has_full_gap(tok, protocol):
     from rcgrpo_tasks.env.protocols import PromptConfig
 
     entries = bfcl.load_entries(["base"])[:2]
-    cfg = from_dict(ctl.ControllabilityConfig, {"n_entries": 2, "max_outputs": 20, "max_new_tokens": 4000})
+    cfg = from_dict(ctl.ControllabilityConfig, {"n_entries": 2, "max_outputs": 20, "max_new_tokens": 4000,
+                                                "margin": False})  # a scripted policy has no log-probs
     prompt = PromptConfig(protocol=protocol, doc_style="compact")
     proto = prompt.protocol_config(20) if protocol == "paper" else PromptConfig(protocol=protocol).protocol_config(20)
     gold = {e.id: replay_steps(e, proto, e.ground_truth) for e in entries}
@@ -143,7 +145,8 @@ def test_obedient_policy_has_full_gap(tok, protocol):
         assert arm["gap"] == 1.0 and arm["gap_ci"] == [1.0, 1.0]
         assert arm["partial_credit_gap"] == (1.0 if protocol == "official" else 0.0)
     assert metrics["sampled"]["samples_per_token"] == 2 and metrics["sampled"]["temperature"] == 1.0
-    assert metrics["greedy"]["identical_outputs"] == 0
+    assert metrics["greedy"]["identical_outputs"] == 0 and metrics["sampled"]["identical_outputs"] == 0
+    assert metrics["sampled"]["pairs"] == 4 and "margin" not in metrics
     # p_h = 1, p_l = 0: all-high groups never vary; mixed G=4 groups only when all 4 tokens agree (2 / 16).
     z = metrics["zero_variance"]
     assert z["all_high"] == 1.0 and z["mixed"] == pytest.approx(0.125) and z["G"] == 4
@@ -190,6 +193,9 @@ def test_cli_on_tiny_rctp_model(tiny_model_dir, tmp_path, monkeypatch):
         assert 0.0 <= m[arm]["success_rate_high"] <= 1.0 and -1.0 <= lo <= m[arm]["gap"] <= hi <= 1.0
     assert m["sampled"]["temperature"] == RL["temperature"] and m["zero_variance"]["G"] == RL["num_generations"]
     assert 0.0 <= m["zero_variance"]["all_high"] <= 1.0 and 0 <= m["greedy"]["identical_outputs"] <= 2
+    # the teacher-forced margin on every held-out entry (2 here: margin_entries null), multi-turn near misses
+    assert m["margin"]["n_entries"] == 2 and m["margin"]["kinds"] and m["token_rows"]["ratio"] > 0
+    assert m["sampled"]["pairs"] == 4 and 0 <= m["sampled"]["identical_outputs"] <= 4
     rows = [json.loads(r) for r in (tmp_path / "t.jsonl").read_text().splitlines()]
     assert [r["reward_token"] for r in rows] == [HIGH, LOW] * 2 + [HIGH, HIGH, LOW, LOW] * 4
     sampled = [r["provenance"]["sampling"]["temperature"] for r in rows if r["provenance"]["arm"] == "sampled"]

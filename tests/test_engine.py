@@ -128,7 +128,7 @@ def test_trajectory_roundtrip_and_validation(tok, tmp_path):
     from helpers import read_trajectories
 
     from rcgrpo_tasks.engine.trajectory import TrajectoryError, write_trajectories
-    from rcgrpo_tasks.ops.io import InputError
+    from rcgrpo_tasks.ops.inputs import InputError
 
     entry = get_entry("multi_turn_long_context_0")
     traj = replay_calls(entry, PAPER, entry.ground_truth, tok, reward_token="<|low_reward|>")

@@ -10,6 +10,7 @@ from helpers import get_entry
 from typer.testing import CliRunner
 
 from rcgrpo_tasks.env import bfcl
+from rcgrpo_tasks.env.entries import stratified
 from rcgrpo_tasks.evaluation import heldout as evaluate
 from rcgrpo_tasks.ops.config import ConfigError, load_config
 from rcgrpo_tasks.stages import evaluate as evaluate_stage
@@ -132,8 +133,8 @@ def test_call_recall_and_summary():
 
 def test_stratified_limit():
     entries = [get_entry(f"multi_turn_{c}_{i}") for c in ("base", "long_context") for i in range(3)]
-    assert [e.category for e in evaluate.stratified(entries, 3)] == ["base", "long_context", "base"]
-    assert evaluate.stratified(entries, None) == entries
+    assert [e.category for e in stratified(entries, 3)] == ["base", "long_context", "base"]
+    assert stratified(entries, None) == entries
 
 
 def test_stage_trajectories_are_the_same_bytes_on_every_run():
@@ -167,7 +168,7 @@ def test_single_turn_evaluation_scores_bfcl_ast_verdicts(tok):
     from rcgrpo_tasks.env.protocols import PromptConfig
     from rcgrpo_tasks.env.single_turn_perturb import expert_calls
 
-    entries = evaluate.stratified(single_turn.load_entries(single_turn.DEFAULT_CATEGORIES), 8)
+    entries = stratified(single_turn.load_entries(single_turn.DEFAULT_CATEGORIES), 8)
     right = {e.id for e in entries[::2]}
 
     def policy(key, step, prompt_ids):

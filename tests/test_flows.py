@@ -22,12 +22,12 @@ STAGE_SCRIPT = """
 import json, os, sys, time
 from pathlib import Path
 from rcgrpo_tasks.cli import guarded
-from rcgrpo_tasks.ops import tracking
+from rcgrpo_tasks.ops import tracking, tracking_log
 name, out = sys.argv[1], Path(sys.argv[2])
 
 def body():
     with tracking.stage_run(name.split("_")[0], {"lr": 0.1, "name": name}):  # train_x under train@x
-        tracking.log_metrics({"score": len(name)})
+        tracking_log.log_metrics({"score": len(name)})
         if name == "bad":
             print("some progress on stdout")
             sys.exit("bad stage: deliberate failure XYZZY")
@@ -187,6 +187,13 @@ def test_failure_message_names_stage_exit_code_and_cause():
     assert fl.failure_message("y", 1, "").startswith("stage 'y' failed (exit 1): no error output")
 
 
+def test_dvcs_missing_cache_warning_is_explained_once_where_it_appears():
+    warning = ("WARNING: Some of the cache files do not exist neither locally nor on remote. Missing cache files:")
+    note = fl.missing_cache_note(warning, "minio")
+    assert note is not None and "remote 'minio' holds no copy" in note and "run again" in note
+    assert fl.missing_cache_note("name: data/split.json, md5: 0123", "minio") is None
+
+
 def test_unknown_profile_fails_first_and_leaves_params_untouched(tmp_path, harness, env):
     from rcgrpo_tasks.ops.config import ConfigError
 
@@ -246,7 +253,7 @@ def test_tracking_down_fails_before_any_stage(tmp_path, harness, monkeypatch):
         port = s.getsockname()[1]
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
     repo = make_repo(tmp_path)
-    from rcgrpo_tasks.ops.tracking import TrackingError
+    from rcgrpo_tasks.ops.tracking_store import TrackingError
 
     with pytest.raises(TrackingError, match="unreachable"):
         fl.rcgrpo(repo_dir=str(repo), push=False, pull=False)

@@ -16,7 +16,7 @@ from rcgrpo_tasks.env.protocols import PromptConfig
 from rcgrpo_tasks.env.scoring import score_entry
 from rcgrpo_tasks.env.tasks import TASKS
 from rcgrpo_tasks.ops.config import ConfigError, from_dict
-from rcgrpo_tasks.ops.io import InputError
+from rcgrpo_tasks.ops.inputs import InputError
 
 PAPER = PromptConfig()
 

@@ -18,7 +18,7 @@ from rcgrpo_tasks.data.labels import (
 from rcgrpo_tasks.data.pairing import check_policy_rows, rctp_rows
 from rcgrpo_tasks.env.protocols import format_reward_goal
 from rcgrpo_tasks.ops.config import ConfigError, from_dict
-from rcgrpo_tasks.ops.io import InputError
+from rcgrpo_tasks.ops.inputs import InputError
 
 CHAT = [
     {"role": "system", "content": "You call functions."},

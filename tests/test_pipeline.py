@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rcgrpo_tasks.ops import pipeline
-from rcgrpo_tasks.ops.io import InputError
+from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.stages import plan as plan_cli
 from rcgrpo_tasks.stages import run_plan as run_cli
 

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rcgrpo_tasks.engine import source as pm
-from rcgrpo_tasks.ops.io import atomic_dir
+from rcgrpo_tasks.ops.outputs import atomic_dir
 from rcgrpo_tasks.stages import prepare_model as pm_stage
 
 

@@ -22,7 +22,8 @@ from test_rl import PROTOCOL, TEST_RL
 
 from rcgrpo_tasks.engine.compute import ComputeConfig
 from rcgrpo_tasks.ops.config import ConfigError, from_dict
-from rcgrpo_tasks.ops.io import read_jsonl, write_jsonl
+from rcgrpo_tasks.ops.inputs import read_jsonl
+from rcgrpo_tasks.ops.outputs import write_jsonl
 from rcgrpo_tasks.train import grpo, processes, runs
 
 HOOK = Path(__file__).parent / "multiproc"

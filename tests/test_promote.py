@@ -10,7 +10,7 @@ import pytest
 
 from rcgrpo_tasks.evaluation import promotion as pr
 from rcgrpo_tasks.ops import tracking
-from rcgrpo_tasks.ops.io import InputError
+from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.stages import promote as pr_stage
 
 IDS = [f"multi_turn_base_{i}" for i in range(40)]

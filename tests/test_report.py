@@ -8,7 +8,8 @@ import random
 import pytest
 
 from rcgrpo_tasks.evaluation import results_table as report
-from rcgrpo_tasks.ops.io import InputError, write_jsonl
+from rcgrpo_tasks.ops.inputs import InputError
+from rcgrpo_tasks.ops.outputs import write_jsonl
 from rcgrpo_tasks.ops.plots import accuracy_figure, accuracy_plot
 from rcgrpo_tasks.ops.stats import bootstrap_ci, paired_bootstrap_ci
 from rcgrpo_tasks.stages import report as report_stage
@@ -187,3 +188,34 @@ def test_rl_rows_are_compared_with_their_init_on_the_same_entries(tmp_path):
     assert v["init"] == "rctp" and v["n"] == 6 and v["diff"] == pytest.approx(50.0)
     assert 0 < v["ci"][0] <= 50.0 <= v["ci"][1]
     assert "| +50.0 [" in report.markdown_table(list(rows.values()))
+
+
+def test_no_token_rows_rc_versus_grpo_and_the_margin_columns(tmp_path):
+    """A `-notoken` row is compared with the same model under its token; RC-GRPO minus GRPO from the same
+    init in zero-variance share (per step) and held-out accuracy (paired); an evaluation's teacher-forced
+    margin and the flat split reach the table."""
+    flags = {"rctp": [1, 1, 0, 0] * 5, "rctp-grpo": [1, 0, 0, 0] * 5, "rctp-rc_grpo": [1, 1, 1, 0] * 5,
+             "rctp-rc_grpo-notoken": [1, 0, 0, 0] * 5}
+    evals = [(label, _single_turn_dir(tmp_path, label, f)) for label, f in flags.items()]
+    (tmp_path / "rctp-rc_grpo" / "metrics.json").write_text(json.dumps(
+        {"margin": {"margin": 0.5, "ci": [0.25, 0.75], "n_entries": 20, "share_positive": 0.8},
+         "token_rows": {"ratio": 0.6}}))
+    rl = tmp_path / "rl.json"
+    rl.write_text(json.dumps({"mean_frac_zero_std": 0.5, "mean_frac_flat_fail": 0.125,
+                              "mean_frac_flat_success": 0.375}))
+    rows = report.build_report(evals, [("rctp-grpo", rl)])
+    by = {r["label"]: r for r in rows}
+    assert [r["label"] for r in rows][-1] == "rctp-rc_grpo-notoken"
+    assert by["rctp-rc_grpo-notoken"]["vs_init"]["init"] == "rctp-rc_grpo"
+    assert by["rctp-rc_grpo-notoken"]["vs_init"]["diff"] == pytest.approx(-50.0)
+    assert by["rctp-rc_grpo"]["vs_init"]["init"] == "rctp" and by["rctp-rc_grpo"]["vs_grpo"]["diff"] == 50.0
+    assert by["rctp-rc_grpo"]["ctl_margin"]["gap"] == 0.5 and by["rctp-rc_grpo"]["ctl_token_rows_ratio"] == 0.6
+    md = report.markdown_table(rows)
+    assert "RCTP+RC-GRPO, no token" in md and "+0.500 [+0.250, +0.750]" in md and "0.500 (0.12 / 0.38)" in md
+    steps = {"rctp-rc_grpo": [{"frac_zero_std_generated": v} for v in (0.0, 0.5, 0.0, 0.0)],
+             "rctp-grpo": [{"frac_zero_std_generated": v} for v in (1.0, 0.5, 1.0, 1.0)]}
+    contrast = report.rc_versus_grpo(rows, steps)
+    z = contrast["rctp"]["zero_std_generated"]
+    assert z["diff"] == pytest.approx(-0.75) and z["ci"][1] < 0 and "sft" not in contrast
+    assert contrast["rctp"]["accuracy"]["diff"] == 50.0
+    assert "From RCTP: zero-variance share" in report.rc_versus_grpo_markdown(contrast)

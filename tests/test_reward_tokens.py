@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from helpers import HIGH, LEVELS, LOW, TINY_SFT, chat, tiny_sft_config
 
-from rcgrpo_tasks.ops.io import write_jsonl
-from rcgrpo_tasks.train import adapters, finetune
+from rcgrpo_tasks.ops.outputs import write_jsonl
+from rcgrpo_tasks.train import adapters, finetune, sft_rows
 
 
 def _with_tokens(model_dir: Path, init: str, seed: int = 0, untied: bool = False):
@@ -75,7 +75,7 @@ def test_default_token_settings_are_todays(tiny_model_dir, tmp_path):
         torch.manual_seed(0)
         ref.resize_token_embeddings(len(tok))
     torch.testing.assert_close(model.get_input_embeddings().weight, ref.get_input_embeddings().weight, rtol=0, atol=0)
-    rows = finetune.load_rows(_dataset(tmp_path), LEVELS, True)
+    rows = sft_rows.load_rows(_dataset(tmp_path), LEVELS, True)
     trainer, *_ = finetune.build_trainer(tiny_sft_config(max_steps=1), tiny_model_dir, rows, LEVELS, tmp_path / "ck")
     optimizer = trainer.create_optimizer()
     assert len(optimizer.param_groups) == 2 and not any("rcgrpo_token_rows" in g for g in optimizer.param_groups)
@@ -90,7 +90,7 @@ def _dataset(tmp_path: Path) -> Path:
 
 def _token_step(tiny_model_dir, tmp_path, name: str, **overrides):
     """Rows of the reward tokens (and of two ordinary tokens) before and after ONE optimizer step."""
-    rows = finetune.load_rows(_dataset(tmp_path), LEVELS, True)
+    rows = sft_rows.load_rows(_dataset(tmp_path), LEVELS, True)
     trainer, _, ids, _ = finetune.build_trainer(tiny_sft_config(max_steps=1, **overrides), tiny_model_dir, rows, LEVELS,
                                                 tmp_path / name)
 

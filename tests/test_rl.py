@@ -16,7 +16,7 @@ from rcgrpo_tasks.env.protocols import PromptConfig
 from rcgrpo_tasks.ops.config import ConfigError, from_dict, load_config
 from rcgrpo_tasks.stages import rl as rl_stage
 from rcgrpo_tasks.train import advantages as adv
-from rcgrpo_tasks.train import grpo, grpo_trainer, rl, runs
+from rcgrpo_tasks.train import checkpoints, grpo, grpo_trainer, rl, runs
 
 # Small enough for seconds per step on 2 cores; G=2 and one entry per step.
 TEST_RL = dict(num_generations=2, batch_size=2, micro_batch_size=2, max_steps=2, learning_rate=5e-3, beta=0.1,
@@ -163,7 +163,7 @@ def test_killed_run_resumes_from_last_checkpoint(rl_env, scripted_rewards):
     from transformers import TrainerCallback
 
     root, model_dir = rl_env
-    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",)})
+    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "keep_checkpoints": True})
     spec = _spec(root, model_dir, "resume", "rctp", "rc_grpo")
     shutil.rmtree(spec.checkpoints, ignore_errors=True)
 
@@ -185,13 +185,15 @@ def test_killed_run_resumes_from_last_checkpoint(rl_env, scripted_rewards):
     # Other params: the stale checkpoints are discarded, training starts over.
     cfg2 = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1, "learning_rate": 1e-3})
     assert rl.train_rl(cfg2, PROTOCOL, LEVELS, spec)["resumed_from"] is None
+    # keep_checkpoints false (the default): after success the folder holds its fingerprint only, as sft's
+    assert [p.name for p in spec.checkpoints.iterdir()] == [checkpoints.FINGERPRINT_FILE] and spec.out.is_dir()
 
 
 def test_a_finished_run_rerun_is_restored_not_trained_a_step_further(rl_env, scripted_rewards):
     """DVC reruns a stage whose code changed; with the same fingerprint its last checkpoint is the finished
     run's. The Trainer resumed there would train one step past max_steps: the run is restored instead."""
     root, model_dir = rl_env
-    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1})
+    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1, "keep_checkpoints": True})
     spec = _spec(root, model_dir, "finished", "rctp", "rc_grpo")
     shutil.rmtree(spec.checkpoints, ignore_errors=True)
     first = rl.train_rl(cfg, PROTOCOL, LEVELS, spec)
@@ -340,7 +342,7 @@ def test_fitted_micro_batch_keeps_the_generation_batch_and_the_run(rl_env):
         trainer, _, _ = grpo_trainer.build_trainer(cfg, PROTOCOL, LEVELS, spec, track=False,
                                                    device=torch.device("cpu"), micro_batch=micro)
         args = trainer.args
-        stamps.append(json.loads((spec.checkpoints / runs.FINGERPRINT_FILE).read_text())["fingerprint"])
+        stamps.append(json.loads((spec.checkpoints / checkpoints.FINGERPRINT_FILE).read_text())["fingerprint"])
         assert args.use_cpu and args.generation_batch_size == cfg.batch_size
         assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == ((2, 1) if micro is None else (1, 2))
     assert stamps[0] == stamps[1]

@@ -18,7 +18,7 @@ from rcgrpo_tasks.engine.rollout import run_seeded_groups
 from rcgrpo_tasks.env import bfcl, single_turn
 from rcgrpo_tasks.env.protocols import PromptConfig
 from rcgrpo_tasks.ops.config import ConfigError, from_dict
-from rcgrpo_tasks.ops.io import write_json, write_jsonl
+from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
 from rcgrpo_tasks.train import adapters, grpo, rl
 
 SPARE = 6

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from bfcl_ast_reference import official_fc_decode, official_verdict
+from bfcl_ast_reference import official_check_decoded, official_fc_decode, official_verdict
 from typer.testing import CliRunner
 
 from rcgrpo_tasks.env import single_turn, single_turn_perturb
@@ -153,6 +153,38 @@ def test_non_text_results_in_prompt_mode_are_bfcl_evals_decoder_failures(tmp_pat
     for row in rows:
         assert (verdicts[row["id"]]["valid"], verdicts[row["id"]]["error_type"]) == _official(row, "prompt")
     assert summary["undecodable_outputs"] == 2
+
+
+BLANK = ["", " ", "\n", " \t\n ", "\r\n", "``"]
+NO_CALLS = {"prompt": BLANK, "fc": [""]}
+"""Results bfcl-eval decodes to no call: `default_decode_ast_prompting` strips backticks, newlines and spaces and
+parses `[...]` (whitespace it leaves is no token); a function-calling handler iterates the result (`""`: none)."""
+
+
+@pytest.mark.parametrize("decoding", sorted(NO_CALLS))
+def test_empty_and_whitespace_results_get_bfcl_evals_verdict_in_every_category(tmp_path, decoding):
+    """bfcl-eval decodes them to `[]` and its checker judges that (`simple_function_checker:wrong_count`,
+    `multiple_function_checker:wrong_count`, `parallel_function_checker_no_order:wrong_count`), not a decoder
+    failure; a function-calling handler fails on whitespace (it iterates the text: `" ".keys()`)."""
+    for i, blank in enumerate(NO_CALLS[decoding]):
+        case = tmp_path / str(i)
+        case.mkdir()
+        rows = [{"id": eid, "result": blank} for eid in IDS]
+        res, verdicts, summary, _ = _run(case, rows, "--decoding", decoding)
+        assert res.exit_code == 0, res.output
+        for eid in IDS:
+            e = ENTRIES[eid]
+            expected = official_check_decoded(e.functions, [], e.possible_answer, e.category)
+            assert (verdicts[eid]["valid"], verdicts[eid]["error_type"]) == expected, (eid, blank)
+            assert verdicts[eid]["undecodable_steps"] == 0
+        assert summary["undecodable_outputs"] == 0
+    if decoding == "prompt":  # `auto` takes a file of blank outputs as a prompt-mode model's
+        res, verdicts, _, _ = _run(tmp_path, [{"id": eid, "result": ""} for eid in IDS])
+        assert "decoding: prompt (detected:" in res.output and not any(v["valid"] for v in verdicts.values())
+    res, verdicts, _, _ = _run(tmp_path, [{"id": eid, "result": " "} for eid in IDS], "--decoding", "fc")
+    assert {v["error_type"] for v in verdicts.values()} == {"ast_decoder:decoder_failed"}
+    with pytest.raises(AttributeError):  # the handler's own failure on whitespace, hence decoder_failed
+        official_fc_decode(" ")
 
 
 def test_underscore_to_dot(tmp_path):

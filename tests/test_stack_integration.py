@@ -36,12 +36,12 @@ KEY, SECRET = f"rcgrpoKEY{secrets.token_hex(6)}", f"rcgrpoSECRET{secrets.token_h
 PROBE = """
 import sys
 from pathlib import Path
-from rcgrpo_tasks.ops import tracking
+from rcgrpo_tasks.ops import tracking, tracking_log
 out = Path("probe"); out.mkdir(exist_ok=True)
 (out / "summary.txt").write_text("probe ok\\n")
 with tracking.stage_run("probe", {"n": 3, "note": "no secrets here"}):
-    tracking.log_metrics({"probe_metric": 0.75})
-    tracking.log_artifact(out / "summary.txt")
+    tracking_log.log_metrics({"probe_metric": 0.75})
+    tracking_log.log_artifact(out / "summary.txt")
 """
 
 

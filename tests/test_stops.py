@@ -104,15 +104,15 @@ STAGE = """
 import sys, time
 from pathlib import Path
 from rcgrpo_tasks.cli import guarded
-from rcgrpo_tasks.ops import tracking
+from rcgrpo_tasks.ops import tracking, tracking_log
 
 def body():
     with tracking.stage_run("evaluate", {"n": 1}) as run:
-        tracking.log_metrics({"first": 1.0})
+        tracking_log.log_metrics({"first": 1.0})
         print(run.info.run_id, flush=True)
         while not Path(sys.argv[1]).exists():  # the test stops the server, then says go
             time.sleep(0.1)
-        tracking.log_metrics({"second": 2.0})
+        tracking_log.log_metrics({"second": 2.0})
         Path(sys.argv[2]).write_text("must not be written: tracking failed")
     return 0
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rcgrpo_tasks.ops import tracking
+from rcgrpo_tasks.ops import tracking, tracking_log, tracking_store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,7 @@ def store(tmp_path_factory):
 def _client():
     import mlflow
 
-    return mlflow.MlflowClient(tracking.tracking_uri())
+    return mlflow.MlflowClient(tracking_store.tracking_uri())
 
 
 def test_stage_run_logs_params_metrics_artifacts_nested(store, tmp_path, monkeypatch):
@@ -44,10 +44,10 @@ def test_stage_run_logs_params_metrics_artifacts_nested(store, tmp_path, monkeyp
     f.write_text("hello")
     cfg = dataclasses.replace(_Cfg(), inner={"k": 1, "note": "uses TESTSECRETVALUE123 inline"})
     with tracking.stage_run("prepare_data", cfg, tags={"extra": 1}) as run:
-        tracking.log_metrics({"acc": 0.5, "n": 3, "skip": None}, step=1)
-        tracking.log_artifact(f)
-        tracking.log_table([{"a": 1, "b": "x"}, {"a": 2, "b": "y"}], "rows")
-        tracking.log_dict({"x": [1, 2]}, "d.json")
+        tracking_log.log_metrics({"acc": 0.5, "n": 3, "skip": None}, step=1)
+        tracking_log.log_artifact(f)
+        tracking_log.log_table([{"a": 1, "b": "x"}, {"a": 2, "b": "y"}], "rows")
+        tracking_log.log_dict({"x": [1, 2]}, "d.json")
         run_id = run.info.run_id
     tracking.close_run(parent, tags={"dvc.lock": "abc"})
     client = _client()
@@ -59,8 +59,8 @@ def test_stage_run_logs_params_metrics_artifacts_nested(store, tmp_path, monkeyp
     assert got.data.params["lr"] == "1e-05"
     assert json.loads(got.data.params["categories"]) == ["base", "miss_func"]
     assert got.data.params["inner.k"] == "1"
-    assert got.data.params["s3_secret_key"] == tracking.REDACTED
-    assert got.data.params["inner.note"] == tracking.REDACTED
+    assert got.data.params["s3_secret_key"] == tracking_log.REDACTED
+    assert got.data.params["inner.note"] == tracking_log.REDACTED
     assert "TESTSECRETVALUE123" not in json.dumps(got.data.params)
     assert got.data.metrics == {"acc": 0.5, "n": 3.0}
     names = {a.path for a in client.list_artifacts(run_id)}
@@ -80,14 +80,14 @@ def test_body_error_marks_run_failed_and_propagates(store):
 
 def test_bad_metric_raises_tracking_error(store):
     with tracking.stage_run("bad", None):
-        with pytest.raises(tracking.TrackingError, match="not a number"):
-            tracking.log_metrics({"x": "abc"})
-        with pytest.raises(tracking.TrackingError, match="does not exist"):
-            tracking.log_artifact("/nonexistent/file")
+        with pytest.raises(tracking_store.TrackingError, match="not a number"):
+            tracking_log.log_metrics({"x": "abc"})
+        with pytest.raises(tracking_store.TrackingError, match="does not exist"):
+            tracking_log.log_artifact("/nonexistent/file")
 
 
 def test_check_tracking_local_ok(store):
-    assert tracking.check_tracking().startswith("sqlite:///")
+    assert tracking_store.check_tracking().startswith("sqlite:///")
 
 
 def test_check_tracking_unreachable_server_fails_fast(monkeypatch):
@@ -99,22 +99,22 @@ def test_check_tracking_unreachable_server_fails_fast(monkeypatch):
         port = s.getsockname()[1]
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
     t0 = time.monotonic()
-    with pytest.raises(tracking.TrackingError, match="unreachable"):
-        tracking.check_tracking(timeout=2)
+    with pytest.raises(tracking_store.TrackingError, match="unreachable"):
+        tracking_store.check_tracking(timeout=2)
     assert time.monotonic() - t0 < 5
 
 
 def test_flatten_and_safe_params():
-    flat = tracking.flatten({"a": {"b": 1, "c": [1, 2]}, "password": "p"})
+    flat = tracking_log.flatten({"a": {"b": 1, "c": [1, 2]}, "password": "p"})
     assert flat == {"a.b": 1, "a.c": "[1, 2]", "password": "p"}
-    assert tracking.safe_params({"db_password": "x", "max_new_tokens": 5}) == {
-        "db_password": tracking.REDACTED, "max_new_tokens": "5"}
+    assert tracking_log.safe_params({"db_password": "x", "max_new_tokens": 5}) == {
+        "db_password": tracking_log.REDACTED, "max_new_tokens": "5"}
 
 
 def test_uri_credentials_never_in_messages(monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://alice:hunter2@127.0.0.1:1")
-    with pytest.raises(tracking.TrackingError) as err:
-        tracking.check_tracking(timeout=1)
+    with pytest.raises(tracking_store.TrackingError) as err:
+        tracking_store.check_tracking(timeout=1)
     assert "hunter2" not in str(err.value) and "//***@127.0.0.1:1" in str(err.value)
 
 
@@ -135,15 +135,15 @@ def _script(body: str, *args: str, **popen):
 def test_experiment_kind_opens_the_ui_on_runs(store, monkeypatch):
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "made-elsewhere")
     exp_id = _client().create_experiment("made-elsewhere")  # e.g. by an older version: no kind tag
-    assert tracking.experiment_id() == exp_id
-    assert _client().get_experiment(exp_id).tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
+    assert tracking_store.experiment_id() == exp_id
+    assert _client().get_experiment(exp_id).tags[tracking_store.EXPERIMENT_KIND_TAG] == "custom_model_development"
 
 
 def test_runs_table_url_selects_the_model_training_view(store, monkeypatch):
-    assert tracking.runs_table_url() is None  # a local store has no UI link
-    monkeypatch.setattr(tracking, "tracking_uri", lambda: "http://127.0.0.1:5000/")
-    monkeypatch.setattr(tracking, "experiment_id", lambda: "7")
-    assert tracking.runs_table_url() == "http://127.0.0.1:5000/#/experiments/7/runs?workflowType=machine_learning"
+    assert tracking_store.runs_table_url() is None  # a local store has no UI link
+    monkeypatch.setattr(tracking_store, "tracking_uri", lambda: "http://127.0.0.1:5000/")
+    monkeypatch.setattr(tracking_store, "experiment_id", lambda: "7")
+    assert tracking_store.runs_table_url() == "http://127.0.0.1:5000/#/experiments/7/runs?workflowType=machine_learning"
 
 
 def test_runs_are_named_stage_at_variant(store, monkeypatch):
@@ -169,14 +169,14 @@ def test_failed_run_carries_the_error_as_a_tag(store):
 
 
 def test_http_calls_are_bounded(monkeypatch):
-    for key in tracking.HTTP_LIMITS:
+    for key in tracking_store.HTTP_LIMITS:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "5")  # a user's own choice wins
-    tracking.mlflow_module()
+    tracking_store.mlflow_module()
     import os
 
     assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "10" and os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "5"
-    with tracking._quick():
+    with tracking_store.quick():
         assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "0"
     assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "5"
 
@@ -184,7 +184,7 @@ def test_http_calls_are_bounded(monkeypatch):
 SLEEPER = """
 import sys, time
 from rcgrpo_tasks.cli import guarded
-from rcgrpo_tasks.ops import tracking
+from rcgrpo_tasks.ops import tracking, tracking_log, tracking_store
 
 def body():
     if sys.argv[1] == "forget":  # opened, never closed: the atexit hook must end it
@@ -242,7 +242,7 @@ def test_published_run_logs_staged_outputs_under_their_final_names(store, tmp_pa
     out, folder = tmp_path / "m.json", tmp_path / "model"
     with tracking.published_run("stage_x", {"a": 1}, outputs=(out, folder)) as (run, staged):
         (staged.file(out)).write_text("{}")
-        tracking.log_artifact(staged.temp(out))
+        tracking_log.log_artifact(staged.temp(out))
         d = staged.dir(folder)
         (d / "w.safetensors").write_bytes(b"x")
         (d / "w.safetensors").chmod(0o600)  # what safetensors writes
@@ -265,7 +265,7 @@ def test_a_lost_tracking_server_publishes_nothing(store, tmp_path, monkeypatch):
 
     monkeypatch.setattr(mlflow, "end_run", gone)
     out = tmp_path / "metrics.json"
-    with pytest.raises(tracking.TrackingError, match="tracking server gone"):
+    with pytest.raises(tracking_store.TrackingError, match="tracking server gone"):
         with tracking.published_run("stage_y", outputs=(out,)) as (run, staged):
             staged.file(out).write_text("{}")
     assert not out.exists() and not list(tmp_path.iterdir())
@@ -273,7 +273,7 @@ def test_a_lost_tracking_server_publishes_nothing(store, tmp_path, monkeypatch):
 
 
 def test_a_failed_publish_ends_the_finished_run_failed(store, tmp_path):
-    from rcgrpo_tasks.ops.io import OutputError
+    from rcgrpo_tasks.ops.outputs import OutputError
 
     out = tmp_path / "metrics.json"
     with pytest.raises(OutputError, match="metrics.json"):
@@ -290,11 +290,11 @@ def test_a_second_writer_fails_before_its_work(store, tmp_path):
     import sys
     import time
 
-    from rcgrpo_tasks.ops.io import OutputError
+    from rcgrpo_tasks.ops.outputs import OutputError
 
     out = tmp_path / "eval"
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from rcgrpo_tasks.ops.io import claim_outputs\n"
+        "import sys, time; from rcgrpo_tasks.ops.outputs import claim_outputs\n"
         f"with claim_outputs({str(out)!r}):\n    print('held', flush=True); time.sleep(30)")],
         stdout=subprocess.PIPE, text=True)
     try:
@@ -317,3 +317,8 @@ def test_a_failed_command_records_its_message(store, tmp_path):
             fail("params.yaml:evaluate.limit: must be null or >= 1")
     tag = _client().get_run(run.info.run_id).data.tags[tracking.ERROR_TAG]
     assert tag == "CommandFailed: params.yaml:evaluate.limit: must be null or >= 1"
+    with pytest.raises(CommandFailed):  # the whole message, past any `;` (ParamsChanged lists keys with `; `)
+        with tracking.stage_run("stage_g") as run:
+            fail("params changed while x ran: a.b (1 -> 2); c.d (3 -> 4); nothing was published: rerun it")
+    tag = _client().get_run(run.info.run_id).data.tags[tracking.ERROR_TAG]
+    assert tag == "CommandFailed: params changed while x ran: a.b (1 -> 2); c.d (3 -> 4); nothing was published: rerun it"

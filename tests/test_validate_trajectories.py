@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 from test_generate_trajectories import write_inputs
@@ -15,7 +16,7 @@ from rcgrpo_tasks.data.labels import LabelConfig, labelled
 from rcgrpo_tasks.data.quality import ValidateConfig, validate
 from rcgrpo_tasks.env.bfcl import load_entries
 from rcgrpo_tasks.env.protocols import PromptConfig
-from rcgrpo_tasks.ops.io import InputError
+from rcgrpo_tasks.ops.inputs import InputError
 
 GEN = GenerateConfig(policy_entries=0)
 PROMPT = PromptConfig()
@@ -198,7 +199,7 @@ def test_corrupt_line_names_file_and_line(tmp_path, dataset):
 def test_folder_and_metrics_appear_together_or_not_at_all(tmp_path, dataset):
     """An unwritable metrics path (its parent is a file) leaves neither the gate's folder nor the metrics;
     the error names the metrics path. A writable one gets both, with the same record."""
-    from rcgrpo_tasks.ops.io import OutputError
+    from rcgrpo_tasks.ops.outputs import OutputError
 
     path = tmp_path / "trajectories.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in dataset["rows"]))
@@ -210,3 +211,42 @@ def test_folder_and_metrics_appear_together_or_not_at_all(tmp_path, dataset):
     good = tmp_path / "metrics" / "m.json"
     record, fails, _ = validate(CFG, GEN, PROMPT, path, dataset["split"], dataset["model_dir"], out, metrics_out=good)
     assert fails == [] and json.loads(good.read_text()) == record and (out / PASSED_FILE).is_file()
+
+
+def test_a_bad_split_or_model_is_refused_before_any_run(tmp_path, monkeypatch):
+    """As the other stages: bad `--split` / `--model-dir` exit 2 naming the file, before an MLflow run opens."""
+    from typer.testing import CliRunner
+
+    from rcgrpo_tasks.ops import tracking
+    from rcgrpo_tasks.stages import validate_trajectories as stage
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("an MLflow run was opened")
+
+    monkeypatch.setattr(tracking, "published_run", no_run)
+    split, model = tmp_path / "split.json", tmp_path / "model"
+    split.write_text('{"train": [], "test": [],}')
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 64}')
+    args = ["--params", str(Path(__file__).parents[1] / "params.yaml"), "--trajectories", str(tmp_path / "t.jsonl"),
+            "--split", str(split), "--model-dir", str(model),
+            "--out-dir", str(tmp_path / "v"), "--metrics", str(tmp_path / "m.json")]
+    res = CliRunner().invoke(stage.app, args)
+    assert res.exit_code == 2 and f"{split}:1: invalid JSON at column 26" in res.output
+    split.write_text('{"train": [], "test": []}')
+    (model / "config.json").unlink()
+    res = CliRunner().invoke(stage.app, args)
+    assert res.exit_code == 2 and f"{model / 'config.json'}: file not found" in res.output
+    assert not (tmp_path / "v").exists() and not (tmp_path / "m.json").exists()
+
+
+def test_the_gate_run_is_named_after_the_stage_it_runs_in(monkeypatch):
+    from rcgrpo_tasks.ops import tracking
+    from rcgrpo_tasks.stages.validate_trajectories import STAGE, run_variant
+
+    monkeypatch.setenv("DVC_STAGE", "sample_policy")
+    assert tracking.run_name(STAGE, run_variant()) == "validate_trajectories@sample_policy"
+    monkeypatch.setenv("DVC_STAGE", "validate_trajectories")
+    assert tracking.run_name(STAGE, run_variant()) == "validate_trajectories"
+    monkeypatch.delenv("DVC_STAGE")
+    assert run_variant() is None

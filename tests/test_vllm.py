@@ -245,7 +245,7 @@ def test_one_rl_step_through_trl_colocate(vllm_model_dir, tmp_path, monkeypatch,
     reload, PEFT's trainable-token deltas left out: RC-GRPO trains the reward-token rows), and after training
     the engine decodes what the saved policy decodes with the hf backend."""
     from rcgrpo_tasks.ops.config import from_dict
-    from rcgrpo_tasks.ops.io import write_json, write_jsonl
+    from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
     from rcgrpo_tasks.train import grpo, grpo_trainer, rl
 
     entries = bfcl.load_entries(["base"])[:4]

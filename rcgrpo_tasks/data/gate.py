@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from rcgrpo_tasks.ops.io import read_json
+from rcgrpo_tasks.ops.inputs import read_json
 
 PASSED_FILE = "passed.json"
 RESULT_FILE = "validation_result.json"

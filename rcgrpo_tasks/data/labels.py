@@ -15,7 +15,7 @@ from rcgrpo_tasks.data.pairing import FailureRule, Pairing, check_policy_rows, r
 from rcgrpo_tasks.env.protocols import check_reward_tokens
 from rcgrpo_tasks.env.scoring import reward_value
 from rcgrpo_tasks.ops.config import ConfigError
-from rcgrpo_tasks.ops.io import InputError, read_jsonl
+from rcgrpo_tasks.ops.inputs import InputError, read_jsonl
 
 DATASETS = ("sft", "rctp")
 

@@ -150,3 +150,12 @@ def sample_metrics(taken: dict[str, list[Trajectory]], first_round: list[float],
         "terminations": dict(sorted(Counter(t.termination for t in rows).items())),
         "model_tokens_mean": round(sum(t.n_model_tokens for t in rows) / len(rows), 1) if rows else None,
     }
+
+
+def sampled_success_rates(rows: Sequence[dict]) -> dict[str, float]:
+    """Per entry id, the share of its on-policy samples (trajectory rows of this module) that succeeded
+    (`provenance.reward` == 1): how well the sampled model already solves each train entry."""
+    by: dict[str, list[float]] = {}
+    for row in rows:
+        by.setdefault(row["entry_id"], []).append(float(float(row["provenance"]["reward"]) == 1.0))
+    return {e: sum(v) / len(v) for e, v in by.items()}

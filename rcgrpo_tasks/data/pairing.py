@@ -30,7 +30,7 @@ from collections import Counter
 from typing import Literal
 
 from rcgrpo_tasks.data.onpolicy import KIND as ON_POLICY_KIND
-from rcgrpo_tasks.ops.io import InputError
+from rcgrpo_tasks.ops.inputs import InputError
 
 FailureRule = Literal["near_miss", "on_policy", "mixed"]
 Pairing = Literal["paired", "unpaired"]

@@ -15,7 +15,8 @@ from rcgrpo_tasks.engine.trajectory import TERMINATIONS, Trajectory, TrajectoryE
 from rcgrpo_tasks.env.entries import read_split
 from rcgrpo_tasks.env.protocols import GOAL_RESERVE, PromptConfig
 from rcgrpo_tasks.env.scoring import reward_value
-from rcgrpo_tasks.ops.io import OutputSet, atomic_outputs, read_jsonl, write_json
+from rcgrpo_tasks.ops.inputs import read_jsonl
+from rcgrpo_tasks.ops.outputs import OutputSet, atomic_outputs, write_json
 
 # `id` (= entry_id) is what Trajectory.to_json adds so a trajectory file is also a BFCL result file.
 

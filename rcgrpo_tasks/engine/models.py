@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rcgrpo_tasks.ops.io import InputError, read_json
+from rcgrpo_tasks.ops.inputs import InputError, read_json
 
 
 class ModelLoadError(ValueError):

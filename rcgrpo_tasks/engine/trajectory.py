@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from rcgrpo_tasks.ops.io import write_jsonl
+from rcgrpo_tasks.ops.outputs import write_jsonl
 
 SCHEMA_VERSION = 1
 PROTOCOLS = ("official", "paper")

@@ -43,7 +43,7 @@ from rcgrpo_tasks.engine.models import (
     model_context,
 )
 from rcgrpo_tasks.engine.sampling import MASK63, mix64, row_seed
-from rcgrpo_tasks.ops.io import read_json
+from rcgrpo_tasks.ops.inputs import read_json
 
 CPU_KV_CACHE_GIB = 4
 """KV cache of a CPU engine unless `VLLM_CPU_KVCACHE_SPACE` or `kv_cache_memory_bytes` says otherwise:

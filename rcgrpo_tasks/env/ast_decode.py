@@ -248,7 +248,10 @@ def _calls(body: ast.expr) -> list[dict]:
 def decode_fc(result: Any) -> list[dict]:
     """`[{name: args}]` of a function-calling result `[{name: "<JSON arguments>"}]`, as the OpenAI handler's
     `decode_ast`: the first key of each object is the name; argument text is `json.loads`-ed (arguments that
-    are already an object are taken as they are)."""
+    are already an object are taken as they are). The handler iterates the result: an empty string (or
+    object) is no call at all, `[]`; any other text fails on its first character."""
+    if isinstance(result, (str, dict)) and not result:
+        return []
     if not isinstance(result, list):
         raise AstDecodeError(f"a function-calling result is a list of {{name: arguments}} objects, "
                              f"got {type(result).__name__}")

@@ -129,7 +129,8 @@ def read_data_file(path: Path) -> list[dict]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as exc:
-                raise BfclDataError(f"{path}:{lineno}: invalid JSON: {exc}") from exc
+                raise BfclDataError(f"{path}:{lineno}: invalid JSON at column {exc.colno} "
+                                    f"({exc.msg.removesuffix(' at').removesuffix(' starting')})") from exc
     return rows
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rcgrpo_tasks.env import tasks
-from rcgrpo_tasks.ops.io import InputError, read_json, read_jsonl
+from rcgrpo_tasks.ops.inputs import InputError, read_json, read_jsonl
 
 Entry = Any  # an entry of any task (`env.tasks`)
 
@@ -100,3 +100,15 @@ def select_entries(pool: dict[str, Entry], ids: list[str] | None = None, split: 
     if not chosen:
         raise InputError("the selection is empty (check --ids / --split / --categories / --limit)")
     return chosen
+
+
+def stratified(entries: list, limit: int | None) -> list:
+    """The first `limit` entries taken round-robin over categories (all of them when limit is None)."""
+    if limit is None:
+        return entries
+    by_cat: dict[str, list] = {}
+    for e in entries:
+        by_cat.setdefault(e.category, []).append(e)
+    rounds = max(len(v) for v in by_cat.values())
+    order = [v[i] for i in range(rounds) for v in by_cat.values() if i < len(v)]
+    return order[:limit]

@@ -11,9 +11,13 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("base", "Base"), ("sft", "SFT"), ("rctp", "RCTP"), ("sft-grpo", "SFT+GRPO"),
     ("sft-rc_grpo", "SFT+RC-GRPO"), ("sft-dynamic", "SFT+GRPO+DS"), ("rctp-grpo", "RCTP+GRPO"),
     ("rctp-rc_grpo", "RCTP+RC-GRPO"), ("rctp-dynamic", "RCTP+GRPO+DS"),
+    ("rctp-notoken", "RCTP, no token"), ("rctp-rc_grpo-notoken", "RCTP+RC-GRPO, no token"),
 )
 """Report rows in order; `+DS`: GRPO with dynamic sampling (DAPO's drop-and-refill of zero-variance groups),
-which the paper does not run."""
+which the paper does not run; `no token`: the model evaluated without a reward goal (the paper conditions on
+`<|high_reward|>` and does not say what it used at inference otherwise)."""
+NO_TOKEN = "-notoken"
+"""Label suffix of a row evaluated without its reward goal; it is compared with the same model's row."""
 PAPER_TABLE1_OVERALL: dict[str, float] = {"base": 11.25, "sft-grpo": 48.75, "rctp-grpo": 73.75,
                                           "rctp-rc_grpo": 85.00}
 PAPER_TABLE1: dict[str, dict[str, float]] = {"multi_turn": PAPER_TABLE1_OVERALL}

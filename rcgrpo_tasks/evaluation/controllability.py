@@ -9,16 +9,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from rcgrpo_tasks.data.margin import REPLAY_OUTPUTS, read_token
 from rcgrpo_tasks.engine.backend import SamplingParams, reward_pair_ids
 from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.hf import HFBackend
-from rcgrpo_tasks.engine.rollout import run_rollouts
-from rcgrpo_tasks.env.entries import check_categories, split_entries
+from rcgrpo_tasks.engine.rollout import run_groups
+from rcgrpo_tasks.env.entries import check_categories, split_entries, stratified
 from rcgrpo_tasks.env.protocols import PromptConfig
 from rcgrpo_tasks.env.tasks import task_of_entries
-from rcgrpo_tasks.evaluation.heldout import stratified
 from rcgrpo_tasks.ops.config import flat_field
-from rcgrpo_tasks.ops.io import InputError
+from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.stats import check_n_boot, mean, paired_bootstrap_ci
 from rcgrpo_tasks.train.grpo import RLConfig
 
@@ -46,6 +46,13 @@ class ControllabilityConfig:
     """Sampling and bootstrap seed."""
     n_bootstrap: int = 2000
     """Bootstrap resamples of every CI."""
+    margin: bool = True
+    """Also the teacher-forced margin (`data.margin`: forward passes only) and the reward-token rows'
+    distance; the margin on `margin_entries` held-out entries."""
+    margin_entries: int | None = None
+    """Held-out entries of the margin (round-robin over `categories`); null = every held-out entry."""
+    margin_kinds: tuple[str, ...] | None = None
+    """Near-miss kinds of the margin; null = every kind the task knows."""
     guidance: float = 0.0
     """> 0: a third arm, `guided`: the sampled arm again with reward-token guidance of this scale
     (`SamplingParams.guidance`; each token pushed further toward its own goal), same seeds, so its gap
@@ -55,6 +62,8 @@ class ControllabilityConfig:
         if self.guidance < 0:
             raise ValueError("guidance must be >= 0")
         check_categories(self.categories)
+        if self.margin_entries is not None and self.margin_entries < 1:
+            raise ValueError("margin_entries must be >= 1 or null (every held-out entry)")
         if self.n_entries < 1 or self.samples_per_token < 1:
             raise ValueError("n_entries and samples_per_token must be >= 1")
         if self.decode.batch_rows < 2:
@@ -73,13 +82,20 @@ def rl_record(rl: RLConfig) -> dict:
             "num_generations": rl.num_generations, "p_high": rl.p_high}
 
 
-def held_out_entries(entries_path: Path, split_path: Path, cfg: ControllabilityConfig) -> list:
-    """The first `n_entries` test entries of `cfg.categories`, round-robin over the categories (file order
-    within each), as evaluate's `limit` takes them."""
+def held_out_entries(entries_path: Path, split_path: Path, cfg: ControllabilityConfig,
+                     n: int | None = -1) -> list:
+    """The first `n` (default `n_entries`; None = all) test entries of `cfg.categories`, round-robin over
+    the categories (file order within each), as evaluate's `limit` takes them."""
     test = split_entries(entries_path, split_path, "test", cfg.categories)
     if not test:
         raise InputError(f"{split_path}: no test entries in categories {list(cfg.categories or [])} (empty: any)")
-    return stratified(test, cfg.n_entries)
+    return stratified(test, cfg.n_entries if n == -1 else (n or len(test)))
+
+
+def reading(cfg: ControllabilityConfig, backend, entries: list, prompt: PromptConfig, tokens: tuple[str, str]) -> dict:
+    """Does the model read its token, from forward passes (`data.margin.read_token`) on `entries`."""
+    return read_token(backend.model, backend.tokenizer, entries, prompt.protocol_config(REPLAY_OUTPUTS), tokens,
+                      cfg.margin_kinds, cfg.seed, cfg.n_bootstrap, backend.max_positions)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -129,11 +145,14 @@ def zero_variance_stats(rates_high: list[float], rates_low: list[float], g: int,
 
 
 def identical_outputs(trajs: list, high: str, low: str) -> int:
-    """Entries whose assistant messages are the same under both tokens (greedy: the token changed nothing)."""
-    said: dict[str, dict[str, list[str]]] = {}
+    """Paired rollouts (same entry, same row seed: the i-th under each token) whose assistant messages are
+    the same under both tokens: the token changed nothing. Greedy: one pair per entry."""
+    said: dict[tuple[str, str], list[list[str]]] = {}
     for t in trajs:
-        said.setdefault(t.entry_id, {})[t.reward_token] = [m["content"] for m in t.messages if m["role"] == "assistant"]
-    return sum(1 for per in said.values() if high in per and low in per and per[high] == per[low])
+        said.setdefault((t.entry_id, t.reward_token), []).append(
+            [m["content"] for m in t.messages if m["role"] == "assistant"])
+    return sum(h == w for (entry, token), highs in said.items() if token == high
+               for h, w in zip(highs, said.get((entry, low), [])))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -152,10 +171,15 @@ def load_policy(model_dir: Path, adapter_dir: Path | None, dtype: str, tokens: t
 
 def arm(cfg: ControllabilityConfig, backend, entries: list, proto, sampling: SamplingParams, k: int,
         tokens: tuple[str, str], provenance: dict) -> tuple[dict, list]:
-    """(stats, trajectories) of k rollouts per (entry, token): high first, then low, per entry."""
+    """(stats, trajectories) of k rollouts per (entry, token): high first, then low, per entry.
+
+    Common random numbers: the i-th rollout under either token samples with the same row seed (one group
+    per token, both seeded by the entry: `run_groups`), so the paired gap differs only through the token
+    and `identical_outputs` counts the pairs the token did not change."""
     high, low = tokens
-    trajs = run_rollouts(backend, entries, 2 * k, proto, sampling, lambda e, i: high if i < k else low,
-                         batch_rows=cfg.decode.batch_rows, provenance=provenance)
+    groups = [(e, [t] * k) for e in entries for t in (high, low)]
+    done = run_groups(backend, groups, proto, sampling, provenance, cfg.decode.batch_rows)
+    trajs = [t for group in done for t in group]
     scores = [{"entry_id": t.entry_id, "reward_token": t.reward_token, **t.score} for t in trajs]
     reward = gap_stats(scores, high, low, "paper_reward", cfg.n_bootstrap, cfg.seed)
     partial = gap_stats(scores, high, low, "partial_credit", cfg.n_bootstrap, cfg.seed)
@@ -165,14 +189,16 @@ def arm(cfg: ControllabilityConfig, backend, entries: list, proto, sampling: Sam
              "partial_credit_high": partial["high"], "partial_credit_low": partial["low"],
              "partial_credit_gap": partial["gap"], "partial_credit_gap_ci": partial["gap_ci"],
              "model_tokens_high": mean([t.n_model_tokens for t in trajs if t.reward_token == high]),
-             "model_tokens_low": mean([t.n_model_tokens for t in trajs if t.reward_token == low])}
+             "model_tokens_low": mean([t.n_model_tokens for t in trajs if t.reward_token == low]),
+             "pairs": len(entries) * k, "identical_outputs": identical_outputs(trajs, high, low)}
     return stats, trajs
 
 
 def measure(cfg: ControllabilityConfig, prompt: PromptConfig, tokens: tuple[str, ...], backend, entries: list,
-            rl: RLConfig, provenance: dict | None = None) -> tuple[dict, list]:
+            rl: RLConfig, provenance: dict | None = None, margin_entries: list | None = None) -> tuple[dict, list]:
     """(metrics, trajectories): the sampled arm at the RL settings, the greedy arm, the zero-variance shares
-    of `rl.num_generations`-sized groups under `rl.p_high`."""
+    of `rl.num_generations`-sized groups under `rl.p_high`; with `cfg.margin`, the teacher-forced margin on
+    `margin_entries` (default: `entries`) and the token rows' distance (`reading`)."""
     high, low = tokens[-1], tokens[0]
     cfg = cfg.sampled_as(rl)
     proto = prompt.protocol_config(cfg.decode.max_outputs)
@@ -184,7 +210,6 @@ def measure(cfg: ControllabilityConfig, prompt: PromptConfig, tokens: tuple[str,
     if cfg.greedy:
         greedy = dataclasses.replace(cfg.decode, temperature=0.0, top_p=1.0).sampling(cfg.seed)
         metrics["greedy"], g_trajs = arm(cfg, backend, entries, proto, greedy, 1, (high, low), {**prov, "arm": "greedy"})
-        metrics["greedy"]["identical_outputs"] = identical_outputs(g_trajs, high, low)
         trajs += g_trajs
     sampling = cfg.decode.sampling(cfg.seed)
     metrics["sampled"], s_trajs = arm(cfg, backend, entries, proto, sampling, cfg.samples_per_token, (high, low),
@@ -202,4 +227,8 @@ def measure(cfg: ControllabilityConfig, prompt: PromptConfig, tokens: tuple[str,
     metrics["zero_variance"] = zero_variance_stats(rates_high, rates_low, rl.num_generations, rl.p_high,
                                                    cfg.n_bootstrap, cfg.seed)
     metrics["rollout_s"] = round(time.perf_counter() - t0, 2)
+    if cfg.margin:
+        t1 = time.perf_counter()
+        metrics.update(reading(cfg, backend, margin_entries or entries, prompt, (high, low)))
+        metrics["margin_s"] = round(time.perf_counter() - t1, 2)
     return metrics, trajs

@@ -17,7 +17,7 @@ from rcgrpo_tasks.env.protocols import DEFAULT_REWARD_TOKENS, PromptConfig
 from rcgrpo_tasks.env.tasks import ALL_CATEGORIES, get_task, task_of
 from rcgrpo_tasks.ops.cli import Progress
 from rcgrpo_tasks.ops.config import flat_field
-from rcgrpo_tasks.ops.io import write_jsonl, write_text
+from rcgrpo_tasks.ops.outputs import write_jsonl, write_text
 from rcgrpo_tasks.ops.plots import accuracy_plot
 from rcgrpo_tasks.ops.stats import bootstrap_ci, check_n_boot
 
@@ -39,6 +39,11 @@ class EvaluateConfig:
     """Model outputs per turn under the official protocol (`official_full`)."""
     n_bootstrap: int = 2000
     """Bootstrap resamples of every CI."""
+    margin: bool = True
+    """Reward-conditioned evaluations (a `--reward-token`, hf backend): also the teacher-forced margin on the
+    evaluated entries and the reward-token rows' distance (`data.margin.read_token`, forward passes only), so
+    every RCTP-based model, RL policies included, shows whether it still reads its token (RL rewards the low
+    token for success too, which can erode it)."""
     guidance: float = 0.0
     """Reward-token guidance scale w (0 = off; beyond the paper, `SamplingParams.guidance`): applied to
     reward-conditioned evaluations (a `--reward-token`); the others decode unguided and record w = 0.
@@ -52,18 +57,6 @@ class EvaluateConfig:
             raise ValueError("limit must be null or >= 1")
         if not 1 <= self.official_max_steps_per_turn <= MAX_OUTPUTS:
             raise ValueError(f"official_max_steps_per_turn must be in [1, {MAX_OUTPUTS}]")
-
-
-def stratified(entries: list[Entry], limit: int | None) -> list[Entry]:
-    """The first `limit` entries taken round-robin over categories (all of them when limit is None)."""
-    if limit is None:
-        return entries
-    by_cat: dict[str, list[Entry]] = {}
-    for e in entries:
-        by_cat.setdefault(e.category, []).append(e)
-    rounds = max(len(v) for v in by_cat.values())
-    order = [v[i] for i in range(rounds) for v in by_cat.values() if i < len(v)]
-    return order[:limit]
 
 
 def result_row(traj, entry: Entry) -> dict:

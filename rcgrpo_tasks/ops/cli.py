@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import typer
 
 from rcgrpo_tasks.ops.config import ConfigError
-from rcgrpo_tasks.ops.io import InputError
+from rcgrpo_tasks.ops.inputs import InputError
 
 USAGE_EXIT = 2
 GATE_EXIT = 1

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from rcgrpo_tasks.ops.io import OutputError, write_text
+from rcgrpo_tasks.ops.outputs import OutputError, write_text
 
 T = TypeVar("T")
 _USED: dict[Path, dict[str, Any]] = {}  # params file (resolved) -> {section: its value as this process read it}

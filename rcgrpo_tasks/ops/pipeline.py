@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rcgrpo_tasks.ops import procs
-from rcgrpo_tasks.ops.io import InputError, atomic_path, read_json, write_json
+from rcgrpo_tasks.ops.inputs import InputError, read_json
+from rcgrpo_tasks.ops.outputs import atomic_path, write_json
 
 PLAN_FORMAT = 1
 BUNDLE_FILE_MAX_BYTES = 2 * 1024 * 1024

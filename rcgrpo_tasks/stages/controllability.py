@@ -7,6 +7,13 @@ have reward variance. This stage measures it on held-out entries, in one run, tw
   (`rl.temperature`, `rl.top_p`), tokens = the highest and the lowest of `label_rewards.tokens`;
 - `greedy` (beside it): one rollout per (entry, token) at T = 0, plus how many entries decode to the same
   assistant messages under both tokens (the token then changes nothing);
+- the sampled arm uses common random numbers: the i-th rollout of an entry draws the same row seed under
+  both tokens, so the gap is paired rollout by rollout and identical pairs are counted as in greedy;
+- `margin` (forward passes only, `data.margin`): the teacher-forced margin [lp(expert|high) -
+  lp(expert|low)] - [lp(near miss|high) - lp(near miss|low)] per near-miss kind and overall with 95 %
+  bootstrap CIs over `margin_entries` held-out entries (default: all), 0 for a model that ignores its token;
+  and `token_rows`: the distance between the two reward tokens' embedding rows and its ratio to the median
+  distance between two real tokens;
 - `guided` (when `guidance` > 0; beyond the paper): the sampled arm with reward-token guidance of scale w,
   same seeds: does decoding-time guidance widen the gap the fine-tune left?
 Per arm: success rate (paper reward R) per token, the gap E[R|high] - E[R|low] and the same for partial
@@ -52,7 +59,7 @@ from rcgrpo_tasks.evaluation.controllability import (
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config, read_sections
-from rcgrpo_tasks.ops.io import write_json
+from rcgrpo_tasks.ops.outputs import write_json
 from rcgrpo_tasks.train.grpo import RLConfig
 
 
@@ -87,6 +94,7 @@ def main(
         tokens = reward_tokens(read_sections(params, "label_rewards"))
         rl = load_config(RLConfig, params, "rl")  # the sampled arm samples as RL does
         picked = held_out_entries(entries, split, cfg)
+        margin_set = held_out_entries(entries, split, cfg, cfg.margin_entries) if cfg.margin else None
         cfg.decode.check_context(model_dir, f"{params}:controllability.max_new_tokens")
         backend = load_policy(model_dir, adapter_dir, cfg.decode.dtype, (tokens[-1], tokens[0]),
                               load_compute(params).device)  # before any MLflow run
@@ -95,7 +103,7 @@ def main(
                   "adapter": str(adapter_dir), "tokens": list(tokens)}
     with tracking.published_run("controllability", run_params, outputs=(metrics, trajectories)) as (_, staged):
         result, trajs = measure(cfg, prompt, tokens, backend, picked, rl,
-                                {"model": str(model_dir), "adapter": str(adapter_dir)})
+                                {"model": str(model_dir), "adapter": str(adapter_dir)}, margin_set)
         write_json(staged.file(metrics), result)
         if trajectories:
             write_trajectories(staged.file(trajectories), as_stage_output(trajs, "controllability"))
@@ -106,8 +114,16 @@ def main(
     greedy += f"; guided (w={cfg.guidance}) gap {_ci(result['guided'], 'gap')}" if "guided" in result else ""
     typer.echo(f"controllability over {result['n_entries']} entries: sampled (T={s['temperature']}, "
                f"{s['samples_per_token']}/token) R|high {s['success_rate_high']:.3f} R|low {s['success_rate_low']:.3f} "
-               f"gap {_ci(s, 'gap')}{greedy}; zero-variance share (G={z['G']}) all-high {z['all_high']:.3f} "
-               f"mixed {z['mixed']:.3f}; {result['rollout_s']} s")
+               f"gap {_ci(s, 'gap')} ({s['identical_outputs']} of {s['pairs']} pairs identical){greedy}; "
+               f"zero-variance share (G={z['G']}) all-high {z['all_high']:.3f} mixed {z['mixed']:.3f}; "
+               f"{result['rollout_s']} s")
+    if "margin" in result:
+        m, rows = result["margin"], result["token_rows"]
+        kinds = ", ".join(f"{k} {v['margin']:+.3f}" for k, v in m["kinds"].items())
+        typer.echo(f"teacher-forced margin over {m['n_entries']} entries: {m['margin']:+.3f} "
+                   f"[{m['ci'][0]:+.3f}, {m['ci'][1]:+.3f}] nat, {m['share_positive']:.0%} of entries > 0 ({kinds}); "
+                   f"token rows {rows['distance']:.3f} apart ({rows['ratio']:.2f}x two real tokens); "
+                   f"{result['margin_s']} s")
 
 
 if __name__ == "__main__":

@@ -15,15 +15,20 @@ Writes `--out` (atomically; replaced as a whole):
 Logs params, metrics, the per-entry table (`mlflow.log_table`), report and plot to an MLflow child run;
 a tracking failure fails the stage (and, the output being atomic, leaves nothing behind).
 
+Does the model still read its token (`evaluate.margin`, reward-conditioned evaluations of a model with both
+reward tokens): `metrics.json` also holds the teacher-forced margin on the evaluated entries and the
+reward-token rows' distance (`data.margin.read_token`, forward passes only): RL rewards the low token for
+success too and can erode what RCTP taught.
+
 Reward-token guidance (`evaluate.guidance` > 0, beyond the paper): reward-conditioned evaluations decode
 with `SamplingParams.guidance` (hf backend); `metrics.json` records the scale used (`guidance`).
 
 Partial credit: `official` = fraction of turns passing (scoring.partial_credit); `paper` = fraction of
 gold calls the model made (multiset, arguments bound to parameter names) — the paper view has no turn
 boundaries, so per-turn credit is undefined there.
-Budget (CPU, SmolLM2-135M; `params.yaml:evaluate`): greedy, a stratified 32 of the 80 held-out entries,
-<= 6 outputs of <= 64 tokens, 8 rows decoded together, entries sharing a system prompt batched so it is
-prefilled once, bf16 where the CPU has it (cost per model: docs/engine.md).
+Budget (`params.yaml:evaluate`): greedy, a stratified `limit` of the held-out entries, `max_outputs` of
+`max_new_tokens`, `batch_rows` rows decoded together, entries sharing a system prompt batched so it is
+prefilled once, bf16 where the CPU has it (costs per model: docs/rl.md "Measured").
 """
 
 from __future__ import annotations
@@ -32,10 +37,11 @@ from pathlib import Path
 
 import typer
 
+from rcgrpo_tasks.data.margin import REPLAY_OUTPUTS, has_tokens, read_token
 from rcgrpo_tasks.engine.backend import reward_pair_ids
 from rcgrpo_tasks.engine.backends import load_backend
 from rcgrpo_tasks.engine.compute import load_compute
-from rcgrpo_tasks.env.entries import read_entries, select_entries
+from rcgrpo_tasks.env.entries import read_entries, select_entries, stratified
 from rcgrpo_tasks.env.protocols import PromptConfig, reward_tokens
 from rcgrpo_tasks.evaluation.heldout import (
     EvaluateConfig,
@@ -43,13 +49,12 @@ from rcgrpo_tasks.evaluation.heldout import (
     guidance_of,
     report_markdown,
     run_eval,
-    stratified,
     write_outputs,
 )
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config, read_sections
-from rcgrpo_tasks.ops.io import write_json, write_text
+from rcgrpo_tasks.ops.outputs import write_json, write_text
 
 
 def _log(folder: Path, rows: list[dict], summary: dict, official: dict | None) -> None:
@@ -97,6 +102,11 @@ def main(
     with tracking.published_run("evaluate", run_params, outputs=(out,),
                                 tags={"rcgrpo.eval_label": label}) as (_, staged):
         trajs, rows, summary = run_eval(cfg, prompt, backend, held_out, token, label, tokens)
+        pair = (tokens[-1], tokens[0])
+        if cfg.margin and token and cfg.decode.backend == "hf" and has_tokens(backend.tokenizer, pair):
+            summary.update(read_token(backend.model, backend.tokenizer, held_out, prompt.protocol_config(REPLAY_OUTPUTS),
+                                      pair, seed=cfg.seed, n_boot=cfg.n_bootstrap,
+                                      max_positions=backend.max_positions))
         official = None
         if cfg.official_full:
             o_trajs, o_rows, official = run_eval(cfg, PromptConfig(**{**as_dict(prompt), "protocol": "official"}), backend,

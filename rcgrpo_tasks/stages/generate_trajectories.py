@@ -48,10 +48,10 @@ from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.env.entries import split_entries
 from rcgrpo_tasks.env.protocols import PromptConfig
 from rcgrpo_tasks.env.tasks import task_of_entries
-from rcgrpo_tasks.ops import tracking
+from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config
-from rcgrpo_tasks.ops.io import write_json, write_jsonl
+from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
 
 app = typer.Typer(add_completion=False)
 
@@ -79,10 +79,10 @@ def main(
         rows, record = generate(cfg, prompt, entries, split, model_dir, device)
         write_jsonl(staged.file(out), (t.to_json() for t in rows))
         write_json(staged.file(metrics), record)
-        tracking.log_metrics({"n_rows": record["n_rows"], "n_success": record["n_success"],
+        tracking_log.log_metrics({"n_rows": record["n_rows"], "n_success": record["n_success"],
                               "n_failure": record["n_failure"], "success_fraction": record["success_fraction"],
                               "experts_dropped": record["experts_dropped"], "seconds": record["seconds"]["total"]})
-        tracking.log_dict(record, "generate_trajectories_metrics.json")
+        tracking_log.log_dict(record, "generate_trajectories_metrics.json")
     typer.echo(f"wrote {out}: {record['n_rows']} trajectories ({record['n_success']} success / "
                f"{record['n_failure']} failure; by kind {record['by_kind']}) in {record['seconds']['total']} s")
 

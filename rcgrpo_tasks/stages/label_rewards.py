@@ -44,15 +44,15 @@ import typer
 from rcgrpo_tasks.data.dataset import GenerateConfig
 from rcgrpo_tasks.data.gate import ValidationFailed
 from rcgrpo_tasks.data.labels import LabelConfig, labelled
-from rcgrpo_tasks.ops import tracking
+from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.cli import GATE_EXIT, cli_errors, fail
 from rcgrpo_tasks.ops.config import as_dict, load_config
-from rcgrpo_tasks.ops.io import write_json, write_jsonl
+from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
 
 
 def _flat_metrics(record: dict) -> dict:
     """Numeric metrics under MLflow-safe names (`class_balance.<|high_reward|>` -> `class_balance.high_reward`)."""
-    return {re.sub(r"[^\w\-. :/]", "", k): v for k, v in tracking.flatten(record).items()
+    return {re.sub(r"[^\w\-. :/]", "", k): v for k, v in tracking_log.flatten(record).items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
@@ -87,8 +87,8 @@ def main(
             fail(exc, GATE_EXIT)
         write_jsonl(staged.file(out), rows)
         write_json(staged.file(metrics), record)
-        tracking.log_metrics(_flat_metrics(record))
-        tracking.log_dict(record, f"label_rewards_{dataset}_metrics.json")
+        tracking_log.log_metrics(_flat_metrics(record))
+        tracking_log.log_dict(record, f"label_rewards_{dataset}_metrics.json")
     typer.echo(f"wrote {out}: {record['n_rows']} rows {record['class_balance']}"
                + (f", {record['pairing']['prompts_used']} prompts ({cfg.failures}, {cfg.pairing})"
                   if "pairing" in record else "") + f" in {record['seconds']} s")

@@ -18,7 +18,7 @@ import typer
 from rcgrpo_tasks.ops import pipeline
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import current_profile
-from rcgrpo_tasks.ops.io import atomic_outputs
+from rcgrpo_tasks.ops.outputs import atomic_outputs
 
 app = typer.Typer(add_completion=False, help="Write the DVC pipeline as a plan that runs without DVC.")
 

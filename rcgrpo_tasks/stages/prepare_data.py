@@ -25,7 +25,7 @@ from rcgrpo_tasks.env.split import PrepareDataConfig, prepare, split_metrics
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import load_config
-from rcgrpo_tasks.ops.io import write_json, write_jsonl
+from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
 
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
 

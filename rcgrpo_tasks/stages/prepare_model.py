@@ -30,7 +30,7 @@ from pathlib import Path
 import typer
 
 from rcgrpo_tasks.engine.source import PROVENANCE_FILE, PrepareModelConfig, write_model
-from rcgrpo_tasks.ops import tracking
+from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config
 
@@ -48,8 +48,8 @@ def main(
         with tracking.published_run("prepare_model", as_dict(cfg), outputs=(out,)) as (_, staged):
             folder = staged.dir(out)
             record = write_model(cfg, folder)
-            tracking.log_metrics({"n_parameters": record["n_parameters"], "seconds": record["seconds"]})
-            tracking.log_artifact(folder / PROVENANCE_FILE)
+            tracking_log.log_metrics({"n_parameters": record["n_parameters"], "seconds": record["seconds"]})
+            tracking_log.log_artifact(folder / PROVENANCE_FILE)
     typer.echo(f"wrote {out} ({record['architecture']}, {record['n_parameters'] / 1e6:.1f}M params, "
                f"{cfg.dtype}) in {record['seconds']} s")
 

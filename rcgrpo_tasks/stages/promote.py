@@ -32,9 +32,10 @@ from pathlib import Path
 import typer
 
 from rcgrpo_tasks.evaluation.promotion import PromoteConfig, pick, promote, read_eval
-from rcgrpo_tasks.ops import tracking
+from rcgrpo_tasks.ops import tracking, tracking_store
 from rcgrpo_tasks.ops.config import ConfigError, load_config
-from rcgrpo_tasks.ops.io import InputError, write_json
+from rcgrpo_tasks.ops.inputs import InputError
+from rcgrpo_tasks.ops.outputs import write_json
 
 app = typer.Typer(add_completion=False)
 
@@ -61,7 +62,7 @@ def main(
         with tracking.published_run("promote", cfg, outputs=(out,)) as (run, staged):
             record = promote(cfg, cands, run, champ)
             write_json(staged.file(out), record)
-    except (ConfigError, InputError, tracking.TrackingError) as exc:
+    except (ConfigError, InputError, tracking_store.TrackingError) as exc:
         typer.echo(f"error: promote: {exc}", err=True)
         raise typer.Exit(2) from exc
     if record["decision"] == "refused":

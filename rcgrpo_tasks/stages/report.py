@@ -31,10 +31,11 @@ from pathlib import Path
 import typer
 
 from rcgrpo_tasks.env.paper import PAPER_TABLE1_OVERALL, ROWS, row_name
-from rcgrpo_tasks.evaluation.results_table import build_report, markdown_table
+from rcgrpo_tasks.evaluation.results_table import build_report, markdown_table, rc_versus_grpo, rc_versus_grpo_markdown
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
-from rcgrpo_tasks.ops.io import InputError, write_json, write_text
+from rcgrpo_tasks.ops.inputs import InputError
+from rcgrpo_tasks.ops.outputs import write_json, write_text
 from rcgrpo_tasks.ops.plots import accuracy_plot
 from rcgrpo_tasks.train.diagnostics import plot_mechanism
 from rcgrpo_tasks.train.runs import read_tsv
@@ -79,13 +80,15 @@ def main(
         if mechanism is not None and not step_files:
             raise InputError("--mechanism needs the runs' per-step TSVs (--steps LABEL=TSV)")
     task = " / ".join(sorted({r["task"] for r in rows}))
-    md = markdown_table(rows)
+    contrast = rc_versus_grpo(rows, {label: read_tsv(p) for label, p in step_files.items()}, seed)
+    md = markdown_table(rows) + rc_versus_grpo_markdown(contrast)
     outputs = (table, json_out, plot_out, mechanism)
     with tracking.published_run("report", {"eval": eval_, "rl": rl, "seed": seed}, outputs=outputs,
                                 track=track) as (_, staged):
         files = [staged.file(table), staged.file(json_out), staged.file(plot_out)]
         write_text(files[0], md)
-        write_json(files[1], {"rows": {r["label"]: r for r in rows}, "paper_table1_overall": PAPER_TABLE1_OVERALL})
+        write_json(files[1], {"rows": {r["label"]: r for r in rows}, "rc_grpo_vs_grpo": contrast,
+                              "paper_table1_overall": PAPER_TABLE1_OVERALL})
         accuracy_plot(rows, files[2], dict(ROWS), title=f"BFCL v4 {task}, held-out split")
         if mechanism is not None:
             files.append(staged.file(mechanism))

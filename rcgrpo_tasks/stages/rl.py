@@ -77,6 +77,8 @@ def main(
     metrics: Path | None = typer.Option(None, help="Output: summary metrics JSON."),
     plots: Path | None = typer.Option(None, help="Output: per-step diagnostics TSV."),
     conditioning: str | None = typer.Option(None, help="Override: rc | fixed | none (default: from init x algo)."),
+    policy: str = typer.Option("", help="The SFT model's samples (sample_policy) for rl.min_sampled_success; "
+                                        "empty = none."),
     params: Path = typer.Option(Path("params.yaml"), help="Params file (sections `rl`, `prompt`, `label_rewards`, "
                                                        "`compute`)."),
 ) -> None:
@@ -88,7 +90,7 @@ def main(
         device = runs.train_device(compute.device)  # a device this machine lacks fails here, before anything loads
         spec = RLRun(init=init, algo=algo, model_dir=model_dir, adapter_dir=adapter_dir, entries=entries,
                      split=split, out=out, checkpoints=checkpoints, metrics=metrics, plots=plots,
-                     conditioning=conditioning)
+                     conditioning=conditioning, policy=Path(policy) if policy else None)
         spec.check()
         if processes.should_launch(compute):  # N processes: this command again, under accelerate launch
             check_world(cfg, compute.processes)  # whole groups per process, checked before anything starts

@@ -36,10 +36,11 @@ from rcgrpo_tasks.engine.trajectory import write_trajectories
 from rcgrpo_tasks.env.entries import split_entries
 from rcgrpo_tasks.env.protocols import GOAL_RESERVE, PromptConfig
 from rcgrpo_tasks.env.tasks import task_of_entries
-from rcgrpo_tasks.ops import tracking
+from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.cli import Progress, cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config
-from rcgrpo_tasks.ops.io import InputError, write_json
+from rcgrpo_tasks.ops.inputs import InputError
+from rcgrpo_tasks.ops.outputs import write_json
 
 app = typer.Typer(add_completion=False)
 
@@ -83,9 +84,9 @@ def main(
         record["reward_fn"] = gen.reward
         write_trajectories(staged.file(out), rows)
         write_json(staged.file(metrics), record)
-        tracking.log_metrics({k: v for k, v in record.items()
+        tracking_log.log_metrics({k: v for k, v in record.items()
                               if isinstance(v, (int, float)) and not isinstance(v, bool)})
-        tracking.log_dict(record, "sample_policy_metrics.json")
+        tracking_log.log_dict(record, "sample_policy_metrics.json")
     typer.echo(f"wrote {out}: {record['samples']} samples of {record['n_entries']} train entries in "
                f"{record['rounds']} round(s); success rate {record['success_rate_first_round']} (first round), "
                f"{record['entries_with_both']} entries with both outcomes, in {record['seconds']} s")

@@ -35,7 +35,8 @@ import typer
 
 from rcgrpo_tasks.env import results as bfcl_results
 from rcgrpo_tasks.env import tasks
-from rcgrpo_tasks.ops.io import InputError, atomic_outputs, read_jsonl_numbered, write_json, write_jsonl
+from rcgrpo_tasks.ops.inputs import InputError, read_jsonl_numbered
+from rcgrpo_tasks.ops.outputs import atomic_outputs, write_json, write_jsonl
 
 
 def score_rows(rows: list[tuple[int, dict]], path: str, entries: dict, decoding: str = "calls",

@@ -26,6 +26,10 @@ Consumers load a trained model with `rcgrpo_tasks.engine.models.load_trained(mod
 (tokenizer from the adapter folder, base embeddings resized to it, then `PeftModel.from_pretrained`).
 Run: `rcgrpo sft --variant rctp --model-dir models/base --data data/datasets/rctp.jsonl --out
 models/sft/rctp --checkpoints checkpoints/sft/rctp --metrics metrics/sft_rctp.json --plots plots/sft_rctp.tsv`.
+RCTP from the SFT model (`init: sft`, `--init-adapter models/sft/sft`): the SFT adapter merged into the
+base, then a fresh LoRA and the reward-token rows; the output is the merged model folder. `margin_every`:
+the teacher-forced margin on held-out entries (`--entries`, `--split`) along training (metrics JSON
+`margin_curve`, MLflow `margin`).
 Departures from the paper: LoRA (+ trainable reward-token rows) instead of full fine-tuning by default,
 tiny step budgets on CPU (`configs/paper.yaml` holds the paper's values).
 """
@@ -38,7 +42,9 @@ from pathlib import Path
 import typer
 
 from rcgrpo_tasks.engine.compute import load_compute
+from rcgrpo_tasks.env.protocols import PromptConfig
 from rcgrpo_tasks.ops.cli import cli_errors
+from rcgrpo_tasks.ops.config import load_config
 from rcgrpo_tasks.train import processes, runs
 from rcgrpo_tasks.train.finetune import (
     SftRun,
@@ -58,18 +64,24 @@ def main(
     checkpoints: Path = typer.Option(..., help="Checkpoint folder (resume point; emptied on other params)."),
     metrics: Path | None = typer.Option(None, help="Output: summary metrics JSON."),
     plots: Path | None = typer.Option(None, help="Output: per-step TSV (dvc plots)."),
+    init_adapter: str = typer.Option("", help="sft@sft output to start from (params `init: sft`); empty = none."),
+    entries: Path | None = typer.Option(None, help="Entries JSONL (prepare_data): the margin curve's held-out entries."),
+    split: Path | None = typer.Option(None, help="Split JSON (prepare_data): the margin curve's held-out side."),
 ) -> None:
     """SFT / RCTP fine-tuning with TRL SFTTrainer + PEFT LoRA."""
     options = dict(locals())  # this command's arguments, to run it again under a launch
-    spec = SftRun(variant, model_dir, data, out, checkpoints, metrics, plots)
+    spec = SftRun(variant, model_dir, data, out, checkpoints, metrics, plots,
+                  Path(init_adapter) if init_adapter else None, entries, split)
     with cli_errors():
         cfg, tokens = load_sft_config(params, variant)
+        prompt = load_config(PromptConfig, params, "prompt") if cfg.margin_every else None  # the margin curve's
         compute = load_compute(params)
         device = runs.train_device(compute.device)  # a device this machine lacks fails here, before anything loads
         spec.check()
+        spec.check_against(cfg)
         if processes.should_launch(compute):  # N processes: this command again, under accelerate launch
             raise typer.Exit(processes.relaunch(compute, device, "sft", options))
-        summary = train_variant(cfg, tokens, spec, compute=compute)
+        summary = train_variant(cfg, tokens, spec, compute=compute, prompt=prompt)
     if summary:
         typer.echo(json.dumps({k: summary.get(k) for k in ("variant", "steps", "loss_first", "loss_last",
                                                            "tokens_per_s", "train_s", "resumed_from")}))

@@ -29,6 +29,7 @@ data/trajectories.jsonl --split data/split.json --model-dir models/base --out-di
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -37,14 +38,24 @@ import typer
 from rcgrpo_tasks.data.dataset import GenerateConfig
 from rcgrpo_tasks.data.gate import RESULT_FILE
 from rcgrpo_tasks.data.quality import ValidateConfig, validate
+from rcgrpo_tasks.engine.models import model_context
+from rcgrpo_tasks.env.entries import read_split
 from rcgrpo_tasks.env.protocols import PromptConfig
-from rcgrpo_tasks.ops import tracking
+from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.cli import GATE_EXIT, cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config
 
 # `id` (= entry_id) is what Trajectory.to_json adds so a trajectory file is also a BFCL result file.
 
 app = typer.Typer(add_completion=False)
+STAGE = "validate_trajectories"
+
+
+def run_variant() -> str | None:
+    """The DVC stage this gate runs inside when that is not its own (`sample_policy` runs it on its samples):
+    the run is then `validate_trajectories@sample_policy`, named after the stage it gates."""
+    dvc_stage = os.environ.get("DVC_STAGE", "").rsplit(":", 1)[-1]
+    return dvc_stage if dvc_stage and dvc_stage.partition("@")[0] != STAGE else None
 
 
 @app.command()
@@ -62,17 +73,20 @@ def main(
         cfg = load_config(ValidateConfig, params, "validate_trajectories")
         gen = load_config(GenerateConfig, params, "generate_trajectories")
         prompt = load_config(PromptConfig, params, "prompt")
+        read_split(split)  # bad inputs refuse here, in a second, before any run (validate reads them again)
+        if not cfg.max_tokens:
+            model_context(model_dir)
     run_params = {"validate": as_dict(cfg), "reward": gen.reward, "success_fraction": gen.success_fraction,
                   "protocol": prompt.protocol}
-    with tracking.published_run("validate_trajectories", run_params, outputs=(out_dir, metrics)) as (_, staged), \
+    with tracking.published_run(STAGE, run_params, outputs=(out_dir, metrics), variant=run_variant()) as (_, staged), \
             cli_errors(), tempfile.TemporaryDirectory() as docs:
         record, fails, text = validate(cfg, gen, prompt, trajectories, split, model_dir, out_dir, balance, metrics,
                                        staged=staged, docs_dir=Path(docs))
-        tracking.log_metrics({k: v for k, v in record.items() if isinstance(v, (int, float))})
-        tracking.set_tags({"rcgrpo.gate": "passed" if not fails else "failed"})
-        tracking.log_artifact(staged.temp(out_dir) / RESULT_FILE)
+        tracking_log.log_metrics({k: v for k, v in record.items() if isinstance(v, (int, float))})
+        tracking_log.set_tags({"rcgrpo.gate": "passed" if not fails else "failed"})
+        tracking_log.log_artifact(staged.temp(out_dir) / RESULT_FILE)
         if cfg.data_docs:
-            tracking.log_artifact(Path(docs), "data_docs")
+            tracking_log.log_artifact(Path(docs), "data_docs")
     if fails:  # the failed result is published (to inspect); the stage fails
         typer.echo(f"{text}\nfull result: {out_dir / RESULT_FILE}", err=True)
         raise typer.Exit(GATE_EXIT)

@@ -21,7 +21,7 @@ import functools
 from pathlib import Path
 
 from rcgrpo_tasks.engine.models import load_trained
-from rcgrpo_tasks.ops.tracking import TrackingError
+from rcgrpo_tasks.ops.tracking_store import TrackingError
 
 REWARD_TOKEN_INITS = ("mean_resizing", "apart")
 

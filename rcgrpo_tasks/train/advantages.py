@@ -166,6 +166,19 @@ def zero_std_fraction(rewards: Sequence[float], g: int, tol: float = ZERO_STD_TO
     return sum(std < tol for _, std in stats) / len(stats) if stats else float("nan")
 
 
+def flat_fractions(rewards: Sequence[float], g: int, tol: float = ZERO_STD_TOL) -> tuple[float, float]:
+    """rewards (B,) -> (share of the B/G groups flat at failure, share flat at success): a zero-std group
+    whose common reward is <= 0.5 failed everywhere (all-0 under a 0/1 reward), one above succeeded
+    everywhere (all-1). The two add up to `zero_std_fraction`. Which side is flat says what can help: a low
+    token adds spread to all-1 groups only (it can only lower success), exploration to all-0 ones."""
+    stats = group_stats(rewards, g)
+    if not stats:
+        return float("nan"), float("nan")
+    low = sum(std < tol and mu <= 0.5 for mu, std in stats)
+    high = sum(std < tol and mu > 0.5 for mu, std in stats)
+    return low / len(stats), high / len(stats)
+
+
 def spread_groups(rewards: Sequence[float], g: int, tol: float = ZERO_STD_TOL) -> list[bool]:
     """rewards (B,) -> (B/G,): whether each group has reward spread (std >= tol), i.e. a learning signal."""
     return [std >= tol for _, std in group_stats(rewards, g)]

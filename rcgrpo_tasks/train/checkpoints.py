@@ -13,15 +13,27 @@ rerun. `damage(folder)` checks every file the Trainer loads on resume:
 DeepSpeed keeps its states in a `global_step*` folder of its own format: there only the files above that are
 present are checked. `newest_intact` falls back past damaged checkpoints, and `report` says which were skipped
 (one stderr line, and the active MLflow run's tags).
+
+Resume: `fingerprint(config, **inputs)` hashes params, run arguments, input contents (`file_md5` = the hash DVC
+records for a file, `dir_fingerprint` for a model folder) and the training code; `last_checkpoint(folder, fp)` /
+`resume_point` (a distributed run) is the newest intact checkpoint stamped with that fingerprint (a folder of
+another run is emptied first); `train_or_restore` restores a finished run instead of training it a step further;
+`clear_checkpoints` keeps only the stamp.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
-from rcgrpo_tasks.ops import tracking
-from rcgrpo_tasks.ops.io import InputError, read_json
+from rcgrpo_tasks.ops import tracking_log, tracking_store
+from rcgrpo_tasks.ops.config import as_dict
+from rcgrpo_tasks.ops.inputs import InputError, read_json
+from rcgrpo_tasks.ops.outputs import write_json
 
 STATE_FILE = "trainer_state.json"
 WEIGHTS = ("adapter_model.safetensors", "model.safetensors", "adapter_model.bin", "pytorch_model.bin")
@@ -144,5 +156,123 @@ def report(ckpt_dir: Path, resume: str | None, damaged: list[str]) -> None:
         return
     where = f"resuming from {resume}" if resume else f"no intact checkpoint in {ckpt_dir}: training starts over"
     print(f"warning: damaged checkpoint skipped ({'; '.join(damaged)}); {where}", file=sys.stderr, flush=True)
-    if tracking.mlflow_module().active_run() is not None:  # the main process of a tracked run
-        tracking.set_tags({DAMAGED_TAG: "; ".join(damaged)[:5000], RESUME_TAG: Path(resume).name if resume else "start"})
+    if tracking_store.mlflow_module().active_run() is not None:  # the main process of a tracked run
+        tracking_log.set_tags({DAMAGED_TAG: "; ".join(damaged)[:5000], RESUME_TAG: Path(resume).name if resume else "start"})
+
+
+# ---------------------------------------------------------------------------------------------- resume
+
+FINGERPRINT_FILE = "rcgrpo_fingerprint.json"
+
+
+def file_md5(path: Path) -> str:
+    """MD5 of a file: equal to the hash DVC records for it."""
+    h = hashlib.md5()
+    with Path(path).open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def dir_fingerprint(path: Path | None) -> str:
+    """Cheap content fingerprint of a folder: names, sizes, first and last MiB of each file; "none" when
+    there is no folder."""
+    if path is None or not Path(path).exists():
+        return "none"
+    h = hashlib.sha256()
+    for f in sorted(p for p in Path(path).rglob("*") if p.is_file()):
+        size = f.stat().st_size
+        h.update(f"{f.relative_to(path)}:{size}".encode())
+        with f.open("rb") as fh:
+            h.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(-(1 << 20), 2)
+                h.update(fh.read())
+    return h.hexdigest()
+
+
+def content_hash(path: Path | None) -> str:
+    """`file_md5` of a file, `dir_fingerprint` of a folder, "none" when the path does not exist."""
+    return file_md5(path) if path is not None and Path(path).is_file() else dir_fingerprint(path)
+
+
+def fingerprint(config: Any, **inputs: Any) -> str:
+    """sha256 of a config dataclass and the run's inputs: a `Path` counts by its content (`content_hash`),
+    anything else by value. Pass the training module's own file as `code=Path(__file__)`: checkpoints
+    resume only under the same params, inputs and code."""
+    blob = {"config": as_dict(config)}
+    for key, value in inputs.items():
+        blob[key] = content_hash(value) if isinstance(value, Path) else value
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _stamp(fp_file: Path) -> str | None:
+    try:
+        return json.loads(fp_file.read_text()).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _claim(ckpt_dir: Path, fp: str, **stamp: Any) -> None:
+    """Empty `ckpt_dir` when it belongs to another run (stamped with another fingerprint, or none), then stamp
+    it with `fp` (and the `stamp` fields)."""
+    fp_file = ckpt_dir / FINGERPRINT_FILE
+    if ckpt_dir.exists() and _stamp(fp_file) != fp:
+        shutil.rmtree(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    write_json(fp_file, {"fingerprint": fp, **stamp})
+
+
+def last_checkpoint(ckpt_dir: Path, fp: str, clean: bool = True, **stamp: Any) -> str | None:
+    """Newest complete and intact `checkpoint-N` in `ckpt_dir` (`newest_intact`: its
+    trainer_state.json, written last, exists, and every file the Trainer loads on resume loads).
+
+    With `clean` (one process does it): a folder stamped with another fingerprint, or with none, belongs to
+    another run and is emptied; the folder is then stamped with `fp` (and the `stamp` fields)."""
+    if clean:
+        _claim(Path(ckpt_dir), fp, **stamp)
+    return newest_intact(Path(ckpt_dir))[0]
+
+
+def resume_point(ckpt_dir: Path, fp: str, **stamp: Any) -> str | None:
+    """`last_checkpoint` of a (possibly distributed) run: the main process alone cleans and stamps the
+    folder, the others wait for it, then every process reads the same checkpoint. Damaged checkpoints
+    passed over are reported by the main process (stderr, MLflow tags: `report`)."""
+    from accelerate import PartialState
+
+    state = PartialState()  # created by `processes.process_state` at the start of the run
+    if state.is_main_process:
+        _claim(Path(ckpt_dir), fp, **stamp)
+    state.wait_for_everyone()
+    resume, damaged = newest_intact(Path(ckpt_dir))
+    if state.is_main_process:
+        report(Path(ckpt_dir), resume, damaged)
+    return resume
+
+
+def train_or_restore(trainer, resume: str | None):
+    """`trainer.train(resume_from_checkpoint=resume)`, except for the last checkpoint of a finished run
+    (its `global_step` reached its `max_steps`): that one is loaded (weights, state) and not trained, since
+    the Trainer resumed there would run one step more. Returns the Trainer's `TrainOutput` (for a restored
+    run: its step and mean logged loss). Under DeepSpeed the weights load only inside `train()`, so there it
+    trains as asked."""
+    from transformers.trainer_callback import TrainerState
+    from transformers.trainer_utils import TrainOutput
+
+    state_file = Path(resume) / "trainer_state.json" if resume else None
+    if state_file is None or not state_file.is_file() or trainer.is_deepspeed_enabled:
+        return trainer.train(resume_from_checkpoint=resume)
+    state = TrainerState.load_from_json(str(state_file))
+    if not 0 < state.max_steps <= state.global_step:
+        return trainer.train(resume_from_checkpoint=resume)
+    trainer._load_from_checkpoint(resume)  # the Trainer's own loader: LoRA adapter or full weights
+    trainer.state = state
+    losses = [e["loss"] for e in state.log_history if isinstance(e.get("loss"), (int, float))]
+    return TrainOutput(state.global_step, sum(losses) / len(losses) if losses else float("nan"), {})
+
+
+def clear_checkpoints(ckpt_dir: Path) -> None:
+    """Delete everything in `ckpt_dir` but its fingerprint stamp (the folder is a DVC `persist` output)."""
+    for path in Path(ckpt_dir).iterdir():
+        if path.name != FINGERPRINT_FILE:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()

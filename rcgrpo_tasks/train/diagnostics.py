@@ -37,7 +37,7 @@ STEP_MARKER = "loss"
 """A key of every optimizer step's TRL log (and of no other log): a step's row is written on it."""
 PLOT_COLUMNS = (
     "step", "reward", "reward_high", "reward_low", "reward_none", "controllability_gap", "frac_zero_std",
-    "adv_abs_mean", "adv_std", "kl", "clip_ratio", "loss", "reward_paper", "reward_official", "reward_partial",
+    "frac_flat_fail", "frac_flat_success", "adv_abs_mean", "adv_std", "kl", "clip_ratio", "loss", "reward_paper", "reward_official", "reward_partial",
     "model_tokens", "n_calls", "n_steps", "env_errors", "rollout_tokens_per_s", "rollout_s", "step_time",
     "rollouts_generated", "rollouts_trained", "groups_dropped", "useful_groups", "gen_rounds",
     "gen_tokens_per_useful_group", "frac_zero_std_generated", "step_skipped", "truncated", "logp_diff_mean",
@@ -52,7 +52,8 @@ PRICE_COLUMNS = ("frac_zero_std_generated", "rollouts_generated", "useful_groups
 _SOURCES = {  # plot column -> key of TRL's averaged step logs
     "reward": "rc/reward", "reward_high": "rc/reward_high", "reward_low": "rc/reward_low",
     "reward_none": "rc/reward_none", "controllability_gap": "rc/controllability_gap",
-    "frac_zero_std": "rc/frac_zero_std", "adv_abs_mean": "rc/adv_abs_mean", "adv_std": "rc/adv_std", "kl": "kl",
+    "frac_zero_std": "rc/frac_zero_std", "frac_flat_fail": "rc/frac_flat_fail",
+    "frac_flat_success": "rc/frac_flat_success", "adv_abs_mean": "rc/adv_abs_mean", "adv_std": "rc/adv_std", "kl": "kl",
     "clip_ratio": "clip_ratio/region_mean", "loss": "loss", "reward_paper": "rewards/paper_reward/mean",
     "reward_official": "rewards/official_verdict/mean", "reward_partial": "rewards/partial_credit/mean",
     "model_tokens": "rc/model_tokens", "n_calls": "rc/n_calls", "n_steps": "rc/n_steps",

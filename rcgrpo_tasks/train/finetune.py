@@ -2,15 +2,15 @@
 runs it; docs/training.md).
 
 - `SftConfig` (params.yaml `sft`, per-variant overrides via `resolve`); `SftRun` (one run's paths).
-- Rows: `load_rows` validates a label_rewards chat dataset; `balanced_order` interleaves reward tokens;
-  `tokenize_rows` pre-tokenizes with THE assistant-token mask (`data.chat.assistant_token_mask`): SmolLM2's
-  template has no `{% generation %}` markers, so TRL gets `input_ids` + `assistant_masks`.
-- `build_trainer`: base + reward tokens as special tokens (embeddings grown; rows at the mean or apart,
-  `reward_token_init`) + LoRA whose `trainable_token_indices` train those rows, on the resolved device;
-  `RcgrpoSFTTrainer` adds trained tokens/s to the logs, the token rows' own learning rate
-  (`token_lr_multiplier`), the CPU loss path over assistant positions only (`adapters.compact_head_loss`)
-  and small adapter saves.
-- `save_trained` writes the adapter (or full model) + tokenizer atomically; `curve` / `summarize` the results.
+- Rows (`train.sft_rows`): validated, ordered (`row_order`), pre-tokenized with THE assistant-token mask:
+  SmolLM2's template has no `{% generation %}` markers, so TRL gets `input_ids` + `assistant_masks`.
+- `build_trainer`: the start (`load_start`: the base, or with `init: sft` the SFT output merged into it) +
+  reward tokens as special tokens (embeddings grown; new rows at the mean or apart, `reward_token_init`; an
+  SFT start already has them, at the mean) + LoRA whose `trainable_token_indices` train those rows, on the
+  resolved device; the trainer is `train.sft_trainer`'s (tokens/s, the token rows' own learning rate
+  `token_lr_multiplier`, the CPU loss over assistant positions only, the pairs' order, small saves).
+- `save_trained` writes the adapter (or full model; `init: sft`: the LoRA merged into a model folder) +
+  tokenizer atomically; `curve` / `summarize` the results.
 CPU speed: bf16 autocast where the CPU has native bf16, no gradient checkpointing (TRL's default turns it
 on), the LM head on assistant positions only (TRL's fused head scores every position off-GPU);
 bench/sft_throughput.py measures it. Departure from the paper: LoRA (+ trainable reward-token rows)
@@ -20,33 +20,27 @@ instead of full fine-tuning by default.
 from __future__ import annotations
 
 import math
-import random
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from rcgrpo_tasks.data.chat import assistant_token_mask
-from rcgrpo_tasks.env.protocols import format_reward_goal
+from rcgrpo_tasks.engine.models import load_trained
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, from_dict
-from rcgrpo_tasks.ops.io import InputError, read_jsonl, write_json
+from rcgrpo_tasks.ops.inputs import InputError
+from rcgrpo_tasks.ops.outputs import write_json
 from rcgrpo_tasks.train import runs
 from rcgrpo_tasks.train.adapters import (
     REWARD_TOKEN_INITS,
     add_special_tokens,
-    compact_head_loss,
     expose_head_bias,
-    scale_row_updates,
-    small_adapter_saves,
     token_indices,
-    token_lr_groups,
-    trainable_token_params,
 )
+from rcgrpo_tasks.train.sft_rows import LOSS_ON, ORDERS, tokenize_rows
+from rcgrpo_tasks.train.sft_trainer import RcgrpoSFTTrainerMixin
 
 META_FILE = "rcgrpo_sft.json"
 """Written into every output folder: stage, variant, base model, special-token ids, config, input hashes."""
-ROLES = {"system", "user", "assistant", "tool"}
 PLOT_COLUMNS = ("step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_s", "num_tokens",
                 "mean_token_accuracy", "entropy")
 
@@ -97,6 +91,27 @@ class SftConfig:
     token_lr_multiplier: float = 1.0
     """Learning rate of the added tokens' rows = this x `learning_rate` (LoRA: their own optimizer group;
     full fine-tuning: their steps scaled, `adapters.scale_row_updates`). 1.0 = one lr for everything."""
+    init: Literal["base", "sft"] = "base"
+    """What the run fine-tunes: `base` = the base model (`--model-dir`); `sft` = the SFT model, its adapter
+    (`--init-adapter`) merged into the base weights, then a fresh LoRA and the reward-token rows on it; the
+    output is then the merged model folder. RCTP from SFT mirrors the paper, whose RCTP starts from an
+    instruct model that already calls tools: the first steps are not spent teaching the call format. With
+    `full_finetune` every weight of the SFT model trains and the output is a full folder as usual."""
+    row_order: Literal["balanced", "pairs"] = "balanced"
+    """`balanced`: rows interleaved over tokens and reshuffled by the data sampler; `pairs`: each prompt's
+    rows side by side, pairs shuffled, that order kept (`sft_rows.pair_order`: a pair's two rows share a
+    micro-batch when `batch_size` is even, else follow each other). One process: under DDP each rank would
+    need its own slice of the pairs."""
+    loss_on: Literal["completion", "divergent"] = "completion"
+    """`completion`: every assistant token; `divergent`: of each pair (same prompt, both tokens) only the
+    tokens from where its two answers part (`sft_rows.divergent_masks`): the shared ones teach "the same
+    output under either token" and carry no information about it. Rows without a partner keep every token."""
+    margin_every: int = 0
+    """> 0: log the teacher-forced margin (`data.margin`) every this many optimizer steps (and before the
+    first) on `margin_entries` held-out entries (`--entries`, `--split`): when the token starts to be read.
+    One process only (skipped under DDP / DeepSpeed)."""
+    margin_entries: int = 8
+    """Held-out entries of the margin curve (round-robin over categories)."""
     require_reward_token: bool = False
     """Every row must carry a reward token (RCTP) — guards against training RCTP on the SFT file."""
     bf16: bool | None = None
@@ -144,6 +159,10 @@ class SftConfig:
             (self.reward_token_init in REWARD_TOKEN_INITS, f"reward_token_init must be one of {REWARD_TOKEN_INITS}"),
             (self.token_lr_multiplier > 0 and math.isfinite(self.token_lr_multiplier),
              f"token_lr_multiplier must be > 0, got {self.token_lr_multiplier}"),
+            (self.init in ("base", "sft"), f"init must be base or sft, got {self.init!r}"),
+            (self.row_order in ORDERS, f"row_order must be one of {ORDERS}, got {self.row_order!r}"),
+            (self.loss_on in LOSS_ON, f"loss_on must be one of {LOSS_ON}, got {self.loss_on!r}"),
+            (self.margin_every >= 0 and self.margin_entries >= 1, "margin_every must be >= 0, margin_entries >= 1"),
             (self.token_lr_multiplier == 1.0 or not (self.full_finetune and self.deepspeed),
              "token_lr_multiplier != 1 with full_finetune needs whole embedding rows: not under DeepSpeed"),
         ]
@@ -170,6 +189,9 @@ class SftRun(runs.RunSpec):
     checkpoints: Path
     metrics: Path | None = None
     plots: Path | None = None
+    init_adapter: Path | None = None
+    entries: Path | None = None
+    split: Path | None = None
 
     def check(self) -> None:
         """Inputs exist — checked before anything heavy is imported or trained."""
@@ -177,89 +199,24 @@ class SftRun(runs.RunSpec):
             raise InputError(f"--model-dir {self.model_dir}: no config.json (run `dvc repro prepare_model`)")
         if not Path(self.data).is_file():
             raise InputError(f"--data {self.data}: dataset not found (run `dvc repro label_rewards`)")
+        if self.init_adapter is not None and not Path(self.init_adapter).is_dir():
+            raise InputError(f"--init-adapter {self.init_adapter}: not found (run `dvc repro sft@sft`)")
+        for flag, path in (("--entries", self.entries), ("--split", self.split)):
+            if path is not None and not Path(path).is_file():
+                raise InputError(f"{flag} {path}: not found (run `dvc repro prepare_data`)")
 
+    def merged(self, cfg: SftConfig) -> bool:
+        """The output is the LoRA merged into a model folder (LoRA on the merged SFT model)."""
+        return self.init_adapter is not None and not cfg.full_finetune
 
-# ---------------------------------------------------------------------------------------------- data
-
-
-def _row_error(row: Any, tokens: set[str], require_token: bool) -> str | None:
-    msgs = row.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        return "`messages` must be a non-empty list"
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            return f"messages[{i}] must be {{role: one of {sorted(ROLES)}, content: str}}"
-    if not any(m["role"] == "assistant" for m in msgs):
-        return "no assistant message (nothing to learn)"
-    token = row.get("reward_token")
-    if token is None:
-        return "`reward_token` missing (this variant trains on reward-conditioned rows)" if require_token else None
-    if token not in tokens:
-        return f"reward_token {token!r} is not a configured token {sorted(tokens)} (label_rewards.tokens)"
-    first = next((m for m in msgs if m["role"] == "user"), None)
-    if first is None or not first["content"].endswith(format_reward_goal(token)):
-        return f"first user message does not end with the reward goal for {token}"
-    return None
-
-
-def load_rows(path: str | Path, tokens: tuple[str, ...], require_token: bool) -> list[dict]:
-    """Validated rows of a label_rewards dataset; the first bad row raises InputError naming file:line."""
-    path = Path(path)
-    rows = read_jsonl(path)
-    if not rows:
-        raise InputError(f"{path}: dataset is empty")
-    for lineno, row in enumerate(rows, 1):
-        error = _row_error(row, set(tokens), require_token)
-        if error:
-            raise InputError(f"{path}: row {lineno}: {error}")
-    return rows
-
-
-def balanced_order(rows: list[dict], seed: int) -> list[dict]:
-    """All rows, shuffled (seeded) and interleaved round-robin over reward tokens, so any prefix keeps
-    RCTP's balance."""
-    groups: dict[str, list[dict]] = {}
-    for row in rows:
-        groups.setdefault(str(row.get("reward_token")), []).append(row)
-    rng = random.Random(seed)
-    for key in sorted(groups):
-        rng.shuffle(groups[key])
-    out: list[dict] = []
-    while any(groups.values()):
-        for key in sorted(groups):
-            if groups[key]:
-                out.append(groups[key].pop())
-    return out
-
-
-def tokenize_rows(rows: list[dict], tokenizer, max_length: int, limit: int | None = None
-                  ) -> tuple[list[dict], dict]:
-    """Pre-tokenized TRL rows `{input_ids, assistant_masks}` cut to max_length, and token statistics.
-
-    Rows left without an assistant token by the cut are skipped; with `limit`, stops at that many usable
-    rows (so a budget of N examples trains on N, not on N minus the ones that did not fit).
-    """
-    out, lengths, dropped, cut = [], [], 0, 0
-    for row in rows:
-        if limit is not None and len(out) >= limit:
-            break
-        ids, mask = assistant_token_mask(tokenizer, row["messages"])
-        lengths.append(len(ids))
-        if len(ids) > max_length:
-            cut += 1
-            ids, mask = ids[:max_length], mask[:max_length]
-        if not any(mask):
-            dropped += 1
-            continue
-        out.append({"input_ids": ids, "assistant_masks": mask})
-    stats = {"rows": len(rows), "rows_seen": len(lengths), "rows_used": len(out), "rows_truncated": cut,
-             "rows_dropped_no_assistant": dropped, "tokens": sum(len(r["input_ids"]) for r in out),
-             "assistant_tokens": sum(sum(r["assistant_masks"]) for r in out),
-             "length_mean": round(sum(lengths) / len(lengths), 1), "length_max": max(lengths)}
-    if not out:
-        raise InputError(f"no row keeps an assistant token within max_length={max_length} "
-                         f"(longest chat {stats['length_max']} tokens): raise sft.max_length")
-    return out, stats
+    def check_against(self, cfg: SftConfig) -> None:
+        """The paths the config needs: `init: sft` an `--init-adapter`, a margin curve `--entries` and `--split`."""
+        if cfg.init == "sft" and self.init_adapter is None:
+            raise ConfigError(f"sft.variants.{self.variant}: init sft needs --init-adapter (the sft@sft output)")
+        if cfg.init == "base" and self.init_adapter is not None:
+            raise ConfigError(f"sft.variants.{self.variant}: --init-adapter given but init is base")
+        if cfg.margin_every and (self.entries is None or self.split is None):
+            raise ConfigError(f"sft.variants.{self.variant}: margin_every needs --entries and --split")
 
 
 # ---------------------------------------------------------------------------------------------- trainer
@@ -296,80 +253,41 @@ def trainer_args(cfg: SftConfig, ckpt_dir: Path, bf16: bool, device=None):
     )
 
 
-class RcgrpoSFTTrainerMixin:
-    """SFTTrainer that also logs trained tokens/s (tokens of the batches since the last log / wall time),
-    computes the CPU loss over assistant positions only (`compact_lm_head`) and saves small adapters."""
+def load_start(cfg: SftConfig, model_dir: Path, init_adapter: Path | None):
+    """(model, tokenizer) a run starts from: the base folder, or (`init: sft`) the SFT output merged into it
+    (`engine.models.load_trained`, then PEFT's merge), in `cfg.model_dtype`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    compact_lm_head = True
-    token_lr: tuple[float, list[int]] = (1.0, [])
-    """(multiplier, token ids): the added tokens' rows train at multiplier x lr (`SftConfig.token_lr_multiplier`)."""
-
-    def create_optimizer(self, model=None):
-        fresh = self.optimizer is None
-        optimizer = super().create_optimizer(model)
-        multiplier, ids = self.token_lr
-        if fresh and multiplier != 1.0 and ids:
-            inner = self.accelerator.unwrap_model(model if model is not None else self.model)
-            params = trainable_token_params(inner)
-            if params:  # LoRA: PEFT's trainable-token rows are parameters of their own
-                token_lr_groups(optimizer, params, multiplier)
-            else:  # full fine-tuning: rows of the (input and, if untied, output) embedding matrices
-                mats = {id(m.weight): m.weight for m in (inner.get_input_embeddings(), inner.get_output_embeddings())
-                        if m is not None and m.weight.requires_grad}
-                scale_row_updates(optimizer, list(mats.values()), ids, multiplier)
-        return optimizer
-
-    def log(self, logs: dict, start_time: float | None = None) -> None:
-        now = time.perf_counter()
-        if "loss" in logs and self.model.training:
-            last_t, last_n = getattr(self, "_rcgrpo_tick", (self._rcgrpo_t0, 0))
-            tokens = self._total_train_tokens
-            logs["tokens_per_s"] = (tokens - last_n) / max(now - last_t, 1e-9)
-            self._rcgrpo_tick = (now, tokens)
-        super().log(logs, start_time)
-
-    def train(self, *args, **kwargs):
-        self._rcgrpo_t0 = time.perf_counter()
-        return super().train(*args, **kwargs)
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if return_outputs or not self.model.training or not self._compact_head():
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        return compact_head_loss(self, model, inputs, num_items_in_batch)
-
-    def _compact_head(self) -> bool:
-        # Off-CPU TRL's Triton kernel already scores only the labelled positions; under DDP/DeepSpeed the
-        # forward must go through the wrapped module.
-        return (self.compact_lm_head and self.accelerator.num_processes == 1 and not self.is_deepspeed_enabled
-                and self.accelerator.device.type == "cpu")
-
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        with small_adapter_saves(self.accelerator.unwrap_model(self.model)):
-            super()._save(output_dir, state_dict)
+    if init_adapter is None:
+        return (AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, cfg.model_dtype)),
+                AutoTokenizer.from_pretrained(model_dir))
+    model, tokenizer = load_trained(model_dir, init_adapter, dtype="float32")  # merged in float32, as RL does
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    return model.to(getattr(torch, cfg.model_dtype)), tokenizer
 
 
 def build_trainer(cfg: SftConfig, model_dir: Path, rows: list[dict], tokens: tuple[str, ...], ckpt_dir: Path,
-                  callbacks: list | None = None, device=None):
-    """(trainer, tokenizer, special-token ids, data stats): base + added tokens + LoRA, ready to train on
-    `device` (None = CUDA when available). The reward tokens are `tokens` minus `cfg.extra_special_tokens`,
-    lowest first (`reward_token_init: apart` spreads them in that order)."""
-    import torch
+                  callbacks: list | None = None, device=None, init_adapter: Path | None = None):
+    """(trainer, tokenizer, special-token ids, data stats): base (or merged SFT: `init_adapter`) + added
+    tokens + LoRA, ready to train on `device` (None = CUDA when available). The reward tokens are `tokens`
+    minus `cfg.extra_special_tokens`, lowest first (`reward_token_init: apart` spreads them in that order)."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # first: under ZeRO-3 the model loads sharded
     args = trainer_args(cfg, ckpt_dir, runs.resolve_bf16(cfg.bf16, device), device)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, cfg.model_dtype))
+    model, tokenizer = load_start(cfg, model_dir, init_adapter)
     levels = tuple(t for t in tokens if t not in cfg.extra_special_tokens)
     token_ids = add_special_tokens(tokenizer, model, tokens, cfg.seed, cfg.reward_token_init, levels)
-    train_rows, stats = tokenize_rows(rows, tokenizer, cfg.max_length, cfg.max_examples)
+    train_rows, stats = tokenize_rows(rows, tokenizer, cfg.max_length, cfg.max_examples, cfg.loss_on)
     peft_config = None if cfg.full_finetune else lora_config(cfg, model, token_ids)
     trainer = runs.lazy_subclass(RcgrpoSFTTrainerMixin, "trl.SFTTrainer")(
         model=model, args=args, processing_class=tokenizer,
         train_dataset=Dataset.from_list(train_rows), peft_config=peft_config, callbacks=callbacks or [])
     expose_head_bias(trainer.model)
     trainer.compact_lm_head = cfg.compact_lm_head
+    trainer.keep_order = cfg.row_order == "pairs"
     trainer.token_lr = (cfg.token_lr_multiplier, list(token_ids))
     return trainer, tokenizer, token_ids, stats
 
@@ -377,21 +295,37 @@ def build_trainer(cfg: SftConfig, model_dir: Path, rows: list[dict], tokens: tup
 def fingerprint(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun) -> str:
     """Params + tokens + input contents + this training code: checkpoints resume only under the same one."""
     return runs.fingerprint(cfg, tokens=tokens, variant=spec.variant, code=Path(__file__),
-                            data=Path(spec.data), model=Path(spec.model_dir))
+                            data=Path(spec.data), model=Path(spec.model_dir),
+                            init=spec.init_adapter and Path(spec.init_adapter))
 
 
 # ---------------------------------------------------------------------------------------------- results
 
 
-def save_trained(trainer, out: Path, folder: Path | None, meta: dict) -> None:
-    """Write the adapter (or full model) + tokenizer + `meta` (META_FILE) into `folder`, the staged output
-    `out` (main process; None on the others). Every process calls it: under DeepSpeed it is collective."""
+def save_merged(trainer, folder: Path) -> None:
+    """The trained LoRA and token rows merged into a copy of the model, saved as a plain model folder with
+    the tokenizer (`init: sft`: the adapter's base is the merged SFT model, which is no folder of its own)."""
+    import copy
+
+    model = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model)).merge_and_unload()
+    model.save_pretrained(folder)
+    trainer.processing_class.save_pretrained(folder)
+
+
+def save_trained(trainer, out: Path, folder: Path | None, meta: dict, merged: bool = False) -> None:
+    """Write the adapter (or full model; `merged`: the LoRA merged, `save_merged`) + tokenizer + `meta`
+    (META_FILE) into `folder`, the staged output `out` (main process; None on the others). Every process
+    calls it: under DeepSpeed it is collective."""
     staging = out.with_name(f".{out.name}.staging")
     main = trainer.accelerator.is_main_process
     if main and staging.exists():
         shutil.rmtree(staging)
     trainer.accelerator.wait_for_everyone()
-    trainer.save_model(str(staging))  # gathers ZeRO-3 shards; saves the tokenizer; small adapter (_save)
+    if merged:
+        if main:
+            save_merged(trainer, staging)
+    else:
+        trainer.save_model(str(staging))  # gathers ZeRO-3 shards; saves the tokenizer; small adapter (_save)
     if main:
         (staging / "training_args.bin").unlink(missing_ok=True)
         write_json(staging / META_FILE, meta)

@@ -108,6 +108,11 @@ class RLConfig:
     """Train-split categories to sample entries from; null = every category of the prepared entries."""
     max_entries: int | None = None
     """Use only this many train entries (the shortest prompts first); null = all."""
+    min_sampled_success: float | None = None
+    """RL prompts the init already solves: only train entries whose success rate among the SFT model's own
+    samples (sample_policy, `--policy`) is at least this (before `max_entries`); null = every entry. RC-GRPO
+    can only add reward spread where all-high groups are flat at SUCCESS (a low token can only lower
+    success); on prompts the model rarely solves the flat groups are all-0 and a low token cannot help."""
     full_finetune: bool = False
     """Train every weight (the paper; GPU + DeepSpeed) instead of a LoRA on top of the merged init."""
     lora_r: int = 8
@@ -131,6 +136,8 @@ class RLConfig:
     """Checkpoint every N optimizer steps (resume point)."""
     save_total_limit: int = 2
     """Checkpoints kept."""
+    keep_checkpoints: bool = False
+    """Keep the checkpoints after a successful run (default: delete them; the policy is the output)."""
     use_vllm: bool = False
     """GPU: rollouts on TRL's vLLM engine (`vllm_mode`)."""
     vllm_mode: Literal["colocate", "server"] = "colocate"
@@ -145,6 +152,8 @@ class RLConfig:
     """Extra GRPOConfig keyword arguments (escape hatch, e.g. deepspeed config path, bf16)."""
 
     def __post_init__(self) -> None:
+        if self.min_sampled_success is not None and not 0.0 <= self.min_sampled_success <= 1.0:
+            raise ValueError(f"min_sampled_success must be in [0, 1] or null, got {self.min_sampled_success}")
         g = self.num_generations
         if g < 2:
             raise ValueError(f"num_generations (G) must be >= 2 for a group advantage, got {g}")
@@ -192,16 +201,22 @@ def check_world(cfg: RLConfig, world_size: int) -> int:
 
 
 def train_entries(entries_path: Path, split_path: Path, cfg: RLConfig, protocol: ProtocolConfig,
-                  tokenizer=None) -> list:
-    """Train-split entries of `cfg.categories` (with `max_entries`: those with the shortest prompts, counted
-    in `tokenizer` tokens, else characters); too few for one generation batch is a ConfigError."""
+                  tokenizer=None, success: dict[str, float] | None = None) -> list:
+    """Train-split entries of `cfg.categories`, with `min_sampled_success`: those whose rate in `success`
+    (`onpolicy.sampled_success_rates`; entries never sampled are left out) reaches it; with `max_entries`:
+    those with the shortest prompts, counted in `tokenizer` tokens, else characters. Too few for one
+    generation batch is a ConfigError."""
     entries = split_entries(entries_path, split_path, "train", cfg.categories)
+    if cfg.min_sampled_success is not None:
+        if success is None:
+            raise ConfigError("rl.min_sampled_success needs the SFT model's samples (--policy)")
+        entries = [e for e in entries if success.get(e.id, -1.0) >= cfg.min_sampled_success]
     if cfg.max_entries is not None:
         entries.sort(key=lambda e: (prompt_length(e, protocol, tokenizer), e.id))
         entries = entries[: cfg.max_entries]
     if len(entries) < cfg.entries_per_generation:
-        raise ConfigError(f"{split_path}: {len(entries)} train entries in {cfg.categories}, need at least "
-                          f"{cfg.entries_per_generation} per generation batch")
+        raise ConfigError(f"{split_path}: {len(entries)} train entries in {cfg.categories} (min_sampled_success "
+                          f"{cfg.min_sampled_success}), need at least {cfg.entries_per_generation} per generation batch")
     return entries
 
 
@@ -432,14 +447,17 @@ class EngineRollout:
     def metrics(self, records: list[dict], elapsed: float) -> dict:
         """Rollout diagnostics of one call over every process's rollouts (`rollout_record`s; `elapsed`: the
         slowest process's rollout time), as `rc/...`: reward overall and per token, controllability gap,
-        zero-std groups, model tokens, calls, steps, environment errors, rollout speed."""
+        zero-std groups (and which are flat at failure / at success), model tokens, calls, steps, environment errors, rollout speed."""
         rewards = [r["rewards"].get(self.cfg.reward) for r in records]
         rewards = [float("nan") if v is None else v for v in rewards]
         tokens = [r["reward_token"] for r in records]
         by = adv.reward_by_token(rewards, tokens, levels=self.levels)
         n_tok = sum(r["model_tokens"] for r in records)
         n = len(records)
+        flat_low, flat_high = adv.flat_fractions(rewards, self.cfg.num_generations)
         return {
+            "rc/frac_flat_fail": flat_low,
+            "rc/frac_flat_success": flat_high,
             "rc/reward": sum(rewards) / n,
             "rc/reward_high": by.get("high", float("nan")),
             "rc/reward_low": by.get("low", float("nan")),

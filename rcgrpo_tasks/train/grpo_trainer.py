@@ -31,13 +31,15 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from rcgrpo_tasks.data.onpolicy import sampled_success_rates
 from rcgrpo_tasks.engine.models import check_adapter_dir, check_model_dir, last_positions, load_trained
 from rcgrpo_tasks.engine.vllm import reload_in_place, skip_token_adapters
 from rcgrpo_tasks.env.entries import read_split, split_entries
 from rcgrpo_tasks.env.protocols import ProtocolConfig
 from rcgrpo_tasks.env.scoring import REWARDS
 from rcgrpo_tasks.ops.config import ConfigError, as_dict
-from rcgrpo_tasks.ops.io import InputError, atomic_dir, read_jsonl, write_json
+from rcgrpo_tasks.ops.inputs import InputError, read_jsonl
+from rcgrpo_tasks.ops.outputs import atomic_dir, write_json
 from rcgrpo_tasks.train import advantages as adv
 from rcgrpo_tasks.train import processes, runs
 from rcgrpo_tasks.train.adapters import expose_head_bias, token_indices
@@ -68,6 +70,8 @@ class RLRun(runs.RunSpec):
     metrics: Path | None = None
     plots: Path | None = None
     conditioning: str | None = None
+    policy: Path | None = None
+    """The SFT model's own samples (sample_policy), for `rl.min_sampled_success`."""
 
     @property
     def mode(self) -> adv.Conditioning:
@@ -89,6 +93,8 @@ class RLRun(runs.RunSpec):
         if not Path(self.entries).is_file():
             raise InputError(f"--entries {self.entries}: not found (run `dvc repro prepare_data`)")
         read_split(self.split)
+        if self.policy is not None and not Path(self.policy).is_file():
+            raise InputError(f"--policy {self.policy}: not found (run `dvc repro sample_policy`)")
 
 
 # ---------------------------------------------------------------- models
@@ -361,7 +367,8 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     check_reward(cfg, protocol, split_entries(spec.entries, spec.split, "train", cfg.categories))
     model, tokenizer = load_init_model(spec.model_dir, spec.adapter_dir, cfg.dtype)
     check_reward_tokens(tokenizer, mode, levels)
-    entries = train_entries(spec.entries, spec.split, cfg, protocol, tokenizer)
+    success = sampled_success_rates(read_jsonl(spec.policy)) if spec.policy is not None else None
+    entries = train_entries(spec.entries, spec.split, cfg, protocol, tokenizer, success)
     fp = runs.fingerprint(cfg, protocol=as_dict(protocol), levels=list(levels), init=spec.init, algo=spec.algo,
                           mode=mode, code=Path(__file__), entries=Path(spec.entries), split=Path(spec.split),
                           model=Path(spec.model_dir), adapter=spec.adapter_dir and Path(spec.adapter_dir))

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from rcgrpo_tasks.engine.compute import ComputeConfig
 from rcgrpo_tasks.env.protocols import PromptConfig, ProtocolConfig, reward_tokens
-from rcgrpo_tasks.ops import tracking
+from rcgrpo_tasks.ops import tracking_log
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config, read_sections
-from rcgrpo_tasks.train import processes, runs
+from rcgrpo_tasks.train import checkpoints, placement, processes, runs
 from rcgrpo_tasks.train.diagnostics import PLOT_COLUMNS, summarize
 from rcgrpo_tasks.train.grpo import RLConfig
 from rcgrpo_tasks.train.grpo_trainer import DIAGNOSTICS_FILE, MODEL_META_FILE, RLRun, build_trainer, save_policy
@@ -33,11 +33,11 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
 
     `track`: an MLflow run on the main process (under `accelerate launch`, rank 0). `compute`: where it
     trains (params `compute`; default `auto`); a micro-batch that runs out of memory is halved, the
-    gradient accumulation doubled (`runs.fit_micro_batch`)."""
+    gradient accumulation doubled (`placement.fit_micro_batch`)."""
     mode = spec.mode
     cfg.decode.check_context(spec.model_dir, "rl.max_new_tokens")
     compute = compute or ComputeConfig()
-    device = runs.train_device(compute.device)
+    device = placement.train_device(compute.device)
     main_proc = processes.process_state(device).is_main_process
     track = track and main_proc
     tags = {"rl.init": spec.init, "rl.algo": spec.algo, "rl.conditioning": mode}
@@ -50,13 +50,13 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
         def attempt(micro: int, accum: int):
             trainer, resume, _ = build_trainer(cfg, protocol, levels, spec, [stop, *(callbacks or [])], track=track,
                                                device=device, micro_batch=micro)
-            place = runs.record_placement(trainer, stage, device, track)
+            place = placement.record_placement(trainer, stage, device, track)
             t0 = time.perf_counter()
             with runs.disk_errors(spec.checkpoints):
-                return trainer, resume, place, runs.train_or_restore(trainer, resume), t0
+                return trainer, resume, place, checkpoints.train_or_restore(trainer, resume), t0
 
         grad_accum = cfg.batch_size // cfg.micro_batch_size  # fit_micro_batch's bookkeeping; TRL's comes from check_world
-        run, micro, _ = runs.fit_micro_batch(attempt, cfg.micro_batch_size, grad_accum, stage)
+        run, micro, _ = placement.fit_micro_batch(attempt, cfg.micro_batch_size, grad_accum, stage)
         trainer, resume, place, result, t0 = run
         stop.check()
         folder = staged.dir(spec.out) if main_proc else None
@@ -76,9 +76,11 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
                    "grad_accum": trainer.args.gradient_accumulation_steps}
         spec.write_results(staged, rows, PLOT_COLUMNS, summary)
         if track:
-            tracking.log_metrics({f"summary/{k}": v for k, v in summary.items()
+            tracking_log.log_metrics({f"summary/{k}": v for k, v in summary.items()
                                   if isinstance(v, (int, float)) and not isinstance(v, bool)})
-            tracking.log_metrics({f"summary/{col}_{k}": v for col, stats in summary["mechanism"].items()
+            tracking_log.log_metrics({f"summary/{col}_{k}": v for col, stats in summary["mechanism"].items()
                                   for k, v in stats.items() if v is not None})
             spec.log_results(staged, folder / MODEL_META_FILE)
+    if not cfg.keep_checkpoints:  # as sft: the folder (a DVC persist output) stays, with its fingerprint only
+        checkpoints.clear_checkpoints(spec.checkpoints)
     return summary

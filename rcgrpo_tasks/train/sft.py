@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from rcgrpo_tasks.engine.compute import ComputeConfig
-from rcgrpo_tasks.env.protocols import reward_tokens
+from rcgrpo_tasks.env.protocols import PromptConfig, reward_tokens
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config, read_sections
 from rcgrpo_tasks.train import processes, runs
@@ -20,14 +20,14 @@ from rcgrpo_tasks.train.finetune import (
     PLOT_COLUMNS,
     SftConfig,
     SftRun,
-    balanced_order,
     build_trainer,
     curve,
     fingerprint,
-    load_rows,
     save_trained,
     summarize,
 )
+from rcgrpo_tasks.train.margin_curve import margin_curve
+from rcgrpo_tasks.train.sft_rows import load_rows, ordered
 
 
 def load_sft_config(params: str | Path, variant: str) -> tuple[SftConfig, tuple[str, ...]]:
@@ -40,19 +40,29 @@ def load_sft_config(params: str | Path, variant: str) -> tuple[SftConfig, tuple[
     return cfg, tuple(dict.fromkeys(levels + cfg.extra_special_tokens))
 
 
+def margin_callback(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, prompt: PromptConfig | None, track: bool):
+    """The margin curve's callback (`train.margin_curve`) when `margin_every` > 0, else None."""
+    if not cfg.margin_every:
+        return None
+    levels = tuple(t for t in tokens if t not in cfg.extra_special_tokens)
+    return margin_curve(spec.entries, spec.split, cfg.margin_entries, prompt or PromptConfig(),
+                        (levels[-1], levels[0]), cfg.margin_every, track, cfg.seed)
+
+
 def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbacks: list | None = None,
-                  track: bool = True, compute: ComputeConfig | None = None) -> dict:
+                  track: bool = True, compute: ComputeConfig | None = None, prompt: PromptConfig | None = None) -> dict:
     """Train (or resume) one variant and write its outputs; returns the summary (also `--metrics`).
 
     `track`: an MLflow run (main process only). Under `accelerate launch` every rank trains; only the main
     one touches the checkpoint folder's bookkeeping, MLflow and the outputs. `compute`: where it trains
     (params `compute`; default `auto`); a micro-batch that runs out of memory is halved, the gradient
-    accumulation doubled (`runs.fit_micro_batch`)."""
+    accumulation doubled (`runs.fit_micro_batch`). `prompt`: how the margin curve renders its entries."""
     spec.check()
+    spec.check_against(cfg)
     compute = compute or ComputeConfig()
     device = runs.train_device(compute.device)
     state = processes.process_state(device)
-    rows = balanced_order(load_rows(spec.data, tokens, cfg.require_reward_token), cfg.seed)
+    rows = ordered(load_rows(spec.data, tokens, cfg.require_reward_token), cfg.row_order, cfg.seed)
     n_rows = min(len(rows), cfg.max_examples or len(rows))
     if cfg.batch_size > n_rows:  # it would only grow padding until memory runs out
         raise ConfigError(f"sft.batch_size {cfg.batch_size} exceeds the {n_rows} row(s) trained from {spec.data}")
@@ -69,11 +79,17 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbac
     with runs.stop_on_signal() as stop, runs.published(main, track, stage, params, {"sft.variant": spec.variant},
                                                         spec.outputs) as (_, staged):
         own = [runs.step_metrics("loss")] if track else []
+        # one process only: the curve's forwards run on the main process, which under DDP / ZeRO-3 would
+        # leave the others waiting in a collective
+        alone = state.num_processes == 1 and not cfg.deepspeed
+        curve_cb = margin_callback(cfg, tokens, spec, prompt, track) if main and alone else None
+        own += [curve_cb] if curve_cb is not None else []
 
         def attempt(micro: int, accum: int):
             resume = runs.resume_point(spec.checkpoints, fp, variant=spec.variant)
             built = build_trainer(replace(cfg, batch_size=micro, grad_accum=accum), spec.model_dir, rows, tokens,
-                                  spec.checkpoints, [*own, stop, *(callbacks or [])], device=device)
+                                  spec.checkpoints, [*own, stop, *(callbacks or [])], device=device,
+                                  init_adapter=spec.init_adapter)
             place = runs.record_placement(built[0], stage, device, track)
             t0 = time.perf_counter()
             with runs.disk_errors(spec.checkpoints):
@@ -84,19 +100,23 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbac
         (trainer, tokenizer, token_ids, stats), place, resume, result, seconds = run
         stop.check()
         if not main:
-            save_trained(trainer, spec.out, None, {})
+            save_trained(trainer, spec.out, None, {}, merged=spec.merged(cfg))
             return {}
         steps = curve(trainer.state.log_history)
         summary = {"variant": spec.variant, **summarize(trainer, result, stats, steps, seconds),
                    "resumed_from": resume, "bf16": trainer.args.bf16, "placement": place,
                    "micro_batch": micro, "grad_accum": accum,
-                   "special_tokens": dict(zip(tokens, token_ids)), "inputs": hashes}
+                   "special_tokens": dict(zip(tokens, token_ids)), "inputs": hashes, "init": cfg.init,
+                   "row_order": cfg.row_order}
+        if curve_cb is not None:
+            summary["margin_curve"] = curve_cb.points
         meta = {"stage": "sft", "variant": spec.variant, "base_model": str(spec.model_dir),
-                "full_finetune": cfg.full_finetune, "special_tokens": summary["special_tokens"],
+                "init_adapter": str(spec.init_adapter) if spec.init_adapter else None,
+                "full_finetune": cfg.full_finetune, "merged": spec.merged(cfg), "special_tokens": summary["special_tokens"],
                 "config": as_dict(cfg), "inputs": hashes, "steps": summary["steps"]}
         folder = staged.dir(spec.out)
         with runs.disk_errors(spec.out):
-            save_trained(trainer, spec.out, folder, meta)
+            save_trained(trainer, spec.out, folder, meta, merged=spec.merged(cfg))
         spec.write_results(staged, steps, PLOT_COLUMNS, summary)
         if track:
             _log_outputs(trainer, tokenizer, spec, summary, cfg, staged, folder)
@@ -110,5 +130,5 @@ def _log_outputs(trainer, tokenizer, spec: SftRun, summary: dict, cfg: SftConfig
     flat.update({f"data.{k}": v for k, v in summary["data"].items()})
     tracking.log_metrics({f"summary/{k}": v for k, v in flat.items()})
     spec.log_results(staged, folder / META_FILE)
-    if cfg.log_model and not cfg.full_finetune:
+    if cfg.log_model and not cfg.full_finetune and not spec.merged(cfg):  # a merged output: a model folder (DVC's)
         log_model(trainer.accelerator.unwrap_model(trainer.model), tokenizer, spec.model_dir)

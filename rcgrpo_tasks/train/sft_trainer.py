@@ -1,0 +1,77 @@
+"""The SFT / RCTP trainer: TRL's `SFTTrainer` with the project's additions (`RcgrpoSFTTrainerMixin`): trained
+tokens/s in the logs, the reward-token rows' own learning rate, the CPU loss over assistant positions only,
+the dataset's own order where it matters (`row_order: pairs`), small adapter saves. `finetune.build_trainer`
+builds it (`runs.lazy_subclass`: TRL is imported only then)."""
+
+from __future__ import annotations
+
+import time
+
+from rcgrpo_tasks.train.adapters import (
+    compact_head_loss,
+    scale_row_updates,
+    small_adapter_saves,
+    token_lr_groups,
+    trainable_token_params,
+)
+
+
+class RcgrpoSFTTrainerMixin:
+    """SFTTrainer that also logs trained tokens/s (tokens of the batches since the last log / wall time),
+    computes the CPU loss over assistant positions only (`compact_lm_head`) and saves small adapters."""
+
+    compact_lm_head = True
+    keep_order = False
+    """The dataset's order is the training order (`row_order: pairs`); otherwise TRL's random sampler."""
+    token_lr: tuple[float, list[int]] = (1.0, [])
+    """(multiplier, token ids): the added tokens' rows train at multiplier x lr (`SftConfig.token_lr_multiplier`)."""
+
+    def create_optimizer(self, model=None):
+        fresh = self.optimizer is None
+        optimizer = super().create_optimizer(model)
+        multiplier, ids = self.token_lr
+        if fresh and multiplier != 1.0 and ids:
+            inner = self.accelerator.unwrap_model(model if model is not None else self.model)
+            params = trainable_token_params(inner)
+            if params:  # LoRA: PEFT's trainable-token rows are parameters of their own
+                token_lr_groups(optimizer, params, multiplier)
+            else:  # full fine-tuning: rows of the (input and, if untied, output) embedding matrices
+                mats = {id(m.weight): m.weight for m in (inner.get_input_embeddings(), inner.get_output_embeddings())
+                        if m is not None and m.weight.requires_grad}
+                scale_row_updates(optimizer, list(mats.values()), ids, multiplier)
+        return optimizer
+
+    def _get_train_sampler(self, *args, **kwargs):
+        if self.keep_order:  # one process: under DDP each rank would need its own slice of the pairs
+            import torch
+
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+        return super()._get_train_sampler(*args, **kwargs)
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        now = time.perf_counter()
+        if "loss" in logs and self.model.training:
+            last_t, last_n = getattr(self, "_rcgrpo_tick", (self._rcgrpo_t0, 0))
+            tokens = self._total_train_tokens
+            logs["tokens_per_s"] = (tokens - last_n) / max(now - last_t, 1e-9)
+            self._rcgrpo_tick = (now, tokens)
+        super().log(logs, start_time)
+
+    def train(self, *args, **kwargs):
+        self._rcgrpo_t0 = time.perf_counter()
+        return super().train(*args, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs or not self.model.training or not self._compact_head():
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return compact_head_loss(self, model, inputs, num_items_in_batch)
+
+    def _compact_head(self) -> bool:
+        # Off-CPU TRL's Triton kernel already scores only the labelled positions; under DDP/DeepSpeed the
+        # forward must go through the wrapped module.
+        return (self.compact_lm_head and self.accelerator.num_processes == 1 and not self.is_deepspeed_enabled
+                and self.accelerator.device.type == "cpu")
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        with small_adapter_saves(self.accelerator.unwrap_model(self.model)):
+            super()._save(output_dir, state_dict)
