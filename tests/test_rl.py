@@ -185,8 +185,10 @@ def test_killed_run_resumes_from_last_checkpoint(rl_env, scripted_rewards):
     # Other params: the stale checkpoints are discarded, training starts over.
     cfg2 = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1, "learning_rate": 1e-3})
     assert rl.train_rl(cfg2, PROTOCOL, LEVELS, spec)["resumed_from"] is None
-    # keep_checkpoints false (the default): after success the folder holds its fingerprint only, as sft's
-    assert [p.name for p in spec.checkpoints.iterdir()] == [checkpoints.FINGERPRINT_FILE] and spec.out.is_dir()
+    # keep_checkpoints false (the default): after success the folder holds its fingerprint and the run's
+    # rollout log only (no checkpoint), as sft's its fingerprint
+    left = sorted(p.name for p in spec.checkpoints.iterdir())
+    assert left == sorted([checkpoints.FINGERPRINT_FILE, "rollouts.jsonl"]) and spec.out.is_dir()
 
 
 def test_a_finished_run_rerun_is_restored_not_trained_a_step_further(rl_env, scripted_rewards):

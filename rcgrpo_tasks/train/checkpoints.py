@@ -271,8 +271,9 @@ def train_or_restore(trainer, resume: str | None):
     return TrainOutput(state.global_step, sum(losses) / len(losses) if losses else float("nan"), {})
 
 
-def clear_checkpoints(ckpt_dir: Path) -> None:
-    """Delete everything in `ckpt_dir` but its fingerprint stamp (the folder is a DVC `persist` output)."""
+def clear_checkpoints(ckpt_dir: Path, keep: tuple[str, ...] = ()) -> None:
+    """Delete everything in `ckpt_dir` but its fingerprint stamp and the files named in `keep` (the folder
+    is a DVC `persist` output)."""
     for path in Path(ckpt_dir).iterdir():
-        if path.name != FINGERPRINT_FILE:
+        if path.name != FINGERPRINT_FILE and path.name not in keep:
             shutil.rmtree(path) if path.is_dir() else path.unlink()

@@ -13,7 +13,14 @@ from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config, read_sect
 from rcgrpo_tasks.train import checkpoints, placement, processes, runs
 from rcgrpo_tasks.train.diagnostics import PLOT_COLUMNS, summarize
 from rcgrpo_tasks.train.grpo import RLConfig
-from rcgrpo_tasks.train.grpo_trainer import DIAGNOSTICS_FILE, MODEL_META_FILE, RLRun, build_trainer, save_policy
+from rcgrpo_tasks.train.grpo_trainer import (
+    DIAGNOSTICS_FILE,
+    MODEL_META_FILE,
+    ROLLOUTS_FILE,
+    RLRun,
+    build_trainer,
+    save_policy,
+)
 
 
 def load_rl_config(params: str | Path) -> tuple[RLConfig, ProtocolConfig, tuple[str, ...]]:
@@ -81,6 +88,6 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
             tracking_log.log_metrics({f"summary/{col}_{k}": v for col, stats in summary["mechanism"].items()
                                   for k, v in stats.items() if v is not None})
             spec.log_results(staged, folder / MODEL_META_FILE)
-    if not cfg.keep_checkpoints:  # as sft: the folder (a DVC persist output) stays, with its fingerprint only
-        checkpoints.clear_checkpoints(spec.checkpoints)
+    if not cfg.keep_checkpoints:  # as sft: the folder (a DVC persist output) keeps its fingerprint, and the
+        checkpoints.clear_checkpoints(spec.checkpoints, keep=(ROLLOUTS_FILE,))  # run's rollout log
     return summary
