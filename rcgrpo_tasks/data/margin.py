@@ -53,7 +53,8 @@ def _replay(entry, proto, script, tokenizer, token: str, max_positions: int):
 
 
 def _near_miss(entry, kind: str, proto, tokenizer, token: str, seed: int, attempts: int, max_positions: int):
-    """The first seeded perturbation of `kind` whose replay scores 0 (None: the kind yields none here)."""
+    """(script, its replay under `token`) of the first seeded perturbation of `kind` whose replay scores 0
+    (None: the kind yields none here)."""
     task = task_of(entry)
     seen = set()
     for attempt in range(attempts):
@@ -63,7 +64,7 @@ def _near_miss(entry, kind: str, proto, tokenizer, token: str, seed: int, attemp
         seen.add(p.turns)
         traj = _replay(entry, proto, p.turns, tokenizer, token, max_positions)
         if traj.termination != "context_limit" and traj.reward == 0.0:
-            return p.turns
+            return p.turns, traj
     return None
 
 
@@ -82,20 +83,19 @@ def contrast_set(entries: list, proto, tokenizer, tokens: tuple[str, str], kinds
         if first.reward != 1.0 or first.termination == "context_limit":
             counts["entries_skipped"] += 1
             continue
-        scripts = {EXPERT: expert}
+        scripts = {EXPERT: (expert, first)}  # each with its verified replay under the high token
         for kind in kinds if kinds is not None else task.perturbations:
             if kind in task.perturbations:
-                script = _near_miss(entry, kind, proto, tokenizer, high, seed, attempts, max_positions)
-                if script is not None:
-                    scripts[kind] = script
+                found = _near_miss(entry, kind, proto, tokenizer, high, seed, attempts, max_positions)
+                if found is not None:
+                    scripts[kind] = found
                     counts["near_misses"][kind] = counts["near_misses"].get(kind, 0) + 1
         if len(scripts) == 1:
             counts["entries_skipped"] += 1
             continue
         counts["entries"] += 1
-        for kind, script in scripts.items():
-            for token in (high, low):
-                t = _replay(entry, proto, script, tokenizer, token, max_positions)
+        for kind, (script, under_high) in scripts.items():
+            for token, t in ((high, under_high), (low, _replay(entry, proto, script, tokenizer, low, max_positions))):
                 out.append(Contrast(entry.id, kind, token, tuple(t.token_ids), tuple(t.completion_mask)))
     return out, counts
 
