@@ -34,7 +34,7 @@ from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.models import bf16_supported
 from rcgrpo_tasks.engine.rollout import run_group, run_seeded_groups
 from rcgrpo_tasks.env import tasks
-from rcgrpo_tasks.env.protocols import DEFAULT_REWARD_TOKENS, PromptConfig
+from rcgrpo_tasks.env.prompt import DEFAULT_REWARD_TOKENS, PromptConfig
 from rcgrpo_tasks.ops.config import from_dict
 from rcgrpo_tasks.train import adapters, grpo, runs
 from rcgrpo_tasks.train.grpo_trainer import load_init_model

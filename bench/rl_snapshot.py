@@ -27,7 +27,7 @@ from rcgrpo_tasks.engine.backend import SamplingParams
 from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.models import bf16_supported
 from rcgrpo_tasks.engine.rollout import run_group
-from rcgrpo_tasks.env.protocols import PromptConfig
+from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.config import from_dict
 from rcgrpo_tasks.train import grpo, runs
 from rcgrpo_tasks.train.grpo_trainer import load_init_model

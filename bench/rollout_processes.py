@@ -68,7 +68,7 @@ def group_jobs(args, levels: tuple[str, ...]) -> tuple[list[tuple], object]:
     from transformers import AutoTokenizer
 
     from rcgrpo_tasks.engine.backend import SamplingParams
-    from rcgrpo_tasks.env.protocols import PromptConfig
+    from rcgrpo_tasks.env.prompt import PromptConfig
     from rcgrpo_tasks.ops.config import from_dict
     from rcgrpo_tasks.train import advantages as adv
     from rcgrpo_tasks.train import grpo
@@ -227,7 +227,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="a random 2-layer model built in a temp dir")
     args = ap.parse_args()
 
-    from rcgrpo_tasks.env.protocols import DEFAULT_REWARD_TOKENS
+    from rcgrpo_tasks.env.prompt import DEFAULT_REWARD_TOKENS
 
     cores = args.cores or len(os.sched_getaffinity(0))
     if args.groups % args.procs:

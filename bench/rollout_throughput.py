@@ -42,8 +42,8 @@ from rcgrpo_tasks.engine.backend import Backend, Completion, SamplingParams, Ses
 from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.kvcache import kv_bytes_per_token
 from rcgrpo_tasks.engine.rollout import run_groups
-from rcgrpo_tasks.env import bfcl
-from rcgrpo_tasks.env.protocols import PromptConfig
+from rcgrpo_tasks.env.multi_turn import entries as multi_turn
+from rcgrpo_tasks.env.prompt import PromptConfig
 
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4"}
 """vLLM's CPU KV cache (GiB) unless set: enough for the bench's rows, little of a shared host's memory."""
@@ -126,7 +126,7 @@ def single_turn_prompts(tokenizer, entries, length: int) -> list[list[int]]:
     out = []
     for e in entries:
         question = next((m["content"] for turn in e.turns for m in turn), "")
-        docs = "You can call these functions:\n" + bfcl.render_docs(bfcl.entry_docs(e)[0], "compact")
+        docs = "You can call these functions:\n" + multi_turn.render_docs(multi_turn.entry_docs(e)[0], "compact")
         chat = [{"role": "system", "content": ""}, {"role": "user", "content": question}]
         room = length - len(ids(chat))
         chat[0]["content"] = tokenizer.decode(tokenizer(docs, add_special_tokens=False)["input_ids"][:max(room, 0)])
@@ -239,7 +239,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     names = args.arms.split(",")
-    all_entries = bfcl.load_entries()
+    all_entries = multi_turn.load_entries()
     n = args.prompts or args.entries
     entries = [all_entries[(i * 200 + i * 7) % len(all_entries)] for i in range(n)]
     proto = PromptConfig(protocol=args.protocol).protocol_config(args.max_steps)

@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from rcgrpo_tasks.env import perturb
-from rcgrpo_tasks.env.bfcl import load_entries
-from rcgrpo_tasks.env.scoring import score_entry
+from rcgrpo_tasks.env.multi_turn import perturb
+from rcgrpo_tasks.env.multi_turn.entries import load_entries
+from rcgrpo_tasks.env.multi_turn.scoring import score_entry
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the reference checker is test code
 from bfcl_reference import official_check  # noqa: E402

@@ -27,8 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rcgrpo_tasks.engine.rollout import replay_calls  # noqa: E402
-from rcgrpo_tasks.env import bfcl  # noqa: E402
-from rcgrpo_tasks.env.protocols import ProtocolConfig  # noqa: E402
+from rcgrpo_tasks.env.multi_turn import entries as multi_turn  # noqa: E402
+from rcgrpo_tasks.env.prompt import ProtocolConfig  # noqa: E402
 from rcgrpo_tasks.ops.config import as_dict, from_dict  # noqa: E402
 from rcgrpo_tasks.ops.inputs import read_jsonl  # noqa: E402
 from rcgrpo_tasks.train import adapters, finetune, sft, sft_rows  # noqa: E402
@@ -40,7 +40,7 @@ def replay_rows(model_dir: Path, n: int) -> list[dict]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     cfg = ProtocolConfig(protocol="paper", doc_style="compact")
     rows = []
-    for entry in bfcl.load_entries(["base"])[:n]:
+    for entry in multi_turn.load_entries(["base"])[:n]:
         traj = replay_calls(entry, cfg, entry.ground_truth, tokenizer)
         rows.append({"messages": traj.messages, "reward_token": None})
     return rows

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import re
 
-from rcgrpo_tasks.env.bfcl import Entry
+from rcgrpo_tasks.env.multi_turn.entries import Entry
 
 _counter = itertools.count()
 

@@ -132,7 +132,7 @@ def rl_env(tmp_path_factory, tiny_model_dir):
     """Tiny model with the reward tokens, a 2-entry train split, a temp MLflow store."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rcgrpo_tasks.env import bfcl
+    from rcgrpo_tasks.env.multi_turn import entries as multi_turn
     from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
 
     root = tmp_path_factory.mktemp("rl")
@@ -143,7 +143,7 @@ def rl_env(tmp_path_factory, tiny_model_dir):
     model.resize_token_embeddings(len(tok), mean_resizing=False)
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
-    entries = bfcl.load_entries(["base"])[:6]
+    entries = multi_turn.load_entries(["base"])[:6]
     write_jsonl(root / "entries.jsonl", (e.to_json() for e in entries))
     write_json(root / "split.json", {"train": [e.id for e in entries[:4]], "test": [e.id for e in entries[4:]]})
     mp = pytest.MonkeyPatch()

@@ -14,8 +14,8 @@ import subprocess
 from pathlib import Path
 
 from rcgrpo_tasks.engine.trajectory import Trajectory, TrajectoryError
-from rcgrpo_tasks.env.bfcl import Entry, entries_by_id
-from rcgrpo_tasks.env.protocols import format_reward_goal
+from rcgrpo_tasks.env.multi_turn.entries import Entry, entries_by_id
+from rcgrpo_tasks.env.prompt import format_reward_goal
 from rcgrpo_tasks.ops.inputs import InputError, read_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -19,8 +19,10 @@ from collections import Counter
 import pytest
 from bfcl_ast_reference import official_fc_decode, official_outcome
 
-from rcgrpo_tasks.env import ast_check, ast_decode, single_turn
-from rcgrpo_tasks.env.single_turn import render_call
+from rcgrpo_tasks.env import ast_decode
+from rcgrpo_tasks.env.single_turn import ast_check
+from rcgrpo_tasks.env.single_turn import entries as single_turn
+from rcgrpo_tasks.env.single_turn.entries import render_call
 
 OMIT = object()
 

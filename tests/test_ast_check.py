@@ -13,8 +13,9 @@ import time
 import pytest
 from bfcl_ast_reference import official_decode, official_outcome
 
-from rcgrpo_tasks.env import ast_check, single_turn
 from rcgrpo_tasks.env.ast_decode import AstDecodeError, decode_fc, decode_prompt, is_call_list
+from rcgrpo_tasks.env.single_turn import ast_check
+from rcgrpo_tasks.env.single_turn import entries as single_turn
 
 DOC = {"name": "f", "description": "", "parameters": {"type": "dict", "properties": {
     "x": {"type": "integer"}, "rows": {"type": "array", "items": {"type": "dict"}}}, "required": ["x"]}}

@@ -4,7 +4,7 @@ import builtins
 
 import pytest
 
-from rcgrpo_tasks.env.calls import Call, CallParseError, format_calls, parse_call_string, parse_calls
+from rcgrpo_tasks.env.multi_turn.calls import Call, CallParseError, format_calls, parse_call_string, parse_calls
 
 
 def test_parses_bfcl_call_list_with_literals():
@@ -59,7 +59,7 @@ def test_adversarial_strings_execute_nothing(monkeypatch, tmp_path):
     """Plant side effects that any evaluation of the text would trigger; none may happen."""
     from helpers import get_entry
 
-    from rcgrpo_tasks.env.environment import BfclEnvironment
+    from rcgrpo_tasks.env.multi_turn.environment import BfclEnvironment
 
     marker = tmp_path / "pwned"
     fired = []

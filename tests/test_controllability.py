@@ -12,7 +12,7 @@ import pytest
 import yaml
 from helpers import HIGH, LEVELS, LOW
 
-from rcgrpo_tasks.env import bfcl
+from rcgrpo_tasks.env.multi_turn import entries as multi_turn
 from rcgrpo_tasks.evaluation import controllability as ctl
 from rcgrpo_tasks.ops.config import ConfigError, from_dict
 from rcgrpo_tasks.ops.inputs import InputError
@@ -115,9 +115,9 @@ def test_obedient_policy_has_full_gap(tok, protocol):
     official protocol, turn by turn, can earn it.)"""
     from rcgrpo_tasks.engine.backend import ScriptedBackend
     from rcgrpo_tasks.engine.rollout import replay_steps
-    from rcgrpo_tasks.env.protocols import PromptConfig
+    from rcgrpo_tasks.env.prompt import PromptConfig
 
-    entries = bfcl.load_entries(["base"])[:2]
+    entries = multi_turn.load_entries(["base"])[:2]
     cfg = from_dict(ctl.ControllabilityConfig, {"n_entries": 2, "max_outputs": 20, "max_new_tokens": 4000,
                                                 "margin": False})  # a scripted policy has no log-probs
     prompt = PromptConfig(protocol=protocol, doc_style="compact")
@@ -172,7 +172,7 @@ def test_cli_on_tiny_rctp_model(tiny_model_dir, tmp_path, monkeypatch):
     spec = SftRun("rctp", tiny_model_dir, tmp_path / "rctp.jsonl", tmp_path / "adapter", tmp_path / "ck")
     sft.train_variant(cfg, LEVELS, spec, track=False)
 
-    entries = bfcl.load_entries(["base"])[:3]
+    entries = multi_turn.load_entries(["base"])[:3]
     write_jsonl(tmp_path / "entries.jsonl", (e.to_json() for e in entries))
     write_json(tmp_path / "split.json", {"train": [entries[0].id], "test": [e.id for e in entries[1:]]})
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({
@@ -230,7 +230,7 @@ def test_bad_model_fails_before_any_run_and_writes_nothing(tiny_model_dir, tmp_p
     from typer.testing import CliRunner
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
-    entries = bfcl.load_entries(["base"])[:2]
+    entries = multi_turn.load_entries(["base"])[:2]
     write_jsonl(tmp_path / "entries.jsonl", (e.to_json() for e in entries))
     write_json(tmp_path / "split.json", {"train": [entries[0].id], "test": [entries[1].id]})
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {"n_entries": 1, "dtype": "float32"},

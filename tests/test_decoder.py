@@ -14,7 +14,7 @@ from rcgrpo_tasks.engine.hf import HFBackend, HFSession
 from rcgrpo_tasks.engine.kvcache import ALIGN, GROWTH, plan_capacity, ragged_segments
 from rcgrpo_tasks.engine.rollout import run_group, run_groups
 from rcgrpo_tasks.engine.sampling import mix32, mix64, mix64_tensor, row_seed, uniform_noise
-from rcgrpo_tasks.env.protocols import ProtocolConfig
+from rcgrpo_tasks.env.prompt import ProtocolConfig
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 50, 51, 52], [1, 2, 3, 4, 5, 6, 7, 8, 10], [1, 2, 3, 50, 51, 53, 54],
            [99], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]]

@@ -11,8 +11,8 @@ from rcgrpo_tasks.engine.backend import SamplingParams, ScriptedBackend
 from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.rollout import replay_calls, run_group, run_rollouts
 from rcgrpo_tasks.engine.trajectory import Trajectory
-from rcgrpo_tasks.env import bfcl
-from rcgrpo_tasks.env.protocols import ProtocolConfig
+from rcgrpo_tasks.env.multi_turn import entries as multi_turn
+from rcgrpo_tasks.env.prompt import ProtocolConfig
 
 OFFICIAL = ProtocolConfig(protocol="official")
 PAPER = ProtocolConfig(protocol="paper", max_outputs=4)
@@ -27,7 +27,7 @@ def tiny_backend(tiny_model_dir):
 
 
 def test_gold_replay_scores_100_percent_on_all_800_official(tok):
-    entries = bfcl.load_entries()
+    entries = multi_turn.load_entries()
     assert len(entries) == 800
     failed, per_cat = [], collections.Counter()
     for e in entries:
@@ -41,7 +41,7 @@ def test_gold_replay_scores_100_percent_on_all_800_official(tok):
 
 @pytest.mark.slow
 def test_gold_replay_paper_reward_100_percent_on_all_800(tok):
-    failed = [e.id for e in bfcl.load_entries()
+    failed = [e.id for e in multi_turn.load_entries()
               if replay_calls(e, ProtocolConfig(protocol="paper"), e.ground_truth, tok).score["paper_reward"] != 1.0]
     assert not failed, failed[:5]
 

@@ -6,8 +6,8 @@ import tracemalloc
 
 from helpers import get_entry
 
-from rcgrpo_tasks.env.bfcl import load_entries
-from rcgrpo_tasks.env.environment import BfclEnvironment
+from rcgrpo_tasks.env.multi_turn.entries import load_entries
+from rcgrpo_tasks.env.multi_turn.environment import BfclEnvironment
 
 
 def test_two_environments_of_one_entry_do_not_share_state():

@@ -9,8 +9,8 @@ import pytest
 from helpers import get_entry
 from typer.testing import CliRunner
 
-from rcgrpo_tasks.env import bfcl
 from rcgrpo_tasks.env.entries import stratified
+from rcgrpo_tasks.env.multi_turn import entries as multi_turn
 from rcgrpo_tasks.evaluation import heldout as evaluate
 from rcgrpo_tasks.ops.config import ConfigError, load_config
 from rcgrpo_tasks.stages import evaluate as evaluate_stage
@@ -31,7 +31,7 @@ def workdir(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     monkeypatch.setenv("MLFLOW_ARTIFACT_ROOT", str(tmp_path / "artifacts"))
     (tmp_path / "params.yaml").write_text(PARAMS)
-    test_ids = [f"multi_turn_{c}_{i}" for c in bfcl.CATEGORIES for i in (1, 2)]
+    test_ids = [f"multi_turn_{c}_{i}" for c in multi_turn.CATEGORIES for i in (1, 2)]
     (tmp_path / "split.json").write_text(json.dumps({"train": [], "test": test_ids}))
     return tmp_path
 
@@ -51,7 +51,7 @@ def test_evaluate_end_to_end(workdir, tiny_model_dir):
     assert {p.name for p in out.iterdir()} >= {"metrics.json", "results.jsonl", "trajectories.jsonl",
                                                "report.md", "accuracy.png", "accuracy.csv"}
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["n"] == 4 and set(metrics["categories"]) == set(bfcl.CATEGORIES)  # stratified limit
+    assert metrics["n"] == 4 and set(metrics["categories"]) == set(multi_turn.CATEGORIES)  # stratified limit
     assert 0 <= metrics["accuracy"] <= 100 and len(metrics["overall"]["ci"]) == 2
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert all(set(r) >= {"id", "result", "valid", "partial_credit", "paper_reward"} for r in rows)
@@ -111,7 +111,7 @@ def test_config_rejects_bad_values(tmp_path):
 
 
 def test_call_recall_and_summary():
-    from rcgrpo_tasks.env.scoring import call_recall
+    from rcgrpo_tasks.env.multi_turn.scoring import call_recall
 
     entry = get_entry("multi_turn_base_0")
     gold = [[list(t)] for t in entry.ground_truth]
@@ -164,9 +164,9 @@ def test_single_turn_evaluation_scores_bfcl_ast_verdicts(tok):
     """The same held-out evaluation on the single-turn task: a scripted policy answers half the entries with
     their expert call and the rest in prose; rows carry BFCL's verdicts and error types, and the task."""
     from rcgrpo_tasks.engine.backend import ScriptedBackend
-    from rcgrpo_tasks.env import single_turn
-    from rcgrpo_tasks.env.protocols import PromptConfig
-    from rcgrpo_tasks.env.single_turn_perturb import expert_calls
+    from rcgrpo_tasks.env.prompt import PromptConfig
+    from rcgrpo_tasks.env.single_turn import entries as single_turn
+    from rcgrpo_tasks.env.single_turn.perturb import expert_calls
 
     entries = stratified(single_turn.load_entries(single_turn.DEFAULT_CATEGORIES), 8)
     right = {e.id for e in entries[::2]}

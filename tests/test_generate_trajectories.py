@@ -8,12 +8,12 @@ import random
 import pytest
 
 from rcgrpo_tasks.data.dataset import GenerateConfig, allocate, check_task, draw_failures, generate
-from rcgrpo_tasks.env.bfcl import Entry, load_entries
-from rcgrpo_tasks.env.calls import parse_call_string
 from rcgrpo_tasks.env.entries import split_entries
-from rcgrpo_tasks.env.perturb import PERTURBATIONS, entry_functions, perturb
-from rcgrpo_tasks.env.protocols import PromptConfig
-from rcgrpo_tasks.env.scoring import score_entry
+from rcgrpo_tasks.env.multi_turn.calls import parse_call_string
+from rcgrpo_tasks.env.multi_turn.entries import Entry, load_entries
+from rcgrpo_tasks.env.multi_turn.perturb import PERTURBATIONS, entry_functions, perturb
+from rcgrpo_tasks.env.multi_turn.scoring import score_entry
+from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.tasks import TASKS
 from rcgrpo_tasks.ops.config import ConfigError, from_dict
 from rcgrpo_tasks.ops.inputs import InputError
@@ -263,7 +263,7 @@ SINGLE_MIX = {"policy": 0.1, "wrong_arg_value": 0.3, "missing_param": 0.15, "wro
 
 
 def test_single_turn_set_experts_pass_bfcl_and_near_misses_fail(tmp_path, tiny_model_dir):
-    from rcgrpo_tasks.env import single_turn
+    from rcgrpo_tasks.env.single_turn import entries as single_turn
 
     entries = single_turn.load_entries(single_turn.DEFAULT_CATEGORIES)[::20]
     entries_path, split = write_inputs(tmp_path, entries, n_train=40)

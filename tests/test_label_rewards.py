@@ -16,7 +16,7 @@ from rcgrpo_tasks.data.labels import (
     token_for,
 )
 from rcgrpo_tasks.data.pairing import check_policy_rows, rctp_rows
-from rcgrpo_tasks.env.protocols import format_reward_goal
+from rcgrpo_tasks.env.prompt import format_reward_goal
 from rcgrpo_tasks.ops.config import ConfigError, from_dict
 from rcgrpo_tasks.ops.inputs import InputError
 
@@ -229,7 +229,7 @@ def chain(tmp_path_factory, tiny_model_dir):
     from test_generate_trajectories import write_inputs
     from typer.testing import CliRunner
 
-    from rcgrpo_tasks.env.bfcl import load_entries
+    from rcgrpo_tasks.env.multi_turn.entries import load_entries
     from rcgrpo_tasks.stages import generate_trajectories, label_rewards, sample_policy, validate_trajectories
 
     tmp = tmp_path_factory.mktemp("chain")

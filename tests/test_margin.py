@@ -10,7 +10,7 @@ import pytest
 from helpers import HIGH, LEVELS, LOW, chat, tiny_sft_config
 
 from rcgrpo_tasks.data import margin as mg
-from rcgrpo_tasks.env.protocols import PromptConfig
+from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.split import PrepareDataConfig, prepare
 from rcgrpo_tasks.ops.config import from_dict
 from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
@@ -256,7 +256,7 @@ def test_divergent_loss_keeps_only_what_follows_the_parting(tiny_model_dir):
     without a partner keeps every assistant token."""
     from transformers import AutoTokenizer
 
-    from rcgrpo_tasks.env.protocols import format_reward_goal
+    from rcgrpo_tasks.env.prompt import format_reward_goal
     from rcgrpo_tasks.train.sft_rows import tokenize_rows
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

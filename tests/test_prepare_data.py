@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from rcgrpo_tasks.env.bfcl import Entry, category_of, numeric_id
+from rcgrpo_tasks.env.multi_turn.entries import Entry, category_of, numeric_id
 from rcgrpo_tasks.env.split import PrepareDataConfig, prepare, split_metrics
 from rcgrpo_tasks.ops.config import ConfigError, from_dict
 

@@ -140,7 +140,7 @@ def test_multi_turn_profiles_switch_every_task_key():
     `multi-turn` profile sets back is set by `gpu` and `paper` too (or equal there), so neither inherits a
     single-turn budget: each equals itself layered over `multi-turn`. Every profile's task and categories load."""
     from rcgrpo_tasks.data.dataset import GenerateConfig, check_task
-    from rcgrpo_tasks.env.protocols import PromptConfig
+    from rcgrpo_tasks.env.prompt import PromptConfig
     from rcgrpo_tasks.env.split import PrepareDataConfig
     from rcgrpo_tasks.env.tasks import get_task
     from rcgrpo_tasks.ops.config import _deep_merge

@@ -12,18 +12,10 @@ from helpers import get_entry
 
 from rcgrpo_tasks.engine.backend import SamplingParams, ScriptedBackend
 from rcgrpo_tasks.engine.rollout import replay_calls, run_episodes, run_group
-from rcgrpo_tasks.env import bfcl
-from rcgrpo_tasks.env.calls import parse_call_string
-from rcgrpo_tasks.env.protocols import (
-    BFCL_CLASSIC,
-    BFCL_MAX_STEPS_PER_TURN,
-    PAPER_INSTRUCTION,
-    Episode,
-    ProtocolConfig,
-    format_reward_goal,
-    initial_messages,
-    system_prompt,
-)
+from rcgrpo_tasks.env.multi_turn import entries as multi_turn
+from rcgrpo_tasks.env.multi_turn.calls import parse_call_string
+from rcgrpo_tasks.env.multi_turn.episode import PAPER_INSTRUCTION, Episode, initial_messages, system_prompt
+from rcgrpo_tasks.env.prompt import BFCL_CLASSIC, BFCL_MAX_STEPS_PER_TURN, ProtocolConfig, format_reward_goal
 
 OFFICIAL = ProtocolConfig(protocol="official")
 PAPER = ProtocolConfig(protocol="paper", max_outputs=6)
@@ -46,14 +38,14 @@ def test_bfcl_prompt_text_matches_installed_bfcl_eval():
         assert dp.PROMPT_STYLE_TEMPLATES["classic"][key] == text
     assert dp.MAXIMUM_STEP_LIMIT == BFCL_MAX_STEPS_PER_TURN
     assert dp.DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING.format(functions="X") == \
-        "X\n" + bfcl.ADDITIONAL_FUNCTION_PROMPT
+        "X\n" + multi_turn.ADDITIONAL_FUNCTION_PROMPT
 
 
 def test_official_system_prompt_is_bfcl_default():
     from bfcl_eval.constants import default_prompts as dp
 
     entry = get_entry("multi_turn_base_0")
-    docs = bfcl.entry_docs(entry)[0]
+    docs = multi_turn.entry_docs(entry)[0]
     got = system_prompt(docs, ProtocolConfig(protocol="official", doc_style="official"))
     t = dp.PROMPT_STYLE_TEMPLATES["classic"]
     want = dp.PROMPT_TEMPLATE_MAPPING["plaintext"].format(
@@ -112,15 +104,15 @@ def test_miss_func_doc_injection_official(tok):
     users = [m["content"] for m in traj.messages if m["role"] == "user"]
     assert len(users) == len(entry.turns)
     injected = users[held_turn]
-    assert injected.endswith("\n" + bfcl.ADDITIONAL_FUNCTION_PROMPT)
+    assert injected.endswith("\n" + multi_turn.ADDITIONAL_FUNCTION_PROMPT)
     assert all(injected.startswith(f"{n}(") or f"\n{n}(" in injected for n in names)
     assert traj.score["valid"]
     # official doc style injects BFCL's exact text: str() of the doc list
     official = ProtocolConfig(protocol="official", doc_style="official")
     traj = replay_calls(entry, official, entry.ground_truth, tok)
-    held = bfcl.entry_docs(entry)[1][held_turn]
+    held = multi_turn.entry_docs(entry)[1][held_turn]
     assert [m for m in traj.messages if m["role"] == "user"][held_turn]["content"] == \
-        f"{held}\n{bfcl.ADDITIONAL_FUNCTION_PROMPT}"
+        f"{held}\n{multi_turn.ADDITIONAL_FUNCTION_PROMPT}"
 
 
 def test_reward_token_slot_both_protocols():
@@ -192,7 +184,7 @@ def test_token_sequence_matches_chat_template(tok):
 def test_one_reward_token_check_behind_every_reader(tokens):
     """params (`reward_tokens`), the labeller (`LabelConfig`) and RL (`reward_levels`) refuse the same lists."""
     from rcgrpo_tasks.data.labels import LabelConfig
-    from rcgrpo_tasks.env.protocols import reward_tokens
+    from rcgrpo_tasks.env.prompt import reward_tokens
     from rcgrpo_tasks.train.advantages import reward_levels
 
     for read in (lambda: reward_tokens({"label_rewards": {"tokens": tokens}}), lambda: reward_levels(tokens),

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from helpers import HIGH, LEVELS, capture_trainer, device_under_test, on_test_device
 
-from rcgrpo_tasks.env.protocols import PromptConfig
+from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.config import ConfigError, from_dict, load_config
 from rcgrpo_tasks.stages import rl as rl_stage
 from rcgrpo_tasks.train import advantages as adv

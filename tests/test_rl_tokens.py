@@ -15,8 +15,9 @@ from test_rl import PROTOCOL, TEST_RL, _spec
 
 from rcgrpo_tasks.engine.backend import SamplingParams, ScriptedBackend, stop_token_ids
 from rcgrpo_tasks.engine.rollout import run_seeded_groups
-from rcgrpo_tasks.env import bfcl, single_turn
-from rcgrpo_tasks.env.protocols import PromptConfig
+from rcgrpo_tasks.env.multi_turn import entries as multi_turn
+from rcgrpo_tasks.env.prompt import PromptConfig
+from rcgrpo_tasks.env.single_turn import entries as single_turn
 from rcgrpo_tasks.ops.config import ConfigError, from_dict
 from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
 from rcgrpo_tasks.train import adapters, grpo, rl
@@ -48,7 +49,7 @@ def qwen_env(tmp_path_factory, tokenizer_dir):
     ids = adapters.add_special_tokens(tok, model, LEVELS, seed=0, init="mean_resizing", levels=LEVELS)
     model.save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
-    entries = bfcl.load_entries(["base"])[:6]
+    entries = multi_turn.load_entries(["base"])[:6]
     write_jsonl(root / "entries.jsonl", (e.to_json() for e in entries))
     write_json(root / "split.json", {"train": [e.id for e in entries[:4]], "test": [e.id for e in entries[4:]]})
     return root, model, tok, ids, before
@@ -133,7 +134,7 @@ def test_rl_trains_the_reward_token_rows_saves_and_merges_them(qwen_env, monkeyp
 
 @pytest.mark.parametrize("reward", ["official_verdict", "partial_credit"])
 def test_a_reward_undefined_under_the_protocol_is_refused(reward):
-    multi = bfcl.load_entries(["base"])[:2]
+    multi = multi_turn.load_entries(["base"])[:2]
     cfg = grpo.RLConfig(reward=reward)
     with pytest.raises(ConfigError, match=f"rl.reward: {reward}.*prompt.protocol: paper"):
         grpo.check_reward(cfg, PromptConfig(protocol="paper").protocol_config(2), multi)
@@ -147,7 +148,7 @@ def test_rollouts_the_model_ended_count_as_finished_for_trl(tok):
     """`done()` ends the episode on the model's end-of-turn token: the TRL completion stops there (finished
     under TRL's EOS test once the end-of-turn ids are its EOS ids); a rollout cut by the output budget keeps
     its environment tail and counts as truncated."""
-    entry = bfcl.load_entries(["base"])[0]
+    entry = multi_turn.load_entries(["base"])[0]
     scripts = {0: ["[done()]"], 1: ["[ls()]", "[ls()]"]}
     backend = ScriptedBackend(tok, lambda key, step, ids: scripts[key][step] if step < len(scripts[key]) else "")
     protocol = PromptConfig(system_prompt="short").protocol_config(2)

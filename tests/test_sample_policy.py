@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from rcgrpo_tasks.data.onpolicy import SampleConfig, needs_more, pick_entries, sample_policy
-from rcgrpo_tasks.env import bfcl
-from rcgrpo_tasks.env.protocols import PromptConfig
+from rcgrpo_tasks.env.multi_turn import entries as multi_turn
+from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.config import ConfigError, from_dict
 
 
@@ -26,7 +26,7 @@ def test_bad_config_rejected(bad):
 
 
 def test_pick_entries_seeded_in_file_order():
-    train = bfcl.load_entries(["base", "miss_func"])[:20]
+    train = multi_turn.load_entries(["base", "miss_func"])[:20]
     cfg = SampleConfig(n_entries=5, categories=("base", "miss_func"), seed=1)
     picked = pick_entries(train, cfg)
     assert len(picked) == 5 and picked == [e for e in train if e in picked]  # file order kept
@@ -61,7 +61,7 @@ def scripted(tok, entries, outcomes: dict[str, str], proto):
 def test_rounds_stop_when_both_outcomes_or_cap(tok):
     """A: F,S (both in round 1); B: F,F,S,F (both in round 2); C: S,S,S,S (never fails: capped at 4).
     Every rollout is kept, in sampling order, with its round and sample index."""
-    entries = bfcl.load_entries(["base"])[:3]
+    entries = multi_turn.load_entries(["base"])[:3]
     a, b, c = (e.id for e in entries)
     prompt = PromptConfig()
     cfg = from_dict(SampleConfig, {"n_entries": None, "samples_per_entry": 2, "max_samples_per_entry": 4,
@@ -89,7 +89,7 @@ def test_rounds_stop_when_both_outcomes_or_cap(tok):
 
 def test_last_round_takes_only_what_the_cap_leaves(tok):
     """samples_per_entry 2, cap 3: round 2 takes one sample per entry still searching."""
-    entries = bfcl.load_entries(["base"])[:1]
+    entries = multi_turn.load_entries(["base"])[:1]
     prompt = PromptConfig()
     cfg = from_dict(SampleConfig, {"samples_per_entry": 2, "max_samples_per_entry": 3, "max_outputs": 20,
                                    "max_new_tokens": 4000})

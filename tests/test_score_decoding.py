@@ -11,8 +11,8 @@ from bfcl_reference import official_check_raw
 from helpers import get_entry
 from typer.testing import CliRunner
 
-from rcgrpo_tasks.env import results
-from rcgrpo_tasks.env.calls import parse_call_string
+from rcgrpo_tasks.env.multi_turn import decode
+from rcgrpo_tasks.env.multi_turn.calls import parse_call_string
 from rcgrpo_tasks.stages import score
 
 IDS = ["multi_turn_base_0", "multi_turn_base_11", "multi_turn_miss_param_3", "multi_turn_long_context_2",
@@ -149,8 +149,8 @@ def test_an_empty_file_is_an_error_not_an_accuracy_of_zero(tmp_path):
 
 
 def test_detection_rules():
-    assert results.detect([[[["a()"]]]])[0] == "calls"
-    assert results.detect([[["[a()]"]], "Error during inference: x"])[0] == "prompt"
-    assert results.detect([[["text"], [{"a": "{}"}]]])[0] == "fc"
-    assert results.decode_result("Error during inference: x", "fc") == ("Error during inference: x", 0)
-    assert results.decode_result([["[a(x=1)]", "no calls here"], []], "prompt") == ([[["a(x=1)"]], []], 1)
+    assert decode.detect([[[["a()"]]]])[0] == "calls"
+    assert decode.detect([[["[a()]"]], "Error during inference: x"])[0] == "prompt"
+    assert decode.detect([[["text"], [{"a": "{}"}]]])[0] == "fc"
+    assert decode.decode_result("Error during inference: x", "fc") == ("Error during inference: x", 0)
+    assert decode.decode_result([["[a(x=1)]", "no calls here"], []], "prompt") == ([[["a(x=1)"]], []], 1)

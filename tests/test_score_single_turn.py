@@ -10,7 +10,8 @@ import pytest
 from bfcl_ast_reference import official_check_decoded, official_fc_decode, official_verdict
 from typer.testing import CliRunner
 
-from rcgrpo_tasks.env import single_turn, single_turn_perturb
+from rcgrpo_tasks.env.single_turn import entries as single_turn
+from rcgrpo_tasks.env.single_turn import perturb as single_turn_perturb
 from rcgrpo_tasks.stages import score
 
 ENTRIES = {e.id: e for e in single_turn.load_entries(single_turn.CATEGORIES)}

@@ -6,9 +6,9 @@ import pytest
 from bfcl_reference import official_check
 from helpers import get_entry
 
-from rcgrpo_tasks.env import perturb
-from rcgrpo_tasks.env.bfcl import load_entries
-from rcgrpo_tasks.env.scoring import score_entry
+from rcgrpo_tasks.env.multi_turn import perturb
+from rcgrpo_tasks.env.multi_turn.entries import load_entries
+from rcgrpo_tasks.env.multi_turn.scoring import score_entry
 
 ENTRIES = load_entries()
 

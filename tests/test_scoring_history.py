@@ -14,8 +14,8 @@ import sys
 
 from helpers import get_entry
 
-from rcgrpo_tasks.env.environment import BfclEnvironment, env_class, pristine_defaults
-from rcgrpo_tasks.env.scoring import score_entry
+from rcgrpo_tasks.env.multi_turn.environment import BfclEnvironment, env_class, pristine_defaults
+from rcgrpo_tasks.env.multi_turn.scoring import score_entry
 
 SPAM = "post_tweet(content='spam')"
 
@@ -50,7 +50,7 @@ def test_an_entry_scores_the_same_after_another_mutated_a_default(monkeypatch):
     fn = env_class("TwitterAPI").post_tweet
     pristine_defaults("TwitterAPI")
     saved = fn.__defaults__
-    monkeypatch.setattr("rcgrpo_tasks.env.environment.DefaultsScope.call",
+    monkeypatch.setattr("rcgrpo_tasks.env.multi_turn.environment.DefaultsScope.call",
                         lambda self, c, m, bound, args, kwargs: bound(*args, **kwargs))
     try:
         fn.__defaults__ = ([], [])
@@ -66,7 +66,7 @@ SCRIPT = """
 import json, sys
 sys.path.insert(0, "tests")
 from helpers import get_entry
-from rcgrpo_tasks.env.scoring import score_entry
+from rcgrpo_tasks.env.multi_turn.scoring import score_entry
 out = []
 for entry_id, turns in json.loads(sys.stdin.read()):
     s = score_entry(get_entry(entry_id), turns)

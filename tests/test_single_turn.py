@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from rcgrpo_tasks.env import single_turn
-from rcgrpo_tasks.env.protocols import ProtocolConfig
-from rcgrpo_tasks.env.single_turn_episode import initial_messages
-from rcgrpo_tasks.env.single_turn_perturb import PERTURBATIONS, expert_answer, expert_calls, perturb
+from rcgrpo_tasks.env.prompt import ProtocolConfig
+from rcgrpo_tasks.env.single_turn import entries as single_turn
+from rcgrpo_tasks.env.single_turn.episode import initial_messages
+from rcgrpo_tasks.env.single_turn.perturb import PERTURBATIONS, expert_answer, expert_calls, perturb
 from rcgrpo_tasks.env.split import PrepareDataConfig, prepare, split_metrics
 from rcgrpo_tasks.env.tasks import TASKS, entry_from_json, task_of, task_of_entries, task_of_id
 from rcgrpo_tasks.ops.config import ConfigError, from_dict

@@ -14,8 +14,8 @@ from rcgrpo_tasks.data.dataset import GenerateConfig, generate
 from rcgrpo_tasks.data.gate import PASSED_FILE, RESULT_FILE, ValidationFailed
 from rcgrpo_tasks.data.labels import LabelConfig, labelled
 from rcgrpo_tasks.data.quality import ValidateConfig, validate
-from rcgrpo_tasks.env.bfcl import load_entries
-from rcgrpo_tasks.env.protocols import PromptConfig
+from rcgrpo_tasks.env.multi_turn.entries import load_entries
+from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.inputs import InputError
 
 GEN = GenerateConfig(policy_entries=0)

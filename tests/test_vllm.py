@@ -24,8 +24,8 @@ from rcgrpo_tasks.engine.backend import SamplingParams  # noqa: E402
 from rcgrpo_tasks.engine.hf import HFBackend  # noqa: E402
 from rcgrpo_tasks.engine.rollout import run_groups  # noqa: E402
 from rcgrpo_tasks.engine.vllm import VLLMBackend, adapter_needs_merge  # noqa: E402
-from rcgrpo_tasks.env import bfcl  # noqa: E402
-from rcgrpo_tasks.env.protocols import PromptConfig  # noqa: E402
+from rcgrpo_tasks.env.multi_turn import entries as multi_turn  # noqa: E402
+from rcgrpo_tasks.env.prompt import PromptConfig  # noqa: E402
 
 ENGINE = dict(dtype="float32", max_model_len=4096, enforce_eager=True)
 """Tests start engines eagerly: torch.compile would add minutes for a 2-layer model."""
@@ -93,7 +93,7 @@ def engine(vllm_model_dir, lora_dir):
 
 
 def _groups(n_entries: int = 3, g: int = 2, token: str | None = None):
-    entries = bfcl.load_entries()
+    entries = multi_turn.load_entries()
     picked = [entries[(i * 200 + 7 * i) % len(entries)] for i in range(n_entries)]  # across categories
     return [(e, [token] * g) for e in picked]
 
@@ -248,7 +248,7 @@ def test_one_rl_step_through_trl_colocate(vllm_model_dir, tmp_path, monkeypatch,
     from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
     from rcgrpo_tasks.train import grpo, grpo_trainer, rl
 
-    entries = bfcl.load_entries(["base"])[:4]
+    entries = multi_turn.load_entries(["base"])[:4]
     write_jsonl(tmp_path / "entries.jsonl", (e.to_json() for e in entries))
     write_json(tmp_path / "split.json", {"train": [e.id for e in entries[:2]], "test": [e.id for e in entries[2:]]})
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # TRL sets them for vLLM:

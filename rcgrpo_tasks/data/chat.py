@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 
-from rcgrpo_tasks.env.protocols import format_reward_goal
+from rcgrpo_tasks.env.prompt import format_reward_goal
 
 
 def strip_reward_goal(messages: list[dict], reward_token: str | None) -> list[dict]:

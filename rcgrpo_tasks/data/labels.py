@@ -12,8 +12,8 @@ from rcgrpo_tasks.data.chat import assistant_token_mask, strip_reward_goal, with
 from rcgrpo_tasks.data.dataset import GenerateConfig
 from rcgrpo_tasks.data.gate import require_passed
 from rcgrpo_tasks.data.pairing import FailureRule, Pairing, check_policy_rows, rctp_rows
-from rcgrpo_tasks.env.protocols import check_reward_tokens
-from rcgrpo_tasks.env.scoring import reward_value
+from rcgrpo_tasks.env.prompt import check_reward_tokens
+from rcgrpo_tasks.env.rewards import reward_value
 from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.ops.inputs import InputError, read_jsonl
 

@@ -30,9 +30,10 @@ from rcgrpo_tasks.engine.backend import Backend
 from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.rollout import run_rollouts
 from rcgrpo_tasks.engine.trajectory import DATASET_WALL_TIME, Trajectory
-from rcgrpo_tasks.env.entries import Entry, check_categories
-from rcgrpo_tasks.env.protocols import ProtocolConfig
-from rcgrpo_tasks.env.scoring import reward_value
+from rcgrpo_tasks.env.contract import Entry
+from rcgrpo_tasks.env.entries import check_categories
+from rcgrpo_tasks.env.prompt import ProtocolConfig
+from rcgrpo_tasks.env.rewards import reward_value
 from rcgrpo_tasks.ops.config import flat_field
 
 SOURCE, KIND = "policy", "on_policy"

@@ -30,16 +30,14 @@ import warnings
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from rcgrpo_tasks.engine.backend import Backend, Completion, SamplingParams, ScriptedBackend
 from rcgrpo_tasks.engine.device import MemorySplitWarning, free_memory, is_memory_error
 from rcgrpo_tasks.engine.sampling import row_seed
 from rcgrpo_tasks.engine.trajectory import Trajectory
-from rcgrpo_tasks.env.protocols import Episode, ProtocolConfig
+from rcgrpo_tasks.env.contract import Entry, Episode
+from rcgrpo_tasks.env.prompt import ProtocolConfig
 from rcgrpo_tasks.env.tasks import task_of
-
-Entry = Any  # an entry of any task (`env.tasks`): the engine never looks inside one
 
 ENGINE_VERSION = 1
 DEFAULT_FINAL_TEXT = "I have completed the requested task."

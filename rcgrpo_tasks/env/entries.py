@@ -10,12 +10,10 @@ Every problem is an `InputError` naming the file (and line or field), raised bef
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from rcgrpo_tasks.env import tasks
+from rcgrpo_tasks.env.contract import Entry
 from rcgrpo_tasks.ops.inputs import InputError, read_json, read_jsonl
-
-Entry = Any  # an entry of any task (`env.tasks`)
 
 SIDES = ("train", "test")
 

@@ -20,13 +20,8 @@ NO_TOKEN = "-notoken"
 """Label suffix of a row evaluated without its reward goal; it is compared with the same model's row."""
 PAPER_TABLE1_OVERALL: dict[str, float] = {"base": 11.25, "sft-grpo": 48.75, "rctp-grpo": 73.75,
                                           "rctp-rc_grpo": 85.00}
-PAPER_TABLE1: dict[str, dict[str, float]] = {"multi_turn": PAPER_TABLE1_OVERALL}
-"""The paper's numbers per task: it reports BFCL v4 multi-turn only (single-turn rows show n/a)."""
-
-
-def paper_overall(task: str, label: str) -> float | None:
-    """The paper's Table 1 overall accuracy of a row on a task (None where it reports none)."""
-    return PAPER_TABLE1.get(task, {}).get(label)
+"""The paper's numbers, on BFCL v4 multi-turn (the only task it reports: `Task.paper_table1` of each task,
+`env.tasks.paper_overall`)."""
 
 
 def row_name(label: str) -> str:

@@ -1,10 +1,10 @@
 """The held-out split of the pipeline's task (the prepare_data stage): its entries from bfcl-eval, split
-by the task's rule (`env.tasks`).
+by the task's rule (`Task.split`, `env.tasks`).
 
-- multi_turn: by numeric id, the same numeric id on the same side in every category (`bfcl.split_by_numeric_id`;
-  10% = 80 test entries and 720 train, the paper's scheme);
+- multi_turn: by numeric id, the same numeric id on the same side in every category
+  (`env.multi_turn.entries.split_by_numeric_id`; 10% = 80 test entries and 720 train, the paper's scheme);
 - single_turn: stratified by category, `round(n * test_fraction)` of each category held out
-  (`single_turn.split_ids`).
+  (`env.single_turn.entries.split_ids`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from rcgrpo_tasks.env import tasks
 
 @dataclass(frozen=True)
 class PrepareDataConfig:
-    task: str = "multi_turn"
+    task: str = tasks.DEFAULT_TASK
     """The benchmark the whole pipeline runs (`env.tasks.TASK_NAMES`): every later stage reads its entries."""
     categories: tuple[str, ...] | None = None
     """Categories of the task to include; null = the task's defaults (multi_turn: all four; single_turn:
@@ -55,5 +55,5 @@ def split_metrics(split: dict) -> dict:
     for side in ("train", "test"):
         for entry_id in split[side]:
             counts.setdefault(tasks.task_of_id(entry_id).category_of(entry_id), {"train": 0, "test": 0})[side] += 1
-    return {"task": split.get("task", "multi_turn"), "n_train": len(split["train"]), "n_test": len(split["test"]),
+    return {"task": split.get("task", tasks.DEFAULT_TASK), "n_train": len(split["train"]), "n_test": len(split["test"]),
             "per_category": counts}

@@ -15,7 +15,7 @@ from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.rollout import run_groups
 from rcgrpo_tasks.env.entries import check_categories, split_entries, stratified
-from rcgrpo_tasks.env.protocols import PromptConfig
+from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.tasks import task_of_entries
 from rcgrpo_tasks.ops.config import flat_field
 from rcgrpo_tasks.ops.inputs import InputError

@@ -11,10 +11,10 @@ from rcgrpo_tasks.engine.backend import reward_pair_ids
 from rcgrpo_tasks.engine.decoding import MAX_OUTPUTS, DecodeConfig
 from rcgrpo_tasks.engine.rollout import run_rollouts
 from rcgrpo_tasks.engine.trajectory import as_stage_output, write_trajectories
-from rcgrpo_tasks.env.entries import Entry
-from rcgrpo_tasks.env.paper import ROWS, paper_overall
-from rcgrpo_tasks.env.protocols import DEFAULT_REWARD_TOKENS, PromptConfig
-from rcgrpo_tasks.env.tasks import ALL_CATEGORIES, get_task, task_of
+from rcgrpo_tasks.env.contract import Entry
+from rcgrpo_tasks.env.paper import ROWS
+from rcgrpo_tasks.env.prompt import DEFAULT_REWARD_TOKENS, PromptConfig
+from rcgrpo_tasks.env.tasks import ALL_CATEGORIES, get_task, paper_overall, task_of
 from rcgrpo_tasks.ops.cli import Progress
 from rcgrpo_tasks.ops.config import flat_field
 from rcgrpo_tasks.ops.outputs import write_jsonl, write_text

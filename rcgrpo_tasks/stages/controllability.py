@@ -48,7 +48,7 @@ import typer
 
 from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.engine.trajectory import as_stage_output, write_trajectories
-from rcgrpo_tasks.env.protocols import PromptConfig, reward_tokens
+from rcgrpo_tasks.env.prompt import PromptConfig, reward_tokens
 from rcgrpo_tasks.evaluation.controllability import (
     ControllabilityConfig,
     held_out_entries,

@@ -42,7 +42,7 @@ from rcgrpo_tasks.engine.backend import reward_pair_ids
 from rcgrpo_tasks.engine.backends import load_backend
 from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.env.entries import read_entries, select_entries, stratified
-from rcgrpo_tasks.env.protocols import PromptConfig, reward_tokens
+from rcgrpo_tasks.env.prompt import PromptConfig, reward_tokens
 from rcgrpo_tasks.evaluation.heldout import (
     EvaluateConfig,
     flat_metrics,

@@ -46,7 +46,7 @@ import typer
 from rcgrpo_tasks.data.dataset import GenerateConfig, check_task, generate
 from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.env.entries import split_entries
-from rcgrpo_tasks.env.protocols import PromptConfig
+from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.tasks import task_of_entries
 from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.cli import cli_errors

@@ -26,7 +26,7 @@ from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.rollout import run_rollouts
 from rcgrpo_tasks.engine.trajectory import write_trajectories
 from rcgrpo_tasks.env.entries import read_entries, select_entries
-from rcgrpo_tasks.env.protocols import DEFAULT_REWARD_TOKENS, PromptConfig, reward_tokens
+from rcgrpo_tasks.env.prompt import DEFAULT_REWARD_TOKENS, PromptConfig, reward_tokens
 from rcgrpo_tasks.ops.cli import Progress, cli_errors
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, from_dict, read_sections
 

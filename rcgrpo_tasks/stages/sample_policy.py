@@ -34,7 +34,7 @@ from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.engine.models import model_context
 from rcgrpo_tasks.engine.trajectory import write_trajectories
 from rcgrpo_tasks.env.entries import split_entries
-from rcgrpo_tasks.env.protocols import GOAL_RESERVE, PromptConfig
+from rcgrpo_tasks.env.prompt import GOAL_RESERVE, PromptConfig
 from rcgrpo_tasks.env.tasks import task_of_entries
 from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.cli import Progress, cli_errors

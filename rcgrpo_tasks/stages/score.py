@@ -35,6 +35,7 @@ import typer
 
 from rcgrpo_tasks.env import results as bfcl_results
 from rcgrpo_tasks.env import tasks
+from rcgrpo_tasks.env.contract import Task
 from rcgrpo_tasks.ops.inputs import InputError, read_jsonl_numbered
 from rcgrpo_tasks.ops.outputs import atomic_outputs, write_json, write_jsonl
 
@@ -106,7 +107,7 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-def _task_of(rows: list[tuple[int, dict]], path: Path, entries: dict) -> tasks.Task | None:
+def _task_of(rows: list[tuple[int, dict]], path: Path, entries: dict) -> Task | None:
     """The one task of the file's known ids (None: no known id); a mix raises InputError naming rows."""
     first: dict[str, tuple[int, str]] = {}
     for lineno, row in rows:
@@ -119,12 +120,12 @@ def _task_of(rows: list[tuple[int, dict]], path: Path, entries: dict) -> tasks.T
     return tasks.get_task(next(iter(first))) if first else None
 
 
-def _decoding(rows, path: Path, decoding: str, task: tasks.Task | None) -> str:
+def _decoding(rows, path: Path, decoding: str, task: Task | None) -> str:
     if decoding != "auto":
         typer.echo(f"decoding: {decoding} (as asked)")
         return decoding
     try:
-        chosen, why = bfcl_results.choose_decoding(rows, str(path), single_turn=task is not None and task.single_output)
+        chosen, why = bfcl_results.choose_decoding(rows, str(path), task or tasks.default_task())
     except bfcl_results.MixedDecodingError as exc:
         raise InputError(str(exc)) from exc
     typer.echo(f"decoding: {chosen} (detected: {why})")

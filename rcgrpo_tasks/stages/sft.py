@@ -42,7 +42,7 @@ from pathlib import Path
 import typer
 
 from rcgrpo_tasks.engine.compute import load_compute
-from rcgrpo_tasks.env.protocols import PromptConfig
+from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import load_config
 from rcgrpo_tasks.train import processes, runs

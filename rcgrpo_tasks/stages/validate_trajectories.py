@@ -40,7 +40,7 @@ from rcgrpo_tasks.data.gate import RESULT_FILE
 from rcgrpo_tasks.data.quality import ValidateConfig, validate
 from rcgrpo_tasks.engine.models import model_context
 from rcgrpo_tasks.env.entries import read_split
-from rcgrpo_tasks.env.protocols import PromptConfig
+from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.cli import GATE_EXIT, cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config

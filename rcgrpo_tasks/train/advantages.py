@@ -29,7 +29,7 @@ import random
 from collections.abc import Sequence
 from typing import Literal
 
-from rcgrpo_tasks.env.protocols import check_reward_tokens
+from rcgrpo_tasks.env.prompt import check_reward_tokens
 
 Conditioning = Literal["rc", "fixed", "none"]
 CONDITIONING_MODES: tuple[str, ...] = ("rc", "fixed", "none")

@@ -40,8 +40,8 @@ from rcgrpo_tasks.engine.backend import stop_token_ids
 from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.env.entries import split_entries
-from rcgrpo_tasks.env.protocols import ProtocolConfig
-from rcgrpo_tasks.env.scoring import REWARDS, Reward, reward_value
+from rcgrpo_tasks.env.prompt import ProtocolConfig
+from rcgrpo_tasks.env.rewards import REWARDS, Reward, reward_value
 from rcgrpo_tasks.env.tasks import task_of
 from rcgrpo_tasks.ops.config import ConfigError, flat_field
 from rcgrpo_tasks.train import advantages as adv

@@ -35,8 +35,8 @@ from rcgrpo_tasks.data.onpolicy import sampled_success_rates
 from rcgrpo_tasks.engine.models import check_adapter_dir, check_model_dir, last_positions, load_trained
 from rcgrpo_tasks.engine.vllm import reload_in_place, skip_token_adapters
 from rcgrpo_tasks.env.entries import read_split, split_entries
-from rcgrpo_tasks.env.protocols import ProtocolConfig
-from rcgrpo_tasks.env.scoring import REWARDS
+from rcgrpo_tasks.env.prompt import ProtocolConfig
+from rcgrpo_tasks.env.rewards import REWARDS
 from rcgrpo_tasks.ops.config import ConfigError, as_dict
 from rcgrpo_tasks.ops.inputs import InputError, read_jsonl
 from rcgrpo_tasks.ops.outputs import atomic_dir, write_json

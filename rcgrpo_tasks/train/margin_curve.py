@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rcgrpo_tasks.data.margin import REPLAY_OUTPUTS, contrast_set, teacher_forced_margin, token_row_distance
 from rcgrpo_tasks.env.entries import split_entries, stratified
-from rcgrpo_tasks.env.protocols import PromptConfig
+from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.train.runs import lazy_subclass
 

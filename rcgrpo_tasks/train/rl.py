@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from rcgrpo_tasks.engine.compute import ComputeConfig
-from rcgrpo_tasks.env.protocols import PromptConfig, ProtocolConfig, reward_tokens
+from rcgrpo_tasks.env.prompt import PromptConfig, ProtocolConfig, reward_tokens
 from rcgrpo_tasks.ops import tracking_log
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config, read_sections
 from rcgrpo_tasks.train import checkpoints, placement, processes, runs

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from rcgrpo_tasks.engine.compute import ComputeConfig
-from rcgrpo_tasks.env.protocols import PromptConfig, reward_tokens
+from rcgrpo_tasks.env.prompt import PromptConfig, reward_tokens
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config, read_sections
 from rcgrpo_tasks.train import processes, runs

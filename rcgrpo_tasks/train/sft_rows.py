@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rcgrpo_tasks.data.chat import assistant_token_mask
-from rcgrpo_tasks.env.protocols import format_reward_goal
+from rcgrpo_tasks.env.prompt import format_reward_goal
 from rcgrpo_tasks.ops.inputs import InputError, read_jsonl
 
 ROLES = {"system", "user", "assistant", "tool"}

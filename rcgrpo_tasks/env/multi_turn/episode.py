@@ -2,8 +2,8 @@
 
 `Episode(entry, cfg, reward_token)` is a policy-agnostic state machine: it holds the chat (`messages`),
 takes the model's next output (`step(text)`), executes the parsed calls in an isolated environment
-(`rcgrpo_tasks.env.environment`), and returns the messages the environment appends (tool results, next user
-turn, miss_func doc injection). Model text is parsed only with `rcgrpo_tasks.env.calls` (never `eval`).
+(`env.multi_turn.environment`), and returns the messages the environment appends (tool results, next user
+turn, miss_func doc injection). Model text is parsed only with `env.multi_turn.calls` (never `eval`).
 
 Two protocols (`ProtocolConfig.protocol`):
 - `official` — BFCL's prompting mode, mirroring bfcl-eval's `BaseHandler.inference_multi_turn_prompting`
@@ -21,26 +21,31 @@ Two protocols (`ProtocolConfig.protocol`):
   turns are skipped), a `done()` tool added. The episode ends at `done()` (`done`), after `max_outputs`
   model outputs (`step_limit`), or — a choice of ours, since nothing new would reach the model — when an
   output decodes to no call (`completed`). Result: one turn holding every step (the paper reward in
-  `rcgrpo_tasks.env.scoring` ignores turn boundaries).
+  `env.multi_turn.scoring` ignores turn boundaries).
 
 Doc styles (`doc_style`): `official` (bfcl-eval's exact `json.dumps(docs, indent=4)`; held-back docs
 injected as Python's `str(list)`, as BFCL does), `json` (one JSON object per line), `compact` (one line per
 function; ~10x fewer tokens, the default: the bundled SmolLM2 has an 8k context).
-Reward slot: with a reward token, `"\n\n[Reward Goal: <token>]"` is appended to the first user message.
+Reward slot: with a reward token, the first user message ends in `env.prompt.format_reward_goal(token)`.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Literal
 
-from rcgrpo_tasks.env.bfcl import ADDITIONAL_FUNCTION_PROMPT, Entry, entry_docs, render_docs
-from rcgrpo_tasks.env.calls import format_calls, parse_call_string, parse_calls
-from rcgrpo_tasks.env.environment import BfclEnvironment
-from rcgrpo_tasks.env.scoring import EntryScore, score_entry
+from rcgrpo_tasks.env.multi_turn.calls import format_calls, parse_call_string, parse_calls
+from rcgrpo_tasks.env.multi_turn.entries import ADDITIONAL_FUNCTION_PROMPT, Entry, entry_docs, render_docs
+from rcgrpo_tasks.env.multi_turn.environment import BfclEnvironment
+from rcgrpo_tasks.env.multi_turn.scoring import score_entry
+from rcgrpo_tasks.env.prompt import (
+    BFCL_CLASSIC,
+    BFCL_OUTPUT_FORMAT,
+    BFCL_PLAINTEXT,
+    ProtocolConfig,
+    format_reward_goal,
+)
+from rcgrpo_tasks.env.rewards import EntryScore
 
-BFCL_MAX_STEPS_PER_TURN = 20  # bfcl_eval.constants.default_prompts.MAXIMUM_STEP_LIMIT
 DONE_DOC = {
     "name": "done",
     "description": "Call this when you have finished all the steps.",
@@ -51,70 +56,8 @@ PAPER_BEHAVIOR = (
     "The user gives you several steps at once. Complete them in order, calling functions as needed; you will "
     "see each function's result before your next output. When every step is finished, call done()."
 )
-# BFCL's classic style, copied from bfcl_eval.constants.default_prompts.PROMPT_STYLE_TEMPLATES["classic"]
-# (that module is import-light, but copying keeps the engine independent of bfcl-eval's release churn;
-# tests/test_protocols.py checks the copy against the installed package).
-BFCL_CLASSIC = {
-    "persona": "You are an expert in composing functions.",
-    "task": "You are given a question and a set of possible functions. Based on the question, you will need to make one or more function/tool calls to achieve the purpose. If none of the functions can be used, point it out. If the given question lacks the parameters required by the function, also point it out.",
-    "tool_call_no_tag": "You should only return the function calls in your response.\n\nIf you decide to invoke any of the function(s), you MUST put it in the format of {output_format}. {param_types} You SHOULD NOT include any other text in the response.",
-    "multiturn_behavior": "At each turn, you should try your best to complete the tasks requested by the user within the current turn. Continue to output functions to call until you have fulfilled the user's request to the best of your ability. Once you have no more functions to call, the system will consider the current turn complete and proceed to the next turn or task.",
-    "available_tools": "Here is a list of functions in {format} format that you can invoke.\n{functions}\n",
-}
-BFCL_OUTPUT_FORMAT = "[func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]"
-# bfcl's plaintext template: note there is no space between persona and task (sic, as BFCL sends it).
-BFCL_PLAINTEXT = "{persona}{task}\n\n{tool_call_format}\n\n{multiturn_behavior}\n\n{available_tools}"
 _FORMAT_NAMES = {"official": "json", "json": "JSON (one function per line)",
                  "compact": "compact `name(param: type = default) -> description`"}
-
-
-@dataclass(frozen=True)
-class PromptConfig:
-    """params.yaml `prompt`: how every stage renders an entry (generate, evaluate, controllability, rl,
-    sample_policy read this ONE section, so training and evaluation cannot see different prompts)."""
-
-    protocol: Literal["official", "paper"] = "paper"
-    """`official`: BFCL's turn-by-turn prompting mode; `paper`: RC-GRPO's merged steps + done()."""
-    doc_style: Literal["compact", "json", "official"] = "compact"
-    """Function docs in the system prompt: compact one-liners, one JSON object per line, or BFCL's exact JSON."""
-    system_prompt: Literal["bfcl", "short"] = "bfcl"
-    """`bfcl`: BFCL's classic instructions; `short`: format rule + docs only (fewer tokens for tiny models)."""
-
-    def protocol_config(self, max_outputs: int) -> "ProtocolConfig":
-        """The episode settings with a stage's output budget: per episode (paper) or per turn (official)."""
-        limit = {"max_outputs": max_outputs} if self.protocol == "paper" else {"max_steps_per_turn": max_outputs}
-        return ProtocolConfig(protocol=self.protocol, doc_style=self.doc_style, system_prompt=self.system_prompt,
-                              **limit)
-
-
-@dataclass(frozen=True)
-class ProtocolConfig:
-    protocol: Literal["official", "paper"] = "paper"
-    """`official`: BFCL's turn-by-turn prompting mode; `paper`: RC-GRPO's merged steps + done()."""
-    doc_style: Literal["compact", "json", "official"] = "compact"
-    """Function docs in the system prompt: compact one-liners, one JSON object per line, or BFCL's exact JSON."""
-    max_steps_per_turn: int = BFCL_MAX_STEPS_PER_TURN
-    """official: force-terminate once a turn has executed more than this many steps (BFCL: 20)."""
-    max_outputs: int = 20
-    """paper: model outputs per episode before `step_limit`."""
-    system_prompt: Literal["bfcl", "short"] = "bfcl"
-    """`bfcl`: BFCL's classic instructions; `short`: format rule + docs only (fewer tokens for tiny models)."""
-
-    def __post_init__(self) -> None:
-        if self.max_steps_per_turn < 1 or self.max_outputs < 1:
-            raise ValueError("max_steps_per_turn and max_outputs must be >= 1")
-
-    def record(self) -> dict:
-        """The trajectory schema v1 form (`provenance.protocol`): the file format keeps its v1 key
-        `max_steps` for `max_outputs`, so records written before the rename stay byte-identical."""
-        return {"protocol": self.protocol, "doc_style": self.doc_style,
-                "max_steps_per_turn": self.max_steps_per_turn, "max_steps": self.max_outputs,
-                "system_prompt": self.system_prompt}
-
-
-def format_reward_goal(token: str | None) -> str:
-    """The reward-conditioning suffix of the first user message ('' without a token)."""
-    return f"\n\n[Reward Goal: {token}]" if token else ""
 
 
 def _docs_text(docs: list[dict], style: str) -> str:
@@ -218,7 +161,7 @@ class Episode:
         return added
 
     def score(self) -> EntryScore:
-        """Every score of the trajectory so far (`env.scoring.score_entry` of `result`)."""
+        """Every score of the trajectory so far (`scoring.score_entry` of `result`)."""
         return score_entry(self.entry, self.result)
 
     def _execute(self, calls) -> list[dict]:
@@ -271,28 +214,3 @@ def replay_texts(protocol: str, turns_of_calls, final_text: str) -> list[str]:
     for steps in steps_per_turn:
         texts += [render(s) for s in steps if s] + [final_text]
     return texts
-
-
-GOAL_RESERVE = 32
-"""Tokens kept free for the `[Reward Goal: <token>]` suffix (about 12 tokens with SmolLM2's tokenizer)."""
-
-
-DEFAULT_REWARD_TOKENS: tuple[str, ...] = ("<|low_reward|>", "<|high_reward|>")
-"""Lowest first, highest last (the paper's two goals); params.yaml `label_rewards.tokens` overrides them."""
-
-
-def check_reward_tokens(tokens) -> tuple[str, ...]:
-    """THE check of a reward-token list (lowest level first), wherever one is read: >= 2 distinct, non-empty
-    strings without ']' (it would close the `[Reward Goal: ...]` suffix)."""
-    tokens = tuple(tokens)
-    if len(tokens) < 2 or len(set(tokens)) != len(tokens):
-        raise ValueError(f"reward tokens: need >= 2 distinct tokens, lowest first, got {list(tokens)}")
-    if any(not isinstance(t, str) or not t.strip() or "]" in t for t in tokens):
-        raise ValueError(f"reward tokens must be non-empty and must not contain ']' (it closes the reward goal), "
-                         f"got {list(tokens)}")
-    return tokens
-
-
-def reward_tokens(params: dict) -> tuple[str, ...]:
-    """THE reward tokens of a pipeline (`label_rewards.tokens` of a params mapping), lowest first."""
-    return check_reward_tokens((params.get("label_rewards") or {}).get("tokens") or DEFAULT_REWARD_TOKENS)

@@ -30,8 +30,8 @@ import inspect
 import json
 from typing import Any
 
-from rcgrpo_tasks.env.bfcl import Entry
-from rcgrpo_tasks.env.calls import Call, CallParseError, parse_call_string
+from rcgrpo_tasks.env.multi_turn.calls import Call, CallParseError, parse_call_string
+from rcgrpo_tasks.env.multi_turn.entries import Entry
 
 _BACKEND = "bfcl_eval.eval_checker.multi_turn_eval.func_source_code"
 CLASS_MODULES: dict[str, str] = {

@@ -8,7 +8,7 @@ pipeline was configured with.
 
 Scoring: the output text is decoded with the project's safe decoder as bfcl-eval's
 `default_decode_ast_prompting` decodes it (`env.ast_decode`) and checked with BFCL's AST semantics
-(`env.ast_check`): `valid` = BFCL's verdict, `error_type` = its error type (`ast_decoder:decoder_failed`
+(`env.single_turn.ast_check`): `valid` = BFCL's verdict, `error_type` = its error type (`ast_decoder:decoder_failed`
 for an output that does not decode, ...). `paper_reward` = `valid` (the paper's binary reward is the
 task's success), `partial_credit` = the fraction of gold calls matched one-to-one by a model call.
 `result` = `[[call strings]]` (one turn, one step: the decoded calls rendered canonically), so a trajectory
@@ -17,16 +17,17 @@ file is also a result file `rcgrpo score` reads.
 
 from __future__ import annotations
 
-from rcgrpo_tasks.env import ast_check, ast_decode
-from rcgrpo_tasks.env.protocols import (
+from rcgrpo_tasks.env import ast_decode
+from rcgrpo_tasks.env.prompt import (
     BFCL_CLASSIC,
     BFCL_OUTPUT_FORMAT,
     BFCL_PLAINTEXT,
     ProtocolConfig,
     format_reward_goal,
 )
-from rcgrpo_tasks.env.scoring import EntryScore
-from rcgrpo_tasks.env.single_turn import SingleTurnEntry, docs_text, hinted, render_calls
+from rcgrpo_tasks.env.rewards import EntryScore
+from rcgrpo_tasks.env.single_turn import ast_check
+from rcgrpo_tasks.env.single_turn.entries import SingleTurnEntry, docs_text, hinted, render_calls
 
 
 def system_prompt(entry: SingleTurnEntry, cfg: ProtocolConfig) -> str:

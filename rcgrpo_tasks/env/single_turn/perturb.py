@@ -25,8 +25,8 @@ import random
 import re
 from typing import Any
 
-from rcgrpo_tasks.env.perturb import Perturbation
-from rcgrpo_tasks.env.single_turn import SingleTurnEntry, render_call
+from rcgrpo_tasks.env.contract import Perturbation
+from rcgrpo_tasks.env.single_turn.entries import SingleTurnEntry, render_call
 
 PERTURBATIONS: tuple[str, ...] = ("wrong_arg_value", "missing_param", "wrong_function", "extra_call", "dropped_call")
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from rcgrpo_tasks.env import bfcl
 from rcgrpo_tasks.env.bfcl import BfclDataError
 
-TASK = "single_turn"
+TASK_NAME = "single_turn"
 CATEGORIES: tuple[str, ...] = (
     "simple_python", "multiple", "parallel", "parallel_multiple",
     "live_simple", "live_multiple", "live_parallel", "live_parallel_multiple",
@@ -55,18 +55,18 @@ class SingleTurnEntry:
     possible_answer: tuple[dict, ...]
     """Per gold call `{name: {param: [accepted values]}}` (BFCL's `ground_truth`)."""
 
-    task = TASK
+    task = TASK_NAME
 
     def to_json(self) -> dict:
-        return {"task": TASK, "id": self.id, "category": self.category, "question": list(self.question),
+        return {"task": TASK_NAME, "id": self.id, "category": self.category, "question": list(self.question),
                 "functions": list(self.functions), "possible_answer": list(self.possible_answer)}
 
     @classmethod
     def from_json(cls, d: dict) -> "SingleTurnEntry":
-        if d.get("task") != TASK:
-            raise ValueError(f"not a {TASK} entry (task {d.get('task')!r})")
+        if d.get("task") != TASK_NAME:
+            raise ValueError(f"not a {TASK_NAME} entry (task {d.get('task')!r})")
         if d["category"] not in CATEGORIES:
-            raise ValueError(f"unknown {TASK} category {d['category']!r}")
+            raise ValueError(f"unknown {TASK_NAME} category {d['category']!r}")
         return cls(id=d["id"], category=d["category"], question=tuple(d["question"]),
                    functions=tuple(d["functions"]), possible_answer=tuple(d["possible_answer"]))
 
@@ -101,7 +101,7 @@ def load_entries(categories=DEFAULT_CATEGORIES) -> list[SingleTurnEntry]:
     out: list[SingleTurnEntry] = []
     for cat in categories:
         if cat not in CATEGORIES:
-            raise ValueError(f"unknown {TASK} category {cat!r}; expected one of {CATEGORIES}")
+            raise ValueError(f"unknown {TASK_NAME} category {cat!r}; expected one of {CATEGORIES}")
         out.extend(_load_category(cat))
     return out
 

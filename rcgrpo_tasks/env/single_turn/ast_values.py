@@ -1,4 +1,4 @@
-"""The value checks of BFCL's AST checker (bfcl-eval `ast_checker.py`), ported for `env.ast_check`.
+"""The value checks of BFCL's AST checker (bfcl-eval `ast_checker.py`), ported for `env.single_turn.ast_check`.
 
 Same control flow, error types and messages as bfcl-eval's `type_checker`, `string_checker`,
 `list_checker`, `dict_checker` and `list_dict_checker`, quirks included (they decide verdicts):

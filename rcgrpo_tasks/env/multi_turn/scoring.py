@@ -23,35 +23,15 @@ cheaper than bfcl-eval's checker (bench/score_speed.py).
 from __future__ import annotations
 
 import functools
-import typing
 from collections import Counter
-from dataclasses import asdict, dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field
 
-from rcgrpo_tasks.env.bfcl import Entry
-from rcgrpo_tasks.env.calls import Call, CallParseError, parse_call_string
-from rcgrpo_tasks.env.environment import BfclEnvironment, DefaultsScope
+from rcgrpo_tasks.env.multi_turn.calls import Call, CallParseError, parse_call_string
+from rcgrpo_tasks.env.multi_turn.entries import Entry
+from rcgrpo_tasks.env.multi_turn.environment import BfclEnvironment, DefaultsScope
+from rcgrpo_tasks.env.rewards import EntryScore
 
 ModelTurns = list[list[list[str]]]  # turns -> steps -> call strings
-
-
-@dataclass(frozen=True)
-class EntryScore:
-    """Every score of one trajectory."""
-
-    valid: bool
-    """Official verdict (bfcl-eval `multi_turn_checker` semantics)."""
-    error_type: str | None
-    error_message: str | None
-    partial_credit: float
-    """Fraction of checked turns passing; 0.0..1.0."""
-    paper_reward: float
-    """RC-GRPO binary reward: 1.0 or 0.0."""
-    turn_passed: list[bool] = field(default_factory=list)
-    """Per checked turn (non-empty ground truth), in order."""
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
@@ -197,12 +177,6 @@ def score_entry(entry: Entry, model_turns: ModelTurns) -> EntryScore:
     return EntryScore(valid, error_type, message, partial, _paper(trace), passed)
 
 
-Reward = Literal["paper_reward", "official_verdict", "partial_credit"]
-"""THE reward choice of every stage: the name of the scorer function (and of TRL's reward function)."""
-REWARDS: tuple[str, ...] = typing.get_args(Reward)
-BINARY_REWARDS: tuple[str, ...] = ("paper_reward", "official_verdict")
-
-
 def call_recall(entry: Entry, result: ModelTurns) -> float:
     """Fraction of gold calls (multiset, arguments bound to parameter names, defaults applied) found among the
     model's calls: the paper protocol's partial credit (it has no turn boundaries, so per-turn credit is
@@ -221,17 +195,3 @@ def call_recall(entry: Entry, result: ModelTurns) -> float:
     need = bound([c for turn in entry.ground_truth for c in turn])
     have = bound([c for turn in result for step in turn for c in step])
     return sum((need & have).values()) / sum(need.values()) if need else 1.0
-
-
-def reward_value(score: dict | EntryScore | None, reward: str) -> float | None:
-    """The chosen reward of one `score_entry` result (or its JSON dict); None where there is no score."""
-    if score is None:
-        return None
-    s = asdict(score) if isinstance(score, EntryScore) else score
-    if reward == "official_verdict":
-        return 1.0 if s["valid"] else 0.0
-    if reward == "partial_credit":
-        return float(s["partial_credit"])
-    if reward == "paper_reward":
-        return float(s["paper_reward"])
-    raise ValueError(f"unknown reward {reward!r}; expected one of {REWARDS}")

@@ -24,28 +24,16 @@ import functools
 import inspect
 import random
 import re
-from dataclasses import dataclass
 from typing import Any
 
-from rcgrpo_tasks.env.bfcl import Entry
-from rcgrpo_tasks.env.calls import Call, CallParseError, parse_call_string
-from rcgrpo_tasks.env.environment import env_class, public_methods
+from rcgrpo_tasks.env.contract import Perturbation, Script
+from rcgrpo_tasks.env.multi_turn.calls import Call, CallParseError, parse_call_string
+from rcgrpo_tasks.env.multi_turn.entries import Entry
+from rcgrpo_tasks.env.multi_turn.environment import env_class, public_methods
 
 PERTURBATIONS: tuple[str, ...] = (
     "wrong_arg_value", "wrong_function", "dropped_call", "extra_call", "stop_early", "wrong_turn",
 )
-
-Script = tuple[tuple[str, ...], ...]
-"""Calls per turn, as BFCL call strings (the format of `Entry.ground_truth`)."""
-
-
-@dataclass(frozen=True)
-class Perturbation:
-    """A changed call script and what was changed."""
-
-    kind: str
-    turns: Script
-    detail: str
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rcgrpo_tasks.env import ast_decode
-from rcgrpo_tasks.env.ast_values import (
+from rcgrpo_tasks.env.single_turn.ast_values import (
     PYTHON_NESTED_TYPE_CHECK_LIST,
     PYTHON_TYPE_MAPPING,
     dict_checker,
