@@ -1,4 +1,4 @@
-"""Verdicts never depend on what the same process scored before (env.environment.DefaultsScope).
+"""Verdicts never depend on what the same process scored before (env.multi_turn.environment.DefaultsScope).
 
 bfcl-eval's `TwitterAPI.post_tweet(tags=[], mentions=[])` keeps mutable default lists and `mention()`
 extends a tweet's list in place, so in one bfcl-eval process a `mention()` on a tweet posted without

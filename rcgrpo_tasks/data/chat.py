@@ -4,7 +4,7 @@
 assistant content tokens and the end-of-turn token that closes them, 0 on system/user/tool text and
 template scaffolding (`<|im_start|>assistant\\n`), computed from the chat template's own rendering, so it
 works for any prefix-stable template (SmolLM2/Qwen ChatML included). The reward goal text is
-`env.protocols.format_reward_goal`, the same text RL and evaluate put in the prompt.
+`env.prompt.format_reward_goal`, the same text RL and evaluate put in the prompt.
 """
 
 from __future__ import annotations

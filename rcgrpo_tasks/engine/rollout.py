@@ -8,7 +8,7 @@ to a session) with per-rollout seeds, so a rollout's tokens do not depend on its
 decodes groups that each carry their own sampling seed in one session (RL's generation batch); `run_rollouts`
 runs g rollouts of many entries through it; `replay_calls` drives the same engine with a scripted policy
 that emits given calls (gold replay, expert trajectories). Every trajectory is scored by its episode (the
-task's scorer: `env.scoring.score_entry` for multi-turn, BFCL's AST checker for single-turn).
+task's scorer: `env.multi_turn.scoring.score_entry` for multi-turn, BFCL's AST checker for single-turn).
 
 Memory pressure: a step that fails with CUDA out-of-memory (or cuDNN's attention error under it) splits
 its batch's unfinished rollouts in half and continues each half on a fresh session, with a

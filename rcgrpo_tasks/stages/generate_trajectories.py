@@ -14,7 +14,7 @@ Three sources (`provenance.source` / `provenance.kind`):
 - `policy` / `policy`: rollouts sampled from a model (`policy_model`, default `--model-dir`, optional
   LoRA `policy_adapter`) with the configured temperature / top-p / max_new_tokens, `policy_samples` per
   entry on `policy_entries` entries (`engine.run_group`).
-- `near_miss` / `<kind>`: gold scripts perturbed (`rcgrpo_tasks.env.perturb`: wrong argument value, wrong
+- `near_miss` / `<kind>`: gold scripts perturbed (`rcgrpo_tasks.env.multi_turn.perturb`: wrong argument value, wrong
   function, dropped call, extra call, stopping early, wrong turn), re-executed and re-scored. A candidate
   is kept only if the replayed trajectory really scores 0 under the configured reward; harmless
   perturbations (an extra `ls`) are rejected, and the acceptance rate per kind goes to the metrics.

@@ -10,7 +10,7 @@ and `train/grpo_trainer.py`, the method docs/rl.md):
    refreshed every generation on CPU; TRL's vLLM engine on GPU); multi_turn: the environment executes the
    model's calls between model steps, environment tokens carry no loss; single_turn: one output per
    rollout, scored by BFCL's AST checker.
-3. Rewards come from the shared scorer: `reward` (params `rl.reward`, `env.scoring.Reward`: paper_reward =
+3. Rewards come from the shared scorer: `reward` (params `rl.reward`, `env.rewards.Reward`: paper_reward =
    binary trajectory reward, default; official_verdict; partial_credit) drives the advantage; all three
    are logged.
 4. Conditioning (`--conditioning`, default from the grid: `advantages.conditioning_for(init, algo)`):

@@ -5,10 +5,10 @@ tasks (a file holds one task: a mix exits 2 naming the first row of each). Resul
 `bfcl evaluate` decodes them (`env.results`), never run:
 - multi-turn (`multi_turn_base_0`): turns -> steps, a step being call strings (the rollout engine's
   trajectories carry the same `result` field), a prompt-mode model's text, or a function-calling model's
-  `{name: "<JSON arguments>"}` objects; scored by `env.scoring` (bfcl-eval's `multi_turn_checker`);
+  `{name: "<JSON arguments>"}` objects; scored by `env.multi_turn.scoring` (bfcl-eval's `multi_turn_checker`);
 - single-turn (`simple_python_0`, `live_multiple_3-1-0`, ...): a prompt-mode model's text, a
   function-calling model's `[{name: "<JSON arguments>"}]`, or this project's `[[call strings]]`; judged
-  by BFCL's AST checker (`env.ast_check`); `--underscore-to-dot` for models that send `math_factorial`
+  by BFCL's AST checker (`env.single_turn.ast_check`); `--underscore-to-dot` for models that send `math_factorial`
   for `math.factorial` (bfcl-eval's per-model flag).
 `--decoding auto` (default) takes the one decoding the rows need and refuses (exit 2, nothing written) a
 file whose rows need different ones, naming the first row of each; `--decoding calls|prompt|fc` scores

@@ -6,7 +6,7 @@ group (`num_generations`), `T` = tokens of one trajectory; a batch is `B // G` g
 consecutively (rollout `i` belongs to group `i // G`), exactly as TRL's `RepeatSampler` lays them out.
 
 - Reward tokens are never named here: `levels` is params.yaml `label_rewards.tokens` (lowest first, highest
-  last; `env.protocols.reward_tokens`), and RL conditions on its two ends, low = levels[0], high = levels[-1].
+  last; `env.prompt.reward_tokens`), and RL conditions on its two ends, low = levels[0], high = levels[-1].
 - Conditioning modes (`rc` / `fixed` / `none`) and the reward-token draw: in `rc` (RC-GRPO) every rollout
   draws its own token i.i.d. from {high, low} with P(high) = p, from a seed derived from (run seed, step,
   process, call), so a resumed run redraws the same tokens for the same step.
