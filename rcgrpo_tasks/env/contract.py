@@ -85,8 +85,6 @@ class Task(Protocol):
     """Near-miss kinds `perturb` knows."""
     accuracy: str
     """What an evaluation's accuracy is, in words (report footnotes)."""
-    single_output: bool
-    """A BFCL result of the task is one model output (single-turn), not turns of steps (`rcgrpo score`)."""
     dotted_names: bool
     """Function names may hold dots (`math.factorial`): `--underscore-to-dot` applies."""
     undecodable_unit: str

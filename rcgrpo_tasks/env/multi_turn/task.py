@@ -32,7 +32,6 @@ class MultiTurnTask:
     perturbations: tuple[str, ...] = perturb.PERTURBATIONS
     accuracy: str = ("the paper reward (final state + every gold call) under the paper protocol, the official "
                      "BFCL verdict under the official one")
-    single_output: bool = False
     dotted_names: bool = False
     undecodable_unit: str = "step"
     paper_table1: Mapping[str, float] = field(default_factory=lambda: dict(PAPER_TABLE1_OVERALL))

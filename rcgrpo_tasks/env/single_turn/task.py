@@ -31,7 +31,6 @@ class SingleTurnTask:
     default_categories: tuple[str, ...] = DEFAULT_CATEGORIES
     perturbations: tuple[str, ...] = perturb.PERTURBATIONS
     accuracy: str = "BFCL's AST checker (its `ast_checker` semantics: names, required/optional parameters, types, values)"
-    single_output: bool = True
     dotted_names: bool = True
     undecodable_unit: str = "output"
     paper_table1: Mapping[str, float] = field(default_factory=dict)
