@@ -74,7 +74,7 @@ class Episode(Protocol):
 
 
 class Task(Protocol):
-    """What a benchmark supplies to the pipeline."""
+    """What a benchmark supplies to the pipeline. Hashable (stages collect the tasks of entries in sets)."""
 
     name: str
     categories: tuple[str, ...]
