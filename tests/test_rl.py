@@ -21,7 +21,8 @@ from rcgrpo_tasks.train import checkpoints, grpo, grpo_trainer, rl, runs
 # Small enough for seconds per step on 2 cores; G=2 and one entry per step.
 TEST_RL = dict(num_generations=2, batch_size=2, micro_batch_size=2, max_steps=2, learning_rate=5e-3, beta=0.1,
                max_new_tokens=6, max_outputs=2, categories=["base"], max_entries=2,
-               lora_r=4, lora_alpha=8, save_steps=1, bf16=False)
+               lora_r=4, lora_alpha=8, save_steps=1, bf16=False, temperature=1.0, dynamic_max_rounds=3,
+               min_sampled_success=None)
 PROTOCOL = PromptConfig(system_prompt="short").protocol_config(TEST_RL["max_outputs"])
 
 

@@ -55,13 +55,13 @@ DECODE_KEYS = ("temperature", "top_p", "max_outputs", "max_new_tokens")
 class RLConfig:
     num_generations: int = 4
     """G: rollouts per entry (group size). Paper: 5."""
-    batch_size: int = 4
+    batch_size: int = 8
     """Rollouts per optimizer step (= entries per step x G); must be a multiple of G. Paper: 256 prompts."""
-    micro_batch_size: int = 4
+    micro_batch_size: int = 8
     """Rollouts per forward/backward on one device; batch_size must be a multiple (grad accumulation)."""
-    max_steps: int = 2
+    max_steps: int = 5
     """Optimizer steps. Paper: 400."""
-    learning_rate: float = 1e-5
+    learning_rate: float = 5e-4
     """LoRA learning rate (paper, full fine-tuning: 1e-6)."""
     lr_scheduler: str = "constant"
     """transformers scheduler name."""
@@ -95,20 +95,20 @@ class RLConfig:
     token_draw: adv.TokenDraw = "iid"
     """RC-GRPO: `iid` (the paper: each rollout draws its own token) or `stratified` (every group holds both
     tokens, each rollout still high with probability p_high: `advantages.stratified_count`)."""
-    dynamic_max_rounds: int = 3
+    dynamic_max_rounds: int = 2
     """Algo `dynamic`: generation rounds per step, the first included (dropped groups are refilled in the
     others); groups without reward spread after the last round are not trained on."""
     reward: Reward = "paper_reward"
     """Reward that drives the advantage (`env.scoring.Reward`); the other two are logged."""
-    decode: DecodeConfig = flat_field(DecodeConfig(temperature=1.0, max_outputs=2, max_new_tokens=32), DECODE_KEYS)
+    decode: DecodeConfig = flat_field(DecodeConfig(temperature=0.7, max_outputs=1, max_new_tokens=64), DECODE_KEYS)
     """How rollouts sample (`engine.decoding`; flat keys: temperature, top_p, max_outputs, max_new_tokens).
     TRL rescales its log-probs with the same temperature. The engine is the trainer's own policy
     (`rollout_dtype`, `use_vllm`), so backend, dtype and batch_rows do not apply."""
     categories: tuple[str, ...] | None = None
     """Train-split categories to sample entries from; null = every category of the prepared entries."""
-    max_entries: int | None = None
+    max_entries: int | None = 64
     """Use only this many train entries (the shortest prompts first); null = all."""
-    min_sampled_success: float | None = None
+    min_sampled_success: float | None = 0.75
     """RL prompts the init already solves: only train entries whose success rate among the SFT model's own
     samples (sample_policy, `--policy`) is at least this (before `max_entries`); null = every entry. RC-GRPO
     can only add reward spread where all-high groups are flat at SUCCESS (a low token can only lower
