@@ -79,3 +79,18 @@ def test_every_stage_module_is_a_command():
 
     modules = {m for m, _ in COMMANDS.values()}
     assert modules == {f"rcgrpo_tasks.stages.{p.stem}" for p in STAGES if p.stem != "__init__"}
+
+
+def test_the_reward_tokens_have_one_loader():
+    """Every stage reads the pipeline's reward tokens through `data.labels.load_reward_tokens`, and one function
+    alone is named `check_reward_tokens` (env.protocols: the check of a token list)."""
+    readers, checkers = [], []
+    for path in MODULES:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "reward_tokens":
+                readers.append(_name(path))
+            if isinstance(node, ast.FunctionDef) and node.name == "check_reward_tokens":
+                checkers.append(_name(path))
+    assert readers == ["rcgrpo_tasks.data.labels"], f"reward_tokens(...) called outside the loader: {readers}"
+    assert checkers == ["rcgrpo_tasks.env.protocols"], f"functions named check_reward_tokens: {checkers}"

@@ -115,7 +115,7 @@ def load_init_model(model_dir: Path, adapter_dir: Path | None, dtype: str):
     return model.to(getattr(torch, dtype)), tokenizer
 
 
-def check_reward_tokens(tokenizer, mode: str, levels: tuple[str, ...]) -> None:
+def check_tokenizer_has_reward_tokens(tokenizer, mode: str, levels: tuple[str, ...]) -> None:
     """`rc`/`fixed` need the lowest and highest reward tokens as single vocabulary items (added by SFT/RCTP)."""
     if mode == "none":
         return
@@ -366,7 +366,7 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     check_deepspeed(cfg, mode)
     check_reward(cfg, protocol, split_entries(spec.entries, spec.split, "train", cfg.categories))
     model, tokenizer = load_init_model(spec.model_dir, spec.adapter_dir, cfg.dtype)
-    check_reward_tokens(tokenizer, mode, levels)
+    check_tokenizer_has_reward_tokens(tokenizer, mode, levels)
     success = sampled_success_rates(read_jsonl(spec.policy)) if spec.policy is not None else None
     entries = train_entries(spec.entries, spec.split, cfg, protocol, tokenizer, success)
     fp = runs.fingerprint(cfg, protocol=as_dict(protocol), levels=list(levels), init=spec.init, algo=spec.algo,
