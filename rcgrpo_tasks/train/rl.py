@@ -14,10 +14,10 @@ from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config
 from rcgrpo_tasks.train import checkpoints, placement, processes, runs
 from rcgrpo_tasks.train.diagnostics import PLOT_COLUMNS, summarize
 from rcgrpo_tasks.train.grpo import RLConfig
+from rcgrpo_tasks.train.grpo_steps import ROLLOUTS_FILE
 from rcgrpo_tasks.train.grpo_trainer import (
     DIAGNOSTICS_FILE,
     MODEL_META_FILE,
-    ROLLOUTS_FILE,
     RLRun,
     build_trainer,
     save_policy,
