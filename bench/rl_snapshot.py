@@ -5,9 +5,10 @@ SAME policy: the RL LoRA on top of the init model, as `grpo_trainer.build_traine
 model the engine samples from:
 - `live`: the PEFT model itself (fp32 base weights + a LoRA matmul per adapted layer per token) —
   `rollout_dtype: live`;
-- `snapshot`: `rollout_policy.policy_snapshot` — base + LoRA deltas merged into a plain copy in `--snapshot-dtype`
-  (default: bfloat16 on a CPU with native bf16, as `rollout_dtype: auto` there; float32 elsewhere, as
-  `rollout_dtype: float32`), refreshed in place before every rollout phase (the refresh is timed inside the arm).
+- `snapshot`: `rollout_policy.policy_snapshot` — base + LoRA deltas merged into a plain copy in
+  `--snapshot-dtype` (default: bfloat16 on a CPU with native bf16, as `rollout_dtype: auto` there; float32
+  elsewhere, as `rollout_dtype: float32`), refreshed in place before every rollout phase (the refresh is timed
+  inside the arm).
 The LoRA B matrices are perturbed so the deltas are non-zero (a fresh LoRA is the identity). Arms alternate
 per round (live, snapshot, live, ...) so machine load hits both alike. Prints model tokens/s (wall-clock
 and per CPU-second) and seconds per rollout phase of each arm, and their ratios.
@@ -95,8 +96,8 @@ def main() -> None:
                              "bfloat16" if bf16_supported() else "float32")
     cfg = from_dict(grpo.RLConfig, {"max_new_tokens": args.max_new_tokens, "max_outputs": args.max_outputs,
                                     "max_entries": args.entries, "num_generations": args.g, "batch_size": args.g,
-                                    "micro_batch_size": args.g, "lora_r": args.lora_r, "lora_alpha": 2 * args.lora_r,
-                                    "min_sampled_success": None})
+                                    "micro_batch_size": args.g, "lora_r": args.lora_r,
+                                    "lora_alpha": 2 * args.lora_r, "min_sampled_success": None})
     policy, tok = lora_policy(args.model, args.adapter, cfg, args.seed)
     proto = PromptConfig().protocol_config(args.max_outputs)  # the default prompt (paper protocol, compact docs)
     entries = grpo.train_entries(Path(args.entries_file), Path(args.split), cfg, proto, tok)

@@ -20,8 +20,8 @@ from rcgrpo_tasks.ops.config import ConfigError, from_dict
 from rcgrpo_tasks.ops.inputs import InputError
 
 PAPER = PromptConfig()
-MULTI_MIX = {"policy": 0.1, **{k: 0.15 for k in ("wrong_arg_value", "wrong_function", "dropped_call", "extra_call",
-                                                 "stop_early", "wrong_turn")}}
+MULTI_MIX = {"policy": 0.1, **{k: 0.15 for k in ("wrong_arg_value", "wrong_function", "dropped_call",
+                                                 "extra_call", "stop_early", "wrong_turn")}}
 """failure_mix over the multi-turn task's near-miss kinds."""
 
 
@@ -257,7 +257,8 @@ def test_policy_rows_record_their_sampler(tmp_path, entries, tiny_model_dir):
 
 def test_max_entries_samples_train_only(tmp_path, entries, tiny_model_dir):
     entries_path, split = write_inputs(tmp_path, entries[::60], n_train=8, n_test=5)
-    rows, m = generate(multi_turn_config(policy_entries=0, max_entries=3), PAPER, entries_path, split, tiny_model_dir)
+    cfg = multi_turn_config(policy_entries=0, max_entries=3)
+    rows, m = generate(cfg, PAPER, entries_path, split, tiny_model_dir)
     test_ids = set(json.loads(split.read_text())["test"])
     assert m["n_entries_used"] == 3 and m["n_train_entries"] == 8
     assert len({t.entry_id for t in rows if t.provenance["source"] == "expert"}) <= 3

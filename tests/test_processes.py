@@ -90,7 +90,9 @@ def _scripted_rollout(monkeypatch, draw="iid"):
     cfg = from_dict(grpo.RLConfig, {**TEST_RL, "num_generations": 4, "batch_size": 16, "micro_batch_size": 4,
                                     "max_entries": None, "token_draw": draw})
     entries = {f"e{i}": SimpleNamespace(id=f"e{i}") for i in range(8)}
-    return grpo_rollout.EngineRollout(cfg, PROTOCOL, "rc", LEVELS, entries, SimpleNamespace(eos_token_id=0)), seen
+    tok = SimpleNamespace(eos_token_id=0)
+    rollout = grpo_rollout.EngineRollout(cfg, PROTOCOL, "rc", LEVELS, entries, tok)
+    return rollout, seen
 
 
 def _trainer(index: int, step: int = 3):

@@ -379,9 +379,9 @@ def test_world_size_must_keep_groups_whole():
 
 
 def test_vllm_backends_over_trl_engines_without_vllm(tiny_model_dir):
-    """The GPU path's engine backends, built as `rollout_policy.trl_vllm_backend` builds them (no vLLM here): colocate
-    wraps TRL's engine through the constructor; server mode sends one request per length cap (concurrently) and
-    detects the stop token."""
+    """The GPU path's engine backends, built as `rollout_policy.trl_vllm_backend` builds them (no vLLM here):
+    colocate wraps TRL's engine through the constructor; server mode sends one request per length cap
+    (concurrently) and detects the stop token."""
     from types import SimpleNamespace
 
     from transformers import AutoTokenizer

@@ -105,7 +105,8 @@ def test_rl_trains_the_reward_token_rows_saves_and_merges_them(qwen_env, monkeyp
             live = box["trainer"].accelerator.unwrap_model(box["trainer"].model)
             with torch.no_grad():
                 seen["live"] = live.get_input_embeddings().weight[ids].clone()
-                snap = rollout_policy.policy_snapshot(live, torch.float32, box["rollout"].snapshot)  # the refresh
+                # the refresh
+                snap = rollout_policy.policy_snapshot(live, torch.float32, box["rollout"].snapshot)
                 seen["snapshot"] = snap.get_input_embeddings().weight[ids].clone()
                 with live.disable_adapter():
                     seen["reference"] = live.get_input_embeddings().weight[ids].clone()

@@ -80,7 +80,8 @@ def _start_s3(stack: Stack) -> dict:
            f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer'] + 1}", "-s3", f"-s3.port={p['s3']}",
            f"-s3.port.grpc={p['s3'] + 1}", "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={ident}",
            "-master.volumeSizeLimitMB=1024"]
-    return spawn(stack, "s3", cmd, _without_credentials(os.environ))  # weed logs env keys; the file it does not
+    # weed logs env keys; the file it does not
+    return spawn(stack, "s3", cmd, _without_credentials(os.environ))
 
 
 def _ready_s3(stack: Stack) -> None:

@@ -49,8 +49,8 @@ VARIANTS: dict[str, dict] = {
     "rctp": {"num_epochs": 5, "require_reward_token": True, "init": "sft", "token_lr_multiplier": 10.0,
              "row_order": "pairs", "loss_on": "divergent", "margin_every": 4},
 }
-"""The two runs of one definition (dvc.yaml foreach): `sft` = experts only (the paper's SFT baseline), `rctp` =
-mixed data with reward goals (RCTP-FT from the SFT model; docs/rl.md "RC-GRPO's premise")."""
+"""The two runs of one definition (dvc.yaml foreach): `sft` = experts only (the paper's SFT baseline),
+`rctp` = mixed data with reward goals (RCTP-FT from the SFT model; docs/rl.md "RC-GRPO's premise")."""
 
 
 @dataclass(frozen=True)

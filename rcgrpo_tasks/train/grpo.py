@@ -76,7 +76,8 @@ class RLConfig:
     others); groups without reward spread after the last round are not trained on."""
     reward: Reward = "paper_reward"
     """Reward that drives the advantage (`env.scoring.Reward`); the other two are logged."""
-    decode: DecodeConfig = flat_field(DecodeConfig(temperature=0.7, max_outputs=1, max_new_tokens=64), DECODE_KEYS)
+    decode: DecodeConfig = flat_field(DecodeConfig(temperature=0.7, max_outputs=1, max_new_tokens=64),
+                                      DECODE_KEYS)
     """How rollouts sample (`engine.decoding`; flat keys: temperature, top_p, max_outputs, max_new_tokens).
     TRL rescales its log-probs with the same temperature. The engine is the trainer's own policy
     (`rollout_dtype`, `use_vllm`), so backend, dtype and batch_rows do not apply."""

@@ -17,7 +17,7 @@
   still averages over every sequence of the batch, masked ones counting as 0.
 - The policy it samples from: a merged low-precision copy on the policy's own device, refreshed every
   generation, or the live model; with vLLM, TRL's engine (`rollout_policy`).
-The settings (`RLConfig`) are in `grpo.py`, the trainer (`RCGRPOTrainer`, `build_trainer`) in `grpo_trainer.py`.
+The settings (`RLConfig`) are in `grpo.py`, the trainer (`build_trainer`) in `grpo_trainer.py`.
 """
 
 from __future__ import annotations

@@ -2,11 +2,12 @@
 built in `grpo_trainer.py`; docs/rl.md).
 
 - `RCGRPOTrainerMixin` (on TRL's `GRPOTrainer`: `grpo_trainer.build_trainer`): TRL does not expose the
-  advantages it used, nor a public way for a rollout function to add per-step metrics; the subclass wraps `_generate_and_score_completions` to read the advantages
-  (mean |A|, cross-checked against `advantages.group_advantages` in the tests), measures and corrects the
-  sampler/trainer mismatch (`offpolicy`), adds `record_metric`, skips a step with nothing to train on
-  before its backward (so no optimizer, DeepSpeed's included, moves a weight), and on CPU projects only
-  completion positions through the LM head. Training, loss, KL and clipping are TRL's.
+  advantages it used, nor a public way for a rollout function to add per-step metrics; the subclass wraps
+  `_generate_and_score_completions` to read the advantages (mean |A|, cross-checked against
+  `advantages.group_advantages` in the tests), measures and corrects the sampler/trainer mismatch
+  (`offpolicy`), adds `record_metric`, skips a step with nothing to train on before its backward (so no
+  optimizer, DeepSpeed's included, moves a weight), and on CPU projects only completion positions through the
+  LM head. Training, loss, KL and clipping are TRL's.
 - Updates per generation batch: `num_iterations` (PPO epochs) and `minibatches` (TRL's
   `steps_per_generation` = minibatches x gradient accumulation).
 - Rewards: one TRL reward function per `env.scoring.REWARDS`; one-hot `reward_weights` pick `cfg.reward`.
