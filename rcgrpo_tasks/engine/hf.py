@@ -155,7 +155,7 @@ class HFSession(CacheLayout, Session):
     def _runner(self, d: DecodeState, sampling: SamplingParams):
         """`step(t)`: attention over the whole capacity (masked columns add exactly 0): on CPU eagerly, since
         attending a column slice of the buffers makes CPU's bf16 matmul copy every row's cache at every
-        step (3x slower attention at 40 rows x 800 columns; equal in float32); on CUDA a captured graph of
+        step (measured: docs/measured.md, "Engine"); on CUDA a captured graph of
         `_step`, captured after one eager step (the warm-up) and replayed. Eager CUDA reads the columns in use."""
         st, path = self.st, decode_path(self.st.mask.device.type, self.b.cuda_graphs)
         if path == CPU:
