@@ -3,9 +3,10 @@ session per group, side by side in one run.
 
 The rollout function of the rl stage hands the engine one process's share of a step: the `gpu` profile's
 8 groups x G=5 (`rl.batch_size` 40, one process). Both arms decode the SAME groups, drawn as
-`grpo.EngineRollout.group_specs` draws them (per group: its reward tokens and its own sampling seed), from the
-SAME policy: the RL LoRA on the init model (non-zero deltas), sampled from the merged rollout snapshot
-(`grpo.policy_snapshot`, `--dtype`, as `rl.rollout_dtype: auto` on a bf16 CPU), refreshed before every phase:
+`grpo_rollout.EngineRollout.group_specs` draws them (per group: its reward tokens and its own sampling
+seed), from the SAME policy: the RL LoRA on the init model (non-zero deltas), sampled from the merged rollout
+snapshot (`rollout_policy.policy_snapshot`, `--dtype`, as `rl.rollout_dtype: auto` on a bf16 CPU), refreshed
+before every phase:
 - `per group`: one `engine.run_group` after another (8 sessions of 5 rows);
 - `one session`: `engine.run_seeded_groups` (`EngineRollout.groups`): one session of 40 rows.
 Entries are real BFCL entries of `--task` (multi-turn by default; `--entries`: the shortest prompts of
@@ -36,7 +37,7 @@ from rcgrpo_tasks.engine.rollout import run_group, run_seeded_groups
 from rcgrpo_tasks.env import tasks
 from rcgrpo_tasks.env.prompt import DEFAULT_REWARD_TOKENS, PromptConfig
 from rcgrpo_tasks.ops.config import from_dict
-from rcgrpo_tasks.train import adapters, grpo, runs
+from rcgrpo_tasks.train import adapters, grpo, grpo_rollout, rollout_policy, runs
 from rcgrpo_tasks.train.grpo_trainer import load_init_model
 
 
@@ -60,10 +61,11 @@ def lora_policy(model_dir: str, adapter: str | None, cfg: grpo.RLConfig, mode: s
     return policy, tok
 
 
-def run_arm(name: str, rollout: grpo.EngineRollout, policy, state: dict, dtype, ids: list[str], step: int):
+def run_arm(name: str, rollout: grpo_rollout.EngineRollout, policy, state: dict, dtype, ids: list[str],
+            step: int):
     """(wall s, CPU s, model tokens, trajectories) of one rollout phase of `name`, snapshot refresh included."""
     t0, c0 = time.perf_counter(), time.process_time()
-    state["snap"] = grpo.policy_snapshot(policy, dtype, state.get("snap"))
+    state["snap"] = rollout_policy.policy_snapshot(policy, dtype, state.get("snap"))
     backend = HFBackend.from_model(state["snap"], rollout.tokenizer)
     specs = rollout.group_specs(ids, step, list(range(len(ids))), call=0)
     if name == "one session":
@@ -108,14 +110,15 @@ def main() -> None:
     cfg = from_dict(grpo.RLConfig, {"max_new_tokens": args.max_new_tokens, "max_outputs": args.max_outputs,
                                     "temperature": args.temperature, "num_generations": args.g,
                                     "batch_size": args.g * args.groups, "micro_batch_size": args.g,
-                                    "seed": args.seed})
+                                    "seed": args.seed, "max_entries": None, "min_sampled_success": None})
     policy, tok = lora_policy(args.model, args.adapter, cfg, args.mode, args.seed)
     proto = PromptConfig().protocol_config(args.max_outputs)
     task = tasks.get_task(args.task)
     pool = task.load_entries(tuple(args.categories or task.default_categories))
     pool.sort(key=lambda e: (grpo.prompt_length(e, proto, tok), e.id))
     entries = pool[: args.entries or args.groups]
-    rollout = grpo.EngineRollout(cfg, proto, args.mode, DEFAULT_REWARD_TOKENS, {e.id: e for e in entries}, tok)
+    by_id = {e.id: e for e in entries}
+    rollout = grpo_rollout.EngineRollout(cfg, proto, args.mode, DEFAULT_REWARD_TOKENS, by_id, tok)
     lengths = [grpo.prompt_length(e, proto, tok) for e in entries]
     print(f"{args.task}: {args.groups} groups x G={args.g} from {len(entries)} entries (prompt tokens {min(lengths)}-{max(lengths)}), "
           f"mode {args.mode}, <= {args.max_outputs} outputs of <= {args.max_new_tokens} tokens, T={args.temperature}, "

@@ -5,9 +5,10 @@ SAME policy: the RL LoRA on top of the init model, as `grpo_trainer.build_traine
 model the engine samples from:
 - `live`: the PEFT model itself (fp32 base weights + a LoRA matmul per adapted layer per token) —
   `rollout_dtype: live`;
-- `snapshot`: `grpo.policy_snapshot` — base + LoRA deltas merged into a plain copy in `--snapshot-dtype`
-  (default: bfloat16 on a CPU with native bf16, as `rollout_dtype: auto` there; float32 elsewhere, as
-  `rollout_dtype: float32`), refreshed in place before every rollout phase (the refresh is timed inside the arm).
+- `snapshot`: `rollout_policy.policy_snapshot` — base + LoRA deltas merged into a plain copy in
+  `--snapshot-dtype` (default: bfloat16 on a CPU with native bf16, as `rollout_dtype: auto` there; float32
+  elsewhere, as `rollout_dtype: float32`), refreshed in place before every rollout phase (the refresh is timed
+  inside the arm).
 The LoRA B matrices are perturbed so the deltas are non-zero (a fresh LoRA is the identity). Arms alternate
 per round (live, snapshot, live, ...) so machine load hits both alike. Prints model tokens/s (wall-clock
 and per CPU-second) and seconds per rollout phase of each arm, and their ratios.
@@ -29,7 +30,7 @@ from rcgrpo_tasks.engine.models import bf16_supported
 from rcgrpo_tasks.engine.rollout import run_group
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.config import from_dict
-from rcgrpo_tasks.train import grpo, runs
+from rcgrpo_tasks.train import grpo, rollout_policy, runs
 from rcgrpo_tasks.train.grpo_trainer import load_init_model
 
 
@@ -61,7 +62,7 @@ def run_arm(name: str, policy, tok, state: dict, entries, g: int, proto, samplin
         torch.manual_seed(sampling.seed or 0)
         t0, c0 = time.perf_counter(), time.process_time()
         if name == "snapshot":  # refreshed before every phase, as in EngineRollout.backend
-            state["snap"] = grpo.policy_snapshot(policy, snapshot_dtype, state.get("snap"))
+            state["snap"] = rollout_policy.policy_snapshot(policy, snapshot_dtype, state.get("snap"))
             backend = HFBackend.from_model(state["snap"], tok)
         else:
             backend = HFBackend.from_model(policy, tok)
@@ -95,7 +96,8 @@ def main() -> None:
                              "bfloat16" if bf16_supported() else "float32")
     cfg = from_dict(grpo.RLConfig, {"max_new_tokens": args.max_new_tokens, "max_outputs": args.max_outputs,
                                     "max_entries": args.entries, "num_generations": args.g, "batch_size": args.g,
-                                    "micro_batch_size": args.g, "lora_r": args.lora_r, "lora_alpha": 2 * args.lora_r})
+                                    "micro_batch_size": args.g, "lora_r": args.lora_r,
+                                    "lora_alpha": 2 * args.lora_r, "min_sampled_success": None})
     policy, tok = lora_policy(args.model, args.adapter, cfg, args.seed)
     proto = PromptConfig().protocol_config(args.max_outputs)  # the default prompt (paper protocol, compact docs)
     entries = grpo.train_entries(Path(args.entries_file), Path(args.split), cfg, proto, tok)

@@ -23,7 +23,7 @@ LOW, HIGH = "<|low_reward|>", "<|high_reward|>"
 LEVELS = (LOW, HIGH)
 """label_rewards.tokens: lowest first, highest last."""
 TINY_SFT = dict(learning_rate=1e-2, max_steps=6, batch_size=4, max_length=256, lora_r=8, lora_alpha=16,
-                lora_dropout=0.0, save_steps=2, logging_steps=1, log_model=False, variants={})
+                lora_dropout=0.0, save_steps=2, logging_steps=1, log_model=False, variants={}, grad_accum=1)
 """A few optimizer steps of the 2-layer, 64-wide conftest model: seconds each on 2 cores."""
 TEST_DEVICE_ENV = "RCGRPO_TEST_DEVICE"
 """auto | cpu | cuda | cuda:N: the device the suite's models run on (conftest applies it at start-up)."""

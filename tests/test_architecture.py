@@ -1,5 +1,5 @@
 """The package's shape: layers point one way, no import cycles, no private names crossing modules,
-no in-function imports of the package, no module over 500 lines. `lint-imports` checks the layer contract in
+no in-function imports of the package, no module over 400 lines. `lint-imports` checks the layer contract in
 pyproject.toml; these tests check what a layer contract cannot express."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "rcgrpo_tasks"
 MODULES = sorted(PKG.rglob("*.py"))
-MAX_LINES = 500
+MAX_LINES = 400
 
 
 def _name(path: Path) -> str:
@@ -79,3 +79,19 @@ def test_every_stage_module_is_a_command():
 
     modules = {m for m, _ in COMMANDS.values()}
     assert modules == {f"rcgrpo_tasks.stages.{p.stem}" for p in STAGES if p.stem != "__init__"}
+
+
+def test_the_reward_tokens_have_one_loader():
+    """Every stage reads the pipeline's reward tokens through `data.labels.load_reward_tokens`, and one
+    function alone is named `check_reward_tokens` (env.prompt: the check of a token list)."""
+    readers, checkers = [], []
+    for path in MODULES:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            func = node.func if isinstance(node, ast.Call) else None
+            if getattr(func, "id", getattr(func, "attr", "")) == "reward_tokens":
+                readers.append(_name(path))
+            if isinstance(node, ast.FunctionDef) and node.name == "check_reward_tokens":
+                checkers.append(_name(path))
+    assert readers == ["rcgrpo_tasks.data.labels"], f"reward_tokens(...) called outside the loader: {readers}"
+    assert checkers == ["rcgrpo_tasks.env.prompt"], f"functions named check_reward_tokens: {checkers}"

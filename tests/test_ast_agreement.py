@@ -1,4 +1,4 @@
-"""env.ast_decode + env.ast_check against bfcl-eval's own decoder and AST checker (tests/bfcl_ast_reference.py).
+"""env.ast_decode + env.single_turn.ast_check against bfcl-eval's own decoder and AST checker (tests/bfcl_ast_reference.py).
 
 Two sets, each compared on (valid, error_type) and, where bfcl-eval's messages are plain text, the messages:
 - hand-built outputs on hand-built docs reaching every error type bfcl-eval's checker and runner give for

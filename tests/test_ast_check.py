@@ -1,4 +1,4 @@
-"""env.ast_decode / env.ast_check beyond agreement: the documented departures from bfcl-eval (refusals where
+"""env.ast_decode / env.single_turn.ast_check beyond agreement: the documented departures from bfcl-eval (refusals where
 it would run model text or blow up, verdicts where it raises), the bounds, function-calling decoding, and
 partial credit (`matched_calls`)."""
 

@@ -119,6 +119,7 @@ def test_obedient_policy_has_full_gap(tok, protocol):
 
     entries = multi_turn.load_entries(["base"])[:2]
     cfg = from_dict(ctl.ControllabilityConfig, {"n_entries": 2, "max_outputs": 20, "max_new_tokens": 4000,
+                                                "samples_per_token": 2, "batch_rows": 8,
                                                 "margin": False})  # a scripted policy has no log-probs
     prompt = PromptConfig(protocol=protocol, doc_style="compact")
     proto = prompt.protocol_config(20) if protocol == "paper" else PromptConfig(protocol=protocol).protocol_config(20)
@@ -168,7 +169,7 @@ def test_cli_on_tiny_rctp_model(tiny_model_dir, tmp_path, monkeypatch):
 
     write_jsonl(tmp_path / "rctp.jsonl", [chat(i, HIGH if i % 2 else LOW) for i in range(8)])
     cfg = SftConfig(learning_rate=1e-2, max_steps=1, batch_size=4, max_length=128, lora_r=4, lora_alpha=8,
-                    log_model=False, require_reward_token=True, reward_token_init="apart")
+                    log_model=False, require_reward_token=True, reward_token_init="apart", grad_accum=1)
     spec = SftRun("rctp", tiny_model_dir, tmp_path / "rctp.jsonl", tmp_path / "adapter", tmp_path / "ck")
     sft.train_variant(cfg, LEVELS, spec, track=False)
 
@@ -177,7 +178,7 @@ def test_cli_on_tiny_rctp_model(tiny_model_dir, tmp_path, monkeypatch):
     write_json(tmp_path / "split.json", {"train": [entries[0].id], "test": [e.id for e in entries[1:]]})
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({
         "controllability": {"n_entries": 2, "samples_per_token": 2, "max_outputs": 1, "max_new_tokens": 3,
-                            "dtype": "float32", "n_bootstrap": 50, "guidance": 4.0},
+                            "dtype": "float32", "n_bootstrap": 50, "guidance": 4.0, "batch_rows": 8},
         "prompt": {"system_prompt": "short"}, "rl": RL,
         "label_rewards": {"tokens": list(LEVELS)}}))
     res = CliRunner().invoke(ctl_stage.app, [

@@ -22,7 +22,7 @@ DECODING = {"evaluate": EvaluateConfig, "sample_policy": SampleConfig, "generate
 def test_flat_keys_compose_and_read_back():
     cfg = from_dict(EvaluateConfig, {"max_new_tokens": 7, "temperature": 0.5, "limit": 3}, "p:evaluate")
     assert isinstance(cfg.decode, DecodeConfig) and (cfg.decode.max_new_tokens, cfg.decode.temperature) == (7, 0.5)
-    assert cfg.decode.max_outputs == 8  # the stage's own default where the section is silent
+    assert cfg.decode.max_outputs == 1  # the stage's own default (DecodeConfig's: 4) where the section's silent
     flat = as_dict(cfg)
     assert "decode" not in flat and flat["max_new_tokens"] == 7 and flat["limit"] == 3
     assert from_dict(EvaluateConfig, flat) == cfg

@@ -14,7 +14,7 @@ from test_rl import PROTOCOL, TEST_RL, _spec, _weights
 
 from rcgrpo_tasks.ops.config import from_dict
 from rcgrpo_tasks.train import advantages as adv
-from rcgrpo_tasks.train import grpo, rl, runs
+from rcgrpo_tasks.train import grpo, grpo_rollout, rl, runs
 
 # ------------------------------------------------------------------ stratified reward tokens
 
@@ -75,12 +75,12 @@ def _rollout(monkeypatch, rule, n_entries=6, **cfg):
         return [_traj(entry.id, reward_tokens[i], rule(entry.id, i), i) for i in range(len(reward_tokens))]
 
     monkeypatch.setattr(engine, "run_seeded_groups", lambda backend, groups, *a, **k: [group(*g) for g in groups])
-    monkeypatch.setattr(grpo.EngineRollout, "backend", lambda self, trainer: None)
+    monkeypatch.setattr(grpo_rollout.EngineRollout, "backend", lambda self, trainer: None)
     config = from_dict(grpo.RLConfig, {**TEST_RL, "max_entries": None, "num_generations": 4, "batch_size": 8,
                                        "micro_batch_size": 4, **cfg})
     entries = {f"e{i}": SimpleNamespace(id=f"e{i}") for i in range(n_entries)}
     tok = SimpleNamespace(eos_token_id=0)
-    return grpo.EngineRollout(config, PROTOCOL, "fixed", LEVELS, entries, tok, dynamic=True), calls
+    return grpo_rollout.EngineRollout(config, PROTOCOL, "fixed", LEVELS, entries, tok, dynamic=True), calls
 
 
 def test_zero_variance_groups_are_dropped_and_refilled(monkeypatch):

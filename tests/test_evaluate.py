@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from rcgrpo_tasks.env.entries import stratified
 from rcgrpo_tasks.env.multi_turn import entries as multi_turn
 from rcgrpo_tasks.evaluation import heldout as evaluate
-from rcgrpo_tasks.ops.config import ConfigError, load_config
+from rcgrpo_tasks.ops.config import ConfigError, from_dict, load_config
 from rcgrpo_tasks.stages import evaluate as evaluate_stage
 
 PARAMS = """prompt:
@@ -176,7 +176,8 @@ def test_single_turn_evaluation_scores_bfcl_ast_verdicts(tok):
         e = next(e for e in entries if e.question[-1]["content"] in text)
         return "[" + ", ".join(expert_calls(e)) + "]" if e.id in right else "I cannot help with that."
 
-    cfg = dataclasses.replace(evaluate.EvaluateConfig(n_bootstrap=50), limit=8)
+    cfg = from_dict(evaluate.EvaluateConfig, {"n_bootstrap": 50, "limit": 8, "max_outputs": 8,
+                                              "max_new_tokens": 96, "batch_rows": 8})
     trajs, rows, summary = evaluate.run_eval(cfg, PromptConfig(), ScriptedBackend(tok, policy), entries, None, "x")
     assert summary["task"] == "single_turn" and summary["n"] == 8 and summary["accuracy"] == 50.0
     assert set(summary["categories"]) == set(single_turn.DEFAULT_CATEGORIES)

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from rcgrpo_tasks.data.dataset import GenerateConfig, allocate, check_task, draw_failures, generate
+from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.env.entries import split_entries
 from rcgrpo_tasks.env.multi_turn.calls import parse_call_string
 from rcgrpo_tasks.env.multi_turn.entries import Entry, load_entries
@@ -19,6 +20,15 @@ from rcgrpo_tasks.ops.config import ConfigError, from_dict
 from rcgrpo_tasks.ops.inputs import InputError
 
 PAPER = PromptConfig()
+MULTI_MIX = {"policy": 0.1, **{k: 0.15 for k in ("wrong_arg_value", "wrong_function", "dropped_call",
+                                                 "extra_call", "stop_early", "wrong_turn")}}
+"""failure_mix over the multi-turn task's near-miss kinds."""
+
+
+def multi_turn_config(**kw) -> GenerateConfig:
+    """A GenerateConfig for multi-turn entries: up to 20 outputs of 64 tokens an episode, `MULTI_MIX`."""
+    return GenerateConfig(**{"decode": DecodeConfig(temperature=1.0, max_outputs=20, max_new_tokens=64),
+                             "failure_mix": MULTI_MIX, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +126,8 @@ def test_bad_generate_config_rejected(bad):
 def test_official_verdict_needs_the_official_prompt_on_multi_turn_only():
     multi, single = TASKS["multi_turn"], TASKS["single_turn"]
     with pytest.raises(ConfigError, match="official_verdict"):
-        check_task(GenerateConfig(reward="official_verdict"), PromptConfig(protocol="paper"), multi)
-    check_task(GenerateConfig(reward="official_verdict"), PromptConfig(protocol="official"), multi)
+        check_task(multi_turn_config(reward="official_verdict"), PromptConfig(protocol="paper"), multi)
+    check_task(multi_turn_config(reward="official_verdict"), PromptConfig(protocol="official"), multi)
     single_mix = {"policy": 0.1, "wrong_arg_value": 0.5, "missing_param": 0.4}
     check_task(GenerateConfig(reward="official_verdict", failure_mix=single_mix), PromptConfig(protocol="paper"),
                single)
@@ -125,7 +135,7 @@ def test_official_verdict_needs_the_official_prompt_on_multi_turn_only():
 
 def test_failure_mix_kinds_must_be_the_tasks():
     with pytest.raises(ConfigError, match=r"\['stop_early', 'wrong_turn'\] are not near-miss kinds of the single_turn"):
-        check_task(GenerateConfig(), PromptConfig(), TASKS["single_turn"])
+        check_task(multi_turn_config(), PromptConfig(), TASKS["single_turn"])
     with pytest.raises(ConfigError, match="missing_param"):
         check_task(GenerateConfig(failure_mix={"missing_param": 1.0}), PromptConfig(), TASKS["multi_turn"])
 
@@ -172,7 +182,7 @@ def test_split_must_match_entries(tmp_path, entries):
 def generated(tmp_path_factory, entries, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("generate")
     entries_path, split = write_inputs(tmp, entries[::25], n_train=12, n_test=4)
-    cfg = GenerateConfig(policy_entries=0)
+    cfg = multi_turn_config(policy_entries=0)
     rows, metrics = generate(cfg, PAPER, entries_path, split, tiny_model_dir)
     return {"cfg": cfg, "rows": rows, "metrics": metrics, "entries_path": entries_path, "split": split,
             "by_id": {e.id: e for e in entries}}
@@ -217,7 +227,7 @@ def test_generation_is_deterministic(generated, tiny_model_dir):
 
 def test_official_protocol_and_verdict(tmp_path, entries, tiny_model_dir):
     entries_path, split = write_inputs(tmp_path, entries[1::100], n_train=4)
-    cfg = GenerateConfig(reward="official_verdict", policy_entries=0)
+    cfg = multi_turn_config(reward="official_verdict", policy_entries=0)
     rows, m = generate(cfg, PromptConfig(protocol="official"), entries_path, split, tiny_model_dir)
     assert m["n_success"] == m["n_failure"] > 0
     for t in rows:
@@ -232,7 +242,7 @@ def generated_turns(entries, entry_id):
 def test_policy_rows_record_their_sampler(tmp_path, entries, tiny_model_dir):
     entries_path, split = write_inputs(tmp_path, entries[::100], n_train=3)
     cfg = from_dict(GenerateConfig, {"policy_entries": 1, "policy_samples": 2, "max_new_tokens": 4,
-                                     "temperature": 0.7, "dtype": "float32",
+                                     "temperature": 0.7, "dtype": "float32", "max_outputs": 20,
                                      "failure_mix": {"policy": 1.0, "dropped_call": 1.0}})
     rows, m = generate(cfg, PAPER, entries_path, split, tiny_model_dir)
     assert m["policy"]["n"] == 2
@@ -247,7 +257,8 @@ def test_policy_rows_record_their_sampler(tmp_path, entries, tiny_model_dir):
 
 def test_max_entries_samples_train_only(tmp_path, entries, tiny_model_dir):
     entries_path, split = write_inputs(tmp_path, entries[::60], n_train=8, n_test=5)
-    rows, m = generate(GenerateConfig(policy_entries=0, max_entries=3), PAPER, entries_path, split, tiny_model_dir)
+    cfg = multi_turn_config(policy_entries=0, max_entries=3)
+    rows, m = generate(cfg, PAPER, entries_path, split, tiny_model_dir)
     test_ids = set(json.loads(split.read_text())["test"])
     assert m["n_entries_used"] == 3 and m["n_train_entries"] == 8
     assert len({t.entry_id for t in rows if t.provenance["source"] == "expert"}) <= 3
@@ -267,7 +278,8 @@ def test_single_turn_set_experts_pass_bfcl_and_near_misses_fail(tmp_path, tiny_m
 
     entries = single_turn.load_entries(single_turn.DEFAULT_CATEGORIES)[::20]
     entries_path, split = write_inputs(tmp_path, entries, n_train=40)
-    cfg = GenerateConfig(policy_entries=0, failure_mix=SINGLE_MIX)
+    cfg = GenerateConfig(policy_entries=0, failure_mix=SINGLE_MIX,
+                         decode=DecodeConfig(temperature=1.0, max_outputs=20, max_new_tokens=64))
     rows, m = generate(cfg, PAPER, entries_path, split, tiny_model_dir)
     assert m["task"] == "single_turn" and m["n_success"] == m["n_failure"] > 30
     assert set(m["near_miss_tried"]) == set(TASKS["single_turn"].perturbations)

@@ -12,14 +12,14 @@ import pytest
 import yaml
 from helpers import REPO_ROOT, free_port_base
 
-from rcgrpo_tasks.ops import stack
+from rcgrpo_tasks.ops import stack, stack_state
 
 INFRA = REPO_ROOT / "infra"
 
 
 @pytest.fixture(scope="module")
 def services():
-    return stack.load_services()
+    return stack_state.load_services()
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_compose_services_ports_and_env_match_services_yaml(services, compose):
     for name, spec in services["services"].items():
         port = spec["port"]
         assert f"{port}:{port}" in svc[spec["compose"]]["ports"], (name, svc[spec["compose"]].get("ports"))
-    local = stack.Stack(Path("/nonexistent"), stack.default_ports(services), services=services)
+    local = stack_state.Stack(Path("/nonexistent"), stack_state.default_ports(services), services=services)
     hosts = {name: spec["compose"] for name, spec in services["services"].items()}
     want = {k: local.fill(v, hosts) for k, v in services["client_env"].items()}
     worker_env = _env(svc["worker-cpu"])
@@ -146,31 +146,31 @@ def test_stack_stops_only_what_it_started(tmp_path):
     import socket
     import time
 
-    s = stack.Stack(tmp_path, stack.default_ports(stack.load_services(), free_port_base()))
-    rec = stack._spawn(s, "worker", ["sleep", "60"], {"PATH": "/usr/bin:/bin"})
+    s = stack_state.Stack(tmp_path, stack_state.default_ports(stack_state.load_services(), free_port_base()))
+    rec = stack_state.spawn(s, "worker", ["sleep", "60"], {"PATH": "/usr/bin:/bin"})
     try:
         state = {"ports": s.ports, "procs": {"worker": dict(rec, create_time=rec["create_time"] - 1000)}}
-        stack._write_state(s, state)
-        assert stack.down(s) == ["worker"] and stack._alive(rec), "killed a process it did not start"
-        stack._write_state(s, {"ports": s.ports, "procs": {"worker": rec}})
+        stack_state.write_state(s, state)
+        assert stack.down(s) == ["worker"] and stack_state.alive(rec), "killed a process it did not start"
+        stack_state.write_state(s, {"ports": s.ports, "procs": {"worker": rec}})
         assert (tmp_path / "pids" / "worker.pid").read_text().strip() == str(rec["pid"])
         t0 = time.monotonic()
         assert stack.down(s) == ["worker"]
-        assert not stack._alive(rec) and time.monotonic() - t0 < 10
+        assert not stack_state.alive(rec) and time.monotonic() - t0 < 10
         assert json.loads((tmp_path / "stack.json").read_text())["procs"] == {}
     finally:
-        if stack._alive(rec):
+        if stack_state.alive(rec):
             os.kill(rec["pid"], 9)
     with socket.socket() as busy:  # a port already taken fails fast, naming the port
         busy.bind(("127.0.0.1", s.ports["mlflow"]))
         busy.listen()
-        with pytest.raises(stack.StackError, match=f"port {s.ports['mlflow']} .*busy"):
+        with pytest.raises(stack_state.StackError, match=f"port {s.ports['mlflow']} .*busy"):
             stack._check_ports(s, "mlflow")
 
 
 def test_stack_requires_credentials_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
-    s = stack.make_stack(tmp_path / "state", port_base=free_port_base())
-    with pytest.raises(stack.StackError, match="AWS_ACCESS_KEY_ID"):
+    s = stack_state.make_stack(tmp_path / "state", port_base=free_port_base())
+    with pytest.raises(stack_state.StackError, match="AWS_ACCESS_KEY_ID"):
         stack.up(s)
     assert not (tmp_path / "state" / "stack.json").exists()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_generate_trajectories import MULTI_MIX
 
 from rcgrpo_tasks.data.chat import assistant_token_mask, strip_reward_goal, with_reward_goal
 from rcgrpo_tasks.data.labels import (
@@ -210,7 +211,8 @@ def _params(tmp_path, **over):
     import yaml
 
     params = {
-        "generate_trajectories": {"policy_entries": 0, **over.get("generate", {})},
+        "generate_trajectories": {"policy_entries": 0, "failure_mix": MULTI_MIX, "max_outputs": 20,
+                                  "max_new_tokens": 64, "dtype": "auto", **over.get("generate", {})},
         "validate_trajectories": {"data_docs": False, **over.get("validate", {})},
         "sample_policy": {"n_entries": 3, "samples_per_entry": 1, "max_samples_per_entry": 2, "max_outputs": 1,
                           "max_new_tokens": 4, "dtype": "float32", "batch_rows": 4},

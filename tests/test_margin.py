@@ -120,7 +120,8 @@ def test_paired_sampled_arm_draws_the_same_seeds_under_both_tokens(equal_rows_di
 
     backend = HFBackend(equal_rows_dir, dtype="float32", device="cpu")
     cfg = from_dict(ctl.ControllabilityConfig, {"n_entries": 3, "samples_per_token": 2, "max_outputs": 1,
-                                                "max_new_tokens": 6, "margin_entries": 2, "n_bootstrap": 50})
+                                                "max_new_tokens": 6, "margin_entries": 2, "n_bootstrap": 50,
+                                                "batch_rows": 8})
     rl = from_dict(RLConfig, {"temperature": 1.0, "top_p": 1.0, "num_generations": 4, "p_high": 0.5})
     entries = _held_out(single_turn, 3)
     metrics, trajs = ctl.measure(cfg, PromptConfig(), LEVELS, backend, entries, rl, margin_entries=entries[:2])

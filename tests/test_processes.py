@@ -24,7 +24,7 @@ from rcgrpo_tasks.engine.compute import ComputeConfig
 from rcgrpo_tasks.ops.config import ConfigError, from_dict
 from rcgrpo_tasks.ops.inputs import read_jsonl
 from rcgrpo_tasks.ops.outputs import write_jsonl
-from rcgrpo_tasks.train import grpo, processes, runs
+from rcgrpo_tasks.train import grpo, grpo_rollout, processes, runs
 
 HOOK = Path(__file__).parent / "multiproc"
 
@@ -86,11 +86,13 @@ def _scripted_rollout(monkeypatch, draw="iid"):
                 for i in range(len(reward_tokens))]
 
     monkeypatch.setattr(engine, "run_seeded_groups", lambda backend, groups, *a, **k: [group(*g) for g in groups])
-    monkeypatch.setattr(grpo.EngineRollout, "backend", lambda self, trainer: None)
+    monkeypatch.setattr(grpo_rollout.EngineRollout, "backend", lambda self, trainer: None)
     cfg = from_dict(grpo.RLConfig, {**TEST_RL, "num_generations": 4, "batch_size": 16, "micro_batch_size": 4,
                                     "max_entries": None, "token_draw": draw})
     entries = {f"e{i}": SimpleNamespace(id=f"e{i}") for i in range(8)}
-    return grpo.EngineRollout(cfg, PROTOCOL, "rc", LEVELS, entries, SimpleNamespace(eos_token_id=0)), seen
+    tok = SimpleNamespace(eos_token_id=0)
+    rollout = grpo_rollout.EngineRollout(cfg, PROTOCOL, "rc", LEVELS, entries, tok)
+    return rollout, seen
 
 
 def _trainer(index: int, step: int = 3):

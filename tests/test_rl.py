@@ -16,12 +16,13 @@ from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.config import ConfigError, from_dict, load_config
 from rcgrpo_tasks.stages import rl as rl_stage
 from rcgrpo_tasks.train import advantages as adv
-from rcgrpo_tasks.train import checkpoints, grpo, grpo_trainer, rl, runs
+from rcgrpo_tasks.train import checkpoints, grpo, grpo_trainer, rl, rollout_policy, runs
 
 # Small enough for seconds per step on 2 cores; G=2 and one entry per step.
 TEST_RL = dict(num_generations=2, batch_size=2, micro_batch_size=2, max_steps=2, learning_rate=5e-3, beta=0.1,
                max_new_tokens=6, max_outputs=2, categories=["base"], max_entries=2,
-               lora_r=4, lora_alpha=8, save_steps=1, bf16=False)
+               lora_r=4, lora_alpha=8, save_steps=1, bf16=False, temperature=1.0, dynamic_max_rounds=3,
+               min_sampled_success=None)
 PROTOCOL = PromptConfig(system_prompt="short").protocol_config(TEST_RL["max_outputs"])
 
 
@@ -278,11 +279,11 @@ def test_reference_is_the_init_model(rl_env):
             for name, prm in live.named_parameters():
                 if "lora_B" in name:
                     prm.data.normal_(0, 0.05)
-            snap = grpo.policy_snapshot(live, torch.float32)
+            snap = rollout_policy.policy_snapshot(live, torch.float32)
             for name, prm in live.named_parameters():  # refreshed in place on the next call
                 if "lora_B" in name:
                     prm.data.normal_(0, 0.05)
-            assert grpo.policy_snapshot(live, torch.float32, snap) is snap
+            assert rollout_policy.policy_snapshot(live, torch.float32, snap) is snap
             assert next(snap.parameters()).device == next(live.parameters()).device  # on the policy's device
             with torch.no_grad():
                 live_logits, snap_logits = live(on_device).logits, snap(on_device).logits
@@ -360,7 +361,7 @@ def test_rollout_snapshot_lives_on_the_gpu(tiny_model_dir):
         pytest.skip("needs CUDA")
     policy = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir).cuda(),
                             LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-    snap = grpo.policy_snapshot(policy, torch.bfloat16)
+    snap = rollout_policy.policy_snapshot(policy, torch.bfloat16)
     assert {p.device.type for p in snap.parameters()} == {"cuda"} and next(snap.parameters()).dtype == torch.bfloat16
     assert snap.config._attn_implementation != "rcgrpo_cpu"  # the CPU decode attention stays on the CPU
     ids = torch.randint(0, 1000, (1, 12), device="cuda")
@@ -378,9 +379,9 @@ def test_world_size_must_keep_groups_whole():
 
 
 def test_vllm_backends_over_trl_engines_without_vllm(tiny_model_dir):
-    """The GPU path's engine backends, built as `grpo.trl_vllm_backend` builds them (no vLLM here): colocate
-    wraps TRL's engine through the constructor; server mode sends one request per length cap (concurrently) and
-    detects the stop token."""
+    """The GPU path's engine backends, built as `rollout_policy.trl_vllm_backend` builds them (no vLLM here):
+    colocate wraps TRL's engine through the constructor; server mode sends one request per length cap
+    (concurrently) and detects the stop token."""
     from types import SimpleNamespace
 
     from transformers import AutoTokenizer

@@ -13,14 +13,14 @@ from test_rl import PROTOCOL, TEST_RL, _spec
 from rcgrpo_tasks.engine.rollout import run_group
 from rcgrpo_tasks.env.multi_turn import entries as multi_turn
 from rcgrpo_tasks.ops.config import from_dict
-from rcgrpo_tasks.train import grpo, grpo_trainer, offpolicy, rl, runs
+from rcgrpo_tasks.train import grpo, grpo_rollout, grpo_trainer, offpolicy, rl, runs
 
 
-def _rollout(tok, mode: str, **cfg) -> grpo.EngineRollout:
+def _rollout(tok, mode: str, **cfg) -> grpo_rollout.EngineRollout:
     config = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "max_entries": None, "max_new_tokens": 8,
                                        "num_generations": 3, "batch_size": 9, "micro_batch_size": 3, **cfg})
     entries = {e.id: e for e in multi_turn.load_entries(["base"])[:3]}
-    return grpo.EngineRollout(config, PROTOCOL, mode, LEVELS, entries, tok)
+    return grpo_rollout.EngineRollout(config, PROTOCOL, mode, LEVELS, entries, tok)
 
 
 @pytest.mark.parametrize("mode", ["rc", "none"])

@@ -20,7 +20,7 @@ from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.single_turn import entries as single_turn
 from rcgrpo_tasks.ops.config import ConfigError, from_dict
 from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
-from rcgrpo_tasks.train import adapters, grpo, rl
+from rcgrpo_tasks.train import adapters, grpo, grpo_rollout, rl, rollout_policy
 
 SPARE = 6
 """Embedding rows beyond the tokenizer (Qwen2.5 ships 152,064 rows for ~151,665 tokens)."""
@@ -106,7 +106,8 @@ def test_rl_trains_the_reward_token_rows_saves_and_merges_them(qwen_env, monkeyp
             live = box["trainer"].accelerator.unwrap_model(box["trainer"].model)
             with torch.no_grad():
                 seen["live"] = live.get_input_embeddings().weight[ids].clone()
-                snap = grpo.policy_snapshot(live, torch.float32, box["rollout"].snapshot)  # the refresh
+                # the refresh
+                snap = rollout_policy.policy_snapshot(live, torch.float32, box["rollout"].snapshot)
                 seen["snapshot"] = snap.get_input_embeddings().weight[ids].clone()
                 with live.disable_adapter():
                     seen["reference"] = live.get_input_embeddings().weight[ids].clone()
@@ -153,7 +154,7 @@ def test_rollouts_the_model_ended_count_as_finished_for_trl(tok):
     backend = ScriptedBackend(tok, lambda key, step, ids: scripts[key][step] if step < len(scripts[key]) else "")
     protocol = PromptConfig(system_prompt="short").protocol_config(2)
     cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",)})
-    rollout = grpo.EngineRollout(cfg, protocol, "none", LEVELS, {entry.id: entry}, tok)
+    rollout = grpo_rollout.EngineRollout(cfg, protocol, "none", LEVELS, {entry.id: entry}, tok)
     trajs = run_seeded_groups(backend, [(entry, [None, None], SamplingParams(seed=0))], protocol)[0]
     assert [t.termination for t in trajs] == ["done", "step_limit"]
     fields = rollout.to_trl(trajs)

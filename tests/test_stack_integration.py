@@ -26,6 +26,7 @@ import yaml
 from helpers import REPO_ROOT, copy_tree, free_port_base
 
 from rcgrpo_tasks.ops import stack as st
+from rcgrpo_tasks.ops import stack_state
 
 pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent
@@ -63,7 +64,7 @@ def run(cmd: list[str], cwd: Path, env: dict, log: Path, timeout: float = 600) -
 def lab(tmp_path_factory):
     root = tmp_path_factory.mktemp("stack")
     repo = copy_tree(root / "repo")
-    stack = st.make_stack(root / "state", port_base=free_port_base())
+    stack = stack_state.make_stack(root / "state", port_base=free_port_base())
     old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     os.environ.update({"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET})
     try:

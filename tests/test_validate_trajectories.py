@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
-from test_generate_trajectories import write_inputs
+from test_generate_trajectories import multi_turn_config, write_inputs
 
-from rcgrpo_tasks.data.dataset import GenerateConfig, generate
+from rcgrpo_tasks.data.dataset import generate
 from rcgrpo_tasks.data.gate import PASSED_FILE, RESULT_FILE, ValidationFailed
 from rcgrpo_tasks.data.labels import LabelConfig, labelled
 from rcgrpo_tasks.data.quality import ValidateConfig, validate
@@ -18,7 +18,7 @@ from rcgrpo_tasks.env.multi_turn.entries import load_entries
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.inputs import InputError
 
-GEN = GenerateConfig(policy_entries=0)
+GEN = multi_turn_config(policy_entries=0)
 PROMPT = PromptConfig()
 CFG = ValidateConfig(data_docs=False)
 

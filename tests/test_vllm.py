@@ -246,7 +246,7 @@ def test_one_rl_step_through_trl_colocate(vllm_model_dir, tmp_path, monkeypatch,
     the engine decodes what the saved policy decodes with the hf backend."""
     from rcgrpo_tasks.ops.config import from_dict
     from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
-    from rcgrpo_tasks.train import grpo, grpo_trainer, rl
+    from rcgrpo_tasks.train import grpo, grpo_rollout, grpo_trainer, rl
 
     entries = multi_turn.load_entries(["base"])[:4]
     write_jsonl(tmp_path / "entries.jsonl", (e.to_json() for e in entries))
@@ -257,7 +257,7 @@ def test_one_rl_step_through_trl_colocate(vllm_model_dir, tmp_path, monkeypatch,
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "test-vllm-colocate")
     box = {}
-    real_build, real_groups = rl.build_trainer, grpo.EngineRollout.groups
+    real_build, real_groups = rl.build_trainer, grpo_rollout.EngineRollout.groups
 
     def build(*a, **k):
         box["trainer"], resume, rollout = real_build(*a, **k)
@@ -272,7 +272,7 @@ def test_one_rl_step_through_trl_colocate(vllm_model_dir, tmp_path, monkeypatch,
         return out
 
     monkeypatch.setattr(rl, "build_trainer", build)
-    monkeypatch.setattr(grpo.EngineRollout, "groups", groups)
+    monkeypatch.setattr(grpo_rollout.EngineRollout, "groups", groups)
     cfg = from_dict(grpo.RLConfig, dict(
         num_generations=2, batch_size=2, micro_batch_size=2, max_steps=2, learning_rate=5e-2, beta=0.0,
         max_new_tokens=6, max_outputs=2, categories=("base",), max_entries=2, lora_r=4, lora_alpha=8,

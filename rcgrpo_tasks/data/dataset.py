@@ -38,8 +38,8 @@ FAILURE_SOURCES: tuple[str, ...] = ("policy", *ALL_PERTURBATIONS)
 
 
 def _default_mix() -> dict[str, float]:
-    return {"policy": 0.1, **{k: 0.15 for k in ("wrong_arg_value", "wrong_function", "dropped_call", "extra_call",
-                                                 "stop_early", "wrong_turn")}}
+    return {"policy": 0.1, "wrong_arg_value": 0.3,
+            **{k: 0.15 for k in ("missing_param", "wrong_function", "extra_call", "dropped_call")}}
 
 
 DECODE_KEYS = ("temperature", "top_p", "max_outputs", "max_new_tokens", "backend", "dtype")
@@ -52,8 +52,8 @@ class GenerateConfig:
         "policy_dtype": "generate_trajectories.dtype (the policy rows are the only rows this stage decodes)",
     }
 
-    decode: DecodeConfig = flat_field(DecodeConfig(temperature=1.0, max_outputs=20, max_new_tokens=64),
-                                      DECODE_KEYS)
+    decode: DecodeConfig = flat_field(
+        DecodeConfig(temperature=1.0, max_outputs=1, max_new_tokens=48, dtype="float32"), DECODE_KEYS)
     """How the policy rows decode (`engine.decoding`; flat keys); each policy entry is one shared-prefix group
     of `policy_samples` rollouts, so `batch_rows` does not apply."""
     reward: Reward = "paper_reward"

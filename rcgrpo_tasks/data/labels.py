@@ -12,12 +12,19 @@ from rcgrpo_tasks.data.chat import assistant_token_mask, strip_reward_goal, with
 from rcgrpo_tasks.data.dataset import GenerateConfig
 from rcgrpo_tasks.data.gate import require_passed
 from rcgrpo_tasks.data.pairing import FailureRule, Pairing, check_policy_rows, rctp_rows
-from rcgrpo_tasks.env.prompt import check_reward_tokens
+from rcgrpo_tasks.env.prompt import check_reward_tokens, reward_tokens
 from rcgrpo_tasks.env.rewards import reward_value
-from rcgrpo_tasks.ops.config import ConfigError
+from rcgrpo_tasks.ops.config import ConfigError, read_sections
 from rcgrpo_tasks.ops.inputs import InputError, read_jsonl
 
 DATASETS = ("sft", "rctp")
+
+
+def load_reward_tokens(params_path: str | Path) -> tuple[str, ...]:
+    """THE reward tokens of a pipeline, lowest first, as its params file says (`label_rewards.tokens`; the
+    default pair when the section leaves them out), checked (`check_reward_tokens`) and remembered as read
+    (`ops.config.check_params_unchanged`). Every stage that conditions on a reward goal reads them here."""
+    return reward_tokens(read_sections(params_path, "label_rewards"))
 
 
 @dataclass(frozen=True)

@@ -45,14 +45,15 @@ ROUND_SEED_STRIDE = 1_000_003
 class SampleConfig:
     """params.yaml `sample_policy`; the prompt is the shared `prompt` section, R is generate_trajectories.reward."""
 
-    decode: DecodeConfig = flat_field(DecodeConfig(temperature=0.7, max_outputs=4, max_new_tokens=48))
+    decode: DecodeConfig = flat_field(DecodeConfig(temperature=0.7, max_outputs=1, max_new_tokens=64,
+                                                               batch_rows=16))
     """Sampling, budgets and engine (`engine.decoding`; flat keys). Temperature > 0: on-policy samples
     (the paper's RCTP samples: 0.7)."""
-    n_entries: int | None = 8
+    n_entries: int | None = 24
     """Train entries sampled (a seeded sample of `categories`, in file order); null = every one."""
     categories: tuple[str, ...] | None = None
     """Categories drawn from; null = every category of the prepared entries."""
-    samples_per_entry: int = 2
+    samples_per_entry: int = 4
     """Rollouts per entry per round."""
     max_samples_per_entry: int = 4
     """Cap: an entry stops being sampled at this many rollouts, with or without both outcomes."""

@@ -1,9 +1,8 @@
 """`rcgrpo_cpu`: the attention of CPU models the `hf` backend decodes with (and of RL rollout snapshots).
 
 - Prefill: torch's sdpa with `enable_gqa`. transformers' sdpa copies K/V once per query head whenever there
-  is a mask, as a padded batch has: 8 new tokens on 40 rows x 777 cached columns (SmolLM2, bf16, 2 cores)
-  took 1.03 s of attention per forward, 0.27 s with GQA.
-- One-token decode: a GQA-packed matmul + softmax (CPU sdpa with a padding mask is ~3x slower in bf16).
+  is a mask, as a padded batch has (measured: docs/measured.md, "Engine").
+- One-token decode: a GQA-packed matmul + softmax (CPU sdpa with a padding mask is slower in bf16).
 - A cache with shared prefixes (`kvcache.SharedPrefixes`, passed as the `rcgrpo_shared` keyword), prefill and
   decode: each block's prefix is read once for all the rows that share it (their queries stacked into one
   matmul per block and head), the rows' own columns as above, and the two softmaxes merged through their

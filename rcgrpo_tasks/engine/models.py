@@ -104,9 +104,8 @@ def last_positions(n: int, width: int, device):
     """`logits_to_keep` for the last `n` of `width` positions, as an index tensor rather than the int `n`.
 
     transformers slices the hidden states `[:, -n:, :]` for an int: a non-contiguous view on which torch's
-    CPU `linear` broadcasts the LM head's weight to every row and copies it (bf16, 40 rows, one position of
-    eight, 49k x 576 head: 2.3 s instead of 21 ms; 8 rows x 65 of 800 positions: 0.48 s instead of 0.09 s).
-    An index tensor gathers a contiguous copy of the positions instead. Decode steps (`width` 1) keep
+    CPU `linear` broadcasts the LM head's weight to every row and copies it (measured: docs/measured.md,
+    "Engine"). An index tensor gathers a contiguous copy of the positions instead. Decode steps (`width` 1) keep
     the int: their slice is contiguous already.
     """
     import torch

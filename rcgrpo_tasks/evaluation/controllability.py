@@ -30,15 +30,16 @@ class ControllabilityConfig:
     MOVED_KEYS: ClassVar[dict[str, str]] = {
         k: f"rl.{k} (the sampled arm samples as RL does)" for k in ("temperature", "top_p")}
 
-    decode: DecodeConfig = flat_field(DecodeConfig(max_outputs=4, max_new_tokens=48), DECODE_KEYS)
+    decode: DecodeConfig = flat_field(DecodeConfig(max_outputs=1, max_new_tokens=64, batch_rows=16),
+                                      DECODE_KEYS)
     """Budgets and engine (`engine.decoding`; flat keys: max_outputs, max_new_tokens, batch_rows, dtype). The
     sampled arm's temperature and top_p are `rl`'s (`sampled_as`); the backend is hf, loaded as evaluate
     loads a trained output."""
-    n_entries: int = 4
+    n_entries: int = 32
     """Held-out entries rolled: the first n of the test split taken round-robin over `categories`."""
     categories: tuple[str, ...] | None = None
     """Categories drawn from; null = every category of the prepared entries."""
-    samples_per_token: int = 2
+    samples_per_token: int = 3
     """Sampled arm: rollouts per (entry, token) at the RL temperature."""
     greedy: bool = True
     """Also roll one greedy rollout per (entry, token) beside the sampled arm."""

@@ -26,12 +26,13 @@ from rcgrpo_tasks.ops.stats import bootstrap_ci, check_n_boot
 class EvaluateConfig:
     """params.yaml `evaluate`; the prompt (protocol, doc style, system prompt) is the shared `prompt` section."""
 
-    decode: DecodeConfig = flat_field(DecodeConfig(temperature=0.0, max_outputs=8, max_new_tokens=96))
+    decode: DecodeConfig = flat_field(DecodeConfig(temperature=0.0, max_outputs=1, max_new_tokens=64,
+                                                               batch_rows=16))
     """Sampling, budgets and engine (`engine.decoding`; flat keys). Default greedy; `max_outputs`: model
     outputs per episode under `paper`."""
     seed: int = 0
     """Sampling and bootstrap seed."""
-    limit: int | None = None
+    limit: int | None = 32
     """Evaluate only N held-out entries, taken round-robin over categories (smoke profile); null = all."""
     official_full: bool = False
     """Also run BFCL's official protocol on every prepared entry (multi-turn: all 800; GPU profile)."""

@@ -12,191 +12,34 @@ Names, ports and env vars come from `infra/services.yaml` (shared with `infra/do
 S3 credentials come only from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment: SeaweedFS
 gets them through an identity file in the state folder (mode 0600); logs, env.sh and DVC config never
 hold them. Ports can be moved with `--port-base` (tests use fresh ports: SeaweedFS may hang on SIGTERM,
-so it is SIGKILLed after a timeout).
+so it is SIGKILLed after a timeout). The stack's description and the process bookkeeping (stack.json, spawn,
+kill, health checks) are `ops.stack_state`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
-REPO_ROOT = Path(__file__).resolve().parents[2]  # rcgrpo_tasks/ops/stack.py -> the checkout
-SERVICES_FILE = REPO_ROOT / "infra" / "services.yaml"
-ORDER = ("s3", "mlflow", "prefect", "worker")  # start order; stop is the reverse
-
-
-class StackError(RuntimeError):
-    """A stack service failed to start, is unhealthy, or the environment is incomplete."""
-
-
-def load_services(path: Path = SERVICES_FILE) -> dict:
-    return yaml.safe_load(Path(path).read_text())
-
-
-@dataclass(frozen=True)
-class Stack:
-    state_dir: Path
-    ports: dict[str, int]
-    host: str = "127.0.0.1"
-    services: dict = field(default_factory=load_services, repr=False)
-
-    @property
-    def bucket(self) -> str:
-        return self.services["bucket"]
-
-    def url(self, name: str) -> str:
-        return f"http://{self.host}:{self.ports[name]}"
-
-    def fill(self, template: str, hosts: dict[str, str] | None = None) -> str:
-        """Substitute {<service>} ports, {<service>_host} hosts and the scalar settings."""
-        values = {**self.ports, **{k: v for k, v in self.services.items() if isinstance(v, str)}}
-        values.update({f"{name}_host": (hosts or {}).get(name, self.host) for name in self.services["services"]})
-        return template.format(**values)
-
-    def client_env(self) -> dict[str, str]:
-        return {k: self.fill(v) for k, v in self.services["client_env"].items()}
-
-    def log(self, name: str) -> Path:
-        return self.state_dir / "logs" / f"{name}.log"
-
-
-def default_ports(services: dict, base: int | None = None) -> dict[str, int]:
-    """Ports from services.yaml, or a consecutive block from `base` (grpc = port + 1, so step 2)."""
-    names = ["s3", "mlflow", "prefect", "master", "volume", "filer"]
-    if base is None:
-        return {**{k: v["port"] for k, v in services["services"].items()}, **services["seaweedfs_ports"]}
-    return {name: base + 2 * i for i, name in enumerate(names)}
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def make_stack(state_dir: str | Path = ".stack", port_base: int | None = None) -> Stack:
-    state = Path(state_dir).resolve()
-    saved = state / "stack.json"
-    if saved.is_file():
-        recorded = json.loads(saved.read_text())
-        if port_base is None:  # reuse the ports of a stack already there
-            return Stack(state, recorded["ports"])
-        wanted = default_ports(load_services(), port_base)
-        if wanted != recorded["ports"] and any(_alive(r) for r in recorded.get("procs", {}).values()):
-            raise StackError(f"a stack is running from {state} on other ports; `rcgrpo stack down` first")
-    return Stack(state, default_ports(load_services(), port_base))
-
-
-# -- process bookkeeping ------------------------------------------------------------------------------
-
-def _read_state(stack: Stack) -> dict:
-    path = stack.state_dir / "stack.json"
-    return json.loads(path.read_text()) if path.is_file() else {"ports": stack.ports, "procs": {}}
-
-
-def _write_state(stack: Stack, state: dict) -> None:
-    state["ports"] = stack.ports
-    path = stack.state_dir / "stack.json"
-    path.write_text(json.dumps(state, indent=2))
-    pids = stack.state_dir / "pids"
-    pids.mkdir(exist_ok=True)
-    for name in ORDER:
-        pid_file = pids / f"{name}.pid"
-        if name in state["procs"]:
-            pid_file.write_text(f"{state['procs'][name]['pid']}\n")
-        else:
-            pid_file.unlink(missing_ok=True)
-
-
-def _alive(rec: dict) -> bool:
-    """True only if the recorded pid is still the process we started (same start time)."""
-    import psutil
-
-    try:
-        proc = psutil.Process(rec["pid"])
-        return abs(proc.create_time() - rec["create_time"]) < 1.0 and proc.status() != "zombie"
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
-
-
-def _spawn(stack: Stack, name: str, cmd: list[str], env: dict[str, str], cwd: Path | None = None) -> dict:
-    import psutil
-
-    stack.log(name).parent.mkdir(parents=True, exist_ok=True)
-    with open(stack.log(name), "ab") as log:
-        log.write(f"\n=== {time.strftime('%F %T')} starting {name}: {cmd[0]} ...\n".encode())
-        log.flush()
-        # own session = own process group, so stop() can end the server with its workers and nothing else
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, cwd=cwd, start_new_session=True)
-    return {"pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(), "cmd": cmd[:2]}
-
-
-def _reap(rec: dict) -> None:
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(rec["pid"], os.WNOHANG)  # only succeeds if we are its parent
-
-
-def _kill(recs: list[dict], timeouts: list[float]) -> None:
-    """SIGTERM the recorded process groups together; SIGKILL each one still alive after its own timeout
-    (SeaweedFS can hang on SIGTERM). Only processes whose pid AND start time match are touched."""
-    for rec in recs:  # a server that died on its own is a zombie until its parent (maybe us) reaps it
-        _reap(rec)
-    live = [(r, t) for r, t in zip(recs, timeouts) if _alive(r)]
-    killed: set[int] = set()
-    for rec, _ in live:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(rec["pid"], signal.SIGTERM)
-    start = time.monotonic()
-    while live and time.monotonic() - start < max(t for _, t in live) + 10:
-        for rec, limit in live:
-            _reap(rec)
-            if time.monotonic() - start > limit and rec["pid"] not in killed:
-                killed.add(rec["pid"])
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(rec["pid"], signal.SIGKILL)
-        live = [(r, t) for r, t in live if _alive(r)]
-        time.sleep(0.2)
-    for rec in recs:  # the ones that just died are zombies until reaped
-        _reap(rec)
-
-
-def _wait_http(url: str, timeout: float, name: str, stack: Stack, ok=lambda status: status == 200) -> None:
-    deadline = time.monotonic() + timeout
-    last = ""
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=3) as resp:
-                if ok(resp.status):
-                    return
-                last = f"HTTP {resp.status}"
-        except urllib.error.HTTPError as exc:
-            if ok(exc.code):
-                return
-            last = f"HTTP {exc.code}"
-        except (OSError, urllib.error.URLError) as exc:
-            last = str(exc)
-        time.sleep(0.5)
-    tail = stack.log(name).read_text(errors="replace")[-2000:] if stack.log(name).is_file() else ""
-    raise StackError(f"{name} not healthy at {url} after {timeout:.0f}s ({last}); log {stack.log(name)}:\n{tail}")
-
+from rcgrpo_tasks.ops.stack_state import (
+    ORDER,
+    Stack,
+    StackError,
+    alive,
+    kill,
+    load_services,
+    read_state,
+    reap,
+    spawn,
+    wait_http,
+    write_state,
+)
 
 # -- services -----------------------------------------------------------------------------------------
 
@@ -237,11 +80,12 @@ def _start_s3(stack: Stack) -> dict:
            f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer'] + 1}", "-s3", f"-s3.port={p['s3']}",
            f"-s3.port.grpc={p['s3'] + 1}", "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={ident}",
            "-master.volumeSizeLimitMB=1024"]
-    return _spawn(stack, "s3", cmd, _without_credentials(os.environ))  # weed logs env keys; the file it does not
+    # weed logs env keys; the file it does not
+    return spawn(stack, "s3", cmd, _without_credentials(os.environ))
 
 
 def _ready_s3(stack: Stack) -> None:
-    _wait_http(stack.url("s3") + "/", 60, "s3", stack, ok=lambda s: s in (200, 403))
+    wait_http(stack.url("s3") + "/", 60, "s3", stack, ok=lambda s: s in (200, 403))
     _ensure_bucket(stack)
 
 
@@ -275,7 +119,7 @@ def _start_mlflow(stack: Stack) -> dict:
            "--backend-store-uri", f"sqlite:///{stack.state_dir / 'mlflow.db'}",
            "--artifacts-destination", f"s3://{stack.bucket}/{stack.services['mlflow_prefix']}",
            "--serve-artifacts"]
-    return _spawn(stack, "mlflow", cmd, env)
+    return spawn(stack, "mlflow", cmd, env)
 
 
 def _prefect_env(stack: Stack) -> dict[str, str]:
@@ -290,7 +134,7 @@ def _start_prefect(stack: Stack) -> dict:
     env.update({k: stack.fill(v) for k, v in stack.services.get("prefect_server_env", {}).items()})
     cmd = [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", stack.host,
            "--port", str(stack.ports["prefect"]), "--analytics-off"]
-    return _spawn(stack, "prefect", cmd, env)
+    return spawn(stack, "prefect", cmd, env)
 
 
 def _start_worker(stack: Stack, repo: Path) -> dict:
@@ -299,7 +143,7 @@ def _start_worker(stack: Stack, repo: Path) -> dict:
     pool = stack.services["work_pools"]["cpu"]
     subprocess.run([prefect, "work-pool", "create", pool, "--type", "process", "--overwrite"],
                    env=env, check=True, capture_output=True, cwd=repo)
-    return _spawn(stack, "worker", [prefect, "worker", "start", "--pool", pool, "--type", "process"],
+    return spawn(stack, "worker", [prefect, "worker", "start", "--pool", pool, "--type", "process"],
                   env, cwd=repo)
 
 
@@ -341,10 +185,10 @@ def up(stack: Stack, repo: Path | None = None, worker: bool = False) -> dict:
     """
     stack.state_dir.mkdir(parents=True, exist_ok=True)
     _credentials()
-    state = _read_state(stack)
+    state = read_state(stack)
     ready = {"s3": lambda: _ready_s3(stack),
-             "mlflow": lambda: _wait_http(stack.url("mlflow") + "/health", 180, "mlflow", stack),
-             "prefect": lambda: _wait_http(stack.url("prefect") + "/api/health", 180, "prefect", stack),
+             "mlflow": lambda: wait_http(stack.url("mlflow") + "/health", 180, "mlflow", stack),
+             "prefect": lambda: wait_http(stack.url("prefect") + "/api/health", 180, "prefect", stack),
              "worker": lambda: _wait_log(stack, "worker", "started", 90)}
     starters = {"s3": _start_s3, "mlflow": _start_mlflow, "prefect": _start_prefect,
                 "worker": lambda s: _start_worker(s, repo or Path.cwd())}
@@ -353,20 +197,30 @@ def up(stack: Stack, repo: Path | None = None, worker: bool = False) -> dict:
         for wave in waves:
             for n in wave:
                 if n in state["procs"]:
-                    _reap(state["procs"][n])
-            started = [n for n in wave if not (n in state["procs"] and _alive(state["procs"][n]))]
+                    reap(state["procs"][n])
+            started = [n for n in wave if not (n in state["procs"] and alive(state["procs"][n]))]
             for name in started:
                 _check_ports(stack, name)
                 state["procs"][name] = starters[name](stack)
-                _write_state(stack, state)
+                write_state(stack, state)
             for name in started:
                 ready[name]()
     finally:
-        _write_state(stack, state)
+        write_state(stack, state)
     if repo is not None:
         configure_dvc(stack, repo)
     write_env_file(stack)
     return stack.client_env()
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _check_ports(stack: Stack, name: str) -> None:
@@ -379,12 +233,12 @@ def _check_ports(stack: Stack, name: str) -> None:
 
 def down(stack: Stack, only: list[str] | None = None, timeout: float = 8.0) -> list[str]:
     """Stop the recorded processes (all at once; SeaweedFS gets a short grace); returns the names stopped."""
-    state = _read_state(stack)
+    state = read_state(stack)
     names = [n for n in reversed(ORDER) if n in state["procs"] and (not only or n in only)]
-    _kill([state["procs"][n] for n in names], [min(timeout, 3.0) if n == "s3" else timeout for n in names])
+    kill([state["procs"][n] for n in names], [min(timeout, 3.0) if n == "s3" else timeout for n in names])
     for name in names:
         state["procs"].pop(name)
-    _write_state(stack, state)
+    write_state(stack, state)
     if "s3" in names:  # SeaweedFS leaves its unix sockets behind in the temp folder
         import tempfile
 
@@ -395,19 +249,19 @@ def down(stack: Stack, only: list[str] | None = None, timeout: float = 8.0) -> l
 
 
 def status(stack: Stack) -> dict[str, str]:
-    state = _read_state(stack)
+    state = read_state(stack)
     checks = {"s3": "/", "mlflow": "/health", "prefect": "/api/health"}
     out = {}
     for name in ORDER:
         rec = state["procs"].get(name)
-        if rec is None or not _alive(rec):
+        if rec is None or not alive(rec):
             out[name] = "stopped"
             continue
         if name not in checks:
             out[name] = f"running (pid {rec['pid']})"
             continue
         try:
-            _wait_http(stack.url(name) + checks[name], 3, name, stack, ok=lambda s: s in (200, 403))
+            wait_http(stack.url(name) + checks[name], 3, name, stack, ok=lambda s: s in (200, 403))
             out[name] = f"healthy at {stack.url(name)} (pid {rec['pid']})"
         except StackError:
             out[name] = f"UNHEALTHY at {stack.url(name)} (pid {rec['pid']})"

@@ -46,9 +46,10 @@ from pathlib import Path
 
 import typer
 
+from rcgrpo_tasks.data.labels import load_reward_tokens
 from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.engine.trajectory import as_stage_output, write_trajectories
-from rcgrpo_tasks.env.prompt import PromptConfig, reward_tokens
+from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.evaluation.controllability import (
     ControllabilityConfig,
     held_out_entries,
@@ -58,7 +59,7 @@ from rcgrpo_tasks.evaluation.controllability import (
 )
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
-from rcgrpo_tasks.ops.config import as_dict, load_config, read_sections
+from rcgrpo_tasks.ops.config import as_dict, load_config
 from rcgrpo_tasks.ops.outputs import write_json
 from rcgrpo_tasks.train.grpo import RLConfig
 
@@ -91,7 +92,7 @@ def main(
     with cli_errors(FileNotFoundError):
         cfg = load_config(ControllabilityConfig, params, "controllability")
         prompt = load_config(PromptConfig, params, "prompt")
-        tokens = reward_tokens(read_sections(params, "label_rewards"))
+        tokens = load_reward_tokens(params)
         rl = load_config(RLConfig, params, "rl")  # the sampled arm samples as RL does
         picked = held_out_entries(entries, split, cfg)
         margin_set = held_out_entries(entries, split, cfg, cfg.margin_entries) if cfg.margin else None

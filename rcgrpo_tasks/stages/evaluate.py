@@ -28,7 +28,7 @@ gold calls the model made (multiset, arguments bound to parameter names) — the
 boundaries, so per-turn credit is undefined there.
 Budget (`params.yaml:evaluate`): greedy, a stratified `limit` of the held-out entries, `max_outputs` of
 `max_new_tokens`, `batch_rows` rows decoded together, entries sharing a system prompt batched so it is
-prefilled once, bf16 where the CPU has it (costs per model: docs/rl.md "Measured").
+prefilled once, bf16 where the CPU has it (costs per model: docs/measured.md).
 """
 
 from __future__ import annotations
@@ -37,12 +37,13 @@ from pathlib import Path
 
 import typer
 
+from rcgrpo_tasks.data.labels import load_reward_tokens
 from rcgrpo_tasks.data.margin import REPLAY_OUTPUTS, has_tokens, read_token
 from rcgrpo_tasks.engine.backend import reward_pair_ids
 from rcgrpo_tasks.engine.backends import load_backend
 from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.env.entries import read_entries, select_entries, stratified
-from rcgrpo_tasks.env.prompt import PromptConfig, reward_tokens
+from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.evaluation.heldout import (
     EvaluateConfig,
     flat_metrics,
@@ -53,7 +54,7 @@ from rcgrpo_tasks.evaluation.heldout import (
 )
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
-from rcgrpo_tasks.ops.config import as_dict, load_config, read_sections
+from rcgrpo_tasks.ops.config import as_dict, load_config
 from rcgrpo_tasks.ops.outputs import write_json, write_text
 
 
@@ -87,7 +88,7 @@ def main(
         cfg = load_config(EvaluateConfig, params, "evaluate")
         cfg.decode.check_context(model, f"{params}:evaluate.max_new_tokens")
         prompt = load_config(PromptConfig, params, "prompt")
-        tokens = reward_tokens(read_sections(params, "label_rewards"))
+        tokens = load_reward_tokens(params)
         pool = read_entries(entries)
         held_out = stratified(select_entries(pool, split=split, side="test"), cfg.limit)
         compute = load_compute(params)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import typer
 
+from rcgrpo_tasks.data.labels import load_reward_tokens
 from rcgrpo_tasks.engine.backend import reward_pair_ids
 from rcgrpo_tasks.engine.backends import load_backend
 from rcgrpo_tasks.engine.compute import load_compute
@@ -26,7 +27,7 @@ from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.rollout import run_rollouts
 from rcgrpo_tasks.engine.trajectory import write_trajectories
 from rcgrpo_tasks.env.entries import read_entries, select_entries
-from rcgrpo_tasks.env.prompt import DEFAULT_REWARD_TOKENS, PromptConfig, reward_tokens
+from rcgrpo_tasks.env.prompt import DEFAULT_REWARD_TOKENS, PromptConfig
 from rcgrpo_tasks.ops.cli import Progress, cli_errors
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, from_dict, read_sections
 
@@ -80,7 +81,7 @@ def main(
         device = device or (load_compute(params).device if params.is_file() else "auto")
         decode.check_context(model, "--max-new-tokens")
         engine_backend = load_backend(decode.backend, model, adapter, **decode.backend_kwargs(device))
-        tokens = reward_tokens(read_sections(params, "label_rewards")) if params.is_file() else DEFAULT_REWARD_TOKENS
+        tokens = load_reward_tokens(params) if params.is_file() else DEFAULT_REWARD_TOKENS
         pair = reward_pair_ids(engine_backend.tokenizer, (tokens[-1], tokens[0])) if guidance else None
         sampling = decode.sampling(seed, guidance=guidance, guidance_pair=pair)
     typer.echo(f"rollout: decoding on {engine_backend.describe().get('device', backend)}", err=True)

@@ -35,112 +35,16 @@ import typer
 
 from rcgrpo_tasks.env import results as bfcl_results
 from rcgrpo_tasks.env import tasks
-from rcgrpo_tasks.env.contract import Task
+from rcgrpo_tasks.evaluation.score_file import (
+    file_summary,
+    file_task,
+    pick_decoding,
+    publish,
+    score_rows,
+    summary_lines,
+)
+from rcgrpo_tasks.ops.cli import cli_errors, fail
 from rcgrpo_tasks.ops.inputs import InputError, read_jsonl_numbered
-from rcgrpo_tasks.ops.outputs import atomic_outputs, write_json, write_jsonl
-
-
-def score_rows(rows: list[tuple[int, dict]], path: str, entries: dict, decoding: str = "calls",
-               underscore_to_dot: bool = False) -> tuple[list[dict], list[str]]:
-    """Score (line number, row) pairs, each result decoded by `decoding`; returns (verdict rows, per-line
-    errors)."""
-    verdicts, errors, seen = [], [], set()
-    for lineno, row in rows:
-        entry_id = row.get("id")
-        if not isinstance(entry_id, str):
-            errors.append(f"{path}:{lineno}: missing string field 'id'")
-            continue
-        if entry_id not in entries:
-            errors.append(f"{path}:{lineno}: unknown entry id {entry_id!r}")
-            continue
-        if entry_id in seen:
-            errors.append(f"{path}:{lineno}: duplicate entry id {entry_id!r}")
-            continue
-        if "result" not in row:
-            errors.append(f"{path}:{lineno}: missing field 'result' for {entry_id}")
-            continue
-        seen.add(entry_id)
-        entry = entries[entry_id]
-        try:
-            s, undecodable = tasks.task_of(entry).score_result(entry, row["result"], decoding, underscore_to_dot)
-        except Exception as exc:  # model output is data: a shape the scorer chokes on is one bad line
-            errors.append(f"{path}:{lineno}: result could not be scored ({type(exc).__name__}: {exc})"[:500])
-            continue
-        verdicts.append({"id": entry_id, "category": entry.category, "valid": s.valid, "error_type": s.error_type,
-                         "partial_credit": s.partial_credit, "paper_reward": s.paper_reward,
-                         "undecodable_steps": undecodable})
-    return verdicts, errors
-
-
-def summarize(verdicts: list[dict]) -> dict:
-    """Official accuracy per category (correct / entries) and overall (mean of categories)."""
-    cats: dict[str, list[dict]] = {}
-    for v in verdicts:
-        cats.setdefault(v["category"], []).append(v)
-    per_cat = {
-        c: {"n": len(vs), "accuracy": sum(v["valid"] for v in vs) / len(vs),
-            "partial_credit": sum(v["partial_credit"] for v in vs) / len(vs),
-            "paper_reward": sum(v["paper_reward"] for v in vs) / len(vs)}
-        for c, vs in sorted(cats.items(), key=lambda kv: tasks.ALL_CATEGORIES.index(kv[0]))
-    }
-    def mean(key: str) -> float:
-        return sum(c[key] for c in per_cat.values()) / len(per_cat) if per_cat else 0.0
-    return {"n": len(verdicts), "per_category": per_cat, "accuracy": mean("accuracy"),
-            "partial_credit": mean("partial_credit"), "paper_reward": mean("paper_reward")}
-
-
-def _print_summary(summary: dict) -> None:
-    width = max([14] + [len(c) + 2 for c in summary["per_category"]])
-    typer.echo(f"{'category':<{width}}{'n':>5}{'accuracy':>10}{'partial':>10}{'paper R':>10}")
-    for cat, s in summary["per_category"].items():
-        typer.echo(f"{cat:<{width}}{s['n']:>5}{s['accuracy']:>10.4f}{s['partial_credit']:>10.4f}"
-                   f"{s['paper_reward']:>10.4f}")
-    typer.echo(f"{'overall':<{width}}{summary['n']:>5}{summary['accuracy']:>10.4f}"
-               f"{summary['partial_credit']:>10.4f}{summary['paper_reward']:>10.4f}")
-    unit = summary["undecodable_unit"]
-    dropped = "were dropped" if unit == "step" else "are ast_decoder:decoder_failed"
-    typer.echo(f"undecodable: {summary[f'undecodable_{unit}s']} {unit}(s) did not decode and {dropped}")
-
-
-def _fail(message: str) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(2)
-
-
-def _task_of(rows: list[tuple[int, dict]], path: Path, entries: dict) -> Task | None:
-    """The one task of the file's known ids (None: no known id); a mix raises InputError naming rows."""
-    first: dict[str, tuple[int, str]] = {}
-    for lineno, row in rows:
-        entry = entries.get(row.get("id")) if isinstance(row.get("id"), str) else None
-        if entry is not None and entry.task not in first:
-            first[entry.task] = (lineno, entry.id)
-    if len(first) > 1:
-        named = "; ".join(f"{path}:{lineno} ({eid}) is {task}" for task, (lineno, eid) in first.items())
-        raise InputError(f"{path}: rows of different tasks: {named}. A file holds one task; split it")
-    return tasks.get_task(next(iter(first))) if first else None
-
-
-def _decoding(rows, path: Path, decoding: str, task: Task | None) -> str:
-    if decoding != "auto":
-        typer.echo(f"decoding: {decoding} (as asked)")
-        return decoding
-    try:
-        chosen, why = bfcl_results.choose_decoding(rows, str(path), task or tasks.default_task())
-    except bfcl_results.MixedDecodingError as exc:
-        raise InputError(str(exc)) from exc
-    typer.echo(f"decoding: {chosen} (detected: {why})")
-    return chosen
-
-
-def _publish(output: Path, summary_path: Path | None, verdicts: list[dict], summ: dict) -> None:
-    try:
-        with atomic_outputs() as out:
-            write_jsonl(out.file(output), verdicts)
-            if summary_path:
-                write_json(out.file(summary_path), summ)
-    except InputError as exc:  # OutputError: unwritable path, file too large, a concurrent writer
-        raise _fail(str(exc)) from exc
-
 
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
 
@@ -157,35 +61,31 @@ def main(
 ) -> None:
     """Score a BFCL result JSONL with the official-semantics scorer."""
     if decoding not in bfcl_results.DECODINGS:
-        raise _fail(f"--decoding {decoding!r}: expected one of {', '.join(bfcl_results.DECODINGS)}")
-    try:
+        fail(f"--decoding {decoding!r}: expected one of {', '.join(bfcl_results.DECODINGS)}")
+    with cli_errors():
         rows, errors = read_jsonl_numbered(results)
-    except InputError as exc:
-        raise _fail(str(exc)) from exc
     if not rows:
         for e in errors:
             typer.echo(f"error: {e}", err=True)
-        raise _fail(f"{results}: no result rows{' (every line was bad)' if errors else ''}")
+        fail(f"{results}: no result rows{' (every line was bad)' if errors else ''}")
     entries = tasks.entries_by_id()
-    try:
-        task = _task_of(rows, results, entries)
+    with cli_errors():
+        task = file_task(rows, results, entries)
         if underscore_to_dot and task is not None and not task.dotted_names:
             raise InputError(f"--underscore-to-dot: the {task.name} task's function names have no dots")
-        decoding = _decoding(rows, results, decoding, task)
-    except InputError as exc:
-        raise _fail(str(exc)) from exc
+        decoding, how = pick_decoding(rows, results, decoding, task)
+    typer.echo(f"decoding: {decoding} ({how})")
     verdicts, row_errors = score_rows(rows, str(results), entries, decoding, underscore_to_dot)
     errors += row_errors
     if not verdicts:
         for e in errors:
             typer.echo(f"error: {e}", err=True)
-        raise _fail(f"{results}: no line could be scored ({len(errors)} bad line(s)); nothing written")
-    undecodable = sum(v["undecodable_steps"] for v in verdicts)
-    task = task or tasks.task_of(entries[verdicts[0]["id"]])
-    summ = {**summarize(verdicts), "decoding": decoding, "task": task.name, "undecodable_unit": task.undecodable_unit,
-            f"undecodable_{task.undecodable_unit}s": undecodable}
-    _publish(output, summary, verdicts, summ)
-    _print_summary(summ)
+        fail(f"{results}: no line could be scored ({len(errors)} bad line(s)); nothing written")
+    summ = file_summary(verdicts, entries, decoding, task)
+    with cli_errors():  # OutputError: unwritable path, file too large, a concurrent writer
+        publish(output, summary, verdicts, summ)
+    for line in summary_lines(summ):
+        typer.echo(line)
     for e in errors:
         typer.echo(f"error: {e}", err=True)
     if errors:

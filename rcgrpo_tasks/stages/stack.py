@@ -8,7 +8,8 @@ from typing import Literal
 
 import typer
 
-from rcgrpo_tasks.ops.stack import StackError, down, make_stack, status, up, write_env_file
+from rcgrpo_tasks.ops.stack import down, status, up, write_env_file
+from rcgrpo_tasks.ops.stack_state import StackError, make_stack
 
 app = typer.Typer(add_completion=False)
 

@@ -19,6 +19,7 @@ instead of full fine-tuning by default.
 
 from __future__ import annotations
 
+import copy
 import math
 import shutil
 from dataclasses import dataclass, field
@@ -43,19 +44,26 @@ META_FILE = "rcgrpo_sft.json"
 """Written into every output folder: stage, variant, base model, special-token ids, config, input hashes."""
 PLOT_COLUMNS = ("step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_s", "num_tokens",
                 "mean_token_accuracy", "entropy")
+VARIANTS: dict[str, dict] = {
+    "sft": {"num_epochs": 2},
+    "rctp": {"num_epochs": 5, "require_reward_token": True, "init": "sft", "token_lr_multiplier": 10.0,
+             "row_order": "pairs", "loss_on": "divergent", "margin_every": 4},
+}
+"""The two runs of one definition (dvc.yaml foreach): `sft` = experts only (the paper's SFT baseline),
+`rctp` = mixed data with reward goals (RCTP-FT from the SFT model; docs/rl.md "RC-GRPO's premise")."""
 
 
 @dataclass(frozen=True)
 class SftConfig:
-    learning_rate: float = 2e-4
+    learning_rate: float = 1e-3
     """Peak learning rate (AdamW). The paper: 1e-5 with full fine-tuning of a 7B model."""
     num_epochs: float = 1.0
     """Passes over the dataset (the paper: 2 for SFT, 5 for RCTP); `max_steps` > 0 caps it."""
-    max_steps: int = -1
+    max_steps: int = 12
     """Optimizer steps; > 0 overrides `num_epochs` (the embedded CPU budget)."""
     batch_size: int = 2
     """Sequences per device per micro-batch."""
-    grad_accum: int = 1
+    grad_accum: int = 2
     """Micro-batches per optimizer step (effective batch = batch_size x grad_accum x devices)."""
     max_length: int = 1024
     """Tokens per sequence; longer chats are cut at the end, rows left without assistant tokens dropped."""
@@ -124,7 +132,7 @@ class SftConfig:
     """Flatten each batch into one sequence (no padding; block-diagonal attention)."""
     compact_lm_head: bool = True
     """On CPU, project only assistant positions through the LM head (TRL scores all of them there)."""
-    save_steps: int = 10
+    save_steps: int = 4
     """Checkpoint every this many optimizer steps (resume point)."""
     save_total_limit: int = 2
     """Checkpoints kept (2: a checkpoint being written when killed never leaves zero complete ones)."""
@@ -136,8 +144,8 @@ class SftConfig:
     """DeepSpeed JSON config (e.g. configs/ds_zero3.json) when launched with `accelerate launch`/torchrun."""
     log_model: bool = True
     """Log the final adapter to MLflow with `mlflow.transformers` (base = the local model folder)."""
-    variants: dict = field(default_factory=dict)
-    """Per-variant overrides, e.g. {rctp: {num_epochs: 5, require_reward_token: true}}."""
+    variants: dict = field(default_factory=lambda: copy.deepcopy(VARIANTS))
+    """Per-variant overrides (`VARIANTS`: `sft` = experts only, `rctp` = RCTP-FT); `resolve` applies one."""
 
     def __post_init__(self) -> None:
         checks = [

@@ -1,52 +1,28 @@
-"""GRPO / RC-GRPO settings and the rollout function TRL calls: BFCL episodes (either task) on the project engine.
+"""GRPO / RC-GRPO settings and the entries a run samples from.
 
 - `RLConfig` (params.yaml `rl`) and `check_world` (groups must not straddle processes).
 - `train_entries`: the train-split entries a run samples from (`env.entries`, the one reader of the split).
-- `check_reward`: `rl.reward` must be defined for the entries under `prompt.protocol`.
-- `EngineRollout`: TRL's `rollout_func`. Per call it draws the rollouts' reward tokens and sampling seeds
-  per group (`advantages`), decodes every group of the call in ONE engine session on the current policy
-  (`engine.rollout.run_seeded_groups`: the same rollouts as one `run_group` per group), records the rollout
-  diagnostics and the step's price (rollouts generated and trained on, groups dropped, tokens per useful
-  group) on the trainer and hands TRL prompt ids (system + first user message, with the rollout's own
-  reward token), completion ids (everything after: model and environment tokens, ending at the model's
-  end-of-turn where it ended the episode itself), `env_mask` (environment tokens carry no loss), the
-  sampling log-probs (the trainer measures and corrects the mismatch: `offpolicy`) and every reward
-  (`env.scoring.REWARDS`).
-- Dynamic sampling (algo `dynamic`, DAPO's): a group without reward spread is dropped and its slot refilled
-  by a group of another train entry, for at most `dynamic_max_rounds` generation rounds; groups still
-  without spread are not trained on (their `env_mask` is all 0: no loss, no KL term), and a step with none
-  left makes no update (`grpo_trainer.RCGRPOTrainerMixin.training_step`). Departures from DAPO: the batch
-  keeps its size (TRL's layout), so an unfilled slot is masked rather than removed, and TRL's `grpo` loss
-  still averages over every sequence of the batch, masked ones counting as 0.
-- The policy it samples from: a merged low-precision copy on the policy's own device, refreshed every
-  generation, or the live model; with vLLM, TRL's engine (`rollout_policy`).
-The trainer itself (`RCGRPOTrainer`, `build_trainer`) is in `grpo_trainer.py`.
+- `check_reward`: `rl.reward` must be defined for the entries under `prompt.protocol`; `check_deepspeed`:
+  ZeRO-3 and LoRA reward-token rows do not mix.
+The rollout function TRL calls (`EngineRollout`) is in `grpo_rollout.py`, the trainer (`RCGRPOTrainer`,
+`build_trainer`) in `grpo_trainer.py`.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
-import random
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from rcgrpo_tasks.engine import rollout as engine_rollout
-from rcgrpo_tasks.engine.backend import stop_token_ids
 from rcgrpo_tasks.engine.decoding import DecodeConfig
-from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.env.entries import split_entries
 from rcgrpo_tasks.env.prompt import ProtocolConfig
-from rcgrpo_tasks.env.rewards import REWARDS, Reward, reward_value
+from rcgrpo_tasks.env.rewards import Reward
 from rcgrpo_tasks.env.tasks import task_of
 from rcgrpo_tasks.ops.config import ConfigError, flat_field
 from rcgrpo_tasks.train import advantages as adv
-from rcgrpo_tasks.train import processes, runs
-from rcgrpo_tasks.train.rollout_policy import policy_snapshot, rollout_dtype, trl_vllm_backend
+from rcgrpo_tasks.train import runs
 
 DECODE_KEYS = ("temperature", "top_p", "max_outputs", "max_new_tokens")
 
@@ -55,13 +31,13 @@ DECODE_KEYS = ("temperature", "top_p", "max_outputs", "max_new_tokens")
 class RLConfig:
     num_generations: int = 4
     """G: rollouts per entry (group size). Paper: 5."""
-    batch_size: int = 4
+    batch_size: int = 8
     """Rollouts per optimizer step (= entries per step x G); must be a multiple of G. Paper: 256 prompts."""
-    micro_batch_size: int = 4
+    micro_batch_size: int = 8
     """Rollouts per forward/backward on one device; batch_size must be a multiple (grad accumulation)."""
-    max_steps: int = 2
+    max_steps: int = 5
     """Optimizer steps. Paper: 400."""
-    learning_rate: float = 1e-5
+    learning_rate: float = 5e-4
     """LoRA learning rate (paper, full fine-tuning: 1e-6)."""
     lr_scheduler: str = "constant"
     """transformers scheduler name."""
@@ -95,20 +71,21 @@ class RLConfig:
     token_draw: adv.TokenDraw = "iid"
     """RC-GRPO: `iid` (the paper: each rollout draws its own token) or `stratified` (every group holds both
     tokens, each rollout still high with probability p_high: `advantages.stratified_count`)."""
-    dynamic_max_rounds: int = 3
+    dynamic_max_rounds: int = 2
     """Algo `dynamic`: generation rounds per step, the first included (dropped groups are refilled in the
     others); groups without reward spread after the last round are not trained on."""
     reward: Reward = "paper_reward"
-    """Reward that drives the advantage (`env.scoring.Reward`); the other two are logged."""
-    decode: DecodeConfig = flat_field(DecodeConfig(temperature=1.0, max_outputs=2, max_new_tokens=32), DECODE_KEYS)
+    """Reward that drives the advantage (`env.rewards.Reward`); the other two are logged."""
+    decode: DecodeConfig = flat_field(DecodeConfig(temperature=0.7, max_outputs=1, max_new_tokens=64),
+                                      DECODE_KEYS)
     """How rollouts sample (`engine.decoding`; flat keys: temperature, top_p, max_outputs, max_new_tokens).
     TRL rescales its log-probs with the same temperature. The engine is the trainer's own policy
     (`rollout_dtype`, `use_vllm`), so backend, dtype and batch_rows do not apply."""
     categories: tuple[str, ...] | None = None
     """Train-split categories to sample entries from; null = every category of the prepared entries."""
-    max_entries: int | None = None
+    max_entries: int | None = 64
     """Use only this many train entries (the shortest prompts first); null = all."""
-    min_sampled_success: float | None = None
+    min_sampled_success: float | None = 0.75
     """RL prompts the init already solves: only train entries whose success rate among the SFT model's own
     samples (sample_policy, `--policy`) is at least this (before `max_entries`); null = every entry. RC-GRPO
     can only add reward spread where all-high groups are flat at SUCCESS (a low token can only lower
@@ -251,235 +228,3 @@ def prompt_length(entry, protocol: ProtocolConfig, tokenizer=None) -> int:
     """Length of an entry's initial messages: `tokenizer` tokens, else characters."""
     text = "".join(m["content"] for m in task_of(entry).initial_messages(entry, protocol))
     return len(tokenizer(text)["input_ids"]) if tokenizer is not None else len(text)
-
-
-# ---------------------------------------------------------------- TRL's rollout function
-
-
-def _n_calls(result) -> int:
-    return sum(len(step) for turn in result for step in turn)
-
-
-def _env_errors(messages) -> int:
-    return sum(m.get("role") == "tool" and str(m.get("content", "")).startswith("Error during execution")
-               for m in messages)
-
-
-class EngineRollout:
-    """TRL `rollout_func`: one group per run of identical entry ids in the (per-process) batch, all groups of a
-    call (and of each refill round) decoded in one engine session (`groups`).
-
-    `levels`: the reward tokens (label_rewards.tokens, lowest first); `protocol`: the episode settings
-    (params `prompt` with `max_outputs`); `dynamic`: drop and refill groups without reward spread (module
-    docstring).
-
-    Across processes: TRL hands process p the p-th contiguous share of whole groups of the step's batch and
-    each process decodes its own groups (no communication while decoding). A group's reward tokens and
-    sampling seed depend on its index in the whole batch, never on the process decoding it, so N processes
-    roll out exactly the groups one process would. Refill draws, the diagnostics and the price are
-    computed from every process's groups (`processes.gather`), identically on each."""
-
-    def __init__(self, cfg: RLConfig, protocol: ProtocolConfig, mode: adv.Conditioning, levels: tuple[str, ...],
-                 entries: dict, tokenizer, dynamic: bool = False):
-        self.cfg, self.protocol, self.mode, self.levels = cfg, protocol, mode, tuple(levels)
-        self.entries, self.tokenizer, self.dynamic = entries, tokenizer, dynamic
-        self.last: list = []  # this process's trajectories of the latest call (tests, debugging)
-        self.last_kept: list[bool] = []  # per group of this process in the latest call: trained on
-        self.records: list[dict] = []  # every process's rollouts of the latest call, batch order (rollout_record)
-        self.snapshot = None  # CPU: merged low-precision copy of the policy that the engine samples from
-        self.generated_tokens = 0  # model tokens of every rollout this process generated in the latest call
-
-    @functools.cached_property
-    def end_ids(self) -> set[int]:
-        """The engine's end-of-turn ids (EOS and the chat template's turn end)."""
-        return stop_token_ids(self.tokenizer)
-
-    def backend(self, trainer):
-        """The engine backend over the current policy: TRL's vLLM, the refreshed snapshot, or the live model."""
-        if trainer.use_vllm:
-            return trl_vllm_backend(trainer, self.tokenizer)
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        dtype = rollout_dtype(self.cfg.rollout_dtype, next(model.parameters()).device.type)
-        if dtype is not None:
-            self.snapshot = policy_snapshot(model, dtype, self.snapshot)
-            model = self.snapshot
-        return HFBackend.from_model(model, self.tokenizer)
-
-    def group_specs(self, entry_ids: list[str], step: int, slots: list[int], call: int) -> list[tuple]:
-        """(entry, reward tokens, sampling) of one group of G rollouts per entry id; `slots`: each group's index
-        in the step's whole batch. Tokens and sampling seed are drawn from (run seed, step, slot, call): a
-        resumed run, or a run on another number of processes, regenerates the same groups."""
-        g = self.cfg.num_generations
-        specs = []
-        for eid, slot in zip(entry_ids, slots):
-            tokens = adv.sample_reward_tokens(g, self.mode, self.cfg.p_high,
-                                              adv.token_seed(self.cfg.seed, step, slot, call=2 * call),
-                                              levels=self.levels, draw=self.cfg.token_draw, g=g)
-            sampling = self.cfg.decode.sampling(adv.token_seed(self.cfg.seed, step, slot, call=2 * call + 1))
-            specs.append((self.entries[eid], tokens, sampling))
-        return specs
-
-    def groups(self, backend, entry_ids: list[str], step: int, slots: list[int], call: int) -> list[list]:
-        """The `group_specs` groups, every one decoded in ONE engine session (`engine.rollout.run_seeded_groups`):
-        the backend batches all their rows and prefills each distinct prompt prefix once, and every group
-        keeps the seeds it would have alone (the same rollouts as one `run_group` per group)."""
-        out = engine_rollout.run_seeded_groups(backend, self.group_specs(entry_ids, step, slots, call), self.protocol)
-        self.generated_tokens += sum(t.n_model_tokens for grp in out for t in grp)
-        return out
-
-    def _spread(self, group) -> bool:
-        rewards = [reward_value(t.score, self.cfg.reward) if t.score else float("nan") for t in group]
-        return adv.spread_groups([float("nan") if r is None else r for r in rewards], len(group))[0]
-
-    def refill(self, backend, groups: list[list], spread: list[bool], ids: list[str], step: int,
-               first: int) -> dict:
-        """Dynamic sampling: replace, in place, the groups without reward spread (`spread`, per group of this
-        process, kept up to date; `first`: the batch index of its first group) by groups of train entries
-        not used yet in the step, for up to `dynamic_max_rounds - 1` more rounds. Each round draws, with a
-        seed of (run seed, step, round), one fresh entry per flat group of the WHOLE batch (every process
-        draws the same list and decodes its own slots); rounds go on while any process has a flat group.
-        Returns {rounds, spread flags of every group this process generated}."""
-        generated = list(spread)
-        used = {eid for part in processes.gather(ids) for eid in part}
-        rounds = 1
-        while rounds < self.cfg.dynamic_max_rounds:
-            flat = [j for j, ok in enumerate(f for part in processes.gather(spread) for f in part) if not ok]
-            if not flat:
-                break
-            rng = random.Random(adv.token_seed(self.cfg.seed, step, -1, call=rounds))
-            pool = sorted(set(self.entries) - used) or sorted(self.entries)
-            fresh = [pool[j] for j in rng.sample(range(len(pool)), len(flat))] if len(pool) >= len(flat) \
-                else [rng.choice(pool) for _ in flat]
-            used.update(fresh)
-            mine = [(j - first, eid) for j, eid in zip(flat, fresh) if first <= j < first + len(groups)]
-            new = self.groups(backend, [eid for _, eid in mine], step, [first + i for i, _ in mine], call=rounds)
-            for (i, _), grp in zip(mine, new):
-                groups[i], spread[i] = grp, self._spread(grp)
-                generated.append(spread[i])
-            rounds += 1
-        return {"rounds": rounds, "generated": generated}
-
-    def __call__(self, prompts: list, trainer) -> dict:
-        step, acc = trainer.state.global_step, trainer.accelerator
-        g = self.cfg.num_generations
-        ids = []
-        for start in range(0, len(prompts), g):
-            group = prompts[start : start + g]
-            if len(group) != g or len(set(group)) != 1:  # TRL lays out whole groups; check, never guess
-                raise RuntimeError(f"rollout batch is not whole groups of G={g}: {prompts}")
-            ids.append(group[0])
-        first = acc.process_index * len(ids)  # every process holds the same number of groups (check_world)
-        model = trainer.model
-        was_training = model.training
-        model.eval()  # no dropout when sampling from the live model; TRL reads its mode before and after
-        t0, self.generated_tokens = time.perf_counter(), 0
-        try:
-            backend = self.backend(trainer)
-            groups = self.groups(backend, ids, step, [first + i for i in range(len(ids))], call=0)
-            spread = [self._spread(grp) for grp in groups]
-            if self.dynamic:
-                gen = self.refill(backend, groups, spread, ids, step, first)
-                kept = list(spread)
-            else:
-                gen = {"rounds": 1, "generated": list(spread)}
-                kept = [True] * len(groups)
-        finally:
-            model.train(was_training)
-        elapsed = time.perf_counter() - t0
-        trajs = [t for grp in groups for t in grp]
-        self.last, self.last_kept = trajs, kept
-        mine = [rollout_record(t, step, first + i // g, kept[i // g]) for i, t in enumerate(trajs)]
-        parts = processes.gather((mine, elapsed, spread, kept, gen["generated"], self.generated_tokens))
-        self.records = [r for p in parts for r in p[0]]
-        kept_all = [k for p in parts for k in p[3]]
-        for name, value in self.metrics(self.records, max(p[1] for p in parts)).items():
-            trainer.record_metric(name, value)
-        for name, value in self.price([s for p in parts for s in p[2]], kept_all, [f for p in parts for f in p[4]],
-                                      gen["rounds"], sum(p[5] for p in parts)).items():
-            trainer.record_metric(name, value)
-        if self.dynamic and not any(kept_all) and acc.is_main_process:
-            print(f"rl: step {step + 1}: no group with reward spread after {gen['rounds']} generation round(s); "
-                  "nothing to train on, the step makes no update", file=sys.stderr, flush=True)
-        return self.to_trl(trajs, [k for k in kept for _ in range(g)])
-
-    def price(self, spread: list[bool], kept: list[bool], flags: list[bool], rounds: int, gen_tokens: int) -> dict:
-        """What the step's learning signal cost (`rc/...`): rollouts generated (all rounds) and trained on,
-        groups dropped, useful groups (trained on, with reward spread), generation rounds, model tokens
-        generated per useful group (NaN with none), and the zero-variance share of every generated group
-        (`flags`: the spread of each)."""
-        g = self.cfg.num_generations
-        useful = sum(k and s for s, k in zip(spread, kept))
-        return {
-            "rc/rollouts_generated": len(flags) * g,
-            "rc/rollouts_trained": sum(kept) * g,
-            "rc/groups_dropped": sum(not f for f in flags) if self.dynamic else 0,
-            "rc/useful_groups": useful,
-            "rc/gen_rounds": rounds,
-            "rc/gen_tokens_per_useful_group": gen_tokens / useful if useful else float("nan"),
-            "rc/frac_zero_std_generated": sum(not f for f in flags) / len(flags),
-        }
-
-    def to_trl(self, trajs, trained: list[bool] | None = None) -> dict:
-        """TRL's rollout fields, plus `r_<reward>` for every reward (TRL passes them to the reward functions).
-        A rollout not `trained` on gets an all-zero `env_mask`: no token of it enters the loss. A rollout the
-        model ended itself ends at its end-of-turn token (`advantages.end_at_stop`; `end_ids` are added to
-        TRL's EOS ids), so TRL's `clipped_ratio` counts the rollouts cut by a budget."""
-        keys = ("prompt_ids", "completion_ids", "logprobs", "env_mask", "reward_token", "entry_id")
-        out: dict[str, list] = {k: [] for k in keys + tuple(f"r_{name}" for name in REWARDS)}
-        for i, t in enumerate(trajs):
-            p, c, m, lp = adv.trajectory_fields(t.token_ids, t.prompt_len, t.completion_mask, t.logprobs)
-            if t.termination in adv.FINISHED:
-                c, m, lp = adv.end_at_stop(c, m, lp, self.end_ids)
-            if not c:  # nothing generated (context limit at once): one masked token keeps TRL's shapes; not an
-                c, m, lp = [p[-1]], [0], [0.0]  # end-of-turn id, so TRL counts the rollout as truncated
-            if trained is not None and not trained[i]:
-                m = [0] * len(c)
-            out["prompt_ids"].append(p)
-            out["completion_ids"].append(c)
-            out["env_mask"].append(m)
-            out["logprobs"].append(lp)
-            for name in REWARDS:
-                out[f"r_{name}"].append(reward_value(t.score, name))
-            out["reward_token"].append(t.reward_token)
-            out["entry_id"].append(t.entry_id)
-        return out
-
-    def metrics(self, records: list[dict], elapsed: float) -> dict:
-        """Rollout diagnostics of one call over every process's rollouts (`rollout_record`s; `elapsed`: the
-        slowest process's rollout time), as `rc/...`: reward overall and per token, controllability gap,
-        zero-std groups (and which are flat at failure / at success), model tokens, calls, steps, environment errors, rollout speed."""
-        rewards = [r["rewards"].get(self.cfg.reward) for r in records]
-        rewards = [float("nan") if v is None else v for v in rewards]
-        tokens = [r["reward_token"] for r in records]
-        by = adv.reward_by_token(rewards, tokens, levels=self.levels)
-        n_tok = sum(r["model_tokens"] for r in records)
-        n = len(records)
-        flat_low, flat_high = adv.flat_fractions(rewards, self.cfg.num_generations)
-        return {
-            "rc/frac_flat_fail": flat_low,
-            "rc/frac_flat_success": flat_high,
-            "rc/reward": sum(rewards) / n,
-            "rc/reward_high": by.get("high", float("nan")),
-            "rc/reward_low": by.get("low", float("nan")),
-            "rc/reward_none": by.get("none", float("nan")),
-            "rc/controllability_gap": adv.controllability_gap(rewards, tokens, levels=self.levels),
-            "rc/frac_zero_std": adv.zero_std_fraction(rewards, self.cfg.num_generations),
-            "rc/model_tokens": n_tok / n,
-            "rc/n_calls": sum(r["calls"] for r in records) / n,
-            "rc/n_steps": sum(r["steps"] for r in records) / n,
-            "rc/env_errors": sum(r["env_errors"] for r in records) / n,
-            "rc/frac_terminated_error": sum(r["termination"] == "error" for r in records) / n,
-            "rc/rollout_tokens_per_s": n_tok / elapsed if elapsed > 0 else float("nan"),
-            "rc/rollout_s": elapsed,
-        }
-
-
-def rollout_record(t, step: int, group: int, kept: bool) -> dict:
-    """What the run logs of one rollout (`grpo_trainer.ROLLOUTS_FILE`, diagnostics): step, the group's index
-    in the step's batch, entry, reward token, every reward, model tokens, calls, steps, environment errors,
-    termination, whether it was trained on, and a hash of its token ids (the same rollout on any process)."""
-    return {"step": step, "group": group, "entry_id": t.entry_id, "reward_token": t.reward_token,
-            "rewards": {name: reward_value(t.score, name) if t.score else None for name in REWARDS},
-            "model_tokens": t.n_model_tokens, "calls": _n_calls(t.result), "steps": t.n_steps,
-            "env_errors": _env_errors(t.messages), "termination": t.termination, "trained": kept,
-            "tokens_sha1": hashlib.sha1(json.dumps(list(t.token_ids)).encode()).hexdigest()}

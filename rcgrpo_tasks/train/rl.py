@@ -6,17 +6,18 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from rcgrpo_tasks.data.labels import load_reward_tokens
 from rcgrpo_tasks.engine.compute import ComputeConfig
-from rcgrpo_tasks.env.prompt import PromptConfig, ProtocolConfig, reward_tokens
+from rcgrpo_tasks.env.prompt import PromptConfig, ProtocolConfig
 from rcgrpo_tasks.ops import tracking_log
-from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config, read_sections
+from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config
 from rcgrpo_tasks.train import checkpoints, placement, processes, runs
 from rcgrpo_tasks.train.diagnostics import PLOT_COLUMNS, summarize
 from rcgrpo_tasks.train.grpo import RLConfig
+from rcgrpo_tasks.train.grpo_steps import ROLLOUTS_FILE
 from rcgrpo_tasks.train.grpo_trainer import (
     DIAGNOSTICS_FILE,
     MODEL_META_FILE,
-    ROLLOUTS_FILE,
     RLRun,
     build_trainer,
     save_policy,
@@ -28,7 +29,7 @@ def load_rl_config(params: str | Path) -> tuple[RLConfig, ProtocolConfig, tuple[
     cfg = load_config(RLConfig, params, "rl")
     protocol = load_config(PromptConfig, params, "prompt").protocol_config(cfg.decode.max_outputs)
     try:
-        levels = reward_tokens(read_sections(params, "label_rewards"))
+        levels = load_reward_tokens(params)
     except ValueError as exc:
         raise ConfigError(f"{params}: {exc}") from exc
     return cfg, protocol, levels

@@ -9,10 +9,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from rcgrpo_tasks.data.labels import load_reward_tokens
 from rcgrpo_tasks.engine.compute import ComputeConfig
-from rcgrpo_tasks.env.prompt import PromptConfig, reward_tokens
+from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops import tracking
-from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config, read_sections
+from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config
 from rcgrpo_tasks.train import processes, runs
 from rcgrpo_tasks.train.adapters import log_model
 from rcgrpo_tasks.train.finetune import (
@@ -34,7 +35,7 @@ def load_sft_config(params: str | Path, variant: str) -> tuple[SftConfig, tuple[
     """(resolved config, special tokens to add): the reward tokens (`label_rewards.tokens`) + extras."""
     cfg = load_config(SftConfig, params, "sft").resolve(variant)
     try:
-        levels = reward_tokens(read_sections(params, "label_rewards"))
+        levels = load_reward_tokens(params)
     except ValueError as exc:
         raise ConfigError(f"{params}: {exc}") from exc
     return cfg, tuple(dict.fromkeys(levels + cfg.extra_special_tokens))
