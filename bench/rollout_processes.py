@@ -78,7 +78,7 @@ def group_jobs(args, levels: tuple[str, ...]) -> tuple[list[tuple], object]:
                                     "max_new_tokens": args.max_new_tokens, "max_outputs": args.max_outputs,
                                     "temperature": args.temperature, "top_p": args.top_p,
                                     "min_sampled_success": None})
-    proto = PromptConfig(protocol=args.protocol).protocol_config(args.max_outputs)
+    proto = PromptConfig(protocol=args.protocol, system_prompt="bfcl").protocol_config(args.max_outputs)
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     entries = grpo.train_entries(Path(args.entries_file), Path(args.split), cfg, proto, tok)  # shortest prompts
     jobs = []

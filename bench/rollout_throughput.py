@@ -242,7 +242,7 @@ def main() -> None:
     all_entries = multi_turn.load_entries()
     n = args.prompts or args.entries
     entries = [all_entries[(i * 200 + i * 7) % len(all_entries)] for i in range(n)]
-    proto = PromptConfig(protocol=args.protocol).protocol_config(args.max_steps)
+    proto = PromptConfig(protocol=args.protocol, system_prompt="bfcl").protocol_config(args.max_steps)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens, seed=args.seed)
     engine = HFBackend(args.model, dtype=args.dtype, device=args.device,

@@ -121,8 +121,8 @@ def test_obedient_policy_has_full_gap(tok, protocol):
     cfg = from_dict(ctl.ControllabilityConfig, {"n_entries": 2, "max_outputs": 20, "max_new_tokens": 4000,
                                                 "samples_per_token": 2, "batch_rows": 8,
                                                 "margin": False})  # a scripted policy has no log-probs
-    prompt = PromptConfig(protocol=protocol, doc_style="compact")
-    proto = prompt.protocol_config(20) if protocol == "paper" else PromptConfig(protocol=protocol).protocol_config(20)
+    prompt = PromptConfig(protocol=protocol, doc_style="compact", system_prompt="bfcl")
+    proto = prompt.protocol_config(20) if protocol == "paper" else PromptConfig(protocol=protocol, system_prompt="bfcl").protocol_config(20)
     gold = {e.id: replay_steps(e, proto, e.ground_truth) for e in entries}
     high_id = tok.convert_tokens_to_ids(HIGH)
     starts: dict = {}
@@ -216,10 +216,10 @@ def test_bad_params_and_missing_split(tmp_path):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {"n_entries": 0}}))
     res = CliRunner().invoke(ctl_stage.app, ["--params", str(tmp_path / "params.yaml")])
     assert res.exit_code == 2 and "n_entries" in res.output
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {}, "prompt": {}}))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {}, "prompt": {"system_prompt": "bfcl"}}))
     res = CliRunner().invoke(ctl_stage.app, ["--params", str(tmp_path / "params.yaml")])
     assert res.exit_code == 2 and "missing section 'rl'" in res.output  # sampled as RL samples: rl required
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {}, "prompt": {}, "rl": RL}))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {}, "prompt": {"system_prompt": "bfcl"}, "rl": RL}))
     res = CliRunner().invoke(ctl_stage.app, ["--params", str(tmp_path / "params.yaml"), "--split",
                                        str(tmp_path / "none.json"), "--entries", str(tmp_path / "e.jsonl")])
     assert res.exit_code == 2 and ("not found" in res.output)
@@ -235,7 +235,7 @@ def test_bad_model_fails_before_any_run_and_writes_nothing(tiny_model_dir, tmp_p
     write_jsonl(tmp_path / "entries.jsonl", (e.to_json() for e in entries))
     write_json(tmp_path / "split.json", {"train": [entries[0].id], "test": [entries[1].id]})
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {"n_entries": 1, "dtype": "float32"},
-                                                          "prompt": {}, "rl": RL}))
+                                                          "prompt": {"system_prompt": "bfcl"}, "rl": RL}))
     res = CliRunner().invoke(ctl_stage.app, [
         "--model-dir", str(tiny_model_dir), *(["--adapter-dir", str(tmp_path / adapter)] if adapter else []),
         "--entries", str(tmp_path / "entries.jsonl"), "--split", str(tmp_path / "split.json"),

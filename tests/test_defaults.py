@@ -35,15 +35,6 @@ SECTIONS = {
 }
 """params.yaml section -> the config dataclass its stage loads it into."""
 
-PENDING = {
-    "prepare_data.task": "multi_turn",
-    "prepare_data.categories": None,
-    "prompt.system_prompt": "bfcl",
-}
-"""Keys whose dataclass lives in rcgrpo_tasks/env/ (`PrepareDataConfig`, `PromptConfig`), left for the env/
-reorganisation to align: {section.key: its dataclass default today}. Remove an entry when its default is
-aligned (the test fails while an entry is stale)."""
-
 
 def _plain(value):
     """Tuples as lists, recursively: params YAML has lists where the dataclasses keep tuples."""
@@ -90,10 +81,7 @@ def test_every_section_has_its_config():
 
 
 def test_params_yaml_values_are_the_dataclass_defaults():
-    differ = _differences(_pristine())
-    wrong = {k: v for k, v in differ.items() if k not in PENDING}
+    wrong = _differences(_pristine())
     assert not wrong, "params.yaml value != dataclass default (change the dataclass default):\n" + "\n".join(
         f"  {key}: params.yaml {value!r}, {SECTIONS[key.split('.')[0]].__name__} default {default!r}"
         for key, (value, default) in wrong.items())
-    stale = {k: d for k, d in PENDING.items() if k not in differ or _plain(differ[k][1]) != _plain(d)}
-    assert not stale, f"PENDING entries no longer describe a difference, remove them: {sorted(stale)}"

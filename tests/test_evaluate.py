@@ -17,6 +17,7 @@ from rcgrpo_tasks.stages import evaluate as evaluate_stage
 
 PARAMS = """prompt:
   protocol: paper
+  system_prompt: bfcl
 evaluate:
   limit: 4
   max_outputs: 2
@@ -178,7 +179,7 @@ def test_single_turn_evaluation_scores_bfcl_ast_verdicts(tok):
 
     cfg = from_dict(evaluate.EvaluateConfig, {"n_bootstrap": 50, "limit": 8, "max_outputs": 8,
                                               "max_new_tokens": 96, "batch_rows": 8})
-    trajs, rows, summary = evaluate.run_eval(cfg, PromptConfig(), ScriptedBackend(tok, policy), entries, None, "x")
+    trajs, rows, summary = evaluate.run_eval(cfg, PromptConfig(system_prompt="bfcl"), ScriptedBackend(tok, policy), entries, None, "x")
     assert summary["task"] == "single_turn" and summary["n"] == 8 and summary["accuracy"] == 50.0
     assert set(summary["categories"]) == set(single_turn.DEFAULT_CATEGORIES)
     for r in rows:

@@ -19,7 +19,7 @@ from rcgrpo_tasks.env.tasks import TASKS
 from rcgrpo_tasks.ops.config import ConfigError, from_dict
 from rcgrpo_tasks.ops.inputs import InputError
 
-PAPER = PromptConfig()
+PAPER = PromptConfig(system_prompt="bfcl")
 MULTI_MIX = {"policy": 0.1, **{k: 0.15 for k in ("wrong_arg_value", "wrong_function", "dropped_call",
                                                  "extra_call", "stop_early", "wrong_turn")}}
 """failure_mix over the multi-turn task's near-miss kinds."""
@@ -126,18 +126,18 @@ def test_bad_generate_config_rejected(bad):
 def test_official_verdict_needs_the_official_prompt_on_multi_turn_only():
     multi, single = TASKS["multi_turn"], TASKS["single_turn"]
     with pytest.raises(ConfigError, match="official_verdict"):
-        check_task(multi_turn_config(reward="official_verdict"), PromptConfig(protocol="paper"), multi)
-    check_task(multi_turn_config(reward="official_verdict"), PromptConfig(protocol="official"), multi)
+        check_task(multi_turn_config(reward="official_verdict"), PromptConfig(protocol="paper", system_prompt="bfcl"), multi)
+    check_task(multi_turn_config(reward="official_verdict"), PromptConfig(protocol="official", system_prompt="bfcl"), multi)
     single_mix = {"policy": 0.1, "wrong_arg_value": 0.5, "missing_param": 0.4}
-    check_task(GenerateConfig(reward="official_verdict", failure_mix=single_mix), PromptConfig(protocol="paper"),
+    check_task(GenerateConfig(reward="official_verdict", failure_mix=single_mix), PromptConfig(protocol="paper", system_prompt="bfcl"),
                single)
 
 
 def test_failure_mix_kinds_must_be_the_tasks():
     with pytest.raises(ConfigError, match=r"\['stop_early', 'wrong_turn'\] are not near-miss kinds of the single_turn"):
-        check_task(multi_turn_config(), PromptConfig(), TASKS["single_turn"])
+        check_task(multi_turn_config(), PromptConfig(system_prompt="bfcl"), TASKS["single_turn"])
     with pytest.raises(ConfigError, match="missing_param"):
-        check_task(GenerateConfig(failure_mix={"missing_param": 1.0}), PromptConfig(), TASKS["multi_turn"])
+        check_task(GenerateConfig(failure_mix={"missing_param": 1.0}), PromptConfig(system_prompt="bfcl"), TASKS["multi_turn"])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -228,7 +228,7 @@ def test_generation_is_deterministic(generated, tiny_model_dir):
 def test_official_protocol_and_verdict(tmp_path, entries, tiny_model_dir):
     entries_path, split = write_inputs(tmp_path, entries[1::100], n_train=4)
     cfg = multi_turn_config(reward="official_verdict", policy_entries=0)
-    rows, m = generate(cfg, PromptConfig(protocol="official"), entries_path, split, tiny_model_dir)
+    rows, m = generate(cfg, PromptConfig(protocol="official", system_prompt="bfcl"), entries_path, split, tiny_model_dir)
     assert m["n_success"] == m["n_failure"] > 0
     for t in rows:
         assert t.protocol == "official" and len(t.result) == len(generated_turns(entries, t.entry_id))

@@ -216,7 +216,7 @@ def _params(tmp_path, **over):
         "validate_trajectories": {"data_docs": False, **over.get("validate", {})},
         "sample_policy": {"n_entries": 3, "samples_per_entry": 1, "max_samples_per_entry": 2, "max_outputs": 1,
                           "max_new_tokens": 4, "dtype": "float32", "batch_rows": 4},
-        "prompt": {},
+        "prompt": {"system_prompt": "bfcl"},
         "label_rewards": {},
     }
     path = tmp_path / "params.yaml"

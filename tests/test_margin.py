@@ -72,7 +72,7 @@ def test_shared_prompt_forward_equals_one_forward_per_sequence(equal_rows_dir, s
 
     tok = AutoTokenizer.from_pretrained(equal_rows_dir)
     model = AutoModelForCausalLM.from_pretrained(equal_rows_dir, dtype=torch.float32)
-    proto = PromptConfig().protocol_config(1)
+    proto = PromptConfig(system_prompt="bfcl").protocol_config(1)
     items, counts = mg.contrast_set(_held_out(single_turn, 2), proto, tok, TOKENS)
     assert counts["entries"] == 2 and len(items) >= 2 * 2 * 2
     assert {c.kind for c in items} > {"expert"}
@@ -95,7 +95,7 @@ def test_a_model_that_cannot_read_its_token_has_zero_margin(equal_rows_dir, sing
 
     tok = AutoTokenizer.from_pretrained(equal_rows_dir)
     model = AutoModelForCausalLM.from_pretrained(equal_rows_dir, dtype=torch.float32)
-    items, _ = mg.contrast_set(_held_out(single_turn, 3), PromptConfig().protocol_config(1), tok, TOKENS)
+    items, _ = mg.contrast_set(_held_out(single_turn, 3), PromptConfig(system_prompt="bfcl").protocol_config(1), tok, TOKENS)
     by = {(c.entry_id, c.kind, c.token): c for c in items}
     one = next(iter(by.values()))
     assert by[(one.entry_id, one.kind, HIGH)].token_ids != by[(one.entry_id, one.kind, LOW)].token_ids
@@ -124,7 +124,7 @@ def test_paired_sampled_arm_draws_the_same_seeds_under_both_tokens(equal_rows_di
                                                 "batch_rows": 8})
     rl = from_dict(RLConfig, {"temperature": 1.0, "top_p": 1.0, "num_generations": 4, "p_high": 0.5})
     entries = _held_out(single_turn, 3)
-    metrics, trajs = ctl.measure(cfg, PromptConfig(), LEVELS, backend, entries, rl, margin_entries=entries[:2])
+    metrics, trajs = ctl.measure(cfg, PromptConfig(system_prompt="bfcl"), LEVELS, backend, entries, rl, margin_entries=entries[:2])
     s = metrics["sampled"]
     assert s["pairs"] == 6 and s["identical_outputs"] == 6 and s["gap"] == 0.0
     assert metrics["greedy"]["identical_outputs"] == 3
@@ -237,7 +237,7 @@ def test_rl_prompts_the_sft_model_already_solves(single_turn, tmp_path):
             for i in range(4)]
     rates = sampled_success_rates(rows)
     assert rates == {train[0]: 1.0, train[1]: 0.75, train[2]: 0.25, train[3]: 0.0}
-    proto = PromptConfig().protocol_config(1)
+    proto = PromptConfig(system_prompt="bfcl").protocol_config(1)
     cfg = from_dict(grpo.RLConfig, {"num_generations": 2, "batch_size": 2, "micro_batch_size": 2,
                                     "min_sampled_success": 0.75, "max_entries": None})
     picked = grpo.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", cfg, proto, success=rates)

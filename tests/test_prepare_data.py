@@ -12,19 +12,19 @@ from rcgrpo_tasks.ops.config import ConfigError, from_dict
 
 
 def test_split_is_720_80_without_overlap_and_deterministic():
-    entries, split = prepare(PrepareDataConfig())
+    entries, split = prepare(PrepareDataConfig(task="multi_turn", categories=None))
     train, test = set(split["train"]), set(split["test"])
     assert len(train) == 720 and len(test) == 80 and not train & test
     assert train | test == {e.id for e in entries}
     assert {numeric_id(i) for i in train}.isdisjoint({numeric_id(i) for i in test})
     counts = split_metrics(split)["per_category"]
     assert all(c == {"train": 180, "test": 20} for c in counts.values())
-    assert prepare(PrepareDataConfig())[1] == split
-    assert prepare(PrepareDataConfig(seed=1))[1]["test"] != split["test"]
+    assert prepare(PrepareDataConfig(task="multi_turn", categories=None))[1] == split
+    assert prepare(PrepareDataConfig(task="multi_turn", categories=None, seed=1))[1]["test"] != split["test"]
 
 
 def test_entries_round_trip_json():
-    entries, _ = prepare(PrepareDataConfig(categories=("miss_func",)))
+    entries, _ = prepare(PrepareDataConfig(task="multi_turn", categories=("miss_func",)))
     e = next(x for x in entries if x.missed_function)
     assert Entry.from_json(json.loads(json.dumps(e.to_json()))) == e
     assert category_of(e.id) == "miss_func"
@@ -43,7 +43,7 @@ def test_bad_params_fail_with_the_field_named(data, needle):
 
 def test_cli_writes_outputs_atomically(tmp_path):
     params = tmp_path / "params.yaml"
-    params.write_text("prepare_data:\n  categories: [base]\n  test_fraction: 0.1\n  seed: 3\n")
+    params.write_text("prepare_data:\n  task: multi_turn\n  categories: [base]\n  test_fraction: 0.1\n  seed: 3\n")
     out = [sys.executable, "-m", "rcgrpo_tasks.stages.prepare_data", "--params", str(params),
            "--entries", str(tmp_path / "e.jsonl"), "--split", str(tmp_path / "s.json")]
     subprocess.run(out, check=True, capture_output=True)

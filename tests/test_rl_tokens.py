@@ -138,11 +138,11 @@ def test_a_reward_undefined_under_the_protocol_is_refused(reward):
     multi = multi_turn.load_entries(["base"])[:2]
     cfg = grpo.RLConfig(reward=reward)
     with pytest.raises(ConfigError, match=f"rl.reward: {reward}.*prompt.protocol: paper"):
-        grpo.check_reward(cfg, PromptConfig(protocol="paper").protocol_config(2), multi)
-    grpo.check_reward(cfg, PromptConfig(protocol="official").protocol_config(2), multi)
+        grpo.check_reward(cfg, PromptConfig(protocol="paper", system_prompt="bfcl").protocol_config(2), multi)
+    grpo.check_reward(cfg, PromptConfig(protocol="official", system_prompt="bfcl").protocol_config(2), multi)
     single = single_turn.load_entries(single_turn.DEFAULT_CATEGORIES[:1])[:2]
-    grpo.check_reward(cfg, PromptConfig(protocol="paper").protocol_config(2), single)  # defined for one turn
-    grpo.check_reward(grpo.RLConfig(), PromptConfig(protocol="paper").protocol_config(2), multi)
+    grpo.check_reward(cfg, PromptConfig(protocol="paper", system_prompt="bfcl").protocol_config(2), single)  # defined for one turn
+    grpo.check_reward(grpo.RLConfig(), PromptConfig(protocol="paper", system_prompt="bfcl").protocol_config(2), multi)
 
 
 def test_rollouts_the_model_ended_count_as_finished_for_trl(tok):

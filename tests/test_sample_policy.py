@@ -63,7 +63,7 @@ def test_rounds_stop_when_both_outcomes_or_cap(tok):
     Every rollout is kept, in sampling order, with its round and sample index."""
     entries = multi_turn.load_entries(["base"])[:3]
     a, b, c = (e.id for e in entries)
-    prompt = PromptConfig()
+    prompt = PromptConfig(system_prompt="bfcl")
     cfg = from_dict(SampleConfig, {"n_entries": None, "samples_per_entry": 2, "max_samples_per_entry": 4,
                                    "max_outputs": 20, "max_new_tokens": 4000, "batch_rows": 4})
     proto = prompt.protocol_config(cfg.decode.max_outputs)
@@ -90,7 +90,7 @@ def test_rounds_stop_when_both_outcomes_or_cap(tok):
 def test_last_round_takes_only_what_the_cap_leaves(tok):
     """samples_per_entry 2, cap 3: round 2 takes one sample per entry still searching."""
     entries = multi_turn.load_entries(["base"])[:1]
-    prompt = PromptConfig()
+    prompt = PromptConfig(system_prompt="bfcl")
     cfg = from_dict(SampleConfig, {"samples_per_entry": 2, "max_samples_per_entry": 3, "max_outputs": 20,
                                    "max_new_tokens": 4000})
     proto = prompt.protocol_config(cfg.decode.max_outputs)

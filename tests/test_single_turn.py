@@ -15,15 +15,15 @@ from rcgrpo_tasks.ops.config import ConfigError, from_dict
 
 
 def test_split_is_stratified_seeded_and_complete():
-    entries, split = prepare(PrepareDataConfig(task="single_turn"))
+    entries, split = prepare(PrepareDataConfig(task="single_turn", categories=None))
     train, test = set(split["train"]), set(split["test"])
     assert not train & test and train | test == {e.id for e in entries} and len(entries) == 1000
     counts = split_metrics(split)["per_category"]
     assert counts == {"simple_python": {"train": 360, "test": 40}, "multiple": {"train": 180, "test": 20},
                       "parallel": {"train": 180, "test": 20}, "parallel_multiple": {"train": 180, "test": 20}}
     assert split["task"] == "single_turn" and split_metrics(split)["task"] == "single_turn"
-    assert prepare(PrepareDataConfig(task="single_turn"))[1] == split
-    assert prepare(PrepareDataConfig(task="single_turn", seed=1))[1]["test"] != split["test"]
+    assert prepare(PrepareDataConfig(task="single_turn", categories=None))[1] == split
+    assert prepare(PrepareDataConfig(task="single_turn", categories=None, seed=1))[1]["test"] != split["test"]
 
 
 def test_live_categories_and_ids():

@@ -19,7 +19,7 @@ from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.inputs import InputError
 
 GEN = multi_turn_config(policy_entries=0)
-PROMPT = PromptConfig()
+PROMPT = PromptConfig(system_prompt="bfcl")
 CFG = ValidateConfig(data_docs=False)
 
 

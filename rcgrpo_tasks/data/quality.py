@@ -15,7 +15,7 @@ from rcgrpo_tasks.engine.trajectory import TERMINATIONS, Trajectory, TrajectoryE
 from rcgrpo_tasks.env.entries import read_split
 from rcgrpo_tasks.env.prompt import GOAL_RESERVE, PromptConfig
 from rcgrpo_tasks.env.rewards import reward_value
-from rcgrpo_tasks.env.tasks import DEFAULT_TASK
+from rcgrpo_tasks.env.tasks import LEGACY_TASK
 from rcgrpo_tasks.ops.inputs import read_jsonl
 from rcgrpo_tasks.ops.outputs import OutputSet, atomic_outputs, write_json
 
@@ -128,7 +128,7 @@ def build_expectations(gx, cfg: ValidateConfig, gen: GenerateConfig, protocol: s
         named("provenance_kind", E.ExpectColumnValuesToBeInSet(column="kind", value_set=list(KINDS))),
         named("protocol", E.ExpectColumnValuesToBeInSet(column="protocol", value_set=[protocol])),
         # Rows of another task than the split's (a stale trajectory file after a task switch) are not vouched for.
-        named("task", E.ExpectColumnValuesToBeInSet(column="task", value_set=[split.get("task", DEFAULT_TASK)])),
+        named("task", E.ExpectColumnValuesToBeInSet(column="task", value_set=[split.get("task", LEGACY_TASK)])),
         named("termination", E.ExpectColumnValuesToBeInSet(column="termination", value_set=list(TERMINATIONS))),
         named("has_assistant_message", E.ExpectColumnValuesToBeBetween(column="n_assistant", min_value=1)),
         named("parses", E.ExpectColumnValuesToBeInSet(column="parses", value_set=[True])),

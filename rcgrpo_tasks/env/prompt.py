@@ -38,7 +38,7 @@ class PromptConfig:
     """`official`: BFCL's turn-by-turn prompting mode; `paper`: RC-GRPO's merged steps + done()."""
     doc_style: Literal["compact", "json", "official"] = "compact"
     """Function docs in the system prompt: compact one-liners, one JSON object per line, or BFCL's exact JSON."""
-    system_prompt: Literal["bfcl", "short"] = "bfcl"
+    system_prompt: Literal["bfcl", "short"] = "short"
     """`bfcl`: BFCL's classic instructions; `short`: format rule + docs only (fewer tokens for tiny models)."""
 
     def protocol_config(self, max_outputs: int) -> "ProtocolConfig":

@@ -18,8 +18,9 @@ from rcgrpo_tasks.env import tasks
 class PrepareDataConfig:
     task: str = tasks.DEFAULT_TASK
     """The benchmark the whole pipeline runs (`env.tasks.TASK_NAMES`): every later stage reads its entries."""
-    categories: tuple[str, ...] | None = None
-    """Categories of the task to include; null = the task's defaults (multi_turn: all four; single_turn:
+    categories: tuple[str, ...] | None = ("simple_python", "multiple")
+    """Categories of the task to include (the default: the default task's two one-call categories, as
+    params.yaml; another task names its own); null = the task's defaults (multi_turn: all four; single_turn:
     simple_python, multiple, parallel, parallel_multiple)."""
     test_fraction: float = 0.1
     """Fraction held out (multi_turn: of numeric ids, paper: 80 of 800 entries; single_turn: of each category)."""
@@ -32,7 +33,7 @@ class PrepareDataConfig:
             unknown = sorted(set(self.categories) - set(task.categories))
             if unknown or not self.categories:
                 raise ValueError(f"categories of task {self.task!r} must be a non-empty subset of "
-                                 f"{list(task.categories)}, got {list(self.categories)}")
+                                 f"{list(task.categories)} or null (the task's defaults), got {list(self.categories)}")
         if not 0.0 < self.test_fraction < 1.0:
             raise ValueError(f"test_fraction must be in (0, 1), got {self.test_fraction}")
 
@@ -55,5 +56,5 @@ def split_metrics(split: dict) -> dict:
     for side in ("train", "test"):
         for entry_id in split[side]:
             counts.setdefault(tasks.task_of_id(entry_id).category_of(entry_id), {"train": 0, "test": 0})[side] += 1
-    return {"task": split.get("task", tasks.DEFAULT_TASK), "n_train": len(split["train"]), "n_test": len(split["test"]),
+    return {"task": split.get("task", tasks.LEGACY_TASK), "n_train": len(split["train"]), "n_test": len(split["test"]),
             "per_category": counts}

@@ -12,9 +12,12 @@ statistics) never looks inside an entry.
   AST checker.
 
 A task is one package under `env/` whose `task` module holds `TASK` (see `env.multi_turn.task`); registering
-it is its import below and its name in `TASKS`. `DEFAULT_TASK` is THE task wherever none is named (params
-without `prepare_data.task`, entries rows and split files written before tasks existed, result files of no
-known id): nothing else decides it.
+it is its import below and its name in `TASKS`. Two names, decided here and nowhere else:
+- `DEFAULT_TASK`: the task a pipeline runs when none is chosen (`prepare_data.task`'s default, equal to
+  params.yaml's: tests/test_defaults.py);
+- `LEGACY_TASK`: the task of data that names none (entries rows, split files and evaluation rows written
+  before tasks existed, whose format was multi-turn only; result files of no known id). It is a fact
+  about those files, not a choice: it stays multi_turn whatever the default.
 """
 
 from __future__ import annotations
@@ -26,16 +29,19 @@ from rcgrpo_tasks.env.multi_turn.task import TASK as MULTI_TURN
 from rcgrpo_tasks.env.single_turn.task import TASK as SINGLE_TURN
 
 TASKS: dict[str, Task] = {t.name: t for t in (MULTI_TURN, SINGLE_TURN)}
-DEFAULT_TASK: str = MULTI_TURN.name
-"""The task wherever none is named: the paper's."""
+DEFAULT_TASK: str = SINGLE_TURN.name
+"""The task a pipeline runs when none is chosen: `PrepareDataConfig.task`'s default (= params.yaml)."""
+LEGACY_TASK: str = MULTI_TURN.name
+"""The task of rows and files that name none: written before tasks existed, when every file was multi-turn."""
 TASK_NAMES: tuple[str, ...] = tuple(TASKS)
 ALL_CATEGORIES: tuple[str, ...] = tuple(c for t in TASKS.values() for c in t.categories)
 """Every category of every task, in each task's order (tables list categories in this order)."""
 ALL_PERTURBATIONS: tuple[str, ...] = tuple(dict.fromkeys(k for t in TASKS.values() for k in t.perturbations))
 
 
-def default_task() -> Task:
-    return TASKS[DEFAULT_TASK]
+def legacy_task() -> Task:
+    """The task of data that names none (`LEGACY_TASK`)."""
+    return TASKS[LEGACY_TASK]
 
 
 def get_task(name: str) -> Task:
@@ -61,8 +67,8 @@ def task_of_id(entry_id: str) -> Task:
 
 
 def entry_from_json(row: dict) -> Entry:
-    """An entries-file row of any task (rows without `task` are the default task's, the format's first layout)."""
-    return get_task(row.get("task", DEFAULT_TASK)).entry_from_json(row)
+    """An entries-file row of any task (rows without `task` are `LEGACY_TASK`'s, the format's first layout)."""
+    return get_task(row.get("task", LEGACY_TASK)).entry_from_json(row)
 
 
 @functools.cache

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rcgrpo_tasks.env.paper import NO_TOKEN, ROWS
-from rcgrpo_tasks.env.tasks import ALL_CATEGORIES, DEFAULT_TASK, paper_overall, task_of_id
+from rcgrpo_tasks.env.tasks import ALL_CATEGORIES, LEGACY_TASK, paper_overall, task_of_id
 from rcgrpo_tasks.ops.inputs import InputError, read_json, read_jsonl
 from rcgrpo_tasks.ops.stats import bootstrap_ci, difference_ci, mean, paired_bootstrap_ci
 
@@ -21,7 +21,7 @@ class EvalResult:
     entries: list[dict]
     """Per entry: entry_id, category, correct (evaluate's `valid`, 0/1), official, partial_credit, paper_reward."""
     source: str
-    task: str = DEFAULT_TASK
+    task: str
     rl: dict = field(default_factory=dict)
     controllability: dict = field(default_factory=dict)
     """The controllability stage's metrics for this model (RCTP): sampled / greedy gap, zero-variance shares."""
@@ -227,7 +227,7 @@ def markdown_table(rows: list[dict]) -> str:
                "Ctl teacher-forced margin, nat [95% CI]", "Ctl token rows / real-token distance"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [names.get(r["label"], r["label"]), r.get("task", DEFAULT_TASK), str(r["n"])]
+        cells = [names.get(r["label"], r["label"]), r.get("task", LEGACY_TASK), str(r["n"])]
         cells += [_fmt(r["categories"].get(c)) for c in cats]
         cells += [_fmt(r["overall"]), _versus(r.get("vs_init")), _num(r["official_accuracy"], ".1f"), _num(r["partial_credit"], ".3f"),
                   _num(r["paper_reward"], ".3f"), _num(r["paper_table1_overall"]), _change(r.get("rl_reward_change")),

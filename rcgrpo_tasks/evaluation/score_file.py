@@ -111,7 +111,7 @@ def pick_decoding(rows, path: Path, decoding: str, task: Task | None) -> tuple[s
     if decoding != "auto":
         return decoding, "as asked"
     try:
-        chosen, why = bfcl_results.choose_decoding(rows, str(path), task or tasks.default_task())
+        chosen, why = bfcl_results.choose_decoding(rows, str(path), task or tasks.legacy_task())
     except bfcl_results.MixedDecodingError as exc:
         raise InputError(str(exc)) from exc
     return chosen, f"detected: {why}"
