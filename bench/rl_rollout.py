@@ -19,7 +19,7 @@ repetition and in total: model tokens, wall and CPU seconds, model tokens/s of e
 CPU second: on a shared host the CPU-second figure moves less with the other jobs) and the ratios, and how many
 rollouts are token-identical in both arms (fp32: all; bf16: batched matmuls may round differently).
 
-Measured: docs/engine.md, "One session per RL step".
+What it measures: docs/engine.md, "One session per RL step"; the runs: docs/measured.md, "Engine".
 Run: `python bench/rl_rollout.py [--model models/base --adapter ... --groups 8 --g 5 --max-new-tokens 32
 --max-outputs 2 --reps 3 --dtype auto --threads N]`.
 """
@@ -112,7 +112,7 @@ def main() -> None:
                                     "batch_size": args.g * args.groups, "micro_batch_size": args.g,
                                     "seed": args.seed, "max_entries": None, "min_sampled_success": None})
     policy, tok = lora_policy(args.model, args.adapter, cfg, args.mode, args.seed)
-    proto = PromptConfig().protocol_config(args.max_outputs)
+    proto = PromptConfig(system_prompt="bfcl").protocol_config(args.max_outputs)
     task = tasks.get_task(args.task)
     pool = task.load_entries(tuple(args.categories or task.default_categories))
     pool.sort(key=lambda e: (grpo.prompt_length(e, proto, tok), e.id))
