@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grimp
 import pytest
+import yaml
 
 PKG = Path(__file__).resolve().parents[1] / "rcgrpo_tasks"
 MODULES = sorted(PKG.rglob("*.py"))
@@ -95,3 +96,22 @@ def test_the_reward_tokens_have_one_loader():
                 checkers.append(_name(path))
     assert readers == ["rcgrpo_tasks.data.labels"], f"reward_tokens(...) called outside the loader: {readers}"
     assert checkers == ["rcgrpo_tasks.env.prompt"], f"functions named check_reward_tokens: {checkers}"
+
+
+def test_dvc_stages_list_every_library_folder_they_import():
+    """A stage's deps in dvc.yaml name every library folder its module imports, directly or through other
+    modules (in-function imports included), and no other: a change there reruns exactly the stages that
+    can see it."""
+    graph = grimp.build_graph("rcgrpo_tasks")
+    stages = yaml.safe_load((PKG.parent / "dvc.yaml").read_text())["stages"]
+    wrong = {}
+    for stage, spec in stages.items():
+        deps = spec.get("do", spec)["deps"]
+        module = next(d for d in deps if d.startswith("rcgrpo_tasks/stages/"))
+        imported = graph.find_upstream_modules(_name(PKG.parent / module))
+        need = {f"rcgrpo_tasks/{m.split('.')[1]}" for m in imported
+                if m.count(".") >= 1 and m.split(".")[1] != "stages" and (PKG / m.split(".")[1]).is_dir()}
+        listed = {d.rstrip("/") for d in deps if d.startswith("rcgrpo_tasks/") and not d.endswith(".py")}
+        if need != listed:
+            wrong[stage] = {"missing": sorted(need - listed), "not imported": sorted(listed - need)}
+    assert not wrong, f"dvc.yaml code deps differ from the stage modules' imports: {wrong}"
