@@ -99,7 +99,8 @@ def main() -> None:
                                     "micro_batch_size": args.g, "lora_r": args.lora_r,
                                     "lora_alpha": 2 * args.lora_r, "min_sampled_success": None})
     policy, tok = lora_policy(args.model, args.adapter, cfg, args.seed)
-    proto = PromptConfig(system_prompt="bfcl").protocol_config(args.max_outputs)  # the default prompt (paper protocol, compact docs)
+    # BFCL's classic system prompt (the prompt before params.yaml's `short`), paper protocol, compact docs
+    proto = PromptConfig(system_prompt="bfcl").protocol_config(args.max_outputs)
     entries = grpo.train_entries(Path(args.entries_file), Path(args.split), cfg, proto, tok)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
     print(f"entries {[e.id for e in entries]}, G={args.g}, max_new_tokens={args.max_new_tokens}, "

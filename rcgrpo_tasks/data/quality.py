@@ -128,7 +128,8 @@ def build_expectations(gx, cfg: ValidateConfig, gen: GenerateConfig, protocol: s
         named("provenance_kind", E.ExpectColumnValuesToBeInSet(column="kind", value_set=list(KINDS))),
         named("protocol", E.ExpectColumnValuesToBeInSet(column="protocol", value_set=[protocol])),
         # Rows of another task than the split's (a stale trajectory file after a task switch) are not vouched for.
-        named("task", E.ExpectColumnValuesToBeInSet(column="task", value_set=[split.get("task", LEGACY_TASK)])),
+        named("task", E.ExpectColumnValuesToBeInSet(column="task",
+                                                    value_set=[split.get("task", LEGACY_TASK)])),
         named("termination", E.ExpectColumnValuesToBeInSet(column="termination", value_set=list(TERMINATIONS))),
         named("has_assistant_message", E.ExpectColumnValuesToBeBetween(column="n_assistant", min_value=1)),
         named("parses", E.ExpectColumnValuesToBeInSet(column="parses", value_set=[True])),

@@ -48,7 +48,8 @@ class DecodeConfig:
     """Tokens per model output (one step of an episode)."""
     backend: Literal["hf", "vllm"] = "hf"
     """Inference engine: `hf` (the project's transformers decoder) or `vllm` (vLLM: the `[gpu]` extra on CUDA, the
-    CPU vLLM environment `make vllm-venv` on a CPU); docs/engine.md "vLLM" has the choice, docs/measured.md the measurements."""
+    CPU vLLM environment `make vllm-venv` on a CPU); docs/engine.md "vLLM" has the choice, docs/measured.md
+    the measurements."""
     dtype: Literal["float32", "bfloat16", "auto"] = "auto"
     """Weights dtype; `auto` = bf16 where the CPU / GPU has native bf16, else float32 (both backends)."""
     batch_rows: int = 8
