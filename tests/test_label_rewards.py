@@ -182,6 +182,20 @@ def test_paired_rule_every_prompt_under_both_tokens(failures, expected, dropped)
     assert all(sorted(t) == ["<|high_reward|>", "<|low_reward|>"] for t in tokens.values())
 
 
+def test_base_failures_add_a_pair_per_unused_entry():
+    """A base-model failure pairs its entry when the rule left the entry out; an entry the rule already pairs
+    keeps its one pair (A), so every prompt is still under each token once."""
+    extra = GENERATED + [_traj("G", "expert", 1.0), _traj("G", "base", 0.0), _traj("H", "base", 0.0)]
+    rows, stats = rctp_rows(extra, POLICY, "mixed", "paired", base_failures=True)
+    plain, _ = rctp_rows(extra, POLICY, "mixed", "paired")
+    assert _ids(rows) == _ids(plain) + ["G.expert.0", "G.policy.0"]  # H: no success to pair it with
+    assert stats["base_pairs"] == 1 and stats["n_success"] == stats["n_failure"] == stats["prompts_used"] == 4
+    with pytest.raises(ValueError, match="needs pairing"):
+        rctp_rows(extra, POLICY, "mixed", "unpaired", base_failures=True)
+    with pytest.raises(ValueError, match="needs pairing"):
+        LabelConfig(base_failures=True, pairing="unpaired")
+
+
 def test_unpaired_one_token_per_prompt_balanced():
     rows, stats = rctp_rows(GENERATED, POLICY, "mixed", "unpaired", seed=3)
     entries = [r["entry_id"] for r in rows]

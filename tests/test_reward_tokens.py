@@ -51,6 +51,20 @@ def test_apart_init_starts_the_reward_tokens_apart_and_is_seeded(tiny_model_dir)
     assert ids2 == ids and _cos(rows[0], rows[1]) > 0.99
 
 
+def test_words_init_starts_each_token_at_the_word_it_names(tiny_model_dir):
+    """`words`: <|low_reward|> starts at the embedding of " low" (the mean of its pieces), <|high_reward|> at
+    " high"; the rows differ from each other and from the mean init."""
+    import torch
+
+    assert adapters.token_word("<|high_reward|>") == "high" and adapters.token_word("<|mid_reward|>") == "mid"
+    model, tok, ids = _with_tokens(tiny_model_dir, "words")
+    emb = model.get_input_embeddings().weight.detach()
+    for token, row in zip(LEVELS, ids):
+        pieces = tok(" " + adapters.token_word(token), add_special_tokens=False)["input_ids"]
+        torch.testing.assert_close(emb[row], emb[pieces].mean(0), rtol=0, atol=1e-6)
+    assert not torch.allclose(emb[ids[0]], emb[ids[1]])
+
+
 def test_apart_init_of_untied_heads_spreads_the_output_rows_too(tiny_model_dir):
     model, _, ids = _with_tokens(tiny_model_dir, "apart", untied=True)
     inp = model.get_input_embeddings().weight.detach()[ids]

@@ -38,6 +38,8 @@ class LabelConfig:
     failures: FailureRule = "mixed"
     """rctp: where an entry's failure comes from: `near_miss` | `on_policy` (else drop) | `mixed` (own, else
     near-miss); data.pairing."""
+    base_failures: bool = False
+    """rctp, paired: also pair every other generate-set entry with a base-model failure (data.pairing)."""
     pairing: Pairing = "paired"
     """rctp: `paired` (every prompt under both tokens) | `unpaired` (one token per prompt; with near_miss:
     the generate set as is)."""
@@ -56,6 +58,8 @@ class LabelConfig:
             raise ValueError(f"thresholds must lie in (0, 1] (the signal's range), got {list(self.thresholds)}")
         if any(b <= a for a, b in zip(self.thresholds, self.thresholds[1:])):
             raise ValueError(f"thresholds must be strictly increasing, got {list(self.thresholds)}")
+        if self.base_failures and self.pairing != "paired":
+            raise ValueError("base_failures adds pairs: it needs pairing: paired")
 
 
 def token_for(value: float, cfg: LabelConfig, success: bool | None = None) -> str:
@@ -126,7 +130,7 @@ def read_policy(cfg: LabelConfig, policy: str | Path | None, policy_validation: 
 
 def rctp_trajectories(cfg: LabelConfig, generated: list[dict], policy: list[dict]) -> tuple[list[dict], dict]:
     """The trajectory rows of the RCTP set and its pairing stats; fails on an empty or unbalanced set."""
-    rows, stats = rctp_rows(generated, policy, cfg.failures, cfg.pairing, cfg.seed)
+    rows, stats = rctp_rows(generated, policy, cfg.failures, cfg.pairing, cfg.seed, cfg.base_failures)
     if not rows:
         raise InputError(f"label_rewards: the rctp design (failures {cfg.failures}, pairing {cfg.pairing}) "
                          f"keeps no row: {stats}")

@@ -12,6 +12,12 @@ the design, so the data ablation (docs/data.md) can be re-run:
   are dropped (prompts: sampled entries).
 The success of an entry is always the model's own first success where it has one, else the expert replay.
 
+`base_failures` (with `paired`): every further generate-set entry with a failure of the model RCTP-FT
+started from (`models/base`: the generate set's `policy` rows, `generate_trajectories.policy_entries`) is
+added as one more pair: its success (own, else the expert replay) under high, that failure under low. The
+base model answers in prose, a failure it can produce on any prompt: what the paper's RCTP data hold (the
+base model's own failures), and a low side the token can learn to steer on prompts it has not seen.
+
 `pairing`:
 - `paired`: every prompt used appears under BOTH tokens, once each: its success and its failure (an entry
   lacking either is dropped, counted by reason). 1:1 by construction.
@@ -36,7 +42,7 @@ FailureRule = Literal["near_miss", "on_policy", "mixed"]
 Pairing = Literal["paired", "unpaired"]
 FAILURE_RULES: tuple[str, ...] = ("near_miss", "on_policy", "mixed")
 PAIRINGS: tuple[str, ...] = ("paired", "unpaired")
-SLOTS = ("own_success", "own_failure", "expert", "near_miss")
+SLOTS = ("own_success", "own_failure", "expert", "near_miss", "base_failure")
 
 
 def is_success(row: dict) -> bool:
@@ -46,10 +52,12 @@ def is_success(row: dict) -> bool:
 
 def entry_pools(generated: list[dict], policy: list[dict]) -> dict[str, dict[str, dict | None]]:
     """Per entry id: the first own success / own failure (sampling order), the expert row and the first
-    near-miss row (file order). Generate-set entries come first (file order), then sampled-only entries."""
+    near-miss row and the first base-model failure (file order). Generate-set entries come first (file order), then sampled-only entries."""
     pools: dict[str, dict[str, dict | None]] = {}
     for row in generated:
         slot = {"expert": "expert", "near_miss": "near_miss"}.get(row["provenance"]["source"])
+        if row["provenance"]["source"] == "policy" and not is_success(row):
+            slot = "base_failure"
         if slot is not None:
             pool = pools.setdefault(row["entry_id"], dict.fromkeys(SLOTS))
             pool[slot] = pool[slot] or row
@@ -76,11 +84,20 @@ def check_policy_rows(policy: list[dict], where: str) -> None:
                              f"(provenance.kind {row.get('provenance', {}).get('kind')!r})")
 
 
+def base_pairs(pools: dict[str, dict[str, dict | None]], used: set[str]) -> list[dict]:
+    """(success, base-model failure) rows of every entry outside `used` that has both, in pool order."""
+    return [r for e, p in pools.items() if e not in used and p["base_failure"] is not None
+            and (p["own_success"] or p["expert"]) is not None
+            for r in (p["own_success"] or p["expert"], p["base_failure"])]
+
+
 def rctp_rows(generated: list[dict], policy: list[dict], failures: FailureRule, pairing: Pairing,
-              seed: int = 0) -> tuple[list[dict], dict]:
+              seed: int = 0, base_failures: bool = False) -> tuple[list[dict], dict]:
     """(trajectory rows RCTP trains on, stats). Rows are the input dicts themselves, in prompt order."""
     if failures not in FAILURE_RULES or pairing not in PAIRINGS:
         raise ValueError(f"failures must be one of {FAILURE_RULES}, pairing one of {PAIRINGS}")
+    if base_failures and pairing != "paired":
+        raise ValueError("base_failures adds pairs: it needs pairing 'paired'")
     if pairing == "unpaired" and failures == "near_miss":
         return list(generated), rows_stats(list(generated), failures, pairing, Counter())
     pools = entry_pools(generated, policy)
@@ -96,6 +113,11 @@ def rctp_rows(generated: list[dict], policy: list[dict], failures: FailureRule, 
             dropped["neither" if s is None and f is None else "no_success" if s is None else "no_failure"] += 1
     if pairing == "paired":
         rows = [r for s, f in picks.values() if s is not None and f is not None for r in (s, f)]
+        if base_failures:
+            extra = base_pairs(pools, {r["entry_id"] for r in rows})
+            rows += extra
+            stats = rows_stats(rows, failures, pairing, dropped, len(prompts))
+            return rows, stats | {"base_pairs": len(extra) // 2}
     else:  # one outcome per prompt is enough; prompts left out only to reach 1:1 count as `balance`
         rows = unpaired_rows(picks, seed)
         usable = sum(1 for s, f in picks.values() if s is not None or f is not None)

@@ -23,7 +23,7 @@ from pathlib import Path
 from rcgrpo_tasks.engine.models import load_trained
 from rcgrpo_tasks.ops.tracking_store import TrackingError
 
-REWARD_TOKEN_INITS = ("mean_resizing", "apart")
+REWARD_TOKEN_INITS = ("mean_resizing", "apart", "words")
 
 
 def add_special_tokens(tokenizer, model, tokens: tuple[str, ...], seed: int = 0, init: str = "mean_resizing",
@@ -36,7 +36,8 @@ def add_special_tokens(tokenizer, model, tokens: tuple[str, ...], seed: int = 0,
     rows, never trained, get the same mean init (`mean_rows`) from the tokenizer's real rows. `init="apart"`
     then overwrites the rows of the tokens this call added (input and, when untied, output embeddings) with
     `apart_rows`: `levels` (the reward tokens, lowest first) spread along one direction, any other added
-    token on its own direction. Under DeepSpeed ZeRO-3 the row count is the full (`ds_shape`) one, so the
+    token on its own direction. `init="words"` starts each added token's row at the embedding of the word it
+    names (`token_word`: `<|low_reward|>` -> " low", the mean over its pieces). Under DeepSpeed ZeRO-3 the row count is the full (`ds_shape`) one, so the
     vocabulary never shrinks, and rows are written with the sharded matrices gathered."""
     import torch
 
@@ -60,9 +61,21 @@ def add_special_tokens(tokenizer, model, tokens: tuple[str, ...], seed: int = 0,
         n_levels = sum(t in levels for t in new)
         rows = [tokenizer.convert_tokens_to_ids(t) for t in order]
         _write_rows(model, rows, old_vocab, lambda old: apart_rows(old, n_levels, len(rows) - n_levels, generator))
+    elif init == "words" and new:
+        rows = [tokenizer.convert_tokens_to_ids(t) for t in new]
+        pieces = [tokenizer(" " + token_word(t), add_special_tokens=False)["input_ids"] for t in new]
+        _write_rows(model, rows, old_vocab, lambda old: torch.stack([old[ids].float().mean(0) for ids in pieces]))
     elif spare := [i for i in (tokenizer.convert_tokens_to_ids(t) for t in new) if i < rows_before]:
         _write_rows(model, spare, old_vocab, lambda old: mean_rows(old, len(spare), generator))
     return ids
+
+
+def token_word(token: str) -> str:
+    """The word a reward token names: `<|high_reward|>` -> `high` (`init="words"` starts its row at that word's
+    embedding, so the network reads the token as it reads a word it knows)."""
+    import re
+
+    return re.sub(r"^<\|(.*?)(_reward)?\|>$", r"\1", token).replace("_", " ")
 
 
 def embedding_rows(model) -> int:

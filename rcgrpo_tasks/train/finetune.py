@@ -92,7 +92,7 @@ class SftConfig:
     """Module names that get LoRA (or ("all-linear",))."""
     extra_special_tokens: tuple[str, ...] = ()
     """Special tokens added besides the reward tokens of `label_rewards.tokens`."""
-    reward_token_init: Literal["mean_resizing", "apart"] = "mean_resizing"
+    reward_token_init: Literal["mean_resizing", "apart", "words"] = "mean_resizing"
     """Rows of the added tokens: `mean_resizing` = at the old rows' mean (transformers; the reward tokens
     start as one vector), `apart` = spread apart at a real token's distance from the mean
     (`adapters.apart_rows`, seeded by `seed`)."""
