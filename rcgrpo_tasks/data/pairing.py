@@ -52,12 +52,13 @@ def is_success(row: dict) -> bool:
 
 def entry_pools(generated: list[dict], policy: list[dict]) -> dict[str, dict[str, dict | None]]:
     """Per entry id: the first own success / own failure (sampling order), the expert row and the first
-    near-miss row and the first base-model failure (file order). Generate-set entries come first (file order), then sampled-only entries."""
+    near-miss row and the first base-model failure (file order). Generate-set entries come first (file order),
+    then sampled-only entries."""
     pools: dict[str, dict[str, dict | None]] = {}
     for row in generated:
-        slot = {"expert": "expert", "near_miss": "near_miss"}.get(row["provenance"]["source"])
-        if row["provenance"]["source"] == "policy" and not is_success(row):
-            slot = "base_failure"
+        source = row["provenance"]["source"]
+        slot = "base_failure" if source == "policy" and not is_success(row) else \
+            {"expert": "expert", "near_miss": "near_miss"}.get(source)
         if slot is not None:
             pool = pools.setdefault(row["entry_id"], dict.fromkeys(SLOTS))
             pool[slot] = pool[slot] or row
@@ -111,18 +112,18 @@ def rctp_rows(generated: list[dict], policy: list[dict], failures: FailureRule, 
     for s, f in picks.values():
         if s is None or f is None:
             dropped["neither" if s is None and f is None else "no_success" if s is None else "no_failure"] += 1
+    extra: list[dict] = []
     if pairing == "paired":
         rows = [r for s, f in picks.values() if s is not None and f is not None for r in (s, f)]
         if base_failures:
             extra = base_pairs(pools, {r["entry_id"] for r in rows})
             rows += extra
-            stats = rows_stats(rows, failures, pairing, dropped, len(prompts))
-            return rows, stats | {"base_pairs": len(extra) // 2}
     else:  # one outcome per prompt is enough; prompts left out only to reach 1:1 count as `balance`
         rows = unpaired_rows(picks, seed)
         usable = sum(1 for s, f in picks.values() if s is not None or f is not None)
         dropped = Counter({k: v for k, v in {"neither": dropped["neither"], "balance": usable - len(rows)}.items() if v})
-    return rows, rows_stats(rows, failures, pairing, dropped, len(prompts))
+    stats = rows_stats(rows, failures, pairing, dropped, len(prompts))
+    return rows, stats | ({"base_pairs": len(extra) // 2} if base_failures else {})
 
 
 def unpaired_rows(picks: dict[str, tuple[dict | None, dict | None]], seed: int) -> list[dict]:

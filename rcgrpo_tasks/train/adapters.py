@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from pathlib import Path
 
 from rcgrpo_tasks.engine.models import load_trained
@@ -37,8 +38,9 @@ def add_special_tokens(tokenizer, model, tokens: tuple[str, ...], seed: int = 0,
     then overwrites the rows of the tokens this call added (input and, when untied, output embeddings) with
     `apart_rows`: `levels` (the reward tokens, lowest first) spread along one direction, any other added
     token on its own direction. `init="words"` starts each added token's row at the embedding of the word it
-    names (`token_word`: `<|low_reward|>` -> " low", the mean over its pieces). Under DeepSpeed ZeRO-3 the row count is the full (`ds_shape`) one, so the
-    vocabulary never shrinks, and rows are written with the sharded matrices gathered."""
+    names (`token_word`: `<|low_reward|>` -> " low", the mean over its pieces). Under DeepSpeed ZeRO-3 the
+    row count is the full (`ds_shape`) one, so the vocabulary never shrinks, and rows are written with the
+    sharded matrices gathered."""
     import torch
 
     if init not in REWARD_TOKEN_INITS:
@@ -73,8 +75,6 @@ def add_special_tokens(tokenizer, model, tokens: tuple[str, ...], seed: int = 0,
 def token_word(token: str) -> str:
     """The word a reward token names: `<|high_reward|>` -> `high` (`init="words"` starts its row at that word's
     embedding, so the network reads the token as it reads a word it knows)."""
-    import re
-
     return re.sub(r"^<\|(.*?)(_reward)?\|>$", r"\1", token).replace("_", " ")
 
 
