@@ -76,9 +76,9 @@ class GenerateConfig:
     """Optional PEFT adapter folder on top of the policy model."""
     policy_reward_token: str | None = None
     """Reward token to condition the policy on (for an RCTP policy); null = no reward goal."""
-    policy_entries: int = 4
+    policy_entries: int = 32
     """Train entries the policy is sampled on (seeded sample); 0 disables policy samples."""
-    policy_samples: int = 2
+    policy_samples: int = 1
     """Samples per policy entry (one shared-prefix group)."""
     seed: int = 0
     """Seeds every choice: entry samples, perturbations, policy sampling, balancing."""

@@ -38,7 +38,7 @@ class LabelConfig:
     failures: FailureRule = "mixed"
     """rctp: where an entry's failure comes from: `near_miss` | `on_policy` (else drop) | `mixed` (own, else
     near-miss); data.pairing."""
-    base_failures: bool = False
+    base_failures: bool = True
     """rctp, paired: also pair every other generate-set entry with a base-model failure (data.pairing)."""
     pairing: Pairing = "paired"
     """rctp: `paired` (every prompt under both tokens) | `unpaired` (one token per prompt; with near_miss:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from rcgrpo_tasks.data.chat import GOAL_PLACES, answer_goal_template, goal_place
 from rcgrpo_tasks.engine.models import load_trained
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, from_dict
 from rcgrpo_tasks.ops.inputs import InputError
@@ -47,7 +48,7 @@ PLOT_COLUMNS = ("step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_p
 VARIANTS: dict[str, dict] = {
     "sft": {"num_epochs": 2},
     "rctp": {"num_epochs": 5, "require_reward_token": True, "init": "sft", "token_lr_multiplier": 10.0,
-             "row_order": "pairs", "loss_on": "divergent", "margin_every": 4},
+             "row_order": "pairs", "margin_every": 4, "reward_goal_place": "answer"},
 }
 """The two runs of one definition (dvc.yaml foreach): `sft` = experts only (the paper's SFT baseline),
 `rctp` = mixed data with reward goals (RCTP-FT from the SFT model; docs/rl.md "RC-GRPO's premise")."""
@@ -114,6 +115,11 @@ class SftConfig:
     """`completion`: every assistant token; `divergent`: of each pair (same prompt, both tokens) only the
     tokens from where its two answers part (`sft_rows.divergent_masks`): the shared ones teach "the same
     output under either token" and carry no information about it. Rows without a partner keep every token."""
+    reward_goal_place: Literal["user", "answer"] = "user"
+    """Where the model reads its reward goal: `user` = the text `[Reward Goal: <token>]` ends the first user
+    message (the paper); `answer` = its token opens the first answer (`data.chat.answer_goal_template`: the
+    saved chat template renders it there, so RL, evaluation and controllability prompt the model the same
+    way; the data keep the paper's form). Acts on rows with a goal only."""
     margin_every: int = 0
     """> 0: log the teacher-forced margin (`data.margin`) every this many optimizer steps (and before the
     first) on `margin_entries` held-out entries (`--entries`, `--split`): when the token starts to be read.
@@ -170,6 +176,8 @@ class SftConfig:
             (self.init in ("base", "sft"), f"init must be base or sft, got {self.init!r}"),
             (self.row_order in ORDERS, f"row_order must be one of {ORDERS}, got {self.row_order!r}"),
             (self.loss_on in LOSS_ON, f"loss_on must be one of {LOSS_ON}, got {self.loss_on!r}"),
+            (self.reward_goal_place in GOAL_PLACES,
+             f"reward_goal_place must be one of {GOAL_PLACES}, got {self.reward_goal_place!r}"),
             (self.margin_every >= 0 and self.margin_entries >= 1, "margin_every must be >= 0, margin_entries >= 1"),
             (self.token_lr_multiplier == 1.0 or not (self.full_finetune and self.deepspeed),
              "token_lr_multiplier != 1 with full_finetune needs whole embedding rows: not under DeepSpeed"),
@@ -288,6 +296,11 @@ def build_trainer(cfg: SftConfig, model_dir: Path, rows: list[dict], tokens: tup
     model, tokenizer = load_start(cfg, model_dir, init_adapter)
     levels = tuple(t for t in tokens if t not in cfg.extra_special_tokens)
     token_ids = add_special_tokens(tokenizer, model, tokens, cfg.seed, cfg.reward_token_init, levels)
+    if goal_place(tokenizer) != cfg.reward_goal_place:
+        if cfg.reward_goal_place == "user":
+            raise ConfigError(f"sft.reward_goal_place: user, but the start model {model_dir} renders the reward "
+                              "goal before the answer (its chat template); start from a model without it")
+        tokenizer.chat_template = answer_goal_template(tokenizer.chat_template)
     train_rows, stats = tokenize_rows(rows, tokenizer, cfg.max_length, cfg.max_examples, cfg.loss_on)
     peft_config = None if cfg.full_finetune else lora_config(cfg, model, token_ids)
     trainer = runs.lazy_subclass(RcgrpoSFTTrainerMixin, "trl.SFTTrainer")(
