@@ -155,3 +155,26 @@ def capture_trainer(monkeypatch) -> dict:
 
     monkeypatch.setattr(rl, "build_trainer", build)
     return box
+
+
+def grad_capture():
+    """A TrainerCallback keeping every parameter's gradient just before the optimizer step (`.grads`)."""
+    from transformers import TrainerCallback
+
+    class Grads(TrainerCallback):
+        grads: dict = {}
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    return Grads()
+
+
+def pack_spy(monkeypatch) -> list[int]:
+    """Rows of every batch `engine.shared_prefix` packs (the shared layout was taken), appended in order."""
+    from rcgrpo_tasks.engine import shared_prefix
+
+    packed: list[int] = []
+    real = shared_prefix.pack
+    monkeypatch.setattr(shared_prefix, "pack", lambda rows, *a, **k: packed.append(len(rows)) or real(rows, *a, **k))
+    return packed

@@ -248,7 +248,8 @@ def test_bad_model_fails_before_any_run_and_writes_nothing(tiny_model_dir, tmp_p
 
 def test_report_table_carries_the_controllability_columns(tmp_path):
     """report --controllability rctp=metrics.json: the RCTP row gets both gaps with CIs and the shares."""
-    from rcgrpo_tasks.evaluation.results_table import build_report, markdown_table
+    from rcgrpo_tasks.evaluation.report_tables import controllability_table
+    from rcgrpo_tasks.evaluation.results_table import build_report
 
     for label in ("sft", "rctp"):
         write_jsonl(tmp_path / label / "results.jsonl", [
@@ -259,11 +260,10 @@ def test_report_table_carries_the_controllability_columns(tmp_path):
     write_json(tmp_path / "ctl.json", ctl_json)
     rows = build_report([("sft", tmp_path / "sft"), ("rctp", tmp_path / "rctp")], [], 0,
                         [("rctp", tmp_path / "ctl.json")])
-    table = markdown_table(rows)
+    table = controllability_table(rows)
     rctp_line = next(line for line in table.splitlines() if line.startswith("| RCTP"))
-    sft_line = next(line for line in table.splitlines() if line.startswith("| SFT"))
-    assert "Ctl gap sampled [95% CI]" in table
+    assert "sampled gap" in table and not any(line.startswith("| SFT") for line in table.splitlines())
     assert "+0.250 [+0.050, +0.500]" in rctp_line and "+0.000 [+0.000, +0.000]" in rctp_line
-    assert "0.920 / 0.610 (G=5)" in rctp_line and sft_line.endswith("| n/a | n/a | n/a |")
+    assert "0.920 / 0.610 (G=5)" in rctp_line and rctp_line.startswith("| RCTP | n/a | n/a |")
     with pytest.raises(InputError, match="controllability metrics not found"):
         build_report([("rctp", tmp_path / "rctp")], [], 0, [("rctp", tmp_path / "none.json")])

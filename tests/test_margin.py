@@ -64,6 +64,9 @@ def test_margin_formula_on_hand_built_log_probs():
     assert stats["kinds"]["k"]["margin"] == pytest.approx(0.0) and stats["kinds"]["j"]["n_entries"] == 1
     lo, hi = stats["ci"]
     assert lo == pytest.approx(-1.0) and hi == pytest.approx(2.0)
+    real = mg.margin_stats({"a": {"dropped_call": 3.0, "k": 1.0}, "b": {"dropped_call": 4.0}}, n_boot=200)
+    assert real["margin"] == pytest.approx(3.0)  # per entry: a mean(3, 1) = 2, b 4
+    assert real["realistic"]["margin"] == pytest.approx(1.0) and real["realistic"]["n_entries"] == 1
 
 
 def test_shared_prompt_forward_equals_one_forward_per_sequence(equal_rows_dir, single_turn):
@@ -100,14 +103,15 @@ def test_a_model_that_cannot_read_its_token_has_zero_margin(equal_rows_dir, sing
     one = next(iter(by.values()))
     assert by[(one.entry_id, one.kind, HIGH)].token_ids != by[(one.entry_id, one.kind, LOW)].token_ids
     stats = mg.teacher_forced_margin(model, items, TOKENS, n_boot=100)
-    assert stats["n_entries"] == 3 and abs(stats["margin"]) < 1e-6 and stats["share_positive"] == 0
+    # 0 up to the float rounding of the packed forward (both tokens' branches in one sequence: ~1e-5 nat)
+    assert stats["n_entries"] == 3 and abs(stats["margin"]) < 5e-5
     rows = mg.token_row_distance(model, tok, TOKENS)
     assert rows["distance"] == 0.0 and rows["median_real_distance"] > 0
     # move the high row: now the token can be read, and the margin moves off 0
     with torch.no_grad():
         high = tok.convert_tokens_to_ids(HIGH)
         model.get_input_embeddings().weight[high] = 5 * torch.randn_like(model.get_input_embeddings().weight[high])
-    assert abs(mg.teacher_forced_margin(model, items, TOKENS, n_boot=100)["margin"]) > 1e-4
+    assert abs(mg.teacher_forced_margin(model, items, TOKENS, n_boot=100)["margin"]) > 1e-2
     assert mg.token_row_distance(model, tok, TOKENS)["ratio"] > 0
 
 

@@ -1,4 +1,5 @@
-"""report stage: table rows, bootstrap CIs, paper column, plot, bad input."""
+"""report stage: rows, Wilson intervals, paired differences, the paper column, the three tables, plots, bad
+input."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import random
 
 import pytest
 
+from rcgrpo_tasks.evaluation import report_tables
 from rcgrpo_tasks.evaluation import results_table as report
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import write_jsonl
-from rcgrpo_tasks.ops.plots import accuracy_figure, accuracy_plot
+from rcgrpo_tasks.ops.plots import accuracy_figure, accuracy_plot, probe_plot
 from rcgrpo_tasks.ops.stats import bootstrap_ci, paired_bootstrap_ci
 from rcgrpo_tasks.stages import report as report_stage
 
@@ -58,8 +60,9 @@ def test_report_rows_order_paper_column_and_outputs(tmp_path):
     assert top["official_accuracy"] < top["overall"]["accuracy"]
     assert top["paper_table1_overall"] == 85.0 and rows[1]["paper_table1_overall"] is None
     assert top["rl_mean_frac_zero_std"] == 0.25
-    md = report.markdown_table(rows)
-    assert "RCTP+RC-GRPO" in md and "85.00" in md and "n/a" in md and "7B, GPU" in md
+    md = report_tables.report_markdown(rows, {})
+    assert "RCTP+RC-GRPO" in md and "85.00" in md and "7B, GPU" in md
+    assert md.index("## Outcome") < md.index("## RL") < md.index("## Controllability")
     png = tmp_path / "out" / "acc.png"
     accuracy_plot(rows, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -134,8 +137,8 @@ def test_every_row_says_its_task_and_the_paper_column_is_multi_turn_only(tmp_pat
     rows = report.build_report(evals, [])
     assert [r["task"] for r in rows] == ["single_turn", "single_turn"]
     assert all(r["paper_table1_overall"] is None for r in rows)  # the paper reports multi-turn only
-    md = report.markdown_table(rows)
-    assert "| Task |" in md.splitlines()[0] and "| Base | single_turn | 4 |" in md
+    md = report_tables.outcome_table(rows)
+    assert "| Base | 25.0 [" in md and "| 4 |" in md
     mt = report.build_report([("base", _eval_dir(tmp_path, "mt", {"base": 0.5}))], [])
     assert mt[0]["task"] == "multi_turn" and mt[0]["paper_table1_overall"] == 11.25
     mixed = tmp_path / "mixed"
@@ -145,38 +148,28 @@ def test_every_row_says_its_task_and_the_paper_column_is_multi_turn_only(tmp_pat
         report.load_eval("base", mixed)
 
 
-def test_reward_change_last_third_minus_first_with_a_ci():
-    steps = [{"step": s, "reward": r} for s, r in enumerate([0.1, 0.2, 0.1, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8], 1)]
-    c = report.reward_change(list(reversed(steps)))  # order of the rows does not matter
-    assert c["steps"] == 9 and c["steps_per_third"] == 3
-    assert c["first"] == pytest.approx(0.4 / 3) and c["last"] == pytest.approx(0.7)
-    assert c["change"] == pytest.approx(0.7 - 0.4 / 3) and 0 < c["ci"][0] <= c["change"] <= c["ci"][1]
-    flat = report.reward_change([{"step": s, "reward": 0.5} for s in range(1, 7)])
-    assert flat["change"] == 0.0 and flat["ci"] == [0.0, 0.0]
-    assert report.reward_change([{"step": 1, "reward": 0.5}])["change"] is None
-    assert report.reward_change([{"step": 1, "reward": float("nan")}, {"step": 2, "reward": 0.5}])["change"] is None
+def test_accuracy_intervals_are_wilson_and_never_zero_width_at_zero(tmp_path):
+    evals = [("base", _single_turn_dir(tmp_path, "b", [0] * 16)), ("sft", _single_turn_dir(tmp_path, "s", [1] * 9 + [0] * 23))]
+    rows = {r["label"]: r for r in report.build_report(evals, [])}
+    lo, hi = rows["base"]["overall"]["ci"]
+    assert lo == 0.0 and 15.0 < hi < 25.0 and rows["base"]["overall"]["successes"] == 0
+    lo, hi = rows["sft"]["overall"]["ci"]
+    assert 15.0 < lo < 28.125 < hi < 46.0
 
 
-def test_reward_change_ci_resamples_the_rollouts_of_each_third():
-    """5 steps of 8 rollouts (one step per third): the CI comes from the 8 + 8 rollouts rebuilt from the step
-    means, not from two single step means (which give a zero-width interval)."""
-    means = [0.0, 0.25, 0.125, 0.25, 0.5]
-    steps = [{"step": s, "reward": m, "rollouts_generated": 8, "gen_rounds": 1} for s, m in enumerate(means, 1)]
-    c = report.reward_change(steps)
-    assert c["ci_over"] == "rollouts" and c["steps_per_third"] == 1 and c["change"] == pytest.approx(0.5)
-    assert c["ci"][0] < c["change"] < c["ci"][1] and c["ci"][1] - c["ci"][0] > 0.3
-    dynamic = [{**r, "rollouts_generated": 12, "gen_rounds": 2} if r["step"] == 2 else r for r in steps]
-    assert report.reward_change(dynamic)["ci"] == c["ci"]  # n = one generation batch, not what a refill added
-    partial = [{**r, "reward": m + 0.01} for r, m in zip(steps, means)]  # not k / 8: steps resampled
-    assert report.reward_change(partial)["ci_over"] == "steps"
-
-
-def test_rl_rows_get_their_reward_change(tmp_path):
+def test_rl_rows_carry_the_probe_and_the_rl_table_shows_it(tmp_path):
     evals = [("rctp-grpo", _single_turn_dir(tmp_path, "g", [1, 0]))]
-    steps = {"rctp-grpo": [{"step": 1, "reward": 0.25}, {"step": 2, "reward": 0.5}, {"step": 3, "reward": 0.75}]}
-    (row,) = report.build_report(evals, [], steps=steps)
-    assert row["rl_reward_change"]["change"] == pytest.approx(0.5)
-    assert "0.250 -> 0.750: +0.500" in report.markdown_table([row])
+    probe = {"entries": ["a", "b"], "samples": 4, "steps": [0, 5, 10], "reward": [0.25, 0.375, 0.5],
+             "change": {"mean": 0.25, "ci_low": 0.125, "ci_high": 0.375, "prompts": 2}, "per_entry": {}}
+    rl = tmp_path / "rl.json"
+    rl.write_text(json.dumps({"probe": probe, "diverged": None, "mean_frac_zero_std": 0.5}))
+    (row,) = report.build_report(evals, [("rctp-grpo", rl)])
+    assert row["rl_probe"]["change"]["mean"] == 0.25
+    md = report_tables.rl_table([row], {})
+    assert "0.250 -> 0.375 -> 0.500 (steps 0, 5, 10)" in md and "+0.250 [+0.125, +0.375] (2 prompts x 4)" in md
+    png = tmp_path / "probe.png"
+    probe_plot([row], png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_rl_rows_are_compared_with_their_init_on_the_same_entries(tmp_path):
@@ -187,18 +180,19 @@ def test_rl_rows_are_compared_with_their_init_on_the_same_entries(tmp_path):
     v = rows["rctp-rc_grpo"]["vs_init"]
     assert v["init"] == "rctp" and v["n"] == 6 and v["diff"] == pytest.approx(50.0)
     assert 0 < v["ci"][0] <= 50.0 <= v["ci"][1]
-    assert "| +50.0 [" in report.markdown_table(list(rows.values()))
+    assert "| +50.0 [" in report_tables.outcome_table(list(rows.values()))
 
 
-def test_no_token_rows_rc_versus_grpo_and_the_margin_columns(tmp_path):
-    """A `-notoken` row is compared with the same model under its token; RC-GRPO minus GRPO from the same
-    init in zero-variance share (per step) and held-out accuracy (paired); an evaluation's teacher-forced
-    margin and the flat split reach the table."""
+def test_no_token_rows_rc_versus_grpo_paired_by_group_and_the_margin_columns(tmp_path):
+    """A `-notoken` row is compared with the same model under its token; RC-GRPO against GRPO from the same
+    init: zero-variance groups paired by step and slot (exact McNemar), held-out accuracy paired; an
+    evaluation's margin (overall and without the empty answer) reaches the controllability table."""
     flags = {"rctp": [1, 1, 0, 0] * 5, "rctp-grpo": [1, 0, 0, 0] * 5, "rctp-rc_grpo": [1, 1, 1, 0] * 5,
              "rctp-rc_grpo-notoken": [1, 0, 0, 0] * 5}
     evals = [(label, _single_turn_dir(tmp_path, label, f)) for label, f in flags.items()]
     (tmp_path / "rctp-rc_grpo" / "metrics.json").write_text(json.dumps(
-        {"margin": {"margin": 0.5, "ci": [0.25, 0.75], "n_entries": 20, "share_positive": 0.8},
+        {"margin": {"margin": 0.5, "ci": [0.25, 0.75], "n_entries": 20, "share_positive": 0.8,
+                    "realistic": {"margin": 0.125, "ci": [0.0625, 0.25], "n_entries": 20, "share_positive": 0.6}},
          "token_rows": {"ratio": 0.6}}))
     rl = tmp_path / "rl.json"
     rl.write_text(json.dumps({"mean_frac_zero_std": 0.5, "mean_frac_flat_fail": 0.125,
@@ -209,13 +203,20 @@ def test_no_token_rows_rc_versus_grpo_and_the_margin_columns(tmp_path):
     assert by["rctp-rc_grpo-notoken"]["vs_init"]["init"] == "rctp-rc_grpo"
     assert by["rctp-rc_grpo-notoken"]["vs_init"]["diff"] == pytest.approx(-50.0)
     assert by["rctp-rc_grpo"]["vs_init"]["init"] == "rctp" and by["rctp-rc_grpo"]["vs_grpo"]["diff"] == 50.0
-    assert by["rctp-rc_grpo"]["ctl_margin"]["gap"] == 0.5 and by["rctp-rc_grpo"]["ctl_token_rows_ratio"] == 0.6
-    md = report.markdown_table(rows)
-    assert "RCTP+RC-GRPO, no token" in md and "+0.500 [+0.250, +0.750]" in md and "0.500 (0.12 / 0.38)" in md
-    steps = {"rctp-rc_grpo": [{"frac_zero_std_generated": v} for v in (0.0, 0.5, 0.0, 0.0)],
-             "rctp-grpo": [{"frac_zero_std_generated": v} for v in (1.0, 0.5, 1.0, 1.0)]}
-    contrast = report.rc_versus_grpo(rows, steps)
-    z = contrast["rctp"]["zero_std_generated"]
-    assert z["diff"] == pytest.approx(-0.75) and z["ci"][1] < 0 and "sft" not in contrast
+    assert by["rctp-rc_grpo"]["ctl_margin_realistic"]["gap"] == 0.125
+    ctl = report_tables.controllability_table(rows)
+    assert "+0.500 [+0.250, +0.750] (20 entries)" in ctl and "+0.125 [+0.062, +0.250]" in ctl
+    # 40 paired groups: GRPO flat in 30 (at success), RC-GRPO in 12 of those and in 2 others
+    grpo = [{"step": i // 2, "group": i % 2, "entry_id": f"e{i}", "flat": "success" if i < 30 else None}
+            for i in range(40)]
+    rc = [{**g, "flat": ("success" if i < 12 else None) if i < 30 else ("fail" if i < 32 else None)}
+          for i, g in enumerate(grpo)]
+    rc.append({"step": 99, "group": 0, "entry_id": "x", "flat": None})  # unpaired: left out
+    contrast = report.rc_versus_grpo(rows, {"rctp-grpo": grpo, "rctp-rc_grpo": rc})
+    z = contrast["rctp"]["zero_std_paired"]
+    assert (z["groups"], z["both"], z["only_grpo"], z["only_rc_grpo"]) == (40, 12, 18, 2)
+    assert z["grpo"] == 0.75 and z["rc_grpo"] == 0.35 and z["mcnemar_p"] < 0.001
+    assert z["rc_grpo_flat"] == {"fail": 2, "success": 12} and "sft" not in contrast
     assert contrast["rctp"]["accuracy"]["diff"] == 50.0
-    assert "From RCTP: zero-variance share" in report.rc_versus_grpo_markdown(contrast)
+    md = report_tables.rl_table(rows, contrast)
+    assert "0.35 vs GRPO 0.75 (40 groups; only GRPO flat 18, only RC-GRPO 2; McNemar p = " in md

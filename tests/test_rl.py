@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import HIGH, LEVELS, capture_trainer, device_under_test, on_test_device
+from helpers import HIGH, LEVELS, capture_trainer, device_under_test, grad_capture, on_test_device, pack_spy
 
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.config import ConfigError, from_dict, load_config
@@ -22,7 +22,7 @@ from rcgrpo_tasks.train import checkpoints, grpo, grpo_trainer, rl, rollout_poli
 TEST_RL = dict(num_generations=2, batch_size=2, micro_batch_size=2, max_steps=2, learning_rate=5e-3, beta=0.1,
                max_new_tokens=6, max_outputs=2, categories=["base"], max_entries=2,
                lora_r=4, lora_alpha=8, save_steps=1, bf16=False, temperature=1.0, dynamic_max_rounds=3,
-               min_sampled_success=None)
+               min_sampled_success=None, probe_entries=0)  # the probe's own tests: tests/test_probe.py
 PROTOCOL = PromptConfig(system_prompt="short").protocol_config(TEST_RL["max_outputs"])
 
 
@@ -408,3 +408,96 @@ def test_vllm_backends_over_trl_engines_without_vllm(tiny_model_dir):
     assert sorted(calls) == [([[1, 2]], 3), ([[3]], 2)]  # one request per cap, sent concurrently
     assert [c.finish_reason for c in out] == ["stop", "length"]
     assert out[0].logprobs == [-0.5] * 3 and out[0].text == tok.decode(body) == out[1].text != ""
+
+
+def test_an_rl_step_updates_the_same_weights_with_and_without_the_shared_prefix(rl_env, scripted_rewards, monkeypatch):
+    """One RC-GRPO step (2 groups of G=2 in one micro-batch, both tokens, reference on) from the same seed on the
+    CPU, float32: the same rollouts, the step's gradients within 1e-5 of the largest, the updated weights within
+    1e-3 of the step (Adam scales each element's step by its own gradient: tests/test_sft.py says why)."""
+    from rcgrpo_tasks.engine.compute import ComputeConfig
+
+    packed = pack_spy(monkeypatch)
+    root, model_dir = rl_env
+    out = {}
+    for name, shared in (("plain", None), ("shared", 0)):
+        cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1, "batch_size": 4,
+                                        "micro_batch_size": 4, "shared_prefix_min_tokens": shared, "rollout_dtype": "live"})
+        spec = _spec(root, model_dir, f"sp-{name}", "rctp", "rc_grpo")
+        grads = grad_capture()
+        rl.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[grads], track=False, compute=ComputeConfig(device="cpu"))
+        out[name] = (grads.grads, _weights(spec.out), [t.token_ids for g in scripted_rewards[-2:] for t in g])
+        assert bool(packed) == (shared is not None)  # policy, reference and trainer forwards: the shared layout
+    (g_plain, w_plain, r_plain), (g_shared, w_shared, r_shared) = out["plain"], out["shared"]
+    assert r_plain == r_shared
+    top = max(float(g.abs().max()) for g in g_plain.values())
+    assert top > 0 and g_plain.keys() == g_shared.keys()
+    for n, g in g_plain.items():
+        assert float((g - g_shared[n]).abs().max()) <= 1e-5 * top, n
+    before = _weights(model_dir)
+    step = max(float((w_plain[k] - before[k]).abs().max()) for k in w_plain if k in before)
+    assert step > 0
+    for k, w in w_plain.items():
+        assert float((w - w_shared[k]).abs().max()) <= 1e-3 * step, k
+
+
+def test_one_far_off_token_cannot_dominate_the_kl_term(rl_env):
+    """Through TRL's `_compute_loss`: one sampled token the reference finds nearly certain and the policy
+    ~11 nat less likely (the collapse seen outside the default) gives TRL's k3 ~ 5e4; with `kl_token_max`
+    that token's KL is the bound, and tokens inside it are TRL's exactly."""
+    import torch
+
+    root, model_dir = rl_env
+    g = torch.Generator().manual_seed(0)
+    b, p, c = 2, 7, 5
+    inputs = {"prompt_ids": torch.randint(0, 1000, (b, p), generator=g), "prompt_mask": torch.ones(b, p, dtype=torch.long),
+              "completion_ids": torch.randint(0, 1000, (b, c), generator=g),
+              "completion_mask": torch.ones(b, c, dtype=torch.long), "advantages": torch.tensor([0.0, 0.0]),
+              "num_items_in_batch": torch.tensor(b * c)}
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    out = {}
+    for bound in (None, 10.0):
+        cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "kl_token_max": bound})
+        trainer, _, _ = grpo_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "kl", "rctp", "rc_grpo"),
+                                                   track=False, device=torch.device("cpu"))
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1
+        with torch.no_grad():
+            mine, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, torch.ones_like(ids), c)
+        near, far = mine - 0.05, (mine - 0.05).clone()
+        far[0, 2] = -0.01
+        trainer._metrics["train"].clear()
+        with torch.no_grad():
+            loss_near = trainer._compute_loss(trainer.model, {**inputs, "ref_per_token_logps": near}).item()
+            loss_far = trainer._compute_loss(trainer.model, {**inputs, "ref_per_token_logps": far}).item()
+        out[bound] = (loss_near, loss_far, trainer._metrics["train"]["kl"][-1])
+        assert far[0, 2].item() == pytest.approx(-0.01)  # the caller's tensor is not touched
+    (near0, far0, _), (near1, far1, kl1) = out[None], out[10.0]
+    assert near1 == pytest.approx(near0, rel=1e-6)  # inside the bound: TRL's loss
+    assert far1 < 2.0 < 100.0 < far0 and kl1 <= 10.0 / (b * c) + 0.01
+
+
+def test_a_diverging_run_stops_names_the_step_and_rolls_back(rl_env, scripted_rewards):
+    """A learning rate that diverges on the tiny model: the run stops at the step whose KL crosses
+    `divergence_kl`, says so, tags its MLflow run, and its policy is the last good checkpoint's."""
+    import mlflow
+    import torch
+
+    from rcgrpo_tasks.engine.compute import ComputeConfig
+
+    root, model_dir = rl_env
+    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "learning_rate": 3.0, "max_steps": 8,
+                                    "divergence_kl": 0.05, "keep_checkpoints": True})
+    spec = _spec(root, model_dir, "diverge", "rctp", "rc_grpo")
+    summary = rl.train_rl(cfg, PROTOCOL, LEVELS, spec, compute=ComputeConfig(device="cpu"))
+    event = summary["diverged"]
+    assert event is not None and f"step {event['step']}: mean KL" in event["reason"], summary
+    assert summary["steps"] == event["step"] < 8 and event["restored_step"] <= event["step"] - 2
+    rows = runs.read_tsv(spec.plots)
+    assert rows[-1]["kl"] > 0.05 and all(r["kl"] <= 0.05 for r in rows[:-1])
+    policy = _weights(spec.out)
+    if event["restored_step"] == 0:  # rolled back to the init: the merged policy is the init model
+        init = _weights(model_dir)
+        assert all(torch.allclose(policy[k], init[k], atol=1e-6) for k in init if k in policy)
+    run = mlflow.search_runs(experiment_names=["test-rl"], filter_string="tags.`rl.diverged` != ''",
+                             output_format="list")
+    assert run and run[0].data.tags["rl.restored_step"] == str(event["restored_step"])

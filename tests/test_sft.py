@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import HIGH, LEVELS, LOW, chat, on_test_device, tiny_sft_config
+from helpers import HIGH, LEVELS, LOW, chat, grad_capture, on_test_device, pack_spy, tiny_sft_config
 
 from rcgrpo_tasks.engine import models
 from rcgrpo_tasks.ops.config import ConfigError
@@ -475,3 +475,34 @@ def test_a_full_disk_names_the_output(tmp_path, error):
             raise error
     with pytest.raises(RuntimeError, match="CUDA error"), runs.disk_errors(tmp_path / "ckpt"):
         raise RuntimeError("CUDA error: device-side assert triggered")  # not a disk problem: unchanged
+
+
+def test_an_rctp_pair_step_updates_the_same_weights_with_and_without_the_shared_prefix(tiny_model_dir, tmp_path,
+                                                                                      monkeypatch):
+    """One optimizer step of RCTP pairs (each micro-batch one prompt under both tokens), from the same seed,
+    on the CPU, float32: the step's gradients agree within 1e-5 of the largest, the updated weights within
+    1e-3 of the step (Adam divides each element's step by its own gradient's scale, so elements whose
+    gradient is near Adam's epsilon carry a gradient's rounding at the step's scale)."""
+    from rcgrpo_tasks.engine.compute import ComputeConfig
+
+    packed = pack_spy(monkeypatch)
+    data = tmp_path / "pairs.jsonl"
+    write_jsonl(data, [chat(i, tok) for i in range(4) for tok in (HIGH, LOW)])
+    runs_ = {}
+    for name, shared in (("plain", None), ("shared", 0)):
+        snap, grads = snapshot(), grad_capture()
+        cfg = tiny_sft_config(require_reward_token=True, row_order="pairs", batch_size=2, grad_accum=2, max_steps=1,
+                              shared_prefix_min_tokens=shared, bf16=False)
+        sft.train_variant(cfg, LEVELS, spec(tmp_path, tiny_model_dir, "rctp", data, name), callbacks=[snap, grads],
+                          track=False, compute=ComputeConfig(device="cpu"))
+        runs_[name] = (snap, grads.grads)
+        assert packed == ([] if shared is None else [2, 2])  # each pair's micro-batch took the shared layout
+    (plain, g_plain), (shared, g_shared) = runs_["plain"], runs_["shared"]
+    top = max(float(g.abs().max()) for g in g_plain.values())
+    assert top > 0 and g_plain.keys() == g_shared.keys()
+    for n, g in g_plain.items():
+        assert float((g - g_shared[n]).abs().max()) <= 1e-5 * top, n
+    step = max(float((plain.after[n] - plain.before[n]).abs().max()) for n in plain.after)
+    assert step > 0
+    for n, value in plain.after.items():
+        assert float((value - shared.after[n]).abs().max()) <= 1e-3 * step, n

@@ -49,7 +49,7 @@ class SampleConfig:
                                                                batch_rows=16))
     """Sampling, budgets and engine (`engine.decoding`; flat keys). Temperature > 0: on-policy samples
     (the paper's RCTP samples: 0.7)."""
-    n_entries: int | None = 24
+    n_entries: int | None = 48
     """Train entries sampled (a seeded sample of `categories`, in file order); null = every one."""
     categories: tuple[str, ...] | None = None
     """Categories drawn from; null = every category of the prepared entries."""

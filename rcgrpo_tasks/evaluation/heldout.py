@@ -32,7 +32,7 @@ class EvaluateConfig:
     outputs per episode under `paper`."""
     seed: int = 0
     """Sampling and bootstrap seed."""
-    limit: int | None = 32
+    limit: int | None = None
     """Evaluate only N held-out entries, taken round-robin over categories (smoke profile); null = all."""
     official_full: bool = False
     """Also run BFCL's official protocol on every prepared entry (multi-turn: all 800; GPU profile)."""

@@ -73,3 +73,40 @@ def accuracy_figure(rows: list[dict], names: dict[str, str] | None = None,
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def probe_plot(rows: list[dict], path: Path, names: dict[str, str] | None = None,
+               title: str = "RL: the fixed probe's reward") -> None:
+    """One panel per init, one line per cell of it: the probe's mean reward at each probed step, with the
+    change's 95 % paired CI in the legend (rows with `rl_probe`: `train.probe.probe_summary`). Written
+    atomically; an empty figure says that no run had a probe."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = names or {}
+    cells = [r for r in rows if r.get("rl_probe")]
+    inits = sorted({r["label"].split("-", 1)[0] for r in cells}) or ["-"]
+    fig, axes = plt.subplots(1, len(inits), figsize=(5 * len(inits), 3.6), sharey=True, squeeze=False)
+    for ax, init in zip(axes[0], inits):
+        for r in cells:
+            if r["label"].split("-", 1)[0] != init:
+                continue
+            p, c = r["rl_probe"], r["rl_probe"]["change"]
+            ax.plot(p["steps"], p["reward"], marker="o",
+                    label=f"{names.get(r['label'], r['label'])}: {c['mean']:+.3f} [{c['ci_low']:+.3f}, {c['ci_high']:+.3f}]")
+        ax.set_title(f"init {init.upper()}", fontsize=9)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, title="end - step 0 [95% paired CI]", title_fontsize=7)
+    axes[0][0].set_ylabel("probe reward (mean over prompts x samples)")
+    if not cells:
+        axes[0][0].text(0.5, 0.5, "no run had a probe", ha="center", transform=axes[0][0].transAxes)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)

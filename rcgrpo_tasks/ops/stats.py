@@ -79,3 +79,25 @@ def difference_ci(a: Sequence[float], b: Sequence[float], n_boot: int = N_BOOT, 
              for _ in range(n_boot)]
     lo, hi = _percentiles(diffs, level)
     return (sum(a) / len(a) - sum(b) / len(b), lo, hi)
+
+
+def wilson_ci(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval of a proportion (95 % by default): never [0, 0] at 0/n, unlike a bootstrap
+    of n zeros; (NaN, NaN) for n = 0."""
+    if n <= 0:
+        return (float("nan"), float("nan"))
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def mcnemar_exact(only_a: int, only_b: int) -> float:
+    """Two-sided exact McNemar p-value (a sign test on the discordant pairs): `only_a` units where only arm
+    A has the event, `only_b` where only B has it; 1.0 without discordant pairs."""
+    n = only_a + only_b
+    if n == 0:
+        return 1.0
+    k = min(only_a, only_b)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return min(1.0, 2 * tail)

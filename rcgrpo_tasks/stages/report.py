@@ -7,18 +7,18 @@ SFT+RC-GRPO, RCTP+GRPO, RCTP+RC-GRPO (any subset; unknown labels are appended).
 
 Per row: accuracy (the evaluate stage's `valid`: paper reward under the paper protocol, which is the
 paper's Table 1 view; the official verdict under the official protocol) per category and overall, each
-with a 95% percentile-bootstrap CI over entries (2000 resamples, fixed seed; overall resamples within
-each category, so the category mix stays fixed); the official BFCL verdict, mean partial credit and
-paper reward; for RL rows the training diagnostics (mean fraction of zero-std groups, mean
-controllability gap E[R|high] - E[R|low]); beside them the paper's Table 1 overall accuracy
+with its 95% Wilson interval; the official BFCL verdict, mean partial credit and paper reward; for RL rows
+the fixed probe's curve (`train.probe`) and the training diagnostics (zero-std groups, paired group by
+group between RC-GRPO and GRPO from one init); beside them the paper's Table 1 overall accuracy
 (Qwen2.5-7B-Instruct on GPU, 80 held-out entries) where the paper gives it, else `n/a`. With `--controllability
 LABEL=metrics/controllability.json` (the controllability stage, run on RCTP) the row also gets the token gap
 E[R|high] - E[R|low] sampled at the RL temperature and greedy, each with its 95% paired bootstrap CI, and the
 expected zero-variance share of G-sized groups under all-high vs mixed tokens. The paper's
 numbers are a reference for the shape of the result, not a target for a 135M CPU model.
 
-Writes: `--table` (Markdown), `--json` (DVC metrics: every number above), `--plot` (PNG: accuracy per
-category per row with CI bars), and logs all three + metrics to MLflow.
+Writes: `--table` (Markdown: three tables, `evaluation.report_tables`), `--json` (DVC metrics: every number
+above), `--plot` (PNG: accuracy per row with its interval), `--probe` (PNG: the probe curves of the six
+cells), `--mechanism` (PNG: per-step diagnostics), and logs them + metrics to MLflow.
 Run: `rcgrpo report --eval base=results/eval/base --eval rctp-rc_grpo=results/eval/rctp-rc_grpo ...
 --table results/report/table.md --json results/report/report.json --plot results/report/accuracy.png`.
 """
@@ -31,12 +31,13 @@ from pathlib import Path
 import typer
 
 from rcgrpo_tasks.env.paper import PAPER_TABLE1_OVERALL, ROWS, row_name
-from rcgrpo_tasks.evaluation.results_table import build_report, markdown_table, rc_versus_grpo, rc_versus_grpo_markdown
+from rcgrpo_tasks.evaluation.report_tables import report_markdown
+from rcgrpo_tasks.evaluation.results_table import build_report, rc_versus_grpo
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
-from rcgrpo_tasks.ops.inputs import InputError
+from rcgrpo_tasks.ops.inputs import InputError, read_json
 from rcgrpo_tasks.ops.outputs import write_json, write_text
-from rcgrpo_tasks.ops.plots import accuracy_plot
+from rcgrpo_tasks.ops.plots import accuracy_plot, probe_plot
 from rcgrpo_tasks.train.diagnostics import plot_mechanism
 from rcgrpo_tasks.train.runs import read_tsv
 
@@ -65,6 +66,7 @@ def main(
     plot_out: Path = typer.Option(Path("results/report/accuracy.png"), "--plot", help="Output: PNG plot."),
     steps: list[str] = typer.Option([], "--steps", help="LABEL=plots/rl_<run>.tsv: per-step RL diagnostics (repeat)."),
     mechanism: Path | None = typer.Option(None, help="Output: PNG of the per-step mechanism, GRPO beside RC-GRPO."),
+    probe: Path | None = typer.Option(None, help="Output: PNG of the RL cells' fixed-probe curves."),
     seed: int = typer.Option(0, help="Bootstrap seed."),
     track: bool = typer.Option(True, help="Log to MLflow."),
 ) -> None:
@@ -80,9 +82,9 @@ def main(
         if mechanism is not None and not step_files:
             raise InputError("--mechanism needs the runs' per-step TSVs (--steps LABEL=TSV)")
     task = " / ".join(sorted({r["task"] for r in rows}))
-    contrast = rc_versus_grpo(rows, {label: read_tsv(p) for label, p in step_files.items()}, seed)
-    md = markdown_table(rows) + rc_versus_grpo_markdown(contrast)
-    outputs = (table, json_out, plot_out, mechanism)
+    contrast = rc_versus_grpo(rows, {label: read_json(p).get("groups") or [] for label, p in _pairs(rl, "--rl")})
+    md = report_markdown(rows, contrast)
+    outputs = (table, json_out, plot_out, mechanism, probe)
     with tracking.published_run("report", {"eval": eval_, "rl": rl, "seed": seed}, outputs=outputs,
                                 track=track) as (_, staged):
         files = [staged.file(table), staged.file(json_out), staged.file(plot_out)]
@@ -93,6 +95,9 @@ def main(
         if mechanism is not None:
             files.append(staged.file(mechanism))
             plot_mechanism(step_files, files[-1], title=f"RC-GRPO mechanism per step (BFCL v4 {task})")
+        if probe is not None:
+            files.append(staged.file(probe))
+            probe_plot(rows, files[-1], dict(ROWS), title=f"RL on BFCL v4 {task}: the fixed probe's reward")
         if track:
             _log(rows, files)
     typer.echo(md)
@@ -104,9 +109,9 @@ def _log(rows: list[dict], files: list[Path]) -> None:
         metrics[f"{r['label']}/overall_acc"] = r["overall"]["accuracy"]
         for cat, c in r["categories"].items():
             metrics[f"{r['label']}/{cat}_acc"] = c["accuracy"]
-        change = r.get("rl_reward_change") or {}
-        if change.get("change") is not None:
-            metrics[f"{r['label']}/rl_reward_change"] = change["change"]
+        change = (r.get("rl_probe") or {}).get("change") or {}
+        if change.get("mean") is not None:
+            metrics[f"{r['label']}/rl_probe_change"] = change["mean"]
     tracking.log_metrics({k: v for k, v in metrics.items() if not math.isnan(v)})
     tracking.log_table([{"model": row_name(r["label"]), "task": r["task"], "n": r["n"],
                          "overall_acc": r["overall"]["accuracy"], "ci_lo": r["overall"]["ci"][0],

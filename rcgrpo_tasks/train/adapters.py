@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 
 from rcgrpo_tasks.engine.models import load_trained
+from rcgrpo_tasks.engine.shared_prefix import target_hidden, trunk_and_head
 from rcgrpo_tasks.ops.tracking_store import TrackingError
 
 REWARD_TOKEN_INITS = ("mean_resizing", "apart", "words")
@@ -227,22 +228,27 @@ def compact_head_loss(trainer, model, inputs: dict, num_items_in_batch=None):
 
     TRL's fused head scores every position on devices without Triton; assistant tokens are a small share
     of these chats (long system prompts and tool outputs), so this skips most of the 49k-wide head work.
-    Same loss and the same logged metrics (entropy, token accuracy, token count) as TRL's path.
+    Same loss and the same logged metrics (entropy, token accuracy, token count) as TRL's path. A
+    micro-batch's shared tokens (an RCTP pair's prompt) go through the trunk once (`shared_prefix`, at the
+    trainer's `shared_prefix` threshold).
     """
     import torch
-    from peft import PeftModel
 
-    inner = trainer.accelerator.unwrap_model(model)
-    hf = inner.get_base_model() if isinstance(inner, PeftModel) else inner
-    backbone = getattr(hf, hf.base_model_prefix)
-    kwargs = {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids") if k in inputs}
-    target = inputs["labels"][:, 1:]
-    mask = target != -100
+    trunk, head = trunk_and_head(trainer.accelerator.unwrap_model(model))
+    labels = inputs["labels"]
+    targets = torch.zeros_like(labels, dtype=torch.bool)
+    targets[:, 1:] = labels[:, 1:] != -100  # token t's label, predicted at t - 1
+    mask = targets[:, 1:]
     with trainer.accelerator.autocast():
-        hidden = backbone(**kwargs, use_cache=False).last_hidden_state[:, :-1]
-        logits = hf.get_output_embeddings()(hidden[mask])
+        if "position_ids" in inputs or "attention_mask" not in inputs:  # padding-free: TRL's packed rows
+            kwargs = {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids") if k in inputs}
+            hidden = trunk(**kwargs, use_cache=False).last_hidden_state[:, :-1][mask]
+        else:
+            hidden = target_hidden(trunk, inputs["input_ids"], inputs["attention_mask"], targets,
+                                   getattr(trainer, "shared_prefix", None), trainer.processing_class.pad_token_id or 0)
+        logits = head(hidden)
     logp = torch.log_softmax(logits.float(), dim=-1)
-    tgt = target[mask]
+    tgt = labels[:, 1:][mask]
     nll = -logp.gather(-1, tgt[:, None]).squeeze(-1)
     denom = num_items_in_batch if num_items_in_batch is not None else mask.sum().clamp(min=1)
     loss = nll.sum() / denom

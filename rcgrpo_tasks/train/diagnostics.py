@@ -121,6 +121,24 @@ class DiagnosticsMixin:
         write_tsv(self.tsv, kept + [row], PLOT_COLUMNS)
 
 
+def group_flags(records: Sequence[Mapping], reward: str, tol: float = 1e-6) -> list[dict]:
+    """Per generated group of a run (`grpo_rollout.rollout_record`s: step, group, entry, rewards): {step, group,
+    entry_id, flat: None (reward spread) | "fail" | "success" (zero std at mean <= 0.5 / above)}, in step and
+    group order. The unit of the paired GRPO / RC-GRPO comparison (the same step and slot draw the same entry
+    and seeds in both: `grpo_rollout.EngineRollout.group_specs`)."""
+    by: dict[tuple[int, int], list] = {}
+    for r in records:
+        by.setdefault((int(r["step"]), int(r["group"])), []).append(r)
+    out = []
+    for (step, group), rs in sorted(by.items()):
+        xs = [float(r["rewards"].get(reward) or 0.0) for r in rs]
+        mu = sum(xs) / len(xs)
+        sd = math.sqrt(sum((x - mu) ** 2 for x in xs) / len(xs))
+        flat = None if sd >= tol else ("fail" if mu <= 0.5 else "success")
+        out.append({"step": step, "group": group, "entry_id": rs[0]["entry_id"], "flat": flat})
+    return out
+
+
 def _finite(values: Sequence[float]) -> list[float]:
     return [float(v) for v in values if v is not None and not math.isnan(float(v))]
 

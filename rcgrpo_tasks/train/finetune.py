@@ -138,6 +138,10 @@ class SftConfig:
     """Flatten each batch into one sequence (no padding; block-diagonal attention)."""
     compact_lm_head: bool = True
     """On CPU, project only assistant positions through the LM head (TRL scores all of them there)."""
+    shared_prefix_min_tokens: int | None = 16
+    """With `compact_lm_head`: a micro-batch's shared tokens (an RCTP pair's prompt, up to the goal's token)
+    through the trunk once where that saves at least this many tokens a row (`engine.shared_prefix`; the same
+    loss as the padded forward up to float rounding); null = always the padded forward."""
     save_steps: int = 4
     """Checkpoint every this many optimizer steps (resume point)."""
     save_total_limit: int = 2
@@ -174,6 +178,8 @@ class SftConfig:
             (self.token_lr_multiplier > 0 and math.isfinite(self.token_lr_multiplier),
              f"token_lr_multiplier must be > 0, got {self.token_lr_multiplier}"),
             (self.init in ("base", "sft"), f"init must be base or sft, got {self.init!r}"),
+            (self.shared_prefix_min_tokens is None or self.shared_prefix_min_tokens >= 0,
+             f"shared_prefix_min_tokens must be >= 0 or null, got {self.shared_prefix_min_tokens}"),
             (self.row_order in ORDERS, f"row_order must be one of {ORDERS}, got {self.row_order!r}"),
             (self.loss_on in LOSS_ON, f"loss_on must be one of {LOSS_ON}, got {self.loss_on!r}"),
             (self.reward_goal_place in GOAL_PLACES,
@@ -308,6 +314,7 @@ def build_trainer(cfg: SftConfig, model_dir: Path, rows: list[dict], tokens: tup
         train_dataset=Dataset.from_list(train_rows), peft_config=peft_config, callbacks=callbacks or [])
     expose_head_bias(trainer.model)
     trainer.compact_lm_head = cfg.compact_lm_head
+    trainer.shared_prefix = cfg.shared_prefix_min_tokens
     trainer.keep_order = cfg.row_order == "pairs"
     trainer.token_lr = (cfg.token_lr_multiplier, list(token_ids))
     return trainer, tokenizer, token_ids, stats

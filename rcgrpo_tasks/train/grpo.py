@@ -23,6 +23,7 @@ from rcgrpo_tasks.env.tasks import task_of
 from rcgrpo_tasks.ops.config import ConfigError, flat_field
 from rcgrpo_tasks.train import advantages as adv
 from rcgrpo_tasks.train import runs
+from rcgrpo_tasks.train.kl_guard import GuardConfig
 
 DECODE_KEYS = ("temperature", "top_p", "max_outputs", "max_new_tokens")
 
@@ -35,7 +36,7 @@ class RLConfig:
     """Rollouts per optimizer step (= entries per step x G); must be a multiple of G. Paper: 256 prompts."""
     micro_batch_size: int = 8
     """Rollouts per forward/backward on one device; batch_size must be a multiple (grad accumulation)."""
-    max_steps: int = 5
+    max_steps: int = 10
     """Optimizer steps. Paper: 400."""
     learning_rate: float = 5e-4
     """LoRA learning rate (paper, full fine-tuning: 1e-6)."""
@@ -74,6 +75,25 @@ class RLConfig:
     dynamic_max_rounds: int = 2
     """Algo `dynamic`: generation rounds per step, the first included (dropped groups are refilled in the
     others); groups without reward spread after the last round are not trained on."""
+    kl_token_max: float | None = 10.0
+    """Bound of each token's KL term k3 = exp(d) - d - 1 (d = log pi_ref - log pi): d is clamped to the two
+    roots of k3 = this (`kl_guard.bounded_reference`), so one far-off sampled token cannot dominate a step
+    (verl's `low_var_kl` bounds it at 10 too); null = TRL's unbounded term."""
+    stop_on_divergence: bool = True
+    """Stop a diverging run and roll its policy back to the last good checkpoint (`kl_guard`): a non-finite
+    loss or KL, a mean KL above `divergence_kl`, or the reward at 0 for `divergence_window` steps after a
+    window with mean >= `divergence_min_reward`. The summary and the MLflow run name the step."""
+    divergence_kl: float | None = 1.0
+    """Mean per-token KL to the init that counts as divergence (null: no KL check)."""
+    divergence_window: int = 3
+    """Steps of the reward-collapse check."""
+    divergence_min_reward: float = 0.25
+    """A reward collapse counts after a window whose mean reward reached this."""
+    probe_entries: int = 12
+    """K: prompts of the run's pool in the fixed probe (`train.probe`: scored at step 0, the middle and the end
+    with the same seeds in every cell); 0 = no probe."""
+    probe_samples: int = 2
+    """S: samples per probe prompt (at the rollouts' temperature)."""
     reward: Reward = "paper_reward"
     """Reward that drives the advantage (`env.rewards.Reward`); the other two are logged."""
     decode: DecodeConfig = flat_field(DecodeConfig(temperature=0.7, max_outputs=1, max_new_tokens=64),
@@ -85,11 +105,12 @@ class RLConfig:
     """Train-split categories to sample entries from; null = every category of the prepared entries."""
     max_entries: int | None = 64
     """Use only this many train entries (the shortest prompts first); null = all."""
-    min_sampled_success: float | None = 0.75
-    """RL prompts the init already solves: only train entries whose success rate among the SFT model's own
-    samples (sample_policy, `--policy`) is at least this (before `max_entries`); null = every entry. RC-GRPO
-    can only add reward spread where all-high groups are flat at SUCCESS (a low token can only lower
-    success); on prompts the model rarely solves the flat groups are all-0 and a low token cannot help."""
+    min_sampled_success: float | None = 0.25
+    """RL's pool: only train entries whose success rate among the SFT model's own samples (sample_policy,
+    `--policy`) is at least this (before `max_entries`); null = every entry. 0.25 (one of 4): prompts the
+    init solves sometimes (p near 0.5, GRPO's case: something to learn) or always (high p, RC-GRPO's own
+    case: a low token adds spread where all-high groups are flat at success); prompts it never solves give
+    all-0 groups under any token and are left out."""
     full_finetune: bool = False
     """Train every weight (the paper; GPU + DeepSpeed) instead of a LoRA on top of the merged init."""
     lora_r: int = 8
@@ -109,6 +130,11 @@ class RLConfig:
     """bf16 autocast for the trainer's forward/backward; None = where supported (GPU, CPU with AVX512-BF16/AMX)."""
     gradient_checkpointing: bool = False
     """Trade compute for memory (on for 7B on GPU)."""
+    shared_prefix_min_tokens: int | None = 16
+    """CPU log-probs (policy, reference, trainer): a micro-batch's shared tokens (a group's prompt, up to an
+    RC-GRPO reward token) through the trunk once where that saves at least this many tokens a row
+    (`engine.shared_prefix`; the same log-probs as the padded forward up to float rounding); null = always the
+    padded forward. GPU: TRL's path."""
     save_steps: int = 1
     """Checkpoint every N optimizer steps (resume point)."""
     save_total_limit: int = 2
@@ -144,6 +170,17 @@ class RLConfig:
         if not 1 <= self.dynamic_max_rounds <= 16:
             raise ValueError(f"dynamic_max_rounds must be in [1, 16] (each round is a full generation), got "
                              f"{self.dynamic_max_rounds}")
+        if self.kl_token_max is not None and not self.kl_token_max > 0:
+            raise ValueError(f"kl_token_max must be > 0 or null, got {self.kl_token_max}")
+        if self.divergence_kl is not None and not self.divergence_kl > 0:
+            raise ValueError(f"divergence_kl must be > 0 or null, got {self.divergence_kl}")
+        if self.probe_entries < 0 or self.probe_samples < 1:
+            raise ValueError(f"need probe_entries >= 0 and probe_samples >= 1, got {self.probe_entries}, "
+                             f"{self.probe_samples}")
+        if self.divergence_window < 1:
+            raise ValueError(f"divergence_window must be >= 1, got {self.divergence_window}")
+        if self.shared_prefix_min_tokens is not None and self.shared_prefix_min_tokens < 0:
+            raise ValueError(f"shared_prefix_min_tokens must be >= 0 or null, got {self.shared_prefix_min_tokens}")
         for name in ("max_steps", "save_steps", "num_iterations", "minibatches", "lora_r"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -157,6 +194,11 @@ class RLConfig:
         if self.max_entries is not None and self.max_entries < self.entries_per_generation:
             raise ValueError(f"max_entries ({self.max_entries}) x G < batch_size x minibatches: a generation "
                              f"needs {self.entries_per_generation} distinct entries")
+
+    @property
+    def guard(self) -> GuardConfig:
+        """The divergence check's thresholds (`kl_guard.GuardConfig`)."""
+        return GuardConfig(self.divergence_kl, self.divergence_window, self.divergence_min_reward)
 
     @property
     def entries_per_step(self) -> int:

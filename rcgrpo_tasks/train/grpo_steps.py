@@ -7,7 +7,7 @@ built in `grpo_trainer.py`; docs/rl.md).
   `advantages.group_advantages` in the tests), measures and corrects the sampler/trainer mismatch
   (`offpolicy`), adds `record_metric`, skips a step with nothing to train on before its backward (so no
   optimizer, DeepSpeed's included, moves a weight), and on CPU projects only completion positions through the
-  LM head. Training, loss, KL and clipping are TRL's.
+  LM head, a micro-batch's shared tokens through the trunk once (`shared_prefix`). Training, loss, KL and clipping are TRL's.
 - Updates per generation batch: `num_iterations` (PPO epochs) and `minibatches` (TRL's
   `steps_per_generation` = minibatches x gradient accumulation).
 - Rewards: one TRL reward function per `env.rewards.REWARDS`; one-hot `reward_weights` pick `cfg.reward`.
@@ -21,11 +21,13 @@ import time
 from pathlib import Path
 
 from rcgrpo_tasks.engine.models import last_positions
+from rcgrpo_tasks.engine.shared_prefix import target_hidden, trunk_and_head
 from rcgrpo_tasks.env.rewards import REWARDS
 from rcgrpo_tasks.ops.inputs import read_jsonl
 from rcgrpo_tasks.train import advantages as adv
 from rcgrpo_tasks.train import processes, runs
 from rcgrpo_tasks.train.grpo import RLConfig
+from rcgrpo_tasks.train.kl_guard import bounded_reference
 from rcgrpo_tasks.train.offpolicy import OffPolicyMixin, loss_mask
 from rcgrpo_tasks.train.rollout_policy import rollout_dtype, sampler_differs
 
@@ -62,6 +64,10 @@ class RCGRPOTrainerMixin(OffPolicyMixin):
     and a prompt order that a resumed run reproduces (`EpochSeededSamplerMixin`)."""
 
     last_advantages: list[float] = []
+    rc_shared_prefix: int | None = None
+    """`RLConfig.shared_prefix_min_tokens` (`build_trainer` sets it)."""
+    rc_kl_bounds: tuple[float, float] | None = None
+    """`kl_guard.kl_bounds(RLConfig.kl_token_max)` (`build_trainer` sets it); None = TRL's unbounded KL."""
 
     def _get_train_sampler(self, dataset=None):
         base = super()._get_train_sampler(dataset)
@@ -134,38 +140,72 @@ class RCGRPOTrainerMixin(OffPolicyMixin):
         with path.open("a") as fh:
             fh.writelines(json.dumps(r, sort_keys=True) + "\n" for r in rows)
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
-                                           batch_size=None, compute_entropy=False, compute_aux_loss=False,
-                                           **multimodal):
+    def _compute_loss(self, model, inputs):
+        # The KL bound: TRL reads the reference log-probs after the policy's; the logps call below fills this
+        # clone with the bounded reference (`kl_guard.bounded_reference`) before TRL reads it.
+        if self.rc_kl_bounds is not None and self.beta != 0.0 and "ref_per_token_logps" in inputs:
+            ref = inputs["ref_per_token_logps"].clone()
+            inputs = {**inputs, "ref_per_token_logps": ref}
+            self._rc_kl_pending = ref
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._rc_kl_pending = None
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        out = self._rc_logps(*args, **kwargs)
+        pending = getattr(self, "_rc_kl_pending", None)
+        if pending is not None:  # the loss's own call: bound the reference against these log-probs
+            self._rc_kl_pending = None
+            pending.copy_(bounded_reference(pending, out[0], *self.rc_kl_bounds))
+        return out
+
+    def _rc_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+                  compute_aux_loss=False, **multimodal):
         # CPU fast path. Without Triton, TRL 1.16's fused LM head scores EVERY position (static tile
         # shapes for Neuron), i.e. ~1k prompt positions per ~50 completion tokens through a 49k vocabulary,
-        # which dominated the CPU step. Here only the completion positions are projected (`logits_to_keep`),
-        # with the same temperature scaling. GPU and multimodal inputs: TRL's path.
+        # which dominated the CPU step. Here only the attended completion positions are projected, with the
+        # same temperature scaling, and a group's shared tokens go through the trunk once
+        # (`shared_prefix`). GPU and multimodal inputs: TRL's path.
         if input_ids.device.type != "cpu" or compute_aux_loss or any(v is not None for v in multimodal.values()):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **multimodal)
+        wrapped = self.accelerator.unwrap_model(model) is not model  # DDP / DeepSpeed: their forward syncs grads
         with self.accelerator.autocast():
             return completion_logps(model, input_ids, attention_mask, logits_to_keep, self.temperature,
-                                    batch_size or input_ids.size(0), compute_entropy)
+                                    batch_size or input_ids.size(0), compute_entropy,
+                                    None if wrapped else self.rc_shared_prefix, self.processing_class.pad_token_id or 0)
 
 
 def completion_logps(model, input_ids, attention_mask, logits_to_keep: int, temperature: float, batch_size: int,
-                     compute_entropy: bool):
-    """input_ids (B, P+C) -> (log-probs (B, C), entropies (B, C) or None, None) of the last C tokens."""
+                     compute_entropy: bool, min_prefix: int | None = None, pad_id: int = 0):
+    """input_ids (B, P+C) -> (log-probs (B, C), entropies (B, C) or None, None) of the last C tokens: the
+    attended ones (TRL's completion mask); 0 at the others, which every TRL loss masks out. `min_prefix`:
+    `shared_prefix.target_hidden`'s, through the model's trunk and head; None: the model's own forward on
+    the padded batch (a DDP / DeepSpeed wrapper's forward is what syncs the gradients across processes)."""
     import torch
 
+    trunk, head = trunk_and_head(model) if min_prefix is not None else (None, None)
     logps, ents = [], []
     for s in range(0, input_ids.size(0), batch_size):
-        ids = input_ids[s : s + batch_size]
-        out = model(input_ids=ids, attention_mask=attention_mask[s : s + batch_size], use_cache=False,
-                    logits_to_keep=last_positions(logits_to_keep + 1, ids.size(1), ids.device))
-        logits = out.logits[:, :-1, :].float() / temperature  # (b, C, V): position t predicts token t+1
-        logp_all = torch.log_softmax(logits, dim=-1)
-        logps.append(logp_all.gather(-1, ids[:, -logits_to_keep:].unsqueeze(-1)).squeeze(-1))
+        ids, mask = input_ids[s : s + batch_size], attention_mask[s : s + batch_size]
+        keep = torch.zeros_like(mask, dtype=torch.bool)
+        keep[:, -logits_to_keep:] = mask[:, -logits_to_keep:].bool()
+        if trunk is not None:
+            logits = head(target_hidden(trunk, ids, mask, keep, min_prefix, pad_id))
+        else:
+            out = model(input_ids=ids, attention_mask=mask, use_cache=False,
+                        logits_to_keep=last_positions(logits_to_keep + 1, ids.size(1), ids.device))
+            logits = out.logits[:, :-1][keep[:, -logits_to_keep:]]  # position t predicts token t + 1
+        logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+        lp = logp_all.gather(-1, ids[keep].unsqueeze(-1)).squeeze(-1)
+        where = keep[:, -logits_to_keep:]
+        logps.append(torch.zeros(where.shape, dtype=lp.dtype, device=lp.device).masked_scatter(where, lp))
         if compute_entropy:
             with torch.no_grad():
-                ents.append(-(logp_all.exp() * logp_all).sum(-1))
+                ent = -(logp_all.exp() * logp_all).sum(-1)
+                ents.append(torch.zeros(where.shape, dtype=ent.dtype, device=ent.device).masked_scatter(where, ent))
     return torch.cat(logps), (torch.cat(ents) if compute_entropy else None), None
 
 

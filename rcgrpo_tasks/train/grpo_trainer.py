@@ -8,6 +8,8 @@
   the run conditions on no token.
 - `RCGRPOTrainer`: TRL's `GRPOTrainer` + `grpo_steps.RCGRPOTrainerMixin` (what it adds to TRL's step, its
   `GRPOConfig` `grpo_args` and reward functions), the rollout function `grpo_rollout.EngineRollout`.
+- Divergence: `kl_guard.DivergenceGuardMixin` after the diagnostics callback (`rl.stop_on_divergence`);
+  the trainer's `rc_guard` holds its event for `rl.train_rl`.
 - Diagnostics: every step's row (`diagnostics.PLOT_COLUMNS`) goes to a resumable TSV in the checkpoint
   folder and, as `diag/<column>`, to MLflow (`train.diagnostics`).
 - Placement: `grpo_args` / `build_trainer` take the resolved device (`runs.train_device`) and a fitted
@@ -36,6 +38,8 @@ from rcgrpo_tasks.train.diagnostics import STEP_MARKER, DiagnosticsMixin, diag_m
 from rcgrpo_tasks.train.grpo import RLConfig, check_deepspeed, check_reward, check_world, train_entries
 from rcgrpo_tasks.train.grpo_rollout import EngineRollout
 from rcgrpo_tasks.train.grpo_steps import RCGRPOTrainerMixin, grpo_args, reward_funcs
+from rcgrpo_tasks.train.kl_guard import DivergenceGuardMixin, kl_bounds
+from rcgrpo_tasks.train.probe import ProbeMixin, probe_ids
 
 DIAGNOSTICS_FILE = "diagnostics.tsv"
 MODEL_META_FILE = "rcgrpo_model.json"
@@ -177,26 +181,48 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     lora = None if cfg.full_finetune else rl_lora(cfg, model, tokenizer, levels, mode)
     model = _init_on_disk(model, tokenizer, spec, cfg.dtype) if cfg.full_finetune or cfg.use_vllm else model
     diagnostics = runs.lazy_subclass(DiagnosticsMixin, "transformers.TrainerCallback")(spec.checkpoints / DIAGNOSTICS_FILE)
+    guard = runs.lazy_subclass(DivergenceGuardMixin, "transformers.TrainerCallback")(
+        spec.checkpoints / DIAGNOSTICS_FILE, cfg.guard) if cfg.stop_on_divergence else None
+    probe = build_probe(cfg, spec, rollout, entries, mode, levels)
     own = [runs.step_metrics(STEP_MARKER, diag_metrics)] if track else []
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is "experimental" in TRL 1.16
     trainer = runs.lazy_subclass(RCGRPOTrainerMixin, "trl.GRPOTrainer")(
         model=model, reward_funcs=reward_funcs(), args=grpo_args(fit, spec.checkpoints, grad_accum, device),
         train_dataset=Dataset.from_list([{"prompt": e.id} for e in entries]), processing_class=tokenizer,
-        peft_config=lora, rollout_func=rollout, callbacks=[diagnostics, *own, *(callbacks or [])],
+        peft_config=lora, rollout_func=rollout,
+        callbacks=[diagnostics, *([guard] if guard else []), *own, *([probe] if probe else []), *(callbacks or [])],
     )
+    trainer.rc_guard = guard
+    if probe is not None:
+        probe.trainer = trainer
     _finish(trainer, cfg, rollout, lora is not None)
     return trainer, resume, rollout
+
+
+def build_probe(cfg: RLConfig, spec: RLRun, rollout: EngineRollout, entries: list, mode: str, levels):
+    """The run's fixed probe (`train.probe`), None when `probe_entries` is 0: K entries of the pool (drawn by a
+    seed every cell shares), conditioned as the cell evaluates (the highest token under `rc`/`fixed`)."""
+    if cfg.probe_entries == 0:
+        return None
+    chosen = probe_ids([e.id for e in entries], cfg.probe_entries, cfg.seed)
+    by_id = {e.id: e for e in entries}
+    token = None if mode == "none" else adv.reward_levels(levels)[1]
+    return runs.lazy_subclass(ProbeMixin, "transformers.TrainerCallback")(
+        spec.checkpoints, rollout, [by_id[i] for i in chosen], cfg.probe_samples, token, cfg.reward, cfg.max_steps)
 
 
 def _finish(trainer, cfg: RLConfig, rollout: EngineRollout, peft: bool) -> None:
     """What TRL's constructor cannot be told: the engine's end-of-turn ids as EOS ids, TRL's vLLM weight sync
     without PEFT's token deltas (and through vLLM's in-place reload on its CPU build), the engine rollouts'
-    importance-sampling cap (TRL's vLLM path corrects itself), PEFT's save and LM-head settings."""
+    importance-sampling cap (TRL's vLLM path corrects itself), the shared-prefix threshold, the KL bound,
+    PEFT's save and LM-head settings."""
     trainer.eos_token_ids = sorted(set(trainer.eos_token_ids) | rollout.end_ids)
     if cfg.use_vllm:
         skip_token_adapters(trainer.vllm_generation)
         if trainer.vllm_generation.mode == "colocate" and trainer.accelerator.device.type == "cpu":
             reload_in_place(trainer.vllm_generation)  # vLLM's CPU build repacks weights TRL's sync writes into
+    trainer.rc_shared_prefix = cfg.shared_prefix_min_tokens
+    trainer.rc_kl_bounds = kl_bounds(cfg.kl_token_max) if cfg.kl_token_max is not None else None
     correct = trainer.args.vllm_importance_sampling_correction and not cfg.use_vllm
     trainer.rc_importance_cap = cfg.importance_sampling_cap if correct else None
     if peft:

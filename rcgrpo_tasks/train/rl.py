@@ -3,6 +3,7 @@ micro-batch fitting, the merged policy, per-step diagnostics and the summary (th
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -11,8 +12,9 @@ from rcgrpo_tasks.engine.compute import ComputeConfig
 from rcgrpo_tasks.env.prompt import PromptConfig, ProtocolConfig
 from rcgrpo_tasks.ops import tracking_log
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config
+from rcgrpo_tasks.ops.inputs import read_jsonl
 from rcgrpo_tasks.train import checkpoints, placement, processes, runs
-from rcgrpo_tasks.train.diagnostics import PLOT_COLUMNS, summarize
+from rcgrpo_tasks.train.diagnostics import PLOT_COLUMNS, group_flags, summarize
 from rcgrpo_tasks.train.grpo import RLConfig
 from rcgrpo_tasks.train.grpo_steps import ROLLOUTS_FILE
 from rcgrpo_tasks.train.grpo_trainer import (
@@ -22,6 +24,7 @@ from rcgrpo_tasks.train.grpo_trainer import (
     build_trainer,
     save_policy,
 )
+from rcgrpo_tasks.train.probe import PROBE_FILE, probe_summary, read_points
 
 
 def load_rl_config(params: str | Path) -> tuple[RLConfig, ProtocolConfig, tuple[str, ...]]:
@@ -78,7 +81,16 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
         if not main_proc:
             return {}
         rows = [r for r in runs.read_tsv(spec.checkpoints / DIAGNOSTICS_FILE) if r["step"] <= trainer.state.global_step]
+        diverged = trainer.rc_guard.event if trainer.rc_guard is not None else None
+        if diverged:
+            print(f"{stage}: DIVERGED at {diverged['reason']}; stopped, policy rolled back to step "
+                  f"{diverged['restored_step']}", file=sys.stderr, flush=True)
+        points = read_points(spec.checkpoints)
+        log = spec.checkpoints / ROLLOUTS_FILE
+        groups = group_flags([r for r in read_jsonl(log) if r["step"] < trainer.state.global_step]
+                             if log.is_file() else [], cfg.reward)
         summary = {**summarize(rows), "init": spec.init, "algo": spec.algo, "conditioning": mode,
+                   "diverged": diverged, "probe": probe_summary(points), "groups": groups,
                    "resumed_from": resume, "train_s": time.perf_counter() - t0,
                    "train_loss": result.training_loss, "placement": place, "micro_batch": micro,
                    "grad_accum": trainer.args.gradient_accumulation_steps}
@@ -89,6 +101,12 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
             tracking_log.log_metrics({f"summary/{col}_{k}": v for col, stats in summary["mechanism"].items()
                                   for k, v in stats.items() if v is not None})
             spec.log_results(staged, folder / MODEL_META_FILE)
+            for point in points:
+                tracking_log.log_metrics({"probe/reward": sum(point["rewards"]) / len(point["rewards"])},
+                                         step=point["step"])
+            if diverged:
+                tracking_log.set_tags({"rl.diverged": diverged["reason"],
+                                       "rl.restored_step": str(diverged["restored_step"])})
     if not cfg.keep_checkpoints:  # as sft: the folder (a DVC persist output) keeps its fingerprint, and the
-        checkpoints.clear_checkpoints(spec.checkpoints, keep=(ROLLOUTS_FILE,))  # run's rollout log
+        checkpoints.clear_checkpoints(spec.checkpoints, keep=(ROLLOUTS_FILE, PROBE_FILE))  # run's rollout log
     return summary

@@ -21,6 +21,8 @@ class RcgrpoSFTTrainerMixin:
     computes the CPU loss over assistant positions only (`compact_lm_head`) and saves small adapters."""
 
     compact_lm_head = True
+    shared_prefix: int | None = None
+    """`SftConfig.shared_prefix_min_tokens` (`finetune.build_trainer` sets it)."""
     keep_order = False
     """The dataset's order is the training order (`row_order: pairs`); otherwise TRL's random sampler."""
     token_lr: tuple[float, list[int]] = (1.0, [])

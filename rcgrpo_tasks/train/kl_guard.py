@@ -1,0 +1,141 @@
+"""RL that cannot blow up silently: the per-token KL term bounded, divergence detected, the run stopped and
+rolled back to its last good checkpoint.
+
+- `kl_bounds` / `bounded_reference`: TRL's KL term is k3(d) = exp(d) - d - 1 with d = log pi_ref - log pi
+  per token, unbounded: one sampled token the policy has moved ~10 nat off gives k3 ~ 2e4 and dominates the
+  step (measured outside the default: docs/rl.md, "Divergence"). verl's `low_var_kl` clamps the value to
+  +-10 (and d to +-20), which also zeroes the token's gradient. Here d is clamped to [lo, hi], the two
+  roots of k3(d) = `kl_token_max`, by handing TRL a reference log-prob pi + clamp(d) (a constant): inside the
+  bounds TRL's k3 exactly, outside a per-token KL of `kl_token_max` whose gradient is bounded by
+  exp(hi) - 1 (~ kl_token_max + hi) and still pulls the token back toward the reference (verl's gives up on
+  it). The logged KL is the bounded one.
+- `divergence`: a pure check of the step rows (`diagnostics.PLOT_COLUMNS`) against `GuardConfig`: a
+  non-finite loss, a mean KL above `max_kl`, or the reward collapsing to 0 for `window` steps after a
+  window with mean >= `min_reward`. `DivergenceGuardMixin` (a `TrainerCallback`) runs it after every
+  logged step, stops training, and restores the trainable weights of the last checkpoint BEFORE the step
+  whose policy went bad (a step's metrics are those of the policy the previous update left: the row of step
+  N condemns the weights after N - 1 updates, so N - 2's are the last good; none: the init, LoRA deltas at
+  0). `rl.train_rl` records the event in the summary and as MLflow tags and says so on stderr.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from rcgrpo_tasks.train.diagnostics import STEP_MARKER
+from rcgrpo_tasks.train.runs import read_tsv
+
+
+def kl_bounds(max_kl: float) -> tuple[float, float]:
+    """(lo, hi), lo < 0 < hi, with exp(d) - d - 1 = max_kl at both (bisection; k3 is monotone on each side)."""
+    def k3(d: float) -> float:
+        return math.exp(d) - d - 1
+
+    def root(a: float, b: float) -> float:  # k3(a) - max_kl and k3(b) - max_kl of opposite signs
+        for _ in range(200):
+            m = (a + b) / 2
+            if (k3(m) - max_kl) * (k3(a) - max_kl) <= 0:
+                b = m
+            else:
+                a = m
+        return (a + b) / 2
+
+    return root(-(max_kl + 2.0), 0.0), root(0.0, math.log(max_kl + 2.0) + 1.0)
+
+
+def bounded_reference(ref_logps, policy_logps, lo: float, hi: float):
+    """pi + clamp(log pi_ref - pi, lo, hi), all detached: TRL's k3 against it is k3(clamp(d))."""
+    import torch
+
+    pol = policy_logps.detach()
+    return pol + torch.clamp(ref_logps - pol, min=lo, max=hi)
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """The divergence check's thresholds (params `rl`: `divergence_*`)."""
+
+    max_kl: float | None = 1.0
+    window: int = 3
+    min_reward: float = 0.25
+
+
+def divergence(rows: list[dict], cfg: GuardConfig) -> str | None:
+    """Why the run diverged at its last row, or None. `rows`: the step rows so far (step, loss, kl, reward)."""
+    if not rows:
+        return None
+    last = {**rows[-1], "step": int(rows[-1]["step"])}
+    if last.get("step_skipped", 0.0) != 1.0:  # a skipped step (dynamic sampling) has no loss to judge
+        for col in ("loss", "kl"):
+            value = last.get(col, 0.0)
+            if not math.isfinite(value):
+                return f"step {last['step']}: {col} {value}"
+        kl = last.get("kl", 0.0)
+        if cfg.max_kl is not None and kl > cfg.max_kl:
+            return f"step {last['step']}: mean KL to the init {kl:.3g} > {cfg.max_kl} (rl.divergence_kl)"
+    rewards = [r.get("reward", float("nan")) for r in rows]
+    rewards = [x for x in rewards if not math.isnan(x)]
+    w = cfg.window
+    if len(rewards) >= 2 * w and sum(rewards[-w:]) == 0:
+        best = max(sum(rewards[i : i + w]) / w for i in range(len(rewards) - 2 * w + 1))
+        if best >= cfg.min_reward:
+            return (f"step {last['step']}: reward 0 for {w} steps after a {w}-step mean of {best:.2f} "
+                    f"(rl.divergence_window, rl.divergence_min_reward)")
+    return None
+
+
+def restore_step(checkpoint_steps: list[int], bad_step: int) -> int:
+    """The checkpoint to roll back to when step `bad_step`'s row condemns the weights after bad_step - 1
+    updates: the newest saved step <= bad_step - 2, else 0 (the init)."""
+    good = [s for s in checkpoint_steps if s <= bad_step - 2]
+    return max(good) if good else 0
+
+
+class DivergenceGuardMixin:
+    """A `TrainerCallback` (`runs.lazy_subclass`) that checks every step row `tsv` holds (`divergence`), and on
+    a divergence stops training and restores the last good checkpoint's trainable weights. `event`: None, or
+    {step, reason, restored_step}."""
+
+    def __init__(self, tsv, cfg: GuardConfig):
+        self.tsv, self.cfg, self.event = tsv, cfg, None
+
+    def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+        if self.event is not None or not logs or STEP_MARKER not in logs or not self.tsv.is_file():
+            return
+        rows = [r for r in read_tsv(self.tsv) if r["step"] <= state.global_step]
+        reason = divergence(rows, self.cfg)
+        if reason is None:
+            return
+        saved = sorted(int(p.name.split("-")[1]) for p in Path(args.output_dir).glob("checkpoint-*")
+                       if p.name.split("-")[1].isdigit())
+        back = restore_step(saved, state.global_step)
+        restored = restore_trainable(model, Path(args.output_dir) / f"checkpoint-{back}" if back else None)
+        self.event = {"step": state.global_step, "reason": reason, "restored_step": back if restored else None}
+        control.should_training_stop = True
+        control.should_save = False  # the condemned step's weights are not a resume point
+
+
+def restore_trainable(model, checkpoint) -> bool:
+    """The trainable weights of a PEFT `model` from `checkpoint` (its adapter file), or their init values
+    (LoRA B at 0, the trainable token rows at their originals: the init model exactly) when `checkpoint` is
+    None. False (nothing restored) for a model without an adapter (full fine-tuning)."""
+    import torch
+    from peft import PeftModel, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    if not isinstance(model, PeftModel):
+        return False
+    if checkpoint is not None:
+        set_peft_model_state_dict(model, load_file(str(Path(checkpoint) / "adapter_model.safetensors")))
+        return True
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.zero_()
+        for m in model.modules():
+            if hasattr(m, "trainable_tokens_delta") and hasattr(m, "trainable_tokens_original"):
+                for k, p in m.trainable_tokens_delta.items():
+                    p.copy_(m.trainable_tokens_original[k])
+    return True
