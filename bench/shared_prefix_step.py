@@ -101,7 +101,8 @@ def rctp_arm(args, shared: bool, work: Path) -> dict:
     levels = tuple(params["label_rewards"]["tokens"])
 
     class Clock(TrainerCallback):
-        times: list[float] = []
+        def __init__(self):
+            self.times: list[float] = []
 
         def on_step_begin(self, *a, **k):
             self.t0 = time.perf_counter()

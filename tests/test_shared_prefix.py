@@ -11,7 +11,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from rcgrpo_tasks.engine.shared_prefix import (  # noqa: E402
-    common_prefix,
     pack,
     packed_tensors,
     prefix_tree,
@@ -176,7 +175,6 @@ def test_the_trunk_sees_prefix_plus_suffixes_once():
 
 def test_mask_keeps_branches_apart_and_splits_large_trees():
     rows = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 7]]
-    assert common_prefix(rows[0], rows[1]) == 3
     tree = prefix_tree(rows)
     assert tree.tokens == [1, 2, 3, 4, 5, 6, 7] and tree.depth == [0, 1, 2, 3, 3, 4, 2]
     assert tree.where == [[0, 1, 2, 3], [0, 1, 2, 4, 5], [0, 1, 6]]
@@ -186,7 +184,7 @@ def test_mask_keeps_branches_apart_and_splits_large_trees():
     assert m[6].tolist() == [True, True, False, False, False, False, True]
     assert mask[1, 0, :2, :2].tolist() == [[True, False], [True, True]]
     assert mask[1, 0, 5].tolist() == [False] * 5 + [True, False]  # padding sees only itself
-    parts = pack([[1] * 5 + [i] for i in range(4)], PAD, max_tokens=7)
+    parts = pack([[1] * 5 + [i] for i in range(4)], max_tokens=7)
     assert [idx for idx, _ in parts] == [[0, 1], [2, 3]]
 
 

@@ -29,15 +29,6 @@ MAX_PACKED = 8192
 """Tokens of one packed sequence at most (its mask is that squared); a larger batch is split in halves."""
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 @dataclass(frozen=True)
 class Packed:
     """Rows as one prefix tree in depth-first order: `tokens[i]` at depth `depth[i]` (its position id), its
@@ -81,7 +72,7 @@ def prefix_tree(rows: list[list[int]]) -> Packed:
                   [[index[n] for n in path] for path in node_of])
 
 
-def pack(rows: list[list[int]], pad_id: int, max_tokens: int = MAX_PACKED) -> list[tuple[list[int], Packed]]:
+def pack(rows: list[list[int]], max_tokens: int = MAX_PACKED) -> list[tuple[list[int], Packed]]:
     """[(row indices, their prefix tree)]: one tree for all rows, split in halves while a tree exceeds
     `max_tokens`."""
     parts, out = [list(range(len(rows)))], []
@@ -115,7 +106,7 @@ def packed_tensors(trees: list[Packed], pad_id: int):
 
 def trunk_tokens(rows: list[list[int]]) -> int:
     """Tokens the trunk processes for `rows` in the shared layout (the prefix tree's nodes, padding excluded)."""
-    return sum(len(tree.tokens) for _, tree in pack(rows, 0))
+    return sum(len(tree.tokens) for _, tree in pack(rows))
 
 
 def trunk_and_head(model):
@@ -155,7 +146,7 @@ def target_hidden(backbone, input_ids, attention_mask, targets, min_prefix: int 
     if rows is None:
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         return hidden[b_idx, t_idx - 1]
-    parts = pack(rows, pad_id)
+    parts = pack(rows)
     saved = sum(len(r) for r in rows) - sum(len(t.tokens) for _, t in parts)
     if saved < min_prefix * max(len(rows) - 1, 1):
         return target_hidden(backbone, input_ids, attention_mask, targets, None, pad_id)

@@ -25,8 +25,6 @@ class EvalResult:
     rl: dict = field(default_factory=dict)
     controllability: dict = field(default_factory=dict)
     """The controllability stage's metrics for this model (RCTP): sampled / greedy gap, zero-variance shares."""
-    steps: list[dict] = field(default_factory=list)
-    """The RL run's per-step rows (plots TSV) for RL rows."""
     reading: dict = field(default_factory=dict)
     """The evaluate stage's teacher-forced margin and token rows' distance (reward-conditioned rows)."""
 
@@ -133,8 +131,8 @@ def controllability_fields(ctl: dict) -> dict:
 
 
 def build_report(evals: list[tuple[str, Path]], rl: list[tuple[str, Path]], seed: int = 0,
-                 controllability: list[tuple[str, Path]] = (), steps: dict[str, list[dict]] | None = None) -> list[dict]:
-    """Summaries of every evaluated row in the paper's order; `steps`: RL per-step rows by label."""
+                 controllability: list[tuple[str, Path]] = ()) -> list[dict]:
+    """Summaries of every evaluated row in the paper's order."""
     rl_by, ctl_by = {}, {}
     for label, p in rl:
         if not p.is_file():
@@ -149,7 +147,6 @@ def build_report(evals: list[tuple[str, Path]], rl: list[tuple[str, Path]], seed
     for r in results:
         r.rl = rl_by.get(r.label, {})
         r.controllability = ctl_by.get(r.label, {})
-        r.steps = (steps or {}).get(r.label, [])
     results.sort(key=lambda r: order.get(r.label, len(order)))
     by_label = {r.label: r for r in results}
     rows = [summarize_row(r, seed) for r in results]

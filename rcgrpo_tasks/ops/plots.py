@@ -20,12 +20,16 @@ def _finite(x) -> float:
 def accuracy_plot(rows: list[dict], path: Path, names: dict[str, str] | None = None,
                   title: str = "BFCL v4, held-out split") -> None:
     """Write the PNG of `accuracy_figure(rows, ...)` to `path`, atomically."""
+    save_png(accuracy_figure(rows, names, title), path)
+
+
+def save_png(fig, path: Path, dpi: int = 120) -> None:
+    """Write a matplotlib figure to `path` as PNG, atomically (temp file, then rename), and close it."""
     import matplotlib.pyplot as plt
 
-    fig = accuracy_figure(rows, names, title)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
+    fig.savefig(tmp, dpi=dpi)
     plt.close(fig)
     tmp.replace(path)
 
@@ -105,8 +109,4 @@ def probe_plot(rows: list[dict], path: Path, names: dict[str, str] | None = None
         axes[0][0].text(0.5, 0.5, "no run had a probe", ha="center", transform=axes[0][0].transAxes)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    save_png(fig, path)

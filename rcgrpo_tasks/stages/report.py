@@ -39,7 +39,6 @@ from rcgrpo_tasks.ops.inputs import InputError, read_json
 from rcgrpo_tasks.ops.outputs import write_json, write_text
 from rcgrpo_tasks.ops.plots import accuracy_plot, probe_plot
 from rcgrpo_tasks.train.diagnostics import plot_mechanism
-from rcgrpo_tasks.train.runs import read_tsv
 
 
 def _pairs(items: list[str], what: str) -> list[tuple[str, Path]]:
@@ -77,8 +76,7 @@ def main(
         if missing:
             raise InputError(f"--steps: not found: {missing} (run `dvc repro rl`)")
         rows = build_report(_pairs(eval_, "--eval"), _pairs(rl, "--rl"), seed,
-                            _pairs(controllability, "--controllability"),
-                            {label: read_tsv(p) for label, p in step_files.items()})
+                            _pairs(controllability, "--controllability"))
         if mechanism is not None and not step_files:
             raise InputError("--mechanism needs the runs' per-step TSVs (--steps LABEL=TSV)")
     task = " / ".join(sorted({r["task"] for r in rows}))

@@ -25,7 +25,9 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from rcgrpo_tasks.ops.plots import save_png
 from rcgrpo_tasks.ops.stats import bootstrap_ci
+from rcgrpo_tasks.train.advantages import ZERO_STD_TOL, group_stats
 from rcgrpo_tasks.train.runs import read_tsv, write_tsv
 
 MECHANISM_COLUMNS = ("frac_zero_std", "adv_abs_mean", "adv_std", "controllability_gap", "reward")
@@ -121,7 +123,7 @@ class DiagnosticsMixin:
         write_tsv(self.tsv, kept + [row], PLOT_COLUMNS)
 
 
-def group_flags(records: Sequence[Mapping], reward: str, tol: float = 1e-6) -> list[dict]:
+def group_flags(records: Sequence[Mapping], reward: str, tol: float = ZERO_STD_TOL) -> list[dict]:
     """Per generated group of a run (`grpo_rollout.rollout_record`s: step, group, entry, rewards): {step, group,
     entry_id, flat: None (reward spread) | "fail" | "success" (zero std at mean <= 0.5 / above)}, in step and
     group order. The unit of the paired GRPO / RC-GRPO comparison (the same step and slot draw the same entry
@@ -131,10 +133,8 @@ def group_flags(records: Sequence[Mapping], reward: str, tol: float = 1e-6) -> l
         by.setdefault((int(r["step"]), int(r["group"])), []).append(r)
     out = []
     for (step, group), rs in sorted(by.items()):
-        xs = [float(r["rewards"].get(reward) or 0.0) for r in rs]
-        mu = sum(xs) / len(xs)
-        sd = math.sqrt(sum((x - mu) ** 2 for x in xs) / len(xs))
-        flat = None if sd >= tol else ("fail" if mu <= 0.5 else "success")
+        ((mu, sd),) = group_stats([float(r["rewards"].get(reward) or 0.0) for r in rs], len(rs))
+        flat = None if sd >= tol else ("fail" if mu <= 0.5 else "success")  # as `advantages.flat_fractions`
         out.append({"step": step, "group": group, "entry_id": rs[0]["entry_id"], "flat": flat})
     return out
 
@@ -205,13 +205,7 @@ def plot_mechanism(tsvs: Mapping[str, str | Path], out: str | Path, columns: Seq
     """Write the PNG of `mechanism_figure` for the rl plots TSVs `tsvs` ({"rctp-grpo": path, ...}) to
     `out`, atomically; returns `out`. A missing or empty TSV is drawn as an empty line (its run never logged
     a step)."""
-    import matplotlib.pyplot as plt
-
     fig = mechanism_figure({label: read_tsv(Path(path)) for label, path in tsvs.items()}, columns, title)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(out)
+    save_png(fig, out, dpi=110)
     return out

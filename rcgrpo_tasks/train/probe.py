@@ -70,8 +70,7 @@ class ProbeMixin:
         self.trainer = None
 
     def _point(self, step: int) -> None:
-        done = {p["step"] for p in read_points(self.folder)}
-        if step not in self.steps or step in done or self.trainer is None:
+        if step not in self.steps or self.trainer is None or any(p["step"] == step for p in read_points(self.folder)):
             return
         model = self.trainer.model
         was_training = model.training
