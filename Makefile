@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv pipeline test test-all lint bench stack-up stack-down clean-venv vllm-venv test-vllm
+.PHONY: venv pipeline test test-all lint bench stack-up stack-down clean-venv vllm-venv test-vllm gpu-dryrun
 
 venv: $(STAMP)
 
@@ -100,3 +100,8 @@ stack-down:
 
 clean-venv:
 	rm -rf $(VENV)
+
+# The GPU lease kit's dry run on this CPU (docs/gpu-run.md "A run inside one lease"): the same commands, a
+# copy of the tree as the host, the smoke budgets on a tiny random-init model. Not in CI (minutes).
+gpu-dryrun: venv
+	bash infra/gpu-host/dryrun.sh

@@ -85,3 +85,48 @@ def test_params_yaml_values_are_the_dataclass_defaults():
     assert not wrong, "params.yaml value != dataclass default (change the dataclass default):\n" + "\n".join(
         f"  {key}: params.yaml {value!r}, {SECTIONS[key.split('.')[0]].__name__} default {default!r}"
         for key, (value, default) in wrong.items())
+
+
+LAYERINGS = ("gpu+lease", "gpu+smoke+dryrun", "gpu+lease+smoke+dryrun", "multi-turn+smoke", "cpu-long")
+"""The layered profiles the docs tell users to write (docs/gpu-run.md, README): each must load."""
+
+
+def test_every_profile_and_documented_layering_loads_into_every_stage_config():
+    """A profile (or a layering) with a key its stage does not know, a wrong type or an inconsistent value
+    fails at load (`from_dict` and the configs' own checks), and each SFT variant resolves: found here, not
+    minutes into a run (or a lease) when that stage starts."""
+    from rcgrpo_tasks.data.dataset import check_task
+    from rcgrpo_tasks.env.tasks import get_task
+    from rcgrpo_tasks.ops.config import _deep_merge
+
+    base = _pristine()
+    names = [n for n in config.profile_names(REPO_ROOT, set(base)) if n != config.DEFAULT_PROFILE]
+    for profile in [*names, *LAYERINGS]:
+        merged = base
+        for layer in config.profile_layers(profile):
+            merged = _deep_merge(merged, yaml.safe_load((REPO_ROOT / "configs" / f"{layer}.yaml").read_text()))
+        for section, cls in SECTIONS.items():
+            cfg = config.from_dict(cls, merged[section], f"{profile}:{section}")
+            if cls is SftConfig:
+                for variant in merged[section].get("variants", {}):
+                    cfg.resolve(variant)
+        loaded = {s: config.from_dict(SECTIONS[s], merged[s]) for s in ("generate_trajectories", "prompt", "prepare_data")}
+        check_task(loaded["generate_trajectories"], loaded["prompt"], get_task(loaded["prepare_data"].task))
+
+
+def test_the_lease_profile_is_the_single_turn_task_on_the_gpu_profiles_device():
+    """`gpu+lease` runs the task the embedded model succeeds on, with none of the multi-turn failure kinds
+    that `gpu` adds, on every held-out entry, and RL at more steps and groups than the CPU default."""
+    from rcgrpo_tasks.ops.config import _deep_merge
+
+    base = _pristine()
+    merged = base
+    for layer in ("gpu", "lease"):
+        merged = _deep_merge(merged, yaml.safe_load((REPO_ROOT / "configs" / f"{layer}.yaml").read_text()))
+    assert merged["prepare_data"]["task"] == "single_turn" and merged["compute"]["device"] == "auto"
+    assert merged["evaluate"]["limit"] is None and merged["controllability"]["margin_entries"] is None
+    mix = merged["generate_trajectories"]["failure_mix"]
+    assert mix["stop_early"] == mix["wrong_turn"] == 0.0
+    rl, cpu = merged["rl"], base["rl"]
+    assert rl["max_steps"] > cpu["max_steps"] and rl["batch_size"] // rl["num_generations"] > cpu["batch_size"] // cpu["num_generations"]
+    assert rl["probe_entries"] * rl["probe_samples"] > cpu["probe_entries"] * cpu["probe_samples"]

@@ -5,6 +5,7 @@ at a failure and the bundle."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from rcgrpo_tasks.ops import pipeline
+from rcgrpo_tasks.ops import pipeline, plan_runner
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.stages import plan as plan_cli
 from rcgrpo_tasks.stages import run_plan as run_cli
@@ -91,13 +92,13 @@ def test_up_to_date_stages_run_only_for_a_missing_output_and_stale_ones_always(t
     stages = _chain(True, True)
     (tmp_path / "a.txt").write_text("A\n")
     (tmp_path / "b.txt").write_text("old\n")
-    rec = pipeline.run_plan(stages, tmp_path, tmp_path / "logs", echo=lines.append)
+    rec = plan_runner.run_plan(stages, tmp_path, tmp_path / "logs", echo=lines.append)
     assert _status(rec) == {"a": "skipped", "b": "skipped"} and (tmp_path / "b.txt").read_text() == "old\n"
     (tmp_path / "a.txt").unlink()  # a rebuild of a missing output (same deps) leaves b up to date
-    rec = pipeline.run_plan(stages, tmp_path, tmp_path / "logs", echo=lines.append)
+    rec = plan_runner.run_plan(stages, tmp_path, tmp_path / "logs", echo=lines.append)
     assert _status(rec) == {"a": "ran", "b": "skipped"} and (tmp_path / "a.txt").read_text() == "A\n"
     assert rec.stages["a"].reason == "output missing here: a.txt"
-    rec = pipeline.run_plan(_chain(False, True), tmp_path, tmp_path / "logs", echo=lines.append)
+    rec = plan_runner.run_plan(_chain(False, True), tmp_path, tmp_path / "logs", echo=lines.append)
     assert _status(rec) == {"a": "ran", "b": "ran"} and rec.stages["b"].reason == "upstream a re-ran"
     assert (tmp_path / "a.txt").read_text() == "A\n"  # outputs are removed before a stage runs (as dvc does)
     assert (tmp_path / "b.txt").read_text() == "A\n" and (tmp_path / "mb.json").is_file()
@@ -126,16 +127,64 @@ def test_a_failing_stage_stops_the_run_and_the_bundle_says_so(tmp_path):
     assert timings["stages"]["b"]["status"] == "not_run"
 
 
+def _waits_for(me: str, other: str) -> str:
+    """A command that marks itself started and succeeds only if `other` starts while it runs (<= 10 s)."""
+    return (f"touch {me}.started; for i in $(seq 200); do [ -f {other}.started ] && break; sleep 0.05; done; "
+            f"[ -f {other}.started ] && echo {me} > {me}.txt")
+
+
+def test_jobs_run_independent_stages_side_by_side_and_dependents_after_them(tmp_path):
+    stages = [_stage("a", ["echo A > a.txt"], ["a.txt"]),
+              _stage("b", [_waits_for("b", "c")], ["b.txt"], ["a"]),
+              _stage("c", [_waits_for("c", "b")], ["c.txt"], ["a"]),
+              _stage("d", ["cat a.txt b.txt c.txt > d.txt"], ["d.txt"], ["b", "c"])]
+    lines = []
+    rec = plan_runner.run_plan(stages, tmp_path, tmp_path / "logs", jobs=2, echo=lines.append)
+    assert _status(rec) == {"a": "ran", "b": "ran", "c": "ran", "d": "ran"}
+    assert (tmp_path / "d.txt").read_text() == "A\nb\nc\n"
+    started = [line.split(":")[0] for line in lines if line.endswith("(stale where the plan was made)")]
+    assert started == ["[run-plan] a", "[run-plan] b", "[run-plan] c", "[run-plan] d"]
+    assert plan_runner.descendants(stages) == {"a": 3, "b": 1, "c": 1, "d": 0}
+    assert plan_runner.stage_env({}, jobs=2)["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
+    assert "OMP_NUM_THREADS" not in plan_runner.stage_env({}, jobs=1)
+
+
+def test_jobs_start_the_stages_most_others_wait_for_first(tmp_path):
+    stages = [_stage("leaf", ["echo l > l.txt"], ["l.txt"]),
+              _stage("trunk", ["echo t > t.txt"], ["t.txt"]),
+              _stage("next", ["cat t.txt > n.txt"], ["n.txt"], ["trunk"])]
+    lines = []
+    plan_runner.run_plan(stages, tmp_path, tmp_path / "logs", jobs=2, echo=lines.append)
+    started = [line.split(":")[0] for line in lines if line.endswith("(stale where the plan was made)")]
+    assert started[:2] == ["[run-plan] trunk", "[run-plan] leaf"]
+    lines.clear()
+    plan_runner.run_plan(stages, tmp_path, tmp_path / "logs", jobs=1, echo=lines.append)
+    assert [line.split(":")[0] for line in lines if line.endswith("(stale where the plan was made)")] == [
+        "[run-plan] leaf", "[run-plan] trunk", "[run-plan] next"]
+
+
+def test_jobs_after_a_failure_start_nothing_new_and_let_the_running_stages_finish(tmp_path):
+    stages = [_stage("x", ["sleep 0.3; exit 4"], ["x.txt"]),
+              _stage("y", ["sleep 1; echo y > y.txt"], ["y.txt"]),
+              _stage("z", ["echo z > z.txt"], ["z.txt"], ["x"]),
+              _stage("w", ["echo w > w.txt"], ["w.txt"])]
+    rec = plan_runner.run_plan(stages, tmp_path, tmp_path / "logs", jobs=2, echo=lambda _: None)
+    assert _status(rec) == {"x": "failed", "y": "ran", "z": "not_run", "w": "not_run"}
+    assert (tmp_path / "y.txt").read_text() == "y\n" and not (tmp_path / "w.txt").exists()
+    with pytest.raises(InputError, match="jobs must be >= 1"):
+        plan_runner.run_plan(stages, tmp_path, tmp_path / "logs", jobs=0)
+
+
 def test_bundle_holds_records_and_small_outputs_not_large_ones(tmp_path):
-    big = pipeline.BUNDLE_FILE_MAX_BYTES + 1
+    big = plan_runner.BUNDLE_FILE_MAX_BYTES + 1
     stages = [_stage("a", [f"head -c {big} /dev/zero > big.bin; echo r > rec.json; echo s > small.txt"],
                      ["big.bin", "small.txt"], records=["rec.json"])]
     bundle = tmp_path / "b.tar.gz"
-    rec = pipeline.run_plan(stages, tmp_path, tmp_path / "logs", bundle, echo=lambda _: None)
+    rec = plan_runner.run_plan(stages, tmp_path, tmp_path / "logs", bundle, echo=lambda _: None)
     assert _status(rec) == {"a": "ran"}
     with tarfile.open(bundle) as tar:
         assert sorted(tar.getnames()) == ["logs/a.log", "rec.json", "small.txt", "timings.json"]
-    assert "stages run, sum" in pipeline.timing_table(rec)
+    assert "stages run, sum" in plan_runner.timing_table(rec)
 
 
 def test_selection_keeps_what_the_wanted_stages_need():

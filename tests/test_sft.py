@@ -316,6 +316,9 @@ def write_params(tmp_path: Path, **sft_section) -> Path:
     ({"batch_size": 0}, "batch_size and grad_accum must be >= 1"),
     ({"lr": 1e-5}, "unknown key(s) ['lr']"),
     ({"variants": {"rctp": {"lora_r": 0}}}, "sft.variants.rctp: lora_r (LoRA rank) must be >= 1"),
+    # the tokens come with the SFT model: an RCTP-from-SFT token init of its own would do nothing
+    ({"variants": {"sft": {}, "rctp": {"init": "sft", "reward_token_init": "words"}}},
+     "variants.rctp: reward_token_init 'words' does nothing with init sft"),
 ])
 def test_bad_params_fail_before_training(bad, message, datasets, tiny_model_dir, tmp_path):
     from typer.testing import CliRunner

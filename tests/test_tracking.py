@@ -322,3 +322,20 @@ def test_a_failed_command_records_its_message(store, tmp_path):
             fail("params changed while x ran: a.b (1 -> 2); c.d (3 -> 4); nothing was published: rerun it")
     tag = _client().get_run(run.info.run_id).data.tags[tracking.ERROR_TAG]
     assert tag == "CommandFailed: params changed while x ran: a.b (1 -> 2); c.d (3 -> 4); nothing was published: rerun it"
+
+
+def test_stages_started_side_by_side_share_a_fresh_sqlite_store(tmp_path):
+    """Four processes touching one new sqlite store at once (stages under `run-plan --jobs`) all get the
+    same experiment: MLflow's schema creation is serialised (`tracking_store._first_touch`), not raced."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from rcgrpo_tasks.ops import tracking_store; print(tracking_store.experiment_id())"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'new' / 'mlflow.db'}",
+           "MLFLOW_ARTIFACT_ROOT": str(tmp_path / "art")}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [err[-500:] for _, err in outs]
+    assert len({out.strip() for out, _ in outs}) == 1

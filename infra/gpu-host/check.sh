@@ -9,9 +9,11 @@
 # `run` steps, each under its own time cap and all inside CHECK_BUDGET_S (default 340 s): install the wheels
 # into a site folder; build a random-init model of the configured architecture with the real tokenizer
 # (make_model.py; decode speed does not depend on the weights); the `gpu`-marked tests; the rollout bench at
-# its three shapes (engine beside naive `generate`); the device-relevant test modules with CUDA present (the
-# suite's device: RCGRPO_TEST_DEVICE). A step that fails or runs out of time is logged and the next runs;
-# the log ends with one line per step (exit status, seconds). Exit status: 0 when every step passed.
+# its three shapes (engine beside naive `generate`); training and evaluation seconds on that model (an SFT
+# step, an RC-GRPO step, an evaluate batch: bench/train_steps.py, the numbers also in $OUT/train-steps.json);
+# the device-relevant test modules with CUDA present (the suite's device: RCGRPO_TEST_DEVICE). A step that
+# fails or runs out of time is logged and the next runs; the log ends with one line per step (exit status,
+# seconds). Exit status: 0 when every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PACK=${PACK:-.gpucheck}
@@ -120,6 +122,9 @@ run() {
       step "bench-$i" 100 "$py" bench/rollout_throughput.py --model "$model" --device "$device" --dtype "$dtype" $shape
       i=$((i + 1))
     done
+    # shellcheck disable=SC2086
+    step train-steps 90 "$py" bench/train_steps.py --model "$model" --device "$device" --dtype "$dtype" $tiny \
+      --out "$out/train-steps.json"
     # shellcheck disable=SC2086
     step device-tests 240 "${pytest[@]}" "${xdist[@]}" -m "not slow and not gpu" --durations=8 $tests
     echo "== summary (device $device, $(( $(date +%s) - START )) s of ${BUDGET}s)"

@@ -130,11 +130,38 @@ def check_tracking(timeout: float = 5.0) -> str:
     return tracking_uri()
 
 
+@contextlib.contextmanager
+def _first_touch() -> Iterator[None]:
+    """Serialise a process's first use of a local sqlite store with the others': MLflow creates or migrates
+    the schema on first use, and stages started side by side (`rcgrpo run-plan --jobs`, parallel flow
+    tasks) doing it at once collide (`duplicate column name`). An exclusive lock on `<db>.lock` beside it."""
+    uri = tracking_uri()
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+
+    db = Path(uri[len("sqlite:///"):])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def experiment_id() -> str:
     """Id of the experiment (created if missing), tagged with the UI's experiment kind."""
     key = (tracking_uri(), experiment_name())
     if key in _EXPERIMENTS:
         return _EXPERIMENTS[key]
+    with _first_touch():
+        _EXPERIMENTS[key] = _find_or_create()
+    return _EXPERIMENTS[key]
+
+
+def _find_or_create() -> str:
     mlflow, name = mlflow_module(), experiment_name()
     exp = call("get_experiment_by_name", mlflow.get_experiment_by_name, name)
     if exp is None:
@@ -155,7 +182,6 @@ def experiment_id() -> str:
         if exp.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:  # experiments made before this tag
             call("set_experiment_tag", mlflow.MlflowClient().set_experiment_tag, exp_id,
                  EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
-    _EXPERIMENTS[key] = exp_id
     return exp_id
 
 

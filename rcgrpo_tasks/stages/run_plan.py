@@ -1,6 +1,7 @@
 """`rcgrpo run-plan --plan plan.json --bundle run.tar.gz`: run the pipeline where DVC is not installed.
 
-Runs the plan `rcgrpo plan` wrote, in its order, by the rule of `ops.pipeline` (a stage DVC found stale
+Runs the plan `rcgrpo plan` wrote, in its order (`--jobs N`: up to N stages side by side, each once what it
+depends on is done), by the rule of `ops.pipeline` (a stage DVC found stale
 runs; an up-to-date one runs only if an output is missing here), stops at the first failing stage, and
 rewrites `--bundle` after every stage: per-stage wall times (`timings.json`) and logs, the plan, params.yaml,
 every metric, plot and table, and the small per-entry outputs, in one file small enough to copy back.
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import typer
 
-from rcgrpo_tasks.ops import pipeline
+from rcgrpo_tasks.ops import pipeline, plan_runner
 from rcgrpo_tasks.ops.cli import cli_errors, fail
 
 app = typer.Typer(add_completion=False, help="Run a plan from `rcgrpo plan` without DVC.")
@@ -27,6 +28,9 @@ def main(
                                                                   "as `evaluate`) and what they need; repeatable."),
     bundle: Path | None = typer.Option(None, help="Results bundle (.tar.gz), rewritten after every stage."),
     logs: Path = typer.Option(Path("logs/run-plan"), help="One log per stage."),
+    jobs: int = typer.Option(1, min=1, help="Stages side by side (each once what it depends on is done); "
+                                            "1 = the plan's order. A GPU host's one device holds several "
+                                            "of the embedded model's stages at once."),
     dry_run: bool = typer.Option(False, help="Print what would run and why; run nothing."),
 ) -> None:
     """Run the plan's stages that must run here; bundle the results."""
@@ -39,8 +43,8 @@ def main(
     if dry_run:
         typer.echo("\n".join(pipeline.describe(planned, root)))
         return
-    record = pipeline.run_plan(planned, root, logs, bundle, extra=[plan, root / "params.yaml"])
-    typer.echo(pipeline.timing_table(record))
+    record = plan_runner.run_plan(planned, root, logs, bundle, extra=[plan, root / "params.yaml"], jobs=jobs)
+    typer.echo(plan_runner.timing_table(record))
     if bundle is not None:
         typer.echo(f"[run-plan] bundle: {bundle} ({bundle.stat().st_size / 2**20:.1f} MB)")
     failed = [(name, run) for name, run in record.stages.items() if run.status == "failed"]

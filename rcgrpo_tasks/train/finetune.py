@@ -191,6 +191,20 @@ class SftConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        self._check_token_init()
+
+    def _check_token_init(self) -> None:
+        """A variant that starts from the SFT model (`init: sft`) finds the reward tokens already there, their
+        rows made by the `sft` variant's `reward_token_init` (`add_special_tokens` only initialises tokens it
+        adds): its own, different, value would silently do nothing, so it is refused here."""
+        shared = {k: v for k, v in as_dict(self).items() if k != "variants"}
+        made_by = {**shared, **self.variants.get("sft", {})}["reward_token_init"]
+        for name, over in self.variants.items():
+            own = {**shared, **over}
+            if own["init"] == "sft" and own["reward_token_init"] != made_by:
+                raise ValueError(f"variants.{name}: reward_token_init {own['reward_token_init']!r} does nothing with "
+                                 f"init sft (the tokens come with the SFT model, their rows made by variant sft's "
+                                 f"{made_by!r}): set it on the sft variant or leave it out")
 
     def resolve(self, variant: str) -> SftConfig:
         """This config with `variants[variant]` applied (validated like the base section)."""

@@ -1,0 +1,310 @@
+"""Running a plan (`ops.pipeline`) where DVC is not installed: the stages by the rule of `pipeline.decide`,
+several side by side when asked (`jobs`), each stage's log, and one results bundle rewritten after every
+stage, so a lease that ends mid-run still returns what finished."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rcgrpo_tasks.ops import procs
+from rcgrpo_tasks.ops.inputs import InputError
+from rcgrpo_tasks.ops.outputs import atomic_path
+from rcgrpo_tasks.ops.pipeline import PlannedStage, decide
+
+BUNDLE_FILE_MAX_BYTES = 2 * 1024 * 1024
+"""Cached output files up to this size go into the bundle (per-entry results, reports, controllability
+trajectories); larger ones (models, datasets, policy samples) stay on the host."""
+POLL_S = 0.1
+"""How often a running stage is polled (its output is copied as it comes, by a reader thread)."""
+
+
+@dataclass
+class StageRun:
+    """What happened to one stage in `run_plan`."""
+
+    status: str  # ran | skipped | failed | stopped | not_run
+    reason: str
+    wall_s: float = 0.0
+    rc: int | None = None
+    log: str | None = None
+
+
+@dataclass
+class RunRecord:
+    """The whole run: per-stage results in plan order, and the total wall time."""
+
+    stages: dict[str, StageRun] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    def to_json(self) -> dict:
+        ran = [s.wall_s for s in self.stages.values() if s.status in ("ran", "failed", "stopped")]
+        return {"wall_s": round(self.wall_s, 1), "stage_wall_s_sum": round(sum(ran), 1),
+                "stages": {k: asdict(v) for k, v in self.stages.items()}}
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+class StageJob:
+    """One stage's commands run in order (`bash -c`, in `root`, each in its own process group), its output
+    appended to `log_path` and echoed line by line. Started and polled from the caller's thread (a child
+    started from a worker thread would get its parent-death signal when that thread ends); one reader
+    thread per command copies the output. A stage's outputs are removed before it starts (as dvc does)."""
+
+    def __init__(self, stage: PlannedStage, root: Path, log_path: Path, env: dict[str, str],
+                 echo: Callable[[str], None]):
+        for out in (*stage.outs, *stage.records):
+            _remove(root / out)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.stage, self.root, self.env, self.echo = stage, root, env, echo
+        self.log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 (closed when the stage ends)
+        self.todo = list(stage.cmds)
+        self.t0 = time.monotonic()
+        self.rc: int | None = None
+        self.wall_s = 0.0
+        self._next()
+
+    def _next(self) -> None:
+        cmd = self.todo.pop(0)
+        self.log.write(f"$ {cmd}\n")
+        self.log.flush()
+        self.proc = procs.start_group(["bash", "-c", cmd], cwd=self.root, env=self.env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1)
+        self.reader = threading.Thread(target=self._pump, args=(self.proc,), daemon=True)
+        self.reader.start()
+
+    def _pump(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            self.log.write(line)
+            self.echo(f"  {self.stage.name} | {line.rstrip()}")
+
+    def _end(self, rc: int | None) -> None:
+        self.rc, self.wall_s = rc, time.monotonic() - self.t0
+        self.log.close()
+
+    def poll(self) -> int | None:
+        """None while the stage runs; then the exit code of its first failing command, or 0."""
+        if self.rc is not None or self.log.closed:
+            return self.rc
+        rc = self.proc.poll()
+        if rc is None:
+            return None
+        self.reader.join()
+        if rc != 0 or not self.todo:
+            self._end(rc)
+            return rc
+        self._next()
+        return None
+
+    def stop(self) -> None:
+        """Stop the running command's whole group (SIGTERM, then SIGKILL)."""
+        procs.stop_group(self.proc)
+        self.reader.join(timeout=5)
+        self._end(None)
+
+
+def run_stage(stage: PlannedStage, root: Path, log_path: Path, env: dict[str, str],
+              echo: Callable[[str], None]) -> tuple[int, float]:
+    """Run `stage` to its end (`StageJob`); (exit code of the first failing command or 0, wall s). A
+    SIGTERM/SIGHUP to this process stops the running command's whole group, then propagates."""
+    job = StageJob(stage, root, log_path, env, echo)
+    try:
+        while (rc := job.poll()) is None:
+            time.sleep(POLL_S)
+    except BaseException:
+        job.stop()
+        raise
+    return rc, job.wall_s
+
+
+def bundle_members(stages: list[PlannedStage], root: Path, extra: list[Path], record: RunRecord) -> list[Path]:
+    """Files (relative to `root`) the bundle holds: of every stage that ran or was found done in `record`,
+    its records and its cached outputs that are files of at most BUNDLE_FILE_MAX_BYTES (a stage not reached
+    yet contributes nothing: what is on disk for it is not this run's); then the files/folders in `extra`
+    (logs, the plan, params)."""
+    found: list[Path] = []
+    for s in stages:
+        if record.stages.get(s.name, StageRun("not_run", "")).status not in ("ran", "skipped", "failed", "stopped"):
+            continue
+        for rel in s.records:
+            path = root / rel
+            if path.is_file():
+                found.append(path)
+        for rel in s.outs:
+            path = root / rel
+            if path.is_file() and path.stat().st_size <= BUNDLE_FILE_MAX_BYTES:
+                found.append(path)
+    for path in extra:
+        if path.is_dir():
+            found += sorted(p for p in path.rglob("*") if p.is_file())
+        elif path.is_file():
+            found.append(path)
+    seen, unique = set(), []
+    for path in found:
+        key = path.resolve()
+        if key not in seen:
+            seen.add(key)
+            unique.append(path)
+    return unique
+
+
+def write_bundle(out: str | Path, members: list[Path], root: Path, record: RunRecord) -> Path:
+    """`out` (a .tar.gz) = `members` under their paths relative to `root` (others under their own name),
+    plus `timings.json` (the run record); written to a temporary file and renamed, so a reader never sees
+    half a bundle."""
+    out = Path(out)
+    with atomic_path(out) as tmp, tarfile.open(tmp, "w:gz") as tar:
+        blob = json.dumps(record.to_json(), indent=1).encode()
+        info = tarfile.TarInfo("timings.json")
+        info.size, info.mtime = len(blob), int(time.time())
+        tar.addfile(info, io.BytesIO(blob))
+        for path in members:
+            try:
+                arc = path.resolve().relative_to(root.resolve())
+            except ValueError:
+                arc = Path(path.name)
+            tar.add(path, arcname=str(arc), recursive=False)
+    return out
+
+
+def stage_env(base: dict[str, str] | None = None, jobs: int = 1) -> dict[str, str]:
+    """The stages' environment: a stage dies with the runner (as under DVC) and prints as it goes; with
+    `jobs` stages side by side each gets its share of the cores for its CPU threads (unless the caller set
+    OMP_NUM_THREADS), so they do not oversubscribe the host."""
+    env = dict(os.environ if base is None else base)
+    env["RCGRPO_DIE_WITH_PARENT"] = "1"
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if jobs > 1:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
+    return env
+
+
+def descendants(stages: list[PlannedStage]) -> dict[str, int]:
+    """{stage: how many stages depend on it, directly or not}: side by side, the stages most others wait
+    for start first (a cheap stand-in for the critical path: sample_policy before an RL cell)."""
+    below: dict[str, set[str]] = {s.name: set() for s in stages}
+    for stage in reversed(stages):  # a plan is topological: every dependent comes later
+        for up in stage.upstream:
+            if up in below:
+                below[up] |= {stage.name} | below[stage.name]
+    return {name: len(found) for name, found in below.items()}
+
+
+def _ready(stage: PlannedStage, record: RunRecord, names: set[str]) -> bool:
+    return all(record.stages.get(u, StageRun("not_run", "")).status in ("ran", "skipped")
+               for u in stage.upstream if u in names)
+
+
+def run_plan(stages: list[PlannedStage], root: str | Path, logs: str | Path, bundle: str | Path | None = None,
+             extra: list[Path] | None = None, env: dict[str, str] | None = None,
+             echo: Callable[[str], None] | None = None, jobs: int = 1) -> RunRecord:
+    """Run `stages` (a plan, in order) in `root` by the rule of the module docstring, at most `jobs` at a
+    time: a stage starts once every stage it depends on has finished (`jobs=1`: in plan order; side by side
+    those with the most stages depending on them first, `descendants`); after the first failure nothing new starts, the stages running finish,
+    the rest are `not_run`. Side by side, stages share the host (on a GPU host: one device; the stages
+    here place small models and size nothing by free memory). The bundle, if asked for, is rewritten after
+    every stage and once more at the end, also after a failure or a stop (SIGTERM/SIGHUP: the running
+    stages' groups are stopped, recorded as `stopped`, then `procs.Terminated` propagates)."""
+    if jobs < 1:
+        raise InputError(f"jobs must be >= 1, got {jobs}")
+    root, logs = Path(root), Path(logs)
+    echo = echo or (lambda line: print(line, flush=True))
+    env = stage_env(env, jobs)
+    record = RunRecord()
+    extra = [logs, *(extra or [])]
+    names = {s.name for s in stages}
+    pending = decide(stages, root)
+    if jobs > 1:  # most dependents first; sorted() is stable, so plan order breaks ties
+        weight = descendants(stages)
+        pending = sorted(pending, key=lambda item: -weight[item[0].name])
+    running: dict[str, tuple[StageJob, str]] = {}
+    t_start = time.monotonic()
+
+    def refresh() -> None:
+        record.wall_s = time.monotonic() - t_start
+        if bundle is not None:
+            write_bundle(bundle, bundle_members(stages, root, extra, record), root, record)
+
+    def launch() -> None:
+        for item in list(pending):
+            stage, reason = item
+            if len(running) >= jobs:
+                return
+            if not _ready(stage, record, names):
+                continue
+            pending.remove(item)
+            if reason is None:
+                record.stages[stage.name] = StageRun("skipped", "up to date where the plan was made")
+                echo(f"[run-plan] {stage.name}: skipped (up to date where the plan was made, outputs present)")
+                continue
+            echo(f"[run-plan] {stage.name}: running ({reason})")
+            log = logs / f"{stage.name}.log"
+            record.stages[stage.name] = StageRun("running", reason, log=str(log))
+            running[stage.name] = (StageJob(stage, root, log, env, echo), reason)
+
+    def reap() -> bool:
+        """Record the stages that ended; whether one failed."""
+        failed = False
+        for name, (job, reason) in list(running.items()):
+            rc = job.poll()
+            if rc is None:
+                continue
+            del running[name]
+            failed |= rc != 0
+            record.stages[name] = StageRun("failed" if rc else "ran", reason, round(job.wall_s, 1), rc,
+                                           record.stages[name].log)
+            echo(f"[run-plan] {name}: {'FAILED (exit %d)' % rc if rc else 'done'} in {job.wall_s:.1f} s")
+            refresh()
+        return failed
+
+    handlers = procs.raise_on_terminate()
+    failed = False
+    try:
+        while pending or running:
+            failed |= reap()
+            if failed:
+                for stage, _ in pending:
+                    record.stages[stage.name] = StageRun("not_run", "an earlier stage failed")
+                pending.clear()
+            else:
+                launch()
+            if running:
+                time.sleep(POLL_S)
+            elif pending and not failed:  # cannot happen with a plan in topological order
+                raise InputError(f"stages wait on stages that never ran: {[s.name for s, _ in pending]}")
+    except procs.Terminated:
+        for name, (job, reason) in running.items():
+            job.stop()
+            record.stages[name] = StageRun("stopped", reason, round(job.wall_s, 1), None, record.stages[name].log)
+        raise
+    finally:
+        procs.restore(handlers)
+        refresh()
+    return record
+
+
+def timing_table(record: RunRecord) -> str:
+    """A plain-text table of the run: stage, status, wall seconds; then the sum of the stages that ran."""
+    lines = [f"{'stage':<28} {'status':<8} {'wall_s':>8}"]
+    for name, run in record.stages.items():
+        lines.append(f"{name:<28} {run.status:<8} {run.wall_s:>8.1f}")
+    total = record.to_json()
+    lines.append(f"{'stages run, sum':<37} {total['stage_wall_s_sum']:>8.1f}")
+    lines.append(f"{'wall, end to end':<37} {total['wall_s']:>8.1f}")
+    return "\n".join(lines)
+
+
