@@ -501,3 +501,49 @@ def test_a_diverging_run_stops_names_the_step_and_rolls_back(rl_env, scripted_re
     run = mlflow.search_runs(experiment_names=["test-rl"], filter_string="tags.`rl.diverged` != ''",
                              output_format="list")
     assert run and run[0].data.tags["rl.restored_step"] == str(event["restored_step"])
+
+
+def test_a_nonfinite_gradient_skips_its_update_and_the_run_goes_on(rl_env, scripted_rewards):
+    """A NaN in one step's gradient (injected through a hook on one LoRA weight): that update is skipped
+    (`kl_guard.drop_nonfinite_grads`), the step is listed in the summary, no weight of the policy is NaN and
+    the run trains to its last step."""
+    import torch
+    from transformers import TrainerCallback
+
+    from rcgrpo_tasks.engine.compute import ComputeConfig
+
+    class PoisonStep(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 1:  # the second update
+                param = next(p for n, p in model.named_parameters() if p.requires_grad and "lora_A" in n)
+                handle = []
+                handle.append(param.register_hook(lambda g: (handle.pop().remove(), g * float("nan"))[1]))
+
+    root, model_dir = rl_env
+    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 3})
+    spec = _spec(root, model_dir, "nonfinite", "rctp", "rc_grpo")
+    summary = rl.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[PoisonStep()], compute=ComputeConfig(device="cpu"))
+    assert summary.get("nonfinite_grad_steps") == [2] and summary["steps"] == 3 and summary["diverged"] is None
+    assert all(torch.isfinite(w).all() for w in _weights(spec.out).values())
+    rows = runs.read_tsv(spec.plots)
+    assert all(math.isfinite(r["loss"]) for r in rows)
+
+
+def test_drop_nonfinite_grads_leaves_the_weights_and_the_moments_alone():
+    import torch
+
+    from rcgrpo_tasks.train.kl_guard import drop_nonfinite_grads
+
+    layer = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.1)
+    layer(torch.ones(1, 3)).sum().backward()
+    assert not drop_nonfinite_grads(opt) and layer.weight.grad is not None
+    opt.step()
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    moments = opt.state[layer.weight]["exp_avg"].clone()
+    opt.zero_grad()
+    (layer(torch.ones(1, 3)).sum() * float("nan")).backward()
+    assert drop_nonfinite_grads(opt) and layer.weight.grad is None and layer.bias.grad is None
+    opt.step()
+    assert all(torch.equal(before[k], v) for k, v in layer.state_dict().items())
+    assert torch.equal(opt.state[layer.weight]["exp_avg"], moments)

@@ -39,6 +39,10 @@ say "there: the GPU host ($DRY/host), calls 1-3 as docs/gpu-run.md lists them, t
 copy_tree "$DRY/here" "$DRY/host"
 export STASH="$DRY/stash" SITE="$DRY/site" WORK="$DRY/work" ENV_FILE="$DRY/gpuhost.env" GPUHOST_DRYRUN=1
 export JOBS=${JOBS:-2}
+# The host has python3 and the system's tools, not this venv's commands: `rcgrpo` must come from the kit.
+mkdir -p "$DRY/pybin"  # a wrapper, not a link: a linked venv python does not find its venv
+printf '#!/bin/sh\nexec "%s" "$@"\n' "$venv/bin/python" > "$DRY/pybin/python3" && chmod +x "$DRY/pybin/python3"
+host_path="$DRY/pybin:/usr/local/bin:/usr/bin:/bin"
 call() {  # call N PARTS... -- CMD: the payloads carried into the host's tree, then CMD there with $OUT
   local n=$1; shift; local parts=()
   while [ "$1" != -- ]; do parts+=("$1"); shift; done; shift
@@ -46,7 +50,7 @@ call() {  # call N PARTS... -- CMD: the payloads carried into the host's tree, t
   for p in "${parts[@]}"; do cp -r "$DRY/here/.gpuhost/$p" "$DRY/host/.gpuhost/"; done
   mkdir -p "$DRY/out/call$n"
   say "call $n (carry ${parts[*]:-nothing}): $*"
-  (cd "$DRY/host" && OUT="$DRY/out/call$n" bash -c "$*")
+  (cd "$DRY/host" && OUT="$DRY/out/call$n" PATH="$host_path" bash -c "$*")
 }
 call 1 p1 -- bash infra/gpu-host/stash.sh p1
 call 2 p2 -- bash infra/gpu-host/stash.sh p2

@@ -62,7 +62,7 @@ def _paired(cell: dict | None, rc: bool) -> str:
 def rl_table(rows: list[dict], contrast: dict) -> str:
     head = ["cell", "probe reward, step 0 -> end", "probe change [95% paired CI]",
             "zero-std groups trained (flat at 0 / at 1)", "zero-std paired with GRPO, same init", "rollouts / useful group",
-            "diverged"]
+            "diverged / updates skipped (non-finite gradient)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if "-" not in r["label"] or r["label"].endswith("-notoken"):
@@ -73,10 +73,12 @@ def rl_table(rows: list[dict], contrast: dict) -> str:
         if r.get("rl_mean_frac_flat_fail") is not None:
             flat += f" ({_n(r['rl_mean_frac_flat_fail'])} / {_n(r.get('rl_mean_frac_flat_success'))})"
         paired = _paired(contrast.get(init), algo == "rc_grpo") if algo in ("grpo", "rc_grpo") else ""
-        div = r.get("rl_diverged")
+        div, skipped = r.get("rl_diverged"), r.get("rl_nonfinite_grad_steps")
+        fate = div["reason"] + ", rolled back to step " + str(div["restored_step"]) if div else "no"
+        if skipped:
+            fate += f"; skipped at step{'s' if len(skipped) > 1 else ''} {', '.join(map(str, skipped))}"
         lines.append(f"| {row_name(r['label'])} | {curve} | {change} | {flat} | {paired} | "
-                     f"{_n(r.get('rl_rollouts_per_useful_group'), '.1f')} | "
-                     f"{div['reason'] + ', rolled back to step ' + str(div['restored_step']) if div else 'no'} |")
+                     f"{_n(r.get('rl_rollouts_per_useful_group'), '.1f')} | {fate} |")
     return "\n".join(lines) + "\n"
 
 

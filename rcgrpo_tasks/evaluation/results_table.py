@@ -106,6 +106,8 @@ def summarize_row(res: EvalResult, seed: int = 0) -> dict:
         out["rl_probe"] = res.rl["probe"]
     if res.rl.get("diverged"):
         out["rl_diverged"] = res.rl["diverged"]
+    if res.rl.get("nonfinite_grad_steps"):
+        out["rl_nonfinite_grad_steps"] = res.rl["nonfinite_grad_steps"]
     return out
 
 

@@ -93,13 +93,38 @@ def restore_step(checkpoint_steps: list[int], bad_step: int) -> int:
     return max(good) if good else 0
 
 
+def drop_nonfinite_grads(optimizer) -> bool:
+    """True, with every gradient of `optimizer`'s parameters dropped (`grad = None`: the coming optimizer step
+    leaves those weights and their moments as they are), when any gradient holds a NaN or an inf; else False
+    and nothing touched. Gradients that do not live on the parameters (DeepSpeed's partitions) are not seen."""
+    import torch
+
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+        return False
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = None
+    return True
+
+
 class DivergenceGuardMixin:
     """A `TrainerCallback` (`runs.lazy_subclass`) that checks every step row `tsv` holds (`divergence`), and on
     a divergence stops training and restores the last good checkpoint's trainable weights. `event`: None, or
-    {step, reason, restored_step}."""
+    {step, reason, restored_step}. Before every optimizer step it drops a non-finite gradient
+    (`drop_nonfinite_grads`, as Megatron and DeepSpeed skip such a step): the update is skipped, the weights
+    never see the NaN, and the step is listed in `nonfinite_steps`. After the clip, one NaN element makes the
+    whole gradient NaN, and one such update poisons every LoRA weight (measured on a GPU run: the next step's
+    rollouts were all truncated, reward 0, its KL NaN)."""
 
     def __init__(self, tsv, cfg: GuardConfig):
         self.tsv, self.cfg, self.event = tsv, cfg, None
+        self.nonfinite_steps: list[int] = []
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        if optimizer is not None and drop_nonfinite_grads(optimizer):
+            self.nonfinite_steps.append(state.global_step + 1)
+            print(f"rl: step {state.global_step + 1}: non-finite gradient, update skipped", flush=True)
 
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):
         if self.event is not None or not logs or STEP_MARKER not in logs or not self.tsv.is_file():

@@ -94,6 +94,8 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
                    "resumed_from": resume, "train_s": time.perf_counter() - t0,
                    "train_loss": result.training_loss, "placement": place, "micro_batch": micro,
                    "grad_accum": trainer.args.gradient_accumulation_steps}
+        if trainer.rc_guard is not None and trainer.rc_guard.nonfinite_steps:  # the key only when it happened
+            summary["nonfinite_grad_steps"] = trainer.rc_guard.nonfinite_steps
         spec.write_results(staged, rows, PLOT_COLUMNS, summary)
         if track:
             tracking_log.log_metrics({f"summary/{k}": v for k, v in summary.items()
