@@ -178,7 +178,7 @@ def test_rl_rows_are_compared_with_their_init_on_the_same_entries(tmp_path):
     evals = [("rctp", _single_turn_dir(tmp_path, "r", [1, 0, 0, 0, 1, 0])),
              ("rctp-rc_grpo", _single_turn_dir(tmp_path, "rc", [1, 1, 1, 0, 1, 1]))]
     rows = {r["label"]: r for r in report.build_report(evals, [])}
-    assert "vs_init" not in rows["rctp"]
+    assert "vs_init" not in rows["rctp"]  # no SFT row to compare RCTP with here
     v = rows["rctp-rc_grpo"]["vs_init"]
     assert v["init"] == "rctp" and v["n"] == 6 and v["diff"] == pytest.approx(50.0)
     assert 0 < v["ci"][0] <= 50.0 <= v["ci"][1]
@@ -222,3 +222,13 @@ def test_no_token_rows_rc_versus_grpo_paired_by_group_and_the_margin_columns(tmp
     assert contrast["rctp"]["accuracy"]["diff"] == 50.0
     md = report_tables.rl_table(rows, contrast)
     assert "0.35 vs GRPO 0.75 (40 groups; only GRPO flat 18, only RC-GRPO 2; McNemar p = " in md
+
+
+def test_rctp_is_compared_with_sft_on_the_same_entries(tmp_path):
+    """RCTP under its high token against the SFT baseline, paired over the entries both evaluated: whether
+    the token costs accuracy."""
+    evals = [("sft", _single_turn_dir(tmp_path, "s", [1, 1, 0, 0])), ("rctp", _single_turn_dir(tmp_path, "r", [1, 0, 0, 0]))]
+    rows = {r["label"]: r for r in report.build_report(evals, [])}
+    v = rows["rctp"]["vs_init"]
+    assert v["init"] == "sft" and v["n"] == 4 and v["diff"] == pytest.approx(-25.0) and "vs_init" not in rows["sft"]
+    assert "vs SFT |" in report_tables.outcome_table(list(rows.values()))

@@ -30,7 +30,7 @@ def _ci(v, ci, spec: str = "+.3f") -> str:
 
 
 def outcome_table(rows: list[dict]) -> str:
-    head = ["model", "held-out accuracy % [95% Wilson CI]", "n", "vs init (RL) / vs with token, pts [95% paired CI]",
+    head = ["model", "held-out accuracy % [95% Wilson CI]", "n", "vs init (RL) / vs SFT (RCTP) / vs with token, pts [95% paired CI]",
             "paper Table 1 % (7B, GPU, multi-turn)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:

@@ -164,14 +164,17 @@ def build_report(evals: list[tuple[str, Path]], rl: list[tuple[str, Path]], seed
 
 def compared_with(label: str) -> str | None:
     """The row a row's `vs init` column compares with: an RL row's init (`rctp-rc_grpo` -> `rctp`), a no-token
-    row's same model under its token (`rctp-rc_grpo-notoken` -> `rctp-rc_grpo`); None for an init."""
+    row's same model under its token (`rctp-rc_grpo-notoken` -> `rctp-rc_grpo`), RCTP (under its high token)
+    the SFT baseline (does the token cost accuracy?); None for base and SFT."""
     if label.endswith(NO_TOKEN):
         return label[:-len(NO_TOKEN)]
+    if label == "rctp":
+        return "sft"
     return label.split("-", 1)[0] if "-" in label else None
 
 
 def versus(res: EvalResult, init: EvalResult, seed: int = 0) -> dict:
-    """Accuracy (%) of an RL row minus its init's (`rctp-rc_grpo` vs `rctp`) on the entries both evaluated,
+    """Accuracy (%) of a row minus the row it is compared with (`rctp-rc_grpo` vs `rctp`) on the entries both evaluated,
     with a 95% paired bootstrap CI over entries."""
     mine = {e["entry_id"]: e["correct"] for e in res.entries}
     theirs = {e["entry_id"]: e["correct"] for e in init.entries}
