@@ -219,3 +219,29 @@ def test_plan_outside_a_dvc_project_is_one_line_and_writes_nothing(tmp_path):
                                             "--outputs-archive", str(tmp_path / "out" / "outs.tar.gz")])
     assert res.exit_code == 2 and "DVC cannot read the pipeline" in res.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_stop_ends_the_running_stages_records_them_stopped_and_keeps_the_bundle(tmp_path):
+    """SIGTERM to `rcgrpo run-plan --jobs 2` while two stages run: both process groups end, the bundle says
+    `stopped` for them (a stage not reached is not in it), and the runner exits non-zero."""
+    import signal
+    import time
+
+    stages = [_stage("a", ["echo $$ > a.pid; sleep 60"], ["a.txt"]), _stage("b", ["echo $$ > b.pid; sleep 60"], ["b.txt"]),
+              _stage("c", ["echo C > c.txt"], ["c.txt"], ["a", "b"])]
+    plan, bundle = tmp_path / "plan.json", tmp_path / "run.tar.gz"
+    pipeline.write_plan(stages, plan)
+    proc = subprocess.Popen([sys.executable, "-m", "rcgrpo_tasks.cli", "run-plan", "--plan", str(plan), "--root",
+                             str(tmp_path), "--bundle", str(bundle), "--logs", str(tmp_path / "logs"), "--jobs", "2"])
+    deadline = time.monotonic() + 60
+    while not ((tmp_path / "a.pid").is_file() and (tmp_path / "b.pid").is_file()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) != 0
+    for name in ("a", "b"):
+        pid = int((tmp_path / f"{name}.pid").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with tarfile.open(bundle) as tar:
+        timings = json.load(tar.extractfile("timings.json"))
+    assert {k: v["status"] for k, v in timings["stages"].items()} == {"a": "stopped", "b": "stopped"}

@@ -98,7 +98,7 @@ class StageJob:
 
     def poll(self) -> int | None:
         """None while the stage runs; then the exit code of its first failing command, or 0."""
-        if self.rc is not None or self.log.closed:
+        if self.log.closed:  # ended (`_end`): its exit code, None if stopped
             return self.rc
         rc = self.proc.poll()
         if rc is None:
@@ -115,20 +115,6 @@ class StageJob:
         procs.stop_group(self.proc)
         self.reader.join(timeout=5)
         self._end(None)
-
-
-def run_stage(stage: PlannedStage, root: Path, log_path: Path, env: dict[str, str],
-              echo: Callable[[str], None]) -> tuple[int, float]:
-    """Run `stage` to its end (`StageJob`); (exit code of the first failing command or 0, wall s). A
-    SIGTERM/SIGHUP to this process stops the running command's whole group, then propagates."""
-    job = StageJob(stage, root, log_path, env, echo)
-    try:
-        while (rc := job.poll()) is None:
-            time.sleep(POLL_S)
-    except BaseException:
-        job.stop()
-        raise
-    return rc, job.wall_s
 
 
 def bundle_members(stages: list[PlannedStage], root: Path, extra: list[Path], record: RunRecord) -> list[Path]:
@@ -231,7 +217,7 @@ def run_plan(stages: list[PlannedStage], root: str | Path, logs: str | Path, bun
     if jobs > 1:  # most dependents first; sorted() is stable, so plan order breaks ties
         weight = descendants(stages)
         pending = sorted(pending, key=lambda item: -weight[item[0].name])
-    running: dict[str, tuple[StageJob, str]] = {}
+    running: dict[str, StageJob] = {}
     t_start = time.monotonic()
 
     def refresh() -> None:
@@ -254,19 +240,20 @@ def run_plan(stages: list[PlannedStage], root: str | Path, logs: str | Path, bun
             echo(f"[run-plan] {stage.name}: running ({reason})")
             log = logs / f"{stage.name}.log"
             record.stages[stage.name] = StageRun("running", reason, log=str(log))
-            running[stage.name] = (StageJob(stage, root, log, env, echo), reason)
+            running[stage.name] = StageJob(stage, root, log, env, echo)
 
     def reap() -> bool:
         """Record the stages that ended; whether one failed."""
         failed = False
-        for name, (job, reason) in list(running.items()):
+        for name, job in list(running.items()):
             rc = job.poll()
             if rc is None:
                 continue
             del running[name]
             failed |= rc != 0
-            record.stages[name] = StageRun("failed" if rc else "ran", reason, round(job.wall_s, 1), rc,
-                                           record.stages[name].log)
+            started = record.stages[name]
+            record.stages[name] = StageRun("failed" if rc else "ran", started.reason, round(job.wall_s, 1), rc,
+                                           started.log)
             echo(f"[run-plan] {name}: {'FAILED (exit %d)' % rc if rc else 'done'} in {job.wall_s:.1f} s")
             refresh()
         return failed
@@ -287,9 +274,10 @@ def run_plan(stages: list[PlannedStage], root: str | Path, logs: str | Path, bun
             elif pending and not failed:  # cannot happen with a plan in topological order
                 raise InputError(f"stages wait on stages that never ran: {[s.name for s, _ in pending]}")
     except procs.Terminated:
-        for name, (job, reason) in running.items():
+        for name, job in running.items():
             job.stop()
-            record.stages[name] = StageRun("stopped", reason, round(job.wall_s, 1), None, record.stages[name].log)
+            started = record.stages[name]
+            record.stages[name] = StageRun("stopped", started.reason, round(job.wall_s, 1), None, started.log)
         raise
     finally:
         procs.restore(handlers)
