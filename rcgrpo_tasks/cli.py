@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sample-policy": ("rcgrpo_tasks.stages.sample_policy", "Sample the SFT model on train entries until each has a success and a failure."),
     "controllability": ("rcgrpo_tasks.stages.controllability", "Does a reward-conditioned model read its token: margin, paired sampled and greedy gaps."),
     "rl": ("rcgrpo_tasks.stages.rl", "GRPO / RC-GRPO on TRL GRPOTrainer over the project's rollout engine."),
+    "dev-sweep": ("rcgrpo_tasks.stages.dev_sweep", "Try RL's levers side by side and judge them on the dev split."),
     "report": ("rcgrpo_tasks.stages.report", "Assemble the results table (with CIs and the paper's numbers) and plot."),
     "promote": ("rcgrpo_tasks.stages.promote", "Register the best RL policy of the grid and move the `champion` alias if it wins."),
     "plan": ("rcgrpo_tasks.stages.plan", "Write the DVC pipeline as a plan that runs without DVC (for a GPU host)."),

@@ -172,6 +172,16 @@ def test_split_must_match_entries(tmp_path, entries):
     split.write_text(json.dumps({"train": [entries[0].id], "test": [entries[0].id]}))
     with pytest.raises(InputError, match="both train and test"):
         split_entries(path, split, "train")
+    split.write_text(json.dumps({"train": [entries[0].id], "dev": [entries[0].id], "test": []}))
+    with pytest.raises(InputError, match="both train and dev"):
+        split_entries(path, split, "train")
+    split.write_text(json.dumps({"train": [entries[0].id], "dev": "x", "test": []}))
+    with pytest.raises(InputError, match="'dev'"):
+        split_entries(path, split, "train")
+    split.write_text(json.dumps({"train": [entries[0].id], "test": [entries[1].id]}))  # written before dev existed
+    assert [e.id for e in split_entries(path, split, "train")] == [entries[0].id]
+    with pytest.raises(InputError, match="dev side is empty"):
+        split_entries(path, split, "dev")
 
 
 # ---------------------------------------------------------------------------------------------------

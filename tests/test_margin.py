@@ -196,6 +196,23 @@ def test_rctp_from_the_sft_model_in_pairs_with_a_margin_curve(tiny_model_dir, si
                                                        tmp_path / "x", tmp_path / "ck3"), track=False)
 
 
+def test_the_margin_curve_reads_dev_entries_never_held_out_ones(single_turn, tmp_path):
+    """RCTP's step count is chosen on its margin curve: the curve's entries come from the dev side."""
+    from rcgrpo_tasks.env.prompt import PromptConfig
+    from rcgrpo_tasks.ops.inputs import InputError
+    from rcgrpo_tasks.train.margin_curve import margin_curve
+
+    entries, split = single_turn
+    write_jsonl(tmp_path / "entries.jsonl", (e.to_json() for e in entries))
+    write_json(tmp_path / "split.json", split)
+    curve = margin_curve(tmp_path / "entries.jsonl", tmp_path / "split.json", 6, PromptConfig(), LEVELS, 2, False)
+    ids = {e.id for e in curve.entries}
+    assert len(ids) == 6 and ids <= set(split["dev"]) and not ids & set(split["test"])
+    write_json(tmp_path / "split.json", {**split, "dev": []})
+    with pytest.raises(InputError, match="dev side is empty"):
+        margin_curve(tmp_path / "entries.jsonl", tmp_path / "split.json", 6, PromptConfig(), LEVELS, 2, False)
+
+
 def test_pairs_share_a_micro_batch_in_the_trainer_s_own_dataloader(tiny_model_dir, tmp_path):
     """row_order pairs: the dataset order is kept (no random sampler), so each micro-batch of 2 is one
     prompt under its two goals; balanced: the sampler shuffles."""

@@ -1,4 +1,4 @@
-"""Split by numeric id: deterministic, 90/10 per category, no overlap, variants kept together."""
+"""Split by numeric id: deterministic, 80/10/10 (train/dev/test) per category, no overlap, variants kept together."""
 
 import json
 import subprocess
@@ -11,16 +11,29 @@ from rcgrpo_tasks.env.split import PrepareDataConfig, prepare, split_metrics
 from rcgrpo_tasks.ops.config import ConfigError, from_dict
 
 
-def test_split_is_720_80_without_overlap_and_deterministic():
+def test_split_is_640_80_80_without_overlap_and_deterministic():
     entries, split = prepare(PrepareDataConfig(task="multi_turn", categories=None))
-    train, test = set(split["train"]), set(split["test"])
-    assert len(train) == 720 and len(test) == 80 and not train & test
-    assert train | test == {e.id for e in entries}
-    assert {numeric_id(i) for i in train}.isdisjoint({numeric_id(i) for i in test})
+    train, dev, test = set(split["train"]), set(split["dev"]), set(split["test"])
+    assert (len(train), len(dev), len(test)) == (640, 80, 80)
+    assert not train & test and not train & dev and not dev & test
+    assert train | dev | test == {e.id for e in entries}
+    families = [{numeric_id(i) for i in side} for side in (train, dev, test)]
+    assert all(a.isdisjoint(b) for i, a in enumerate(families) for b in families[i + 1:])
+    assert sorted(families[1]) == split["dev_numeric_ids"]
     counts = split_metrics(split)["per_category"]
-    assert all(c == {"train": 180, "test": 20} for c in counts.values())
+    assert all(c == {"train": 160, "dev": 20, "test": 20} for c in counts.values())
     assert prepare(PrepareDataConfig(task="multi_turn", categories=None))[1] == split
     assert prepare(PrepareDataConfig(task="multi_turn", categories=None, seed=1))[1]["test"] != split["test"]
+
+
+def test_the_dev_split_leaves_the_held_out_side_as_it_was():
+    _, with_dev = prepare(PrepareDataConfig(task="single_turn"))
+    _, without = prepare(PrepareDataConfig(task="single_turn", dev_fraction=0.0))
+    assert with_dev["test"] == without["test"] and without["dev"] == []
+    assert set(with_dev["train"]) | set(with_dev["dev"]) == set(without["train"])
+    counts = split_metrics(with_dev)["per_category"]
+    assert counts["simple_python"]["dev"] == counts["simple_python"]["test"] == 40
+    assert counts["multiple"]["dev"] == counts["multiple"]["test"] == 20
 
 
 def test_entries_round_trip_json():
@@ -32,6 +45,8 @@ def test_entries_round_trip_json():
 
 @pytest.mark.parametrize("data,needle", [
     ({"test_fraction": 1.5}, "test_fraction"),
+    ({"dev_fraction": 0.9}, "dev_fraction"),
+    ({"dev_fraction": -0.1}, "dev_fraction"),
     ({"categories": ["nope"]}, "categories"),
     ({"seed": "zero"}, "seed"),
     ({"sede": 1}, "unknown key"),

@@ -8,11 +8,14 @@
 #   3. the whole plan (`rcgrpo run-plan --jobs $JOBS`: stages side by side on the one GPU), its bundle
 #      rewritten after every stage.
 # Returns at once; `infra/gpu-host/poll.sh` waits on it and copies what exists to $OUT.
+#   4. with AFTER set: that command once the plan succeeded (e.g. the dev sweep, docs/rl.md "Chosen on dev").
 # JOBS (default 4), CHECKS (default 0: a lease-sized run spends its minutes on the pipeline; the GPU check
-# is its own call), WORK, ENV_FILE override the defaults; GPUHOST_DRYRUN=1 is infra/gpu-host/dryrun.sh's.
+# is its own call), STAGES (run-plan --stage targets, space-separated; default: the whole plan), AFTER, WORK,
+# ENV_FILE override the defaults; GPUHOST_DRYRUN=1 is infra/gpu-host/dryrun.sh's.
 set -euo pipefail
 WORK=${WORK:-/root/work}; ENV_FILE=${ENV_FILE:-/tmp/gpuhost.env}
-CHECKS=${CHECKS:-0}; JOBS=${JOBS:-4}
+CHECKS=${CHECKS:-0}; JOBS=${JOBS:-4}; STAGES=${STAGES:-}; AFTER=${AFTER:-}
+targets=""; for t in $STAGES; do targets="$targets --stage $t"; done
 src=$PWD
 rm -rf "$WORK" && mkdir -p "$WORK" && cd "$src" && tar -cf - . | tar -xf - -C "$WORK" && cd "$WORK"
 ENV_FILE=$ENV_FILE bash .gpuhost/p3/setup.sh
@@ -32,8 +35,15 @@ if [ "$CHECKS" = 1 ]; then
       --protocol paper --max-new-tokens 128 2>&1 | tail -n 30
   } > run/checks.log 2>&1
 fi
-"\${plan[@]}" --jobs $JOBS --bundle run/bundle.tar.gz
-echo \$? > run/exit_code
+"\${plan[@]}" --jobs $JOBS --bundle run/bundle.tar.gz $targets
+rc=\$?
+if [ \$rc = 0 ] && [ -n "$AFTER" ]; then
+  echo "[run-plan] after: $AFTER"
+  $AFTER > run/after.log 2>&1
+  rc=\$?
+  echo "[run-plan] after: exit \$rc"
+fi
+echo \$rc > run/exit_code
 JOB
 setsid nohup bash run/job.sh > run/log 2>&1 < /dev/null &
 echo "started in $WORK (pid $!): poll with infra/gpu-host/poll.sh"

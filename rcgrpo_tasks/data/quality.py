@@ -140,6 +140,9 @@ def build_expectations(gx, cfg: ValidateConfig, gen: GenerateConfig, protocol: s
             max_value=min(1.0, gen.success_fraction + cfg.success_tolerance)))] if balance else []),
         named("unique_trajectory_id", E.ExpectColumnValuesToBeUnique(column="trajectory_id")),
         named("no_test_leakage", E.ExpectColumnValuesToNotBeInSet(column="entry_id", value_set=sorted(split["test"]))),
+        # The dev side is what designs are chosen on: a training row of it would flatter every choice.
+        named("no_dev_leakage", E.ExpectColumnValuesToNotBeInSet(column="entry_id",
+                                                                 value_set=sorted(split.get("dev", [])))),
         # Rows of entries the split does not know (typos, another data version) are not vouched for.
         named("known_entry_id", E.ExpectColumnValuesToBeInSet(column="entry_id", value_set=sorted(split["train"]))),
     ]

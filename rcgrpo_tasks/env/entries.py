@@ -1,6 +1,7 @@
 """THE reader of prepared entries and the train/test split: every stage and command selects entries here.
 
-- `read_split(path)`: `{"train": [ids], "test": [ids]}` (prepare_data's `split.json`), disjoint sides.
+- `read_split(path)`: `{"train": [ids], "dev": [ids], "test": [ids]}` (prepare_data's `split.json`), disjoint
+  sides (a split written before the dev side existed reads as one with an empty dev side).
 - `read_entries(path)`: entries by id from prepare_data's `entries.jsonl` (None: straight from bfcl-eval).
 - `split_entries(entries, split, side, categories)`: one side of the split, in file order, every id known.
 - `select_entries(pool, ids, split, side, categories, limit)`: the CLI's selection (`rcgrpo rollout`).
@@ -15,21 +16,26 @@ from rcgrpo_tasks.env import tasks
 from rcgrpo_tasks.env.contract import Entry
 from rcgrpo_tasks.ops.inputs import InputError, read_json, read_jsonl
 
-SIDES = ("train", "test")
+SIDES = ("train", "dev", "test")
 
 
 def read_split(split_path: str | Path) -> dict[str, list[str]]:
-    """The split file: both sides lists of ids, no id on both sides."""
+    """The split file: every side a list of ids, no id on two sides."""
     path = Path(split_path)
     if not path.is_file():
         raise InputError(f"{path}: split file not found (run `dvc repro prepare_data`)")
     split = read_json(path)
+    if isinstance(split, dict) and "dev" not in split:
+        split = {**split, "dev": []}
     for key in SIDES:
         if not isinstance(split, dict) or not isinstance(split.get(key), list):
-            raise InputError(f"{path}: expected {{'train': [ids], 'test': [ids]}}, field {key!r} missing")
-    overlap = sorted(set(split["train"]) & set(split["test"]))
-    if overlap:
-        raise InputError(f"{path}: {len(overlap)} id(s) in both train and test, e.g. {overlap[:3]}")
+            raise InputError(f"{path}: expected {{'train': [ids], 'dev': [ids], 'test': [ids]}}, field {key!r} "
+                             "missing or not a list")
+    for i, a in enumerate(SIDES):
+        for b in SIDES[i + 1:]:
+            overlap = sorted(set(split[a]) & set(split[b]))
+            if overlap:
+                raise InputError(f"{path}: {len(overlap)} id(s) in both {a} and {b}, e.g. {overlap[:3]}")
     return split
 
 
@@ -65,6 +71,9 @@ def split_entries(entries_path: str | Path, split_path: str | Path, side: str,
     check_categories(categories)
     pool = read_entries(entries_path)
     ids = read_split(split_path)[side]
+    if not ids:
+        why = " (prepare_data.dev_fraction is 0, or the file predates the dev split)" if side == "dev" else ""
+        raise InputError(f"{split_path}: the {side} side is empty{why}")
     missing = [i for i in ids if i not in pool]
     if missing:
         raise InputError(f"{split_path}: {len(missing)} {side} id(s) not in {entries_path}, e.g. {missing[:3]}")

@@ -54,6 +54,7 @@ from rcgrpo_tasks.evaluation.heldout import (
 )
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
+from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.config import as_dict, load_config
 from rcgrpo_tasks.ops.outputs import write_json, write_text
 
@@ -75,7 +76,8 @@ app = typer.Typer(add_completion=False)
 def main(
     model: Path = typer.Option(..., help="model folder (prepare_model output)."),
     out: Path = typer.Option(..., help="output folder (replaced atomically)."),
-    split: Path = typer.Option(Path("data/split.json"), help="split JSON (prepare_data); side `test`."),
+    split: Path = typer.Option(Path("data/split.json"), help="split JSON (prepare_data)."),
+    side: str = typer.Option("test", help="test (held out: what is reported) | dev (what designs are chosen on)."),
     params: Path = typer.Option(Path("params.yaml"), help="params file (section `evaluate`)."),
     adapter: str = typer.Option("", help="PEFT adapter / fine-tuned folder; empty = none."),
     reward_token: str = typer.Option("", help="reward goal for every rollout, e.g. '<|high_reward|>'; empty = none."),
@@ -90,14 +92,16 @@ def main(
         prompt = load_config(PromptConfig, params, "prompt")
         tokens = load_reward_tokens(params)
         pool = read_entries(entries)
-        held_out = stratified(select_entries(pool, split=split, side="test"), cfg.limit)
+        if side not in ("test", "dev"):
+            raise InputError(f"--side must be test or dev, got {side!r}")
+        held_out = stratified(select_entries(pool, split=split, side=side), cfg.limit)
         compute = load_compute(params)
         backend = load_backend(cfg.decode.backend, model, adapter or None, **cfg.decode.backend_kwargs(compute.device))
         if guidance_of(cfg, reward_token or None):  # a model without reward tokens fails here, before any run
             reward_pair_ids(backend.tokenizer, (tokens[-1], tokens[0]))
     typer.echo(f"evaluate@{label}: decoding on {backend.describe().get('device', cfg.decode.backend)}")
     token = reward_token or None
-    settings = {"model": str(model), "adapter": adapter or None, "reward_token": token, **as_dict(cfg),
+    settings = {"model": str(model), "adapter": adapter or None, "reward_token": token, "side": side, **as_dict(cfg),
                 "prompt": as_dict(prompt), "backend_info": backend.describe()}
     run_params = {k: v for k, v in settings.items() if k != "backend_info"}
     with tracking.published_run("evaluate", run_params, outputs=(out,),
@@ -120,7 +124,7 @@ def main(
                                           **({"official": official} if official else {})})
         write_text(tmp / "report.md", report_markdown(summary, settings, official))
         _log(tmp, rows, summary, official)
-    typer.echo(f"{label}: accuracy {summary['accuracy']:.1f}% on {summary['n']} held-out entries "
+    typer.echo(f"{label}: accuracy {summary['accuracy']:.1f}% on {summary['n']} {side} entries "
                f"({prompt.protocol}); wrote {out}")
 
 

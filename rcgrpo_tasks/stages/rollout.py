@@ -2,7 +2,7 @@
 
 Reads: a model folder (`--model`, e.g. `models/base`) and an optional PEFT adapter (`--adapter`); entries
 from bfcl-eval (or `--entries data/entries.jsonl`), selected by `--ids`, `--split data/split.json
---split-name train|test`, `--categories`, `--limit`. Writes `--out` (trajectories JSONL, schema in
+--split-name train|dev|test`, `--categories`, `--limit`. Writes `--out` (trajectories JSONL, schema in
 `rcgrpo_tasks/engine/trajectory.py`), atomically: nothing is written unless every rollout finished.
 Bad input (unknown entry ids, missing model folder, malformed adapter) fails before any generation.
 The prompt (protocol, doc style, system prompt) is the pipeline's `prompt` section of `--params`
@@ -50,7 +50,7 @@ def main(
     entries: Path | None = typer.Option(None, help="entries JSONL (prepare_data); default: bfcl-eval."),
     ids: str | None = typer.Option(None, help="comma-separated entry ids."),
     split: Path | None = typer.Option(None, help="split JSON (prepare_data)."),
-    split_name: str = typer.Option("test", help="train | test"),
+    split_name: str = typer.Option("test", help="train | dev | test"),
     categories: str | None = typer.Option(None, help="comma-separated categories."),
     limit: int | None = typer.Option(None, help="at most this many entries."),
     g: int = typer.Option(1, help="rollouts per entry (a GRPO group)."),

@@ -122,10 +122,11 @@ class SftConfig:
     way; the data keep the paper's form). Acts on rows with a goal only."""
     margin_every: int = 0
     """> 0: log the teacher-forced margin (`data.margin`) every this many optimizer steps (and before the
-    first) on `margin_entries` held-out entries (`--entries`, `--split`): when the token starts to be read.
+    first) on `margin_entries` dev entries (`--entries`, `--split`; never the held-out side: the step count is
+    chosen on this curve): when the token starts to be read.
     One process only (skipped under DDP / DeepSpeed)."""
     margin_entries: int = 8
-    """Held-out entries of the margin curve (round-robin over categories)."""
+    """Dev entries of the margin curve (round-robin over categories)."""
     require_reward_token: bool = False
     """Every row must carry a reward token (RCTP) — guards against training RCTP on the SFT file."""
     bf16: bool | None = None

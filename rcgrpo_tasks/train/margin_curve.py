@@ -57,7 +57,8 @@ class MarginCurveMixin:
 
 def margin_curve(entries_path: Path, split_path: Path, n_entries: int, prompt: PromptConfig,
                  tokens: tuple[str, str], every: int, track: bool, seed: int = 0):
-    """The callback over the first `n_entries` held-out entries (round-robin over categories)."""
-    test = split_entries(entries_path, split_path, "test", None)
+    """The callback over the first `n_entries` dev entries (round-robin over categories): the curve is what
+    RCTP's step count is chosen on, so it never reads the held-out side."""
+    dev = split_entries(entries_path, split_path, "dev", None)
     return lazy_subclass(MarginCurveMixin, "transformers.TrainerCallback")(
-        stratified(test, n_entries), prompt, tokens, every, track, seed)
+        stratified(dev, n_entries), prompt, tokens, every, track, seed)
