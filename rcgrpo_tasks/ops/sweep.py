@@ -175,10 +175,15 @@ def write_sweep_bundle(out: Path, bundle: Path) -> Path:
     """`bundle` (.tar.gz): the sweep folder without its models and checkpoints (what a GPU host sends back),
     rewritten after every chain so a lease that ends mid-sweep still returns what finished."""
     heavy = {"model", "checkpoints"}
-    members = [p for p in sorted(out.rglob("*")) if p.is_file() and not heavy & set(p.relative_to(out).parts)]
+    # Chains still running stage their outputs in hidden temporary folders that vanish when published.
+    members = [p for p in sorted(out.rglob("*")) if p.is_file() and not heavy & set(p.relative_to(out).parts)
+               and not any(part.startswith(".") for part in p.relative_to(out).parts)]
     with atomic_path(bundle) as tmp, tarfile.open(tmp, "w:gz") as tar:
         for p in members:
-            tar.add(p, arcname=str(Path(out.name) / p.relative_to(out)))
+            try:
+                tar.add(p, arcname=str(Path(out.name) / p.relative_to(out)))
+            except FileNotFoundError:  # replaced between the listing and the read: the next bundle has it
+                continue
     return bundle
 
 

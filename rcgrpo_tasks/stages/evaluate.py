@@ -54,8 +54,8 @@ from rcgrpo_tasks.evaluation.heldout import (
 )
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
-from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.config import as_dict, load_config
+from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import write_json, write_text
 
 
