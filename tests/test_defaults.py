@@ -97,14 +97,14 @@ def test_every_profile_and_documented_layering_loads_into_every_stage_config():
     minutes into a run (or a lease) when that stage starts."""
     from rcgrpo_tasks.data.dataset import check_task
     from rcgrpo_tasks.env.tasks import get_task
-    from rcgrpo_tasks.ops.config import _deep_merge
+    from rcgrpo_tasks.ops.config import deep_merge
 
     base = _pristine()
     names = [n for n in config.profile_names(REPO_ROOT, set(base)) if n != config.DEFAULT_PROFILE]
     for profile in [*names, *LAYERINGS]:
         merged = base
         for layer in config.profile_layers(profile):
-            merged = _deep_merge(merged, yaml.safe_load((REPO_ROOT / "configs" / f"{layer}.yaml").read_text()))
+            merged = deep_merge(merged, yaml.safe_load((REPO_ROOT / "configs" / f"{layer}.yaml").read_text()))
         for section, cls in SECTIONS.items():
             cfg = config.from_dict(cls, merged[section], f"{profile}:{section}")
             if cls is SftConfig:
@@ -117,12 +117,12 @@ def test_every_profile_and_documented_layering_loads_into_every_stage_config():
 def test_the_lease_profile_is_the_single_turn_task_on_the_gpu_profiles_device():
     """`gpu+lease` runs the task the embedded model succeeds on, with none of the multi-turn failure kinds
     that `gpu` adds, on every held-out entry, and RL at more steps and groups than the CPU default."""
-    from rcgrpo_tasks.ops.config import _deep_merge
+    from rcgrpo_tasks.ops.config import deep_merge
 
     base = _pristine()
     merged = base
     for layer in ("gpu", "lease"):
-        merged = _deep_merge(merged, yaml.safe_load((REPO_ROOT / "configs" / f"{layer}.yaml").read_text()))
+        merged = deep_merge(merged, yaml.safe_load((REPO_ROOT / "configs" / f"{layer}.yaml").read_text()))
     assert merged["prepare_data"]["task"] == "single_turn" and merged["compute"]["device"] == "auto"
     assert merged["evaluate"]["limit"] is None and merged["controllability"]["margin_entries"] is None
     mix = merged["generate_trajectories"]["failure_mix"]

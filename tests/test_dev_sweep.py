@@ -1,4 +1,4 @@
-"""The dev sweep (ops.sweep): its spec is checked before anything runs, candidates are params files the stages
+"""The dev sweep (ops.sweep runs it, evaluation.design judges it): its spec is checked before anything runs, candidates are params files the stages
 load, every evaluation reads the dev side, and the design table is built from the report stage's own JSON."""
 
 import json
@@ -6,6 +6,7 @@ import json
 import pytest
 import yaml
 
+from rcgrpo_tasks.evaluation import design
 from rcgrpo_tasks.ops import sweep
 from rcgrpo_tasks.ops.config import ConfigError
 
@@ -53,9 +54,9 @@ def test_commands_are_the_stages_own_and_evaluate_reads_the_dev_side(tmp_path):
     rl = sweep.rl_command(tmp_path / "p.yaml", "rctp-rc_grpo", tmp_path / "c")
     assert rl[:2] == ["rcgrpo", "rl"] and rl[rl.index("--algo") + 1] == "rc_grpo"
     assert rl[rl.index("--adapter-dir") + 1] == "models/sft/rctp"
-    ev = sweep.evaluate_command(tmp_path / "p.yaml", "m", "", sweep.cell_token("rctp-grpo"), tmp_path / "e", "x")
-    assert ev[ev.index("--side") + 1] == "dev" and ev[ev.index("--reward-token") + 1] == "<|high_reward|>"
-    assert sweep.cell_token("sft-grpo") == "" and sweep.cell_token("sft-rc_grpo") == "<|high_reward|>"
+    ev = sweep.evaluate_command(tmp_path / "p.yaml", "m", "", sweep.cell_token("rctp-grpo", "<|h|>"), tmp_path / "e", "x")
+    assert ev[ev.index("--side") + 1] == "dev" and ev[ev.index("--reward-token") + 1] == "<|h|>"
+    assert sweep.cell_token("sft-grpo", "<|h|>") == "" and sweep.cell_token("sft-rc_grpo", "<|h|>") == "<|h|>"
 
 
 def test_the_design_table_reads_each_candidate_s_report(tmp_path):
@@ -69,11 +70,11 @@ def test_the_design_table_reads_each_candidate_s_report(tmp_path):
         {"rows": {"rctp-grpo": row, "rctp-rc_grpo": row}, "rc_grpo_vs_grpo": {"rctp": {"zero_std_paired": zero}}}))
     (tmp_path / "timings.json").write_text(json.dumps({"a/rctp-grpo": {"status": "ok", "seconds": 12.0},
                                                        "b/rctp-grpo": {"status": "failed (exit 2)", "seconds": 3.0}}))
-    rows = sweep.design_rows(tmp_path, spec)
+    rows = design.design_rows(tmp_path, spec)
     assert [(r["candidate"], r["cell"]) for r in rows] == [("a", "rctp-grpo"), ("a", "rctp-rc_grpo"),
                                                            ("b", "rctp-grpo"), ("b", "rctp-rc_grpo")]
     assert rows[1]["rc_grpo_vs_grpo_zero_std"] == zero and rows[0]["rc_grpo_vs_grpo_zero_std"] is None
-    md = sweep.design_markdown(rows)
+    md = design.design_markdown(rows)
     assert "| a | rctp-grpo | 25.0 (n=60) | +5.0 [+1.7, +8.3] | +0.250 [+0.100, +0.400] |  | 12 | ok |" in md
     assert "0.28 vs 0.47 over 40 groups (1 vs 9, p = 0.021)" in md
     assert "| b | rctp-grpo | n/a | n/a | n/a |  | 3 | failed (exit 2) |" in md
@@ -90,3 +91,32 @@ def test_a_failing_chain_stops_there_and_is_recorded(tmp_path):
     rc, secs = sweep.run_chain([ok, bad, never], tmp_path / "log", dict(os.environ))
     assert rc == 3 and secs >= 0 and "one" in (tmp_path / "log").read_text()
     assert not (tmp_path / "never").exists()
+
+
+def _eval(folder, correct: dict):
+    folder.mkdir(parents=True)
+    (folder / "results.jsonl").write_text("".join(
+        json.dumps({"id": i, "valid": bool(v), "category": "simple_python", "task": "single_turn"}) + "\n"
+        for i, v in correct.items()))
+
+
+def test_replicates_pool_per_entry_and_compare_paired_with_the_init_and_the_default(tmp_path):
+    """Two runs of one spec: a candidate's dev entries are averaged over cells x runs, then compared with the
+    init and the default entry by entry; the spread says how far the runs are apart."""
+    ids = [f"simple_python_{i}" for i in range(10)]
+    spec = sweep.Spec(("rctp-grpo", "rctp-rc_grpo"), {}, {"default": {}, "other": {}})
+    for run, default_right in (("A", 4), ("B", 2)):
+        _eval(tmp_path / run / "init" / "rctp", {i: k < 5 for k, i in enumerate(ids)})
+        for cell in spec.cells:
+            _eval(tmp_path / run / "default" / cell / "eval", {i: k < default_right for k, i in enumerate(ids)})
+            _eval(tmp_path / run / "other" / cell / "eval", {i: k < 5 for k, i in enumerate(ids)})
+    rows = {r["candidate"]: r for r in design.pooled_rows([tmp_path / "A", tmp_path / "B"], spec)}
+    assert rows["default"]["runs"] == 4 and rows["default"]["dev_accuracy"] == pytest.approx(30.0)
+    assert rows["default"]["spread"] == pytest.approx(20.0) and "vs_baseline" not in rows["default"]
+    assert rows["default"]["vs_init"]["diff"] == pytest.approx(-20.0) and rows["default"]["vs_init"]["n"] == 10
+    assert rows["other"]["vs_init"]["diff"] == pytest.approx(0.0) and rows["other"]["spread"] == 0.0
+    assert rows["other"]["vs_baseline"]["diff"] == pytest.approx(20.0)
+    lo, hi = rows["other"]["vs_baseline"]["ci"]
+    assert 0.0 <= lo < 20.0 < hi
+    md = design.pooled_markdown(list(rows.values()), "default")
+    assert "| other | 4 | 50.0 | 0.0 | +0.0 [+0.0, +0.0] | +20.0 [" in md

@@ -71,6 +71,20 @@ def test_evaluate_end_to_end(workdir, tiny_model_dir):
     assert {"per_entry.json", "report.md", "accuracy.png", "metrics.json"} <= names
 
 
+def test_side_dev_scores_the_dev_entries_and_an_unknown_side_fails(workdir, tiny_model_dir):
+    """The dev sweep scores candidates on the dev side; nothing else changes."""
+    dev_ids = [f"multi_turn_{c}_{i}" for c in multi_turn.CATEGORIES for i in (5,)]
+    split = json.loads((workdir / "split.json").read_text())
+    (workdir / "split.json").write_text(json.dumps({**split, "dev": dev_ids}))
+    res = _invoke(workdir, tiny_model_dir, "--side", "dev")
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in (workdir / "out" / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == sorted(dev_ids)
+    assert json.loads((workdir / "out" / "metrics.json").read_text())["settings"]["side"] == "dev"
+    res = _invoke(workdir, tiny_model_dir, "--side", "train")
+    assert res.exit_code != 0 and "--side must be test or dev" in res.output
+
+
 @pytest.mark.parametrize("case", ["unknown_id", "missing_model", "bad_adapter", "bad_params"])
 def test_bad_input_fails_clearly_without_outputs(workdir, tiny_model_dir, case):
     model, extra = tiny_model_dir, []

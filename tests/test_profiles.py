@@ -143,7 +143,7 @@ def test_multi_turn_profiles_switch_every_task_key():
     from rcgrpo_tasks.env.prompt import PromptConfig
     from rcgrpo_tasks.env.split import PrepareDataConfig
     from rcgrpo_tasks.env.tasks import get_task
-    from rcgrpo_tasks.ops.config import _deep_merge
+    from rcgrpo_tasks.ops.config import deep_merge
 
     root = Path(__file__).resolve().parents[1]
     base = yaml.safe_load((root / "params.yaml").read_text())
@@ -151,10 +151,10 @@ def test_multi_turn_profiles_switch_every_task_key():
     assert base["prepare_data"]["task"] == "single_turn" and multi["prepare_data"]["task"] == "multi_turn"
     for name in ("gpu", "paper"):
         overlay = yaml.safe_load((root / "configs" / f"{name}.yaml").read_text())
-        alone, layered = _deep_merge(base, overlay), _deep_merge(_deep_merge(base, multi), overlay)
+        alone, layered = deep_merge(base, overlay), deep_merge(deep_merge(base, multi), overlay)
         assert alone == layered, [(s, k) for s in layered for k in layered[s] if alone[s].get(k) != layered[s].get(k)]
     for name in config.profile_names(root, set(base)):
-        merged = base if name == config.DEFAULT_PROFILE else _deep_merge(
+        merged = base if name == config.DEFAULT_PROFILE else deep_merge(
             base, yaml.safe_load((root / "configs" / f"{name}.yaml").read_text()))
         prep = config.from_dict(PrepareDataConfig, merged["prepare_data"], f"{name}:prepare_data")
         # a profile layered over the single-turn default inherits its failure kinds unless it zeroes them

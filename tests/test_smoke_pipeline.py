@@ -6,7 +6,8 @@ are zeros: what is checked is that the stages run, in order, on either task, and
 Each task runs the chain to its RC-GRPO cell's evaluation plus the controllability check (12 of the 27
 stages: data, GX gate, labels, both fine-tunes, on-policy samples, rl@rctp-rc_grpo, evaluate; each stage a
 process that imports torch, TRL and PEFT), which holds every task-specific path; the two chains run side by
-side. The rest of the grid is the same code on other inputs, and the report is tested on built inputs
+side. On the single-turn chain's outputs `rcgrpo dev-sweep` then runs one candidate (rl, evaluate on dev,
+report). The rest of the grid is the same code on other inputs, and the report is tested on built inputs
 (test_report.py). The whole pipeline on the real model: `dvc repro` of the default (docs/rl.md "Measured").
 """
 
@@ -45,6 +46,30 @@ def test_the_stages_run_on_the_smoke_profile_of_each_task(tmp_path, tiny_model_d
         stdout, stderr = ((repo.parent / name).read_text() for name in ("stdout", "stderr"))
         assert proc.returncode == 0, f"{task}: " + stdout[-4000:] + stderr[-4000:]
         _check(repo, stdout, task)
+    _check_dev_sweep(*runs["single_turn"][:1], tmp_path / "single_turn")
+
+
+def _check_dev_sweep(repo: Path, root: Path) -> None:
+    """`rcgrpo dev-sweep` on the pipeline's own inits: the rl stage's command, then evaluate on the DEV side,
+    the report and the design table; `--pool` reads the finished sweep back."""
+    spec = root / "spec.yaml"
+    spec.write_text("cells: [rctp-rc_grpo]\ncommon: {evaluate: {margin: false}}\ncandidates: {default: {}}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_", "RCGRPO_"))}
+    env.update({"PATH": f"{BIN}{os.pathsep}{env['PATH']}", "MLFLOW_TRACKING_URI": f"sqlite:///{root}/mlflow.db",
+                "RCGRPO_CPU_BF16": "0"})
+    run = subprocess.run([str(BIN / "rcgrpo"), "dev-sweep", "--spec", str(spec), "--out", "sweeps/t", "--bundle",
+                          "sweeps/t.tar.gz"], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    design = json.loads((repo / "sweeps" / "t" / "design.json").read_text())
+    assert [(r["candidate"], r["cell"], r["status"]) for r in design] == [("default", "rctp-rc_grpo", "ok")]
+    dev = set(json.loads((repo / "data" / "split.json").read_text())["dev"])
+    for folder in ("sweeps/t/default/rctp-rc_grpo/eval", "sweeps/t/init/rctp"):
+        ids = [json.loads(line)["id"] for line in (repo / folder / "results.jsonl").read_text().splitlines()]
+        assert ids and set(ids) <= dev, folder
+    assert design[0]["n_dev"] == len(ids) and design[0]["vs_init"]["n"] == len(ids)
+    pooled = subprocess.run([str(BIN / "rcgrpo"), "dev-sweep", "--spec", str(spec), "--out", "sweeps/p", "--pool",
+                             "sweeps/t"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert pooled.returncode == 0 and "| default | 1 |" in pooled.stdout, pooled.stdout + pooled.stderr
 
 
 def _start(root: Path, tiny_model_dir: Path, profile: str) -> tuple[Path, subprocess.Popen]:

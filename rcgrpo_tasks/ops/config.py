@@ -45,11 +45,12 @@ class ParamsChanged(OutputError):
     An OutputError, so the `rcgrpo` entry point prints one line and exits 2."""
 
 
-def _deep_merge(base: dict, over: dict) -> dict:
+def deep_merge(base: dict, over: dict) -> dict:
+    """`base` with `over` merged in key by key: nested mappings merge, anything else in `over` wins (neither is changed)."""
     out = dict(base)
     for key, value in over.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = value
     return out
@@ -252,7 +253,7 @@ def apply_profile(base: str | Path | None, profile: str, out: str | Path, root: 
         unknown = sorted(set(overlay) - set(params))
         if unknown:
             raise ConfigError(f"{overlay_path}: section(s) {unknown} are not in {origin}; sections: {sorted(params)}")
-        merged = _deep_merge(merged, overlay)
+        merged = deep_merge(merged, overlay)
     header = f"{GENERATED}{profile}` from {origin} + {' + '.join(map(str, paths))}. Edit those instead.\n"
     if origin == str(out):  # about to replace a hand-written file: keep it as the pristine base
         write_text(pristine_copy(out), text)

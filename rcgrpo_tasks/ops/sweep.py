@@ -1,4 +1,4 @@
-"""Design choices on the dev split: RL's levers tried side by side, each judged on dev entries only.
+"""Running a dev sweep: RL's levers tried side by side through the stages' own commands.
 
 A sweep spec (YAML, e.g. `configs/sweeps/rl-dev.yaml`):
 
@@ -13,14 +13,12 @@ and then its own overrides deep-merged, written to `<out>/<candidate>/params.yam
 stages themselves (unknown keys fail before anything runs). Per candidate and cell the `rl` stage's own
 command trains from the pipeline's init model (`models/sft/<init>`, the pool in `data/policy`), and the
 `evaluate` stage's command scores the result on the DEV side (`--side dev`); each init is evaluated on dev
-once. Then the `report` stage's command builds the candidate's tables (dev accuracy vs init paired over dev
-entries, the fixed probe's change, zero-variance groups of RC-GRPO vs GRPO paired group by group) and
-`design_rows` gathers one row per (candidate, cell) with its wall seconds.
+once; then the `report` stage's command builds each candidate's tables. Judging them is
+`evaluation.design` (the design table, pooled replicates). Nothing here reads the held-out side.
 
-Why by hand: no library here sweeps DVC stage commands over params files and pairs their results (DVC
-experiments queue `dvc exp run`, which needs DVC and a git workspace the GPU host has not; Prefect would
-sequence the same commands). Commands are the stages' own, so a sweep cannot train or score differently from
-the pipeline. Nothing here reads the held-out side.
+Why by hand: no library here sweeps DVC stage commands over params files (DVC's experiments queue runs
+`dvc exp run`, which needs DVC and a git workspace a GPU host has not; Prefect would sequence the same
+commands). The commands are the stages' own, so a sweep cannot train or score differently from the pipeline.
 """
 
 from __future__ import annotations
@@ -36,12 +34,10 @@ from pathlib import Path
 
 import yaml
 
-from rcgrpo_tasks.ops.config import ConfigError, _deep_merge, read_params
-from rcgrpo_tasks.ops.inputs import read_json
+from rcgrpo_tasks.ops.config import ConfigError, deep_merge, read_params
 from rcgrpo_tasks.ops.outputs import atomic_path, write_text
 from rcgrpo_tasks.ops.plan_runner import stage_env
 
-HIGH = "<|high_reward|>"
 INITS = ("sft", "rctp")
 ALGOS = ("grpo", "rc_grpo", "dynamic")
 
@@ -79,14 +75,14 @@ def candidate_params(base: dict, spec: Spec, name: str, where: Path) -> dict:
         unknown = sorted(set(over) - set(base))
         if unknown:
             raise ConfigError(f"{where}: {label}: section(s) {unknown} are not in params.yaml")
-    return _deep_merge(_deep_merge(base, spec.common), spec.candidates[name])
+    return deep_merge(deep_merge(base, spec.common), spec.candidates[name])
 
 
-def cell_token(cell: str) -> str:
+def cell_token(cell: str, high: str) -> str:
     """The reward goal a cell is evaluated under (as dvc.yaml's evaluate items): every RCTP-based or
     RC-GRPO model under the high token, the SFT model's GRPO cells under none."""
     init, _, algo = cell.partition("-")
-    return HIGH if init == "rctp" or algo == "rc_grpo" else ""
+    return high if init == "rctp" or algo == "rc_grpo" else ""
 
 
 def rl_command(params: Path, cell: str, out: Path) -> list[str]:
@@ -125,52 +121,6 @@ def run_chain(commands: list[list[str]], log: Path, env: dict[str, str]) -> tupl
     return 0, time.monotonic() - start
 
 
-def design_rows(out: Path, spec: Spec) -> list[dict]:
-    """One row per (candidate, cell) from the candidates' report.json and the chains' timings."""
-    timings = read_json(out / "timings.json") if (out / "timings.json").is_file() else {}
-    rows = []
-    for name in spec.candidates:
-        report = out / name / "report.json"
-        got = read_json(report) if report.is_file() else {}
-        contrast = got.get("rc_grpo_vs_grpo") or {}
-        for cell in spec.cells:
-            row = (got.get("rows") or {}).get(cell) or {}
-            probe = (row.get("rl_probe") or {}).get("change") or {}
-            zero = (contrast.get(cell.partition("-")[0]) or {}).get("zero_std_paired") if cell.endswith("rc_grpo") else None
-            rows.append({"candidate": name, "cell": cell, "overrides": spec.candidates[name],
-                         "dev_accuracy": (row.get("overall") or {}).get("accuracy"), "n_dev": row.get("n"),
-                         "vs_init": row.get("vs_init"), "probe_change": probe or None,
-                         "rc_grpo_vs_grpo_zero_std": zero or None,
-                         "seconds": (timings.get(f"{name}/{cell}") or {}).get("seconds"),
-                         "status": (timings.get(f"{name}/{cell}") or {}).get("status", "not run")})
-    return rows
-
-
-def design_markdown(rows: list[dict]) -> str:
-    """The design table: candidate, cell, dev accuracy, vs init (paired over dev entries), probe change."""
-    def ci(d: dict | None, key: str, spec: str) -> str:
-        if not d or d.get(key) is None:
-            return "n/a"
-        lo, hi = d["ci"] if "ci" in d else (d["ci_low"], d["ci_high"])
-        return f"{d[key]:{spec}} [{lo:{spec}}, {hi:{spec}}]"
-
-    def zero(z: dict | None) -> str:
-        if not z:
-            return ""
-        return (f"{z['rc_grpo']:.2f} vs {z['grpo']:.2f} over {z['groups']} groups "
-                f"({z['only_rc_grpo']} vs {z['only_grpo']}, p = {z['mcnemar_p']:.2g})")
-
-    lines = ["| candidate | cell | dev accuracy % | vs init (pts, paired) | probe change (paired) | zero-variance "
-             "RC-GRPO vs GRPO (paired) | wall s | status |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        acc = "n/a" if r["dev_accuracy"] is None else f"{r['dev_accuracy']:.1f} (n={r['n_dev']})"
-        secs = "n/a" if r["seconds"] is None else f"{r['seconds']:.0f}"
-        lines.append(f"| {r['candidate']} | {r['cell']} | {acc} | {ci(r['vs_init'], 'diff', '+.1f')} | "
-                     f"{ci(r['probe_change'], 'mean', '+.3f')} | {zero(r['rc_grpo_vs_grpo_zero_std'])} | {secs} | "
-                     f"{r['status']} |")
-    return "\n".join(lines) + "\n"
-
-
 def write_sweep_bundle(out: Path, bundle: Path) -> Path:
     """`bundle` (.tar.gz): the sweep folder without its models and checkpoints (what a GPU host sends back),
     rewritten after every chain so a lease that ends mid-sweep still returns what finished."""
@@ -188,9 +138,10 @@ def write_sweep_bundle(out: Path, bundle: Path) -> Path:
 
 
 def run_sweep(spec_path: Path, out: Path, params_path: Path, jobs: int = 1, only: list[str] | None = None,
-              bundle: Path | None = None) -> list[dict]:
-    """Every candidate x cell (rl, then evaluate on dev), `jobs` chains side by side; each init evaluated on
-    dev once first; then each candidate's report and the design table (`design.md`, `design.json`)."""
+              bundle: Path | None = None) -> tuple[Spec, list[str]]:
+    """Every candidate x cell (rl, then evaluate on dev), `jobs` chains side by side, each init evaluated on
+    dev beside them; then each candidate's report. Returns the spec and the candidates run; `timings.json`
+    records each chain's status and seconds."""
     spec = read_spec(spec_path)
     names = [n for n in spec.candidates if not only or n in only]
     base = read_params(params_path)
@@ -201,23 +152,24 @@ def run_sweep(spec_path: Path, out: Path, params_path: Path, jobs: int = 1, only
         write_text(files[name], yaml.safe_dump(candidate_params(base, spec, name, spec_path), sort_keys=False))
     inits = {c.partition("-")[0] for c in spec.cells}
     init_dir, init_params = out / "init", out / "init" / "params.yaml"
-    write_text(init_params, yaml.safe_dump(_deep_merge(base, spec.common), sort_keys=False))
+    write_text(init_params, yaml.safe_dump(deep_merge(base, spec.common), sort_keys=False))
     env = stage_env(jobs=jobs)
+    high = base["label_rewards"]["tokens"][-1]  # the highest level, as label_rewards orders them
     timings: dict[str, dict] = {}
 
     def record(key: str, rc: int, secs: float) -> None:
         timings[key] = {"status": "ok" if rc == 0 else f"failed (exit {rc})", "seconds": round(secs, 1)}
-        write_text(out / "timings.json", _json(timings))
+        write_text(out / "timings.json", json_text(timings))
         if bundle is not None:
             write_sweep_bundle(out, bundle)
 
     chains = {f"init/{i}": [evaluate_command(init_params, "models/base", f"models/sft/{i}",
-                                             HIGH if i == "rctp" else "", init_dir / i, i)] for i in sorted(inits)}
+                                             high if i == "rctp" else "", init_dir / i, i)] for i in sorted(inits)}
     for name in names:
         for cell in spec.cells:
             folder = out / name / cell
             chains[f"{name}/{cell}"] = [rl_command(files[name], cell, folder),
-                                        evaluate_command(files[name], str(folder / "model"), "", cell_token(cell),
+                                        evaluate_command(files[name], str(folder / "model"), "", cell_token(cell, high),
                                                          folder / "eval", cell)]
     with futures.ThreadPoolExecutor(max_workers=jobs) as pool:
         running = {pool.submit(run_chain, cmds, out / "logs" / f"{key.replace('/', '__')}.log", env): key
@@ -229,13 +181,9 @@ def run_sweep(spec_path: Path, out: Path, params_path: Path, jobs: int = 1, only
             rc, secs = run_chain([report_command(out / name, spec.cells, inits, init_dir)],
                                  out / "logs" / f"{name}__report.log", env)
             record(f"{name}/report", rc, secs)
-    rows = [r for r in design_rows(out, spec) if r["candidate"] in names]
-    write_text(out / "design.json", _json(rows))
-    write_text(out / "design.md", design_markdown(rows))
-    if bundle is not None:
-        write_sweep_bundle(out, bundle)
-    return rows
+    return spec, names
 
 
-def _json(obj) -> str:
+def json_text(obj) -> str:
+    """`obj` as indented JSON with a final newline (the sweep's files)."""
     return json.dumps(obj, indent=1) + "\n"

@@ -1,0 +1,113 @@
+"""Judging a dev sweep (`ops.sweep` ran it): the design table and replicates pooled, on dev entries only.
+
+- `design_rows`: one row per (candidate, cell) from the candidate's `report.json` (the report stage's own:
+  dev accuracy vs the init paired over entries, the fixed probe's change, zero-variance groups of RC-GRPO vs
+  GRPO paired group by group) and the chains' wall seconds;
+- `pooled_rows`: replicate sweeps of one spec pooled per candidate, paired over dev entries against the init
+  and the `default` candidate, with the spread between runs (a GPU run does not repeat itself bit for bit).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rcgrpo_tasks.evaluation.results_table import load_eval
+from rcgrpo_tasks.ops.inputs import read_json
+from rcgrpo_tasks.ops.stats import paired_bootstrap_ci
+from rcgrpo_tasks.ops.sweep import Spec
+
+
+def design_rows(out: Path, spec: Spec) -> list[dict]:
+    """One row per (candidate, cell) from the candidates' report.json and the chains' timings."""
+    timings = read_json(out / "timings.json") if (out / "timings.json").is_file() else {}
+    rows = []
+    for name in spec.candidates:
+        report = out / name / "report.json"
+        got = read_json(report) if report.is_file() else {}
+        contrast = got.get("rc_grpo_vs_grpo") or {}
+        for cell in spec.cells:
+            row = (got.get("rows") or {}).get(cell) or {}
+            probe = (row.get("rl_probe") or {}).get("change") or {}
+            zero = (contrast.get(cell.partition("-")[0]) or {}).get("zero_std_paired") if cell.endswith("rc_grpo") else None
+            rows.append({"candidate": name, "cell": cell, "overrides": spec.candidates[name],
+                         "dev_accuracy": (row.get("overall") or {}).get("accuracy"), "n_dev": row.get("n"),
+                         "vs_init": row.get("vs_init"), "probe_change": probe or None,
+                         "rc_grpo_vs_grpo_zero_std": zero or None,
+                         "seconds": (timings.get(f"{name}/{cell}") or {}).get("seconds"),
+                         "status": (timings.get(f"{name}/{cell}") or {}).get("status", "not run")})
+    return rows
+
+
+def design_markdown(rows: list[dict]) -> str:
+    """The design table: candidate, cell, dev accuracy, vs init (paired over dev entries), probe change."""
+    def ci(d: dict | None, key: str, spec: str) -> str:
+        if not d or d.get(key) is None:
+            return "n/a"
+        lo, hi = d["ci"] if "ci" in d else (d["ci_low"], d["ci_high"])
+        return f"{d[key]:{spec}} [{lo:{spec}}, {hi:{spec}}]"
+
+    def zero(z: dict | None) -> str:
+        if not z:
+            return ""
+        return (f"{z['rc_grpo']:.2f} vs {z['grpo']:.2f} over {z['groups']} groups "
+                f"({z['only_rc_grpo']} vs {z['only_grpo']}, p = {z['mcnemar_p']:.2g})")
+
+    lines = ["| candidate | cell | dev accuracy % | vs init (pts, paired) | probe change (paired) | zero-variance "
+             "RC-GRPO vs GRPO (paired) | wall s | status |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        acc = "n/a" if r["dev_accuracy"] is None else f"{r['dev_accuracy']:.1f} (n={r['n_dev']})"
+        secs = "n/a" if r["seconds"] is None else f"{r['seconds']:.0f}"
+        lines.append(f"| {r['candidate']} | {r['cell']} | {acc} | {ci(r['vs_init'], 'diff', '+.1f')} | "
+                     f"{ci(r['probe_change'], 'mean', '+.3f')} | {zero(r['rc_grpo_vs_grpo_zero_std'])} | {secs} | "
+                     f"{r['status']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _dev_correct(folder: Path) -> dict[str, float]:
+    return {e["entry_id"]: float(e["correct"]) for e in load_eval(folder.name, folder).entries}
+
+
+def pooled_rows(replicates: list[Path], spec: Spec, baseline: str = "default", seed: int = 0) -> list[dict]:
+    """Per candidate, pooled over its cells and the replicate sweeps (the same spec run again; a GPU run does
+    not repeat itself bit for bit): each dev entry's mean correctness over cells x replicates, minus the
+    baseline candidate's and minus the init's, paired over dev entries (95 % bootstrap CI), and the spread
+    of the cells' `vs init` between replicates (how far one run is from another)."""
+    def pooled(name: str) -> tuple[dict[str, float], list[float]]:
+        runs = [_dev_correct(r / name / c / "eval") for r in replicates for c in spec.cells
+                if (r / name / c / "eval" / "results.jsonl").is_file()]
+        if not runs:
+            return {}, []
+        ids = sorted(set.intersection(*(set(x) for x in runs)))
+        return {i: sum(x[i] for x in runs) / len(runs) for i in ids}, [100 * sum(x.values()) / len(x) for x in runs]
+
+    inits = {c.partition("-")[0] for c in spec.cells}
+    init = [_dev_correct(r / "init" / i) for r in replicates for i in sorted(inits) if (r / "init" / i).is_dir()]
+    init_mean = {k: sum(x[k] for x in init) / len(init) for k in set.intersection(*(set(x) for x in init))} if init else {}
+    base, _ = pooled(baseline)
+    rows = []
+    for name in spec.candidates:
+        mine, accs = pooled(name)
+        if not mine:
+            continue
+        row = {"candidate": name, "runs": len(accs), "dev_accuracy": sum(accs) / len(accs),
+               "spread": max(accs) - min(accs)}
+        for key, other in (("vs_init", init_mean), ("vs_baseline", base if name != baseline else {})):
+            common = sorted(set(mine) & set(other))
+            if common:
+                d, lo, hi = paired_bootstrap_ci([mine[i] for i in common], [other[i] for i in common], seed=seed)
+                row[key] = {"diff": 100 * d, "ci": [100 * lo, 100 * hi], "n": len(common)}
+        rows.append(row)
+    return rows
+
+
+def pooled_markdown(rows: list[dict], baseline: str) -> str:
+    def ci(d: dict | None) -> str:
+        return "n/a" if not d else f"{d['diff']:+.1f} [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}]"
+
+    lines = [f"| candidate | cell runs | dev accuracy % (mean) | spread between runs (pts) | vs init (pts, paired "
+             f"over dev entries) | vs {baseline} (pts, paired) |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['candidate']} | {r['runs']} | {r['dev_accuracy']:.1f} | {r['spread']:.1f} | {ci(r.get('vs_init'))} "
+              f"| {ci(r.get('vs_baseline'))} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
