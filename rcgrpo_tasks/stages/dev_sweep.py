@@ -6,8 +6,9 @@ scores each result on the DEV side with the `evaluate` stage's command, builds e
 the `report` stage's command and writes the design table (`<out>/design.md`, `design.json`: dev accuracy
 vs init paired over dev entries, the fixed probe's change, zero-variance groups of RC-GRPO vs GRPO paired
 group by group, wall seconds). `--jobs N` runs N chains side by side (a GPU holds several); `--bundle`
-rewrites a .tar.gz of the results (no models) after every chain. Library: `ops.sweep` (running), `evaluation.design` (judging). The held-out side
-is never read: the design chosen here is reported on it by the pipeline. docs/rl.md "Chosen on dev".
+rewrites a .tar.gz of the results (no models) after every chain. Library: `ops.sweep` (running) and
+`evaluation.design` (judging). The held-out side is never read: the design chosen here is reported on it by
+the pipeline. docs/rl.md "Chosen on dev".
 
 `--pool DIR --pool DIR ...` runs nothing: it pools finished sweeps of the same spec (replicates) into one
 table per candidate (`<out>/pooled.md`): dev accuracy over cells x runs, the spread between runs, and the
