@@ -111,6 +111,7 @@ def test_replicates_pool_per_entry_and_compare_paired_with_the_init_and_the_defa
             _eval(tmp_path / run / "default" / cell / "eval", {i: k < default_right for k, i in enumerate(ids)})
             _eval(tmp_path / run / "other" / cell / "eval", {i: k < 5 for k, i in enumerate(ids)})
     rows = {r["candidate"]: r for r in design.pooled_rows([tmp_path / "A", tmp_path / "B"], spec)}
+    assert "spread over cell runs" in design.pooled_markdown(list(rows.values()), "default")
     assert rows["default"]["runs"] == 4 and rows["default"]["dev_accuracy"] == pytest.approx(30.0)
     assert rows["default"]["spread"] == pytest.approx(20.0) and "vs_baseline" not in rows["default"]
     assert rows["default"]["vs_init"]["diff"] == pytest.approx(-20.0) and rows["default"]["vs_init"]["n"] == 10

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU host: wait up to SECONDS (default 540, inside one device call's 10 minutes) for the run that
 # start-run.sh began, returning early when it ends; print the end of its log; copy the bundle, the log, the
-# checks' output and AFTER's (its log, run/sweep.tar.gz when it writes one) to $OUT (the device tool brings them back). Run it back to back until run/exit_code
-# exists, so the machine is never idle long enough to be given back.
+# checks' output and AFTER's (its log, run/sweep.tar.gz when it writes one) to $OUT (the device tool brings
+# them back). Run it back to back until run/exit_code exists, so the machine is never idle long enough to be
+# given back.
 set -uo pipefail
 WORK=${WORK:-/root/work}; wait_s=${1:-540}
 end=$(( $(date +%s) + wait_s ))

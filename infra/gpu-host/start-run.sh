@@ -6,9 +6,9 @@
 #   1. `rcgrpo run-plan --stage prepare_model` (the base model the checks decode with);
 #   2. with CHECKS=1: the `gpu`-marked tests and the CUDA rollout bench (engine beside the naive loop);
 #   3. the whole plan (`rcgrpo run-plan --jobs $JOBS`: stages side by side on the one GPU), its bundle
-#      rewritten after every stage.
-# Returns at once; `infra/gpu-host/poll.sh` waits on it and copies what exists to $OUT.
+#      rewritten after every stage;
 #   4. with AFTER set: that command once the plan succeeded (e.g. the dev sweep, docs/rl.md "Chosen on dev").
+# Returns at once; `infra/gpu-host/poll.sh` waits on it and copies what exists to $OUT.
 # JOBS (default 4), CHECKS (default 0: a lease-sized run spends its minutes on the pipeline; the GPU check
 # is its own call), STAGES (run-plan --stage targets, space-separated; default: the whole plan), AFTER, WORK,
 # ENV_FILE override the defaults; GPUHOST_DRYRUN=1 is infra/gpu-host/dryrun.sh's.

@@ -142,7 +142,7 @@ def build_expectations(gx, cfg: ValidateConfig, gen: GenerateConfig, protocol: s
         named("no_test_leakage", E.ExpectColumnValuesToNotBeInSet(column="entry_id", value_set=sorted(split["test"]))),
         # The dev side is what designs are chosen on: a training row of it would flatter every choice.
         named("no_dev_leakage", E.ExpectColumnValuesToNotBeInSet(column="entry_id",
-                                                                 value_set=sorted(split.get("dev", [])))),
+                                                                 value_set=sorted(split["dev"]))),
         # Rows of entries the split does not know (typos, another data version) are not vouched for.
         named("known_entry_id", E.ExpectColumnValuesToBeInSet(column="entry_id", value_set=sorted(split["train"]))),
     ]

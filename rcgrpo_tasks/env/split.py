@@ -7,7 +7,8 @@ task's rule (`Task.split`, `env.tasks`) into train, dev and test (held out).
   it. No training stage reads it (they read the train side); 0 = no dev split;
 
 - multi_turn: by numeric id, the same numeric id on the same side in every category
-  (`env.multi_turn.entries.split_by_numeric_id`; 10% = 80 test entries and 720 train, the paper's scheme);
+  (`env.multi_turn.entries.split_by_numeric_id`; 10% = 80 test entries, the paper's scheme; with the dev
+  split 80 dev and 640 train);
 - single_turn: stratified by category, `round(n * test_fraction)` of each category held out
   (`env.single_turn.entries.split_ids`).
 """
@@ -30,8 +31,8 @@ class PrepareDataConfig:
     test_fraction: float = 0.1
     """Fraction held out (multi_turn: of numeric ids, paper: 80 of 800 entries; single_turn: of each category)."""
     dev_fraction: float = 0.1
-    """Fraction of ALL entries carved from the train side as the dev split (single_turn: 30 of each category
-    of 300; multi_turn: 20 numeric ids x 4 categories); 0 = none."""
+    """Fraction of ALL entries carved from the train side as the dev split (single_turn: 10 % of each category,
+    40 of simple_python's 400; multi_turn: 20 numeric ids x 4 categories); 0 = none."""
     seed: int = 0
     """Seed of the split; change it to draw another held-out set (the dev split draws with `seed + 1`)."""
 
@@ -80,9 +81,9 @@ def carve_dev(task, entries: list, split: dict, config: PrepareDataConfig) -> di
 def split_metrics(split: dict) -> dict:
     counts: dict[str, dict[str, int]] = {}
     for side in ("train", "dev", "test"):
-        for entry_id in split.get(side, []):
+        for entry_id in split[side]:
             counts.setdefault(tasks.task_of_id(entry_id).category_of(entry_id),
                               {"train": 0, "dev": 0, "test": 0})[side] += 1
     return {"task": split.get("task", tasks.LEGACY_TASK), "n_train": len(split["train"]),
-            "n_dev": len(split.get("dev", [])), "n_test": len(split["test"]),
+            "n_dev": len(split["dev"]), "n_test": len(split["test"]),
             "per_category": counts}

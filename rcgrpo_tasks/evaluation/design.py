@@ -38,14 +38,16 @@ def design_rows(out: Path, spec: Spec) -> list[dict]:
     return rows
 
 
+def _ci(d: dict | None, key: str, spec: str) -> str:
+    """`value [low, high]` of a paired difference (`ci`) or a probe change (`ci_low`, `ci_high`); n/a if none."""
+    if not d or d.get(key) is None:
+        return "n/a"
+    lo, hi = d["ci"] if "ci" in d else (d["ci_low"], d["ci_high"])
+    return f"{d[key]:{spec}} [{lo:{spec}}, {hi:{spec}}]"
+
+
 def design_markdown(rows: list[dict]) -> str:
     """The design table: candidate, cell, dev accuracy, vs init (paired over dev entries), probe change."""
-    def ci(d: dict | None, key: str, spec: str) -> str:
-        if not d or d.get(key) is None:
-            return "n/a"
-        lo, hi = d["ci"] if "ci" in d else (d["ci_low"], d["ci_high"])
-        return f"{d[key]:{spec}} [{lo:{spec}}, {hi:{spec}}]"
-
     def zero(z: dict | None) -> str:
         if not z:
             return ""
@@ -57,8 +59,8 @@ def design_markdown(rows: list[dict]) -> str:
     for r in rows:
         acc = "n/a" if r["dev_accuracy"] is None else f"{r['dev_accuracy']:.1f} (n={r['n_dev']})"
         secs = "n/a" if r["seconds"] is None else f"{r['seconds']:.0f}"
-        lines.append(f"| {r['candidate']} | {r['cell']} | {acc} | {ci(r['vs_init'], 'diff', '+.1f')} | "
-                     f"{ci(r['probe_change'], 'mean', '+.3f')} | {zero(r['rc_grpo_vs_grpo_zero_std'])} | {secs} | "
+        lines.append(f"| {r['candidate']} | {r['cell']} | {acc} | {_ci(r['vs_init'], 'diff', '+.1f')} | "
+                     f"{_ci(r['probe_change'], 'mean', '+.3f')} | {zero(r['rc_grpo_vs_grpo_zero_std'])} | {secs} | "
                      f"{r['status']} |")
     return "\n".join(lines) + "\n"
 
@@ -67,26 +69,31 @@ def _dev_correct(folder: Path) -> dict[str, float]:
     return {e["entry_id"]: float(e["correct"]) for e in load_eval(folder.name, folder).entries}
 
 
+def _mean_by_entry(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each entry's mean correctness over `runs`, on the entries every run scored ({} without runs)."""
+    if not runs:
+        return {}
+    ids = sorted(set.intersection(*(set(x) for x in runs)))
+    return {i: sum(x[i] for x in runs) / len(runs) for i in ids}
+
+
 def pooled_rows(replicates: list[Path], spec: Spec, baseline: str = "default", seed: int = 0) -> list[dict]:
     """Per candidate, pooled over its cells and the replicate sweeps (the same spec run again; a GPU run does
     not repeat itself bit for bit): each dev entry's mean correctness over cells x replicates, minus the
     baseline candidate's and minus the init's, paired over dev entries (95 % bootstrap CI), and the spread
-    of the cells' `vs init` between replicates (how far one run is from another)."""
-    def pooled(name: str) -> tuple[dict[str, float], list[float]]:
-        runs = [_dev_correct(r / name / c / "eval") for r in replicates for c in spec.cells
+    of its cell runs' dev accuracies (max - min over cells x replicates)."""
+    def runs(name: str) -> list[dict[str, float]]:
+        return [_dev_correct(r / name / c / "eval") for r in replicates for c in spec.cells
                 if (r / name / c / "eval" / "results.jsonl").is_file()]
-        if not runs:
-            return {}, []
-        ids = sorted(set.intersection(*(set(x) for x in runs)))
-        return {i: sum(x[i] for x in runs) / len(runs) for i in ids}, [100 * sum(x.values()) / len(x) for x in runs]
 
     inits = {c.partition("-")[0] for c in spec.cells}
-    init = [_dev_correct(r / "init" / i) for r in replicates for i in sorted(inits) if (r / "init" / i).is_dir()]
-    init_mean = {k: sum(x[k] for x in init) / len(init) for k in set.intersection(*(set(x) for x in init))} if init else {}
-    base, _ = pooled(baseline)
+    init_mean = _mean_by_entry([_dev_correct(r / "init" / i) for r in replicates for i in sorted(inits)
+                                if (r / "init" / i).is_dir()])
+    base = _mean_by_entry(runs(baseline))
     rows = []
     for name in spec.candidates:
-        mine, accs = pooled(name)
+        cell_runs = runs(name)
+        mine, accs = _mean_by_entry(cell_runs), [100 * sum(x.values()) / len(x) for x in cell_runs]
         if not mine:
             continue
         row = {"candidate": name, "runs": len(accs), "dev_accuracy": sum(accs) / len(accs),
@@ -101,13 +108,10 @@ def pooled_rows(replicates: list[Path], spec: Spec, baseline: str = "default", s
 
 
 def pooled_markdown(rows: list[dict], baseline: str) -> str:
-    def ci(d: dict | None) -> str:
-        return "n/a" if not d else f"{d['diff']:+.1f} [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}]"
-
-    lines = [f"| candidate | cell runs | dev accuracy % (mean) | spread between runs (pts) | vs init (pts, paired "
+    lines = [f"| candidate | cell runs | dev accuracy % (mean) | spread over cell runs (pts) | vs init (pts, paired "
              f"over dev entries) | vs {baseline} (pts, paired) |", "| --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['candidate']} | {r['runs']} | {r['dev_accuracy']:.1f} | {r['spread']:.1f} | {ci(r.get('vs_init'))} "
-              f"| {ci(r.get('vs_baseline'))} |" for r in rows]
+    lines += [f"| {r['candidate']} | {r['runs']} | {r['dev_accuracy']:.1f} | {r['spread']:.1f} | "
+              f"{_ci(r.get('vs_init'), 'diff', '+.1f')} | {_ci(r.get('vs_baseline'), 'diff', '+.1f')} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 

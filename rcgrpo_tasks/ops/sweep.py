@@ -24,7 +24,6 @@ commands). The commands are the stages' own, so a sweep cannot train or score di
 from __future__ import annotations
 
 import concurrent.futures as futures
-import json
 import shlex
 import subprocess
 import tarfile
@@ -35,7 +34,7 @@ from pathlib import Path
 import yaml
 
 from rcgrpo_tasks.ops.config import ConfigError, deep_merge, read_params
-from rcgrpo_tasks.ops.outputs import atomic_path, write_text
+from rcgrpo_tasks.ops.outputs import atomic_path, write_json, write_text
 from rcgrpo_tasks.ops.plan_runner import stage_env
 
 INITS = ("sft", "rctp")
@@ -159,7 +158,7 @@ def run_sweep(spec_path: Path, out: Path, params_path: Path, jobs: int = 1, only
 
     def record(key: str, rc: int, secs: float) -> None:
         timings[key] = {"status": "ok" if rc == 0 else f"failed (exit {rc})", "seconds": round(secs, 1)}
-        write_text(out / "timings.json", json_text(timings))
+        write_json(out / "timings.json", timings)
         if bundle is not None:
             write_sweep_bundle(out, bundle)
 
@@ -182,8 +181,3 @@ def run_sweep(spec_path: Path, out: Path, params_path: Path, jobs: int = 1, only
                                  out / "logs" / f"{name}__report.log", env)
             record(f"{name}/report", rc, secs)
     return spec, names
-
-
-def json_text(obj) -> str:
-    """`obj` as indented JSON with a final newline (the sweep's files)."""
-    return json.dumps(obj, indent=1) + "\n"

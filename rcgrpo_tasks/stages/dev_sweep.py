@@ -23,8 +23,8 @@ import typer
 
 from rcgrpo_tasks.evaluation.design import design_markdown, design_rows, pooled_markdown, pooled_rows
 from rcgrpo_tasks.ops.cli import cli_errors, fail
-from rcgrpo_tasks.ops.outputs import write_text
-from rcgrpo_tasks.ops.sweep import json_text, read_spec, run_sweep, write_sweep_bundle
+from rcgrpo_tasks.ops.outputs import write_json, write_text
+from rcgrpo_tasks.ops.sweep import read_spec, run_sweep, write_sweep_bundle
 
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
 
@@ -48,7 +48,7 @@ def main(
             if missing:
                 fail(f"--pool: not a folder: {missing}")
             rows = pooled_rows(list(pool), checked)
-            write_text(out / "pooled.json", json_text(rows))
+            write_json(out / "pooled.json", rows)
             write_text(out / "pooled.md", pooled_markdown(rows, "default"))
             typer.echo((out / "pooled.md").read_text())
             return
@@ -60,7 +60,7 @@ def main(
                 fail(f"{need} not found: run `dvc repro sft@rctp sample_policy` (the inits and RL's pool) first")
         ran, names = run_sweep(spec, out, params, jobs, only, bundle)
         rows = [r for r in design_rows(out, ran) if r["candidate"] in names]
-        write_text(out / "design.json", json_text(rows))
+        write_json(out / "design.json", rows)
         write_text(out / "design.md", design_markdown(rows))
         if bundle is not None:
             write_sweep_bundle(out, bundle)
