@@ -121,3 +121,13 @@ def test_replicates_pool_per_entry_and_compare_paired_with_the_init_and_the_defa
     assert 0.0 <= lo < 20.0 < hi
     md = design.pooled_markdown(list(rows.values()), "default")
     assert "| other | 4 | 50.0 | 0.0 | +0.0 [+0.0, +0.0] | +20.0 [" in md
+
+
+def test_a_candidate_with_an_unknown_section_fails_before_anything_is_written(tmp_path):
+    spec = _spec(tmp_path, {"cells": ["rctp-grpo"], "candidates": {"good": {"rl": {"max_steps": 1}},
+                                                                     "bad": {"nope": {}}}})
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"rl": {"max_steps": 10}, "label_rewards": {"tokens": ["<|l|>", "<|h|>"]}}))
+    with pytest.raises(ConfigError, match="candidates.bad"):
+        sweep.run_sweep(spec, tmp_path / "out", params)
+    assert not (tmp_path / "out").exists()

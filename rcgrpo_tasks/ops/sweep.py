@@ -144,11 +144,11 @@ def run_sweep(spec_path: Path, out: Path, params_path: Path, jobs: int = 1, only
     spec = read_spec(spec_path)
     names = [n for n in spec.candidates if not only or n in only]
     base = read_params(params_path)
+    merged = {name: candidate_params(base, spec, name, spec_path) for name in names}  # all checked before any write
     out.mkdir(parents=True, exist_ok=True)
-    files = {}
+    files = {name: out / name / "params.yaml" for name in names}
     for name in names:
-        files[name] = out / name / "params.yaml"
-        write_text(files[name], yaml.safe_dump(candidate_params(base, spec, name, spec_path), sort_keys=False))
+        write_text(files[name], yaml.safe_dump(merged[name], sort_keys=False))
     inits = {c.partition("-")[0] for c in spec.cells}
     init_dir, init_params = out / "init", out / "init" / "params.yaml"
     write_text(init_params, yaml.safe_dump(deep_merge(base, spec.common), sort_keys=False))
