@@ -1,27 +1,30 @@
-"""RL rollout phase on CPU at the `gpu` profile's shape: every group of a step in ONE engine session vs one
-session per group, side by side in one run.
+"""RL rollout phase on CPU: two ways of decoding the same step side by side in one run (`--arms A,B`).
 
-The rollout function of the rl stage hands the engine one process's share of a step: the `gpu` profile's
-8 groups x G=5 (`rl.batch_size` 40, one process). Both arms decode the SAME groups, drawn as
-`grpo_rollout.EngineRollout.group_specs` draws them (per group: its reward tokens and its own sampling
-seed), from the SAME policy: the RL LoRA on the init model (non-zero deltas), sampled from the merged rollout
-snapshot (`rollout_policy.policy_snapshot`, `--dtype`, as `rl.rollout_dtype: auto` on a bf16 CPU), refreshed
-before every phase:
-- `per group`: one `engine.run_group` after another (8 sessions of 5 rows);
-- `one session`: `engine.run_seeded_groups` (`EngineRollout.groups`): one session of 40 rows.
+The rollout function of the rl stage hands the engine one process's share of a step. Both arms decode the
+SAME groups, drawn as `grpo_rollout.EngineRollout.group_specs` draws them (per group: its reward tokens and
+its own sampling seed), from the SAME policy: the RL LoRA on the init model (non-zero deltas), sampled from
+the merged rollout snapshot (`rollout_policy.policy_snapshot`, `--dtype`, as `rl.rollout_dtype: auto` picks
+it) refreshed before every phase, or from the live PEFT model. The arms (`ARMS`):
+- `per-group`: one `engine.run_group` after another (one session per group);
+- `session`: `engine.run_seeded_groups` (`EngineRollout.groups`): one session for every group, ended rows
+  leaving the batch (what the rl stage runs on a CPU);
+- `session-full`: the same with every row in the batch until the longest answer ends;
+- `live-full`: one session from the live PEFT model, every row to the end (`rollout_dtype: live`; what the
+  float32 CPU default ran before the snapshot was taken there too).
 Entries are real BFCL entries of `--task` (multi-turn by default; `--entries`: the shortest prompts of
 `--categories`, as `rl.max_entries` picks them); the prompt is params `prompt`'s default (paper protocol).
-The CPU default's own RL shape: `--task single_turn --groups 2 --g 4 --entries 64 --max-new-tokens 64
---max-outputs 1`. Without reward
-tokens in the model's tokenizer, `--mode rc` adds them (mean init) in memory. Arms alternate per repetition
-(A B, B A, ...), each repetition a new step (new tokens and seeds, the same in both arms). Prints per
-repetition and in total: model tokens, wall and CPU seconds, model tokens/s of each arm (per wall and per
-CPU second: on a shared host the CPU-second figure moves less with the other jobs) and the ratios, and how many
-rollouts are token-identical in both arms (fp32: all; bf16: batched matmuls may round differently).
+The `gpu` profile's shape: `--groups 8 --g 5`; the CPU default's: `--task single_turn --groups 4 --g 4
+--entries 64 --max-new-tokens 64 --max-outputs 1`. Without reward tokens in the model's tokenizer, `--mode rc`
+adds them (mean init) in memory. Arms alternate per repetition (A B, B A, ...), each repetition a new step
+(new tokens and seeds, the same in both arms). Prints per repetition and in total: model tokens, wall and
+CPU seconds, model tokens/s of each arm (per wall and per CPU second: on a shared host the CPU-second figure
+moves less with the other jobs) and the ratios, and how many rollouts are token-identical in both arms
+(fp32: all but a rare rounding tie; bf16: batched matmuls may round differently).
 
-What it measures: docs/engine.md, "One session per RL step"; the runs: docs/measured.md, "Engine".
-Run: `python bench/rl_rollout.py [--model models/base --adapter ... --groups 8 --g 5 --max-new-tokens 32
---max-outputs 2 --reps 3 --dtype auto --threads N]`.
+What it measures: docs/engine.md, "One session per RL step" and "Ended rows leave the batch"; the runs:
+docs/measured.md, "Engine".
+Run: `python bench/rl_rollout.py [--arms per-group,session --model models/base --adapter ... --groups 8 --g 5
+--max-new-tokens 32 --max-outputs 2 --reps 3 --dtype auto --threads N]`.
 """
 
 from __future__ import annotations
@@ -61,17 +64,31 @@ def lora_policy(model_dir: str, adapter: str | None, cfg: grpo.RLConfig, mode: s
     return policy, tok
 
 
+ARMS = {
+    "per-group": "one `engine.run_group` per group, from the merged snapshot",
+    "session": "every group in one session (`engine.run_seeded_groups`), from the merged snapshot, ended rows "
+               "leave the batch (what the rl stage runs)",
+    "session-full": "the same, every row in the batch to the last step (`HFBackend.narrow_rows` False)",
+    "live-full": "one session, every row to the last step, from the live PEFT model (`rl.rollout_dtype: live`)",
+}
+
+
 def run_arm(name: str, rollout: grpo_rollout.EngineRollout, policy, state: dict, dtype, ids: list[str],
             step: int):
-    """(wall s, CPU s, model tokens, trajectories) of one rollout phase of `name`, snapshot refresh included."""
+    """(wall s, CPU s, model tokens, trajectories) of one rollout phase of arm `name` (`ARMS`), snapshot
+    refresh included."""
     t0, c0 = time.perf_counter(), time.process_time()
-    state["snap"] = rollout_policy.policy_snapshot(policy, dtype, state.get("snap"))
-    backend = HFBackend.from_model(state["snap"], rollout.tokenizer)
-    specs = rollout.group_specs(ids, step, list(range(len(ids))), call=0)
-    if name == "one session":
-        groups = run_seeded_groups(backend, specs, rollout.protocol)
+    if name.startswith("live"):
+        backend = HFBackend.from_model(policy, rollout.tokenizer)
     else:
+        state["snap"] = rollout_policy.policy_snapshot(policy, dtype, state.get("snap"))
+        backend = HFBackend.from_model(state["snap"], rollout.tokenizer)
+    backend.narrow_rows = not name.endswith("-full")
+    specs = rollout.group_specs(ids, step, list(range(len(ids))), call=0)
+    if name == "per-group":
         groups = [run_group(backend, e, len(t), rollout.protocol, sp, t) for e, t, sp in specs]
+    else:
+        groups = run_seeded_groups(backend, specs, rollout.protocol)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     trajs = [t for g in groups for t in g]
     return wall, cpu, sum(t.n_model_tokens for t in trajs), trajs
@@ -91,6 +108,8 @@ def parse_args():
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--max-outputs", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--arms", default="per-group,session", help="two arms, A,B (B's ratio over A): "
+                    + "; ".join(f"{k}: {v}" for k, v in ARMS.items()))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own); 1 keeps a "
@@ -123,7 +142,9 @@ def main() -> None:
     print(f"{args.task}: {args.groups} groups x G={args.g} from {len(entries)} entries (prompt tokens {min(lengths)}-{max(lengths)}), "
           f"mode {args.mode}, <= {args.max_outputs} outputs of <= {args.max_new_tokens} tokens, T={args.temperature}, "
           f"snapshot {dtype}, threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}")
-    names = ("per group", "one session")
+    names = tuple(args.arms.split(","))
+    if len(names) != 2 or not set(names) <= set(ARMS):
+        raise SystemExit(f"--arms: two of {', '.join(ARMS)}, comma-separated; got {args.arms!r}")
     totals = {n: [0.0, 0.0, 0] for n in names}
     state: dict = {}
     same = total = 0
@@ -134,15 +155,15 @@ def main() -> None:
             wall, cpu, toks, trajs = run_arm(name, rollout, policy, state, dtype, ids, step=rep)
             out[name] = trajs
             totals[name] = [a + b for a, b in zip(totals[name], (wall, cpu, toks))]
-            print(f"rep {rep} {name:>11}: {wall:7.2f} s ({cpu:7.2f} CPU-s), {toks:5d} model tokens, "
+            print(f"rep {rep} {name:>12}: {wall:7.2f} s ({cpu:7.2f} CPU-s), {toks:5d} model tokens, "
                   f"{toks / wall:7.2f} tok/s (load {os.getloadavg()[0]:.1f})", flush=True)
         same += sum(a.token_ids == b.token_ids for a, b in zip(*out.values()))
         total += len(out[names[0]])
     for name, (wall, cpu, toks) in totals.items():
-        print(f"{name:>11}: {toks / wall:7.2f} model tokens/s ({toks / cpu:6.2f} per CPU-s), "
+        print(f"{name:>12}: {toks / wall:7.2f} model tokens/s ({toks / cpu:6.2f} per CPU-s), "
               f"{wall / args.reps:7.2f} s per rollout phase")
     (aw, ac, at), (bw, bc, bt) = totals[names[0]], totals[names[1]]
-    print(f"ratio one session / per group: {(bt / bw) / (at / aw):.2f}x model tokens/s wall-clock, "
+    print(f"ratio {names[1]} / {names[0]}: {(bt / bw) / (at / aw):.2f}x model tokens/s wall-clock, "
           f"{(bt / bc) / (at / ac):.2f}x per CPU-second, {aw / bw:.2f}x faster per phase; "
           f"{same}/{total} rollouts token-identical")
 

@@ -29,6 +29,11 @@ evaluate:
 
 @pytest.fixture()
 def workdir(tmp_path, monkeypatch):
+    return make_workdir(tmp_path, monkeypatch)
+
+
+def make_workdir(tmp_path, monkeypatch):
+    """params, a held-out split of 8 multi_turn entries and a private MLflow store in `tmp_path`."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     monkeypatch.setenv("MLFLOW_ARTIFACT_ROOT", str(tmp_path / "artifacts"))
     (tmp_path / "params.yaml").write_text(PARAMS)

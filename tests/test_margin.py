@@ -8,6 +8,7 @@ import json
 
 import pytest
 from helpers import HIGH, LEVELS, LOW, chat, tiny_sft_config
+from test_evaluate import _invoke, make_workdir
 
 from rcgrpo_tasks.data import margin as mg
 from rcgrpo_tasks.env.prompt import PromptConfig
@@ -298,3 +299,16 @@ def test_divergent_loss_keeps_only_what_follows_the_parting(tiny_model_dir):
     assert sum(div[0]["assistant_masks"]) < sum(full[0]["assistant_masks"])
     with pytest.raises(ValueError, match="loss_on"):
         tokenize_rows(rows, tok, 512, loss_on="suffix")
+
+
+def test_evaluate_measures_the_margin_of_a_conditioned_model_unless_told_not_to(equal_rows_dir, tmp_path,
+                                                                                monkeypatch):
+    """`evaluate --no-margin`: the RCTP model's margin is the controllability stage's; evaluate skips it."""
+    from rcgrpo_tasks.ops.inputs import read_json
+
+    work = make_workdir(tmp_path, monkeypatch)
+    for extra, wanted in (((), True), (("--no-margin",), False)):
+        res = _invoke(work, equal_rows_dir, "--reward-token", "<|high_reward|>", *extra)
+        assert res.exit_code == 0, res.output
+        metrics = read_json(work / "out" / "metrics.json")
+        assert ("margin" in metrics) is wanted and ("token_rows" in metrics) is wanted

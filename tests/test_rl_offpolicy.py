@@ -192,3 +192,19 @@ def test_minibatches_need_entries_for_the_whole_generation():
         from_dict(grpo.RLConfig, {**TEST_RL, "minibatches": 0})
     with pytest.raises(ValueError, match="importance_sampling_cap"):
         from_dict(grpo.RLConfig, {**TEST_RL, "importance_sampling_cap": 0.5})
+
+
+def test_auto_rollout_dtype_is_a_snapshot_on_every_cpu_and_the_live_model_on_a_gpu(monkeypatch):
+    """A CPU samples from a merged copy (the live PEFT model decodes at half its speed): bf16 where native,
+    float32 elsewhere; the copy's numerics differ from the trainer's, so the correction is on. GPU: live."""
+    import torch
+
+    from rcgrpo_tasks.train.rollout_policy import rollout_dtype, sampler_differs
+
+    monkeypatch.setenv("RCGRPO_CPU_BF16", "0")
+    assert rollout_dtype("auto", "cpu") is torch.float32
+    assert sampler_differs(False, rollout_dtype("auto", "cpu"), False)
+    monkeypatch.setenv("RCGRPO_CPU_BF16", "1")
+    assert rollout_dtype("auto", "cpu") is torch.bfloat16
+    assert rollout_dtype("auto", "cuda") is None and rollout_dtype("live", "cpu") is None
+    assert rollout_dtype("float32", "cuda") is torch.float32

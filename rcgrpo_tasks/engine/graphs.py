@@ -109,6 +109,21 @@ class DecodeState:
         self.out_tok = torch.full((rows, steps), -1, dtype=torch.int64, device=dev)
         self.out_lp = torch.zeros((rows, steps), dtype=torch.float32, device=dev)
 
+    def select(self, index) -> DecodeState:
+        """The state of rows `index` (int64 tensor) alone, copied (a narrowed decode, `hf.HFSession`)."""
+        sub = DecodeState.__new__(DecodeState)
+        for name in ("caps", "seeds", "tok", "live", "out_tok", "out_lp"):
+            setattr(sub, name, getattr(self, name)[index])
+        sub.stops, sub.t, sub.write_at = self.stops, self.t.clone(), self.write_at.clone()
+        return sub
+
+    def put(self, index, sub: DecodeState) -> None:
+        """Write a narrowed state `sub` of rows `index` back into this one."""
+        for name in ("tok", "live", "out_tok", "out_lp"):
+            getattr(self, name)[index] = getattr(sub, name)
+        self.t.copy_(sub.t)
+        self.write_at.copy_(sub.write_at)
+
     def record(self, tok, lp) -> None:
         """Store step t's tokens for the rows live at it; a row stays live unless it stopped or hit its cap."""
         import torch

@@ -10,6 +10,9 @@
   place; the host only checks "any row still live?" (every step on CPU, every `STOP_CHECK` steps on CUDA,
   where an idle row costs nothing) and reads the tokens once at the end. On CUDA the step is captured as a
   CUDA graph (`cuda_graphs`, default on there) and replayed; on CPU it runs eagerly.
+- Ended rows leave the batch (CPU, `narrow_rows`): once at most half the rows are live, the live ones go on
+  in a narrower batch (their cache copied, written back at the end); a CPU step costs with its rows, a CUDA
+  one (graph, static shapes) does not. Guided rows keep their twins and never narrow.
 - Sampling: `rcgrpo_tasks.engine.sampling` (counter-based noise per row: the same tokens whatever the batch).
 - Reward-token guidance (`SamplingParams.guidance` > 0): every row gets a twin with the other reward token
   (`sampling.with_twins`), decoded in the same batch and cache; the row samples from the guided logits and the twin
@@ -105,14 +108,51 @@ class HFSession(CacheLayout, Session):
         d.record(*self._sample(logits, sampling, d.seeds))
         runner = self._runner(d, sampling)
         check = self.b.stop_check_every
+        narrow = self.b.narrow_rows and not sampling.guidance and decode_path(dev.type, self.b.cuda_graphs) == CPU
+        outer: list = []  # the states narrowed from, outermost first
         done = 1
-        for t in range(1, steps):
-            if t % check == 0 and not bool(d.live.any()):
-                break
-            runner(t)
-            done += 1
+        try:
+            for t in range(1, steps):
+                if t % check == 0:
+                    live = int(d.live.sum())
+                    if not live:
+                        break
+                    if narrow and 2 * live <= len(d.live):
+                        d = self._narrow(d, outer)
+                        runner = self._runner(d, sampling)
+                runner(t)
+                done += 1
+        finally:
+            while outer:
+                d = self._widen(d, *outer.pop())
         st.cache.n += done - 1  # every step but the first sampled one fed a column
         return self._completions(d.out_tok[:, :done].tolist(), d.out_lp[:, :done].tolist())
+
+    def _narrow(self, d: DecodeState, outer: list) -> DecodeState:
+        """Decode on only the live rows from here on (CPU): a step costs with the rows it carries (docs/engine.md,
+        "Ended rows leave the batch"), and a seeded row samples the same tokens in any batch. The live rows'
+        cache (own columns so far; shared prefixes stay shared) and state are copied into a narrower session
+        state; `_widen` writes them back. Ended rows are untouched: their cache and outputs are final."""
+        st = self.st
+        index = d.live.nonzero().squeeze(1)
+        column = int(d.write_at)
+        sub = CacheRows.__new__(CacheRows)
+        sub.cache = st.cache.take_rows(index, st.cache.capacity, width=column)
+        sub.mask, sub.nreal = st.mask[index], st.nreal[index]
+        outer.append((st, d, index, column))
+        self.st = sub
+        return d.select(index)
+
+    def _widen(self, d: DecodeState, st: CacheRows, full: DecodeState, index, column: int) -> DecodeState:
+        """Write narrowed rows `index` back (the columns they fed since `column`, mask, positions, outputs)."""
+        sub, end = self.st, int(d.write_at)
+        st.cache.put_columns(sub.cache, index, column, end - column)
+        st.mask[:, column:end] = False
+        st.mask[index, column:end] = sub.mask[:, column:end]
+        st.nreal[index] = sub.nreal
+        full.put(index, d)
+        self.st = st
+        return full
 
     def _row_seeds(self):
         import torch
@@ -237,6 +277,7 @@ class HFBackend(Backend):
         self.autocast = bool(autocast) and (on_cuda or bf16_supported())
         self.cuda_graphs = graphs_wanted(model.device.type, cuda_graphs)
         self.stop_check_every = self.STOP_CHECK_CUDA if on_cuda else 1
+        self.narrow_rows = True  # CPU: ended rows leave the decode batch (`HFSession._narrow`); False: never
         self.max_positions = int(getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_POSITIONS)
         self._stops = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

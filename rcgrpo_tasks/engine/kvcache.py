@@ -143,15 +143,17 @@ def slot_cache_class():
                     del old
             self.n = width
 
-        def take_rows(self, index, capacity: int):
-            """A new cache holding rows `index` (int64 tensor): their columns [0, n), room for `capacity`."""
+        def take_rows(self, index, capacity: int, width: int | None = None):
+            """A new cache holding rows `index` (int64 tensor): their columns [0, width) (default: [0, n); a
+            decode in flight has written past n), room for `capacity`."""
+            width = self.n if width is None else width
             sub = type(self)(len(index), capacity)
             sub.n = self.n
             sub.shared = self.shared.select(index, self.rows) if self.shared is not None else None
             for src, dst in ((self.keys, sub.keys), (self.values, sub.values)):
                 for t in src:
                     new = t.new_zeros((len(index), t.shape[1], capacity) + t.shape[3:])
-                    new[:, :, :self.n] = t[index.to(t.device), :, :self.n]
+                    new[:, :, :width] = t[index.to(t.device), :, :width]
                     dst.append(new)
             return sub
 

@@ -83,6 +83,8 @@ def main(
     reward_token: str = typer.Option("", help="reward goal for every rollout, e.g. '<|high_reward|>'; empty = none."),
     entries: Path | None = typer.Option(None, help="entries JSONL (prepare_data); default: bfcl-eval."),
     name: str = typer.Option("", help="label in metrics/report (default: the output folder's name)."),
+    margin: bool = typer.Option(True, help="--no-margin: skip the teacher-forced margin `evaluate.margin` asks for "
+                                "(where another stage measures it for the same model and entries)."),
 ) -> None:
     """Evaluate a model on the held-out split: metrics, report, plot."""
     label = name or out.name
@@ -108,7 +110,7 @@ def main(
                                 tags={"rcgrpo.eval_label": label}) as (_, staged):
         trajs, rows, summary = run_eval(cfg, prompt, backend, held_out, token, label, tokens)
         pair = (tokens[-1], tokens[0])
-        if cfg.margin and token and cfg.decode.backend == "hf" and has_tokens(backend.tokenizer, pair):
+        if cfg.margin and margin and token and cfg.decode.backend == "hf" and has_tokens(backend.tokenizer, pair):
             summary.update(read_token(backend.model, backend.tokenizer, held_out, prompt.protocol_config(REPLAY_OUTPUTS),
                                       pair, seed=cfg.seed, n_boot=cfg.n_bootstrap,
                                       max_positions=backend.max_positions))

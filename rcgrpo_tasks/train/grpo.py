@@ -126,7 +126,8 @@ class RLConfig:
     """Dtype the merged init weights are held in (LoRA weights stay float32)."""
     rollout_dtype: Literal["auto", "live", "float32", "bfloat16"] = "auto"
     """Rollouts (without vLLM) sample from a merged copy of the policy in this dtype, refreshed every
-    generation; `live` = from the training model itself; `auto` = bfloat16 on a bf16-capable CPU, else live."""
+    generation; `live` = from the training model itself; `auto` = on a CPU bfloat16 where native, else float32;
+    on a GPU live."""
     bf16: bool | None = None
     """bf16 autocast for the trainer's forward/backward; None = where supported (GPU, CPU with AVX512-BF16/AMX)."""
     gradient_checkpointing: bool = False

@@ -1,8 +1,8 @@
 """The policy RL rollouts sample from, and whether it differs from the policy TRL trains.
 
-- `rollout_dtype` / `policy_snapshot`: a merged low-precision copy of the policy on its own device, refreshed
-  before every generation (CPU decoding is memory-bound); `rollout_dtype: live` samples from the training
-  model itself.
+- `rollout_dtype` / `policy_snapshot`: a merged copy of the policy (bf16 or float32) on its own device,
+  refreshed before every generation (CPU decoding is memory-bound, and the PEFT model runs every LoRA
+  matmul per token); `rollout_dtype: live` samples from the training model itself.
 - `trl_vllm_backend`: the engine's vLLM backend over the vLLM engine TRL manages (GPU).
 - `sampler_differs`: whether the sampler's numerics differ from the trainer's (vLLM, a snapshot copy, bf16
   autocast in the trainer only): where `rl.importance_sampling: auto` turns the correction on.
@@ -18,11 +18,16 @@ from rcgrpo_tasks.engine.vllm import VLLMBackend, VLLMServerBackend
 
 
 def rollout_dtype(setting: str, device_type: str):
-    """torch dtype of the rollout snapshot, or None to sample from the live training model."""
+    """torch dtype of the rollout snapshot, or None to sample from the live training model. `auto`: on a CPU a
+    merged copy in bf16 where the CPU has native bf16, else in float32 (the same numbers as the trainer up to
+    merge rounding, at about twice the live PEFT model's decode speed: docs/measured.md, "Engine"); on a GPU
+    the live model."""
     import torch
 
     if setting == "auto":
-        return torch.bfloat16 if device_type == "cpu" and bf16_supported() else None
+        if device_type != "cpu":
+            return None
+        return torch.bfloat16 if bf16_supported() else torch.float32
     return None if setting == "live" else getattr(torch, setting)
 
 
