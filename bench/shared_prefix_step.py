@@ -7,6 +7,8 @@ run, at the CPU default's shapes.
   the run's diagnostics: the whole step (TRL's `step_time`, rollouts included), the rollouts (`rollout_s`)
   and the training part (the difference: policy forward/backward, reference forward, the trainer's
   log-probs for the mismatch, the rollout snapshot). The first step of each run (warm-up) is left out.
+  `--rl-plain before`: the plain arm also samples as the rl stage did before its rollouts were sped up (the
+  live PEFT model, `rollout_dtype: live`, every row decoded to the last step): the whole change, one ratio.
 - margin: the teacher-forced margin's forwards (`data.margin.sequence_logprobs`) on `--margin` held-out
   entries' contrast sets (expert + near misses under both tokens), shared vs the padded forward of the same
   chunks, with the largest log-prob difference between the arms.
@@ -48,6 +50,17 @@ def rl_arm(args, shared: bool, work: Path) -> dict:
     raw = {**params["rl"], "max_steps": args.steps, "min_sampled_success": None, "save_steps": args.steps}
     if not shared:
         raw["shared_prefix_min_tokens"] = None
+        if args.rl_plain == "before":  # rollouts as before: the live PEFT model, every row to the last step
+            from rcgrpo_tasks.engine.hf import HFBackend
+
+            raw["rollout_dtype"] = "live"
+            init = HFBackend._init
+
+            def full_batch(self, *a, **k):
+                init(self, *a, **k)
+                self.narrow_rows = False
+
+            HFBackend._init = full_batch
     cfg = from_dict(grpo.RLConfig, raw)
     prompt = from_dict(PromptConfig, params["prompt"])
     levels = tuple(params["label_rewards"]["tokens"])
@@ -163,7 +176,7 @@ def child(args) -> None:
 def run_arm(args, kind: str, arm: str) -> dict:
     cmd = [sys.executable, __file__, "--child", "--kind", kind, "--arm", arm, "--model", args.model,
            "--steps", str(args.steps), "--threads", str(args.threads), "--pairs", args.pairs or "",
-           "--margin", str(args.margin)]
+           "--margin", str(args.margin), "--rl-plain", args.rl_plain]
     if args.adapter:
         cmd += ["--adapter", args.adapter]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MLFLOW_TRACKING_URI": "file:///tmp/bench-mlruns"}
@@ -184,6 +197,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rl-plain", default="padded", choices=["padded", "before"],
+                    help="the RL plain arm: padded = the padded forward only; before = also the rollouts before the "
+                    "merged float32 copy and narrowing (live PEFT model, every row to the last step)")
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--kind", default="rl")
     ap.add_argument("--arm", default="plain")
