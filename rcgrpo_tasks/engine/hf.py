@@ -136,20 +136,13 @@ class HFSession(CacheLayout, Session):
         st = self.st
         index = d.live.nonzero().squeeze(1)
         column = int(d.write_at)
-        sub = CacheRows.__new__(CacheRows)
-        sub.cache = st.cache.take_rows(index, st.cache.capacity, width=column)
-        sub.mask, sub.nreal = st.mask[index], st.nreal[index]
         outer.append((st, d, index, column))
-        self.st = sub
+        self.st = st.take(index, st.cache.capacity, width=column)
         return d.select(index)
 
     def _widen(self, d: DecodeState, st: CacheRows, full: DecodeState, index, column: int) -> DecodeState:
         """Write narrowed rows `index` back (the columns they fed since `column`, mask, positions, outputs)."""
-        sub, end = self.st, int(d.write_at)
-        st.cache.put_columns(sub.cache, index, column, end - column)
-        st.mask[:, column:end] = False
-        st.mask[index, column:end] = sub.mask[:, column:end]
-        st.nreal[index] = sub.nreal
+        st.put(self.st, index, column, int(d.write_at) - column)
         full.put(index, d)
         self.st = st
         return full

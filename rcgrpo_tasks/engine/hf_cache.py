@@ -45,6 +45,22 @@ class CacheRows:
         self.mask = torch.zeros((rows, capacity), dtype=torch.bool, device=device)
         self.nreal = torch.zeros(rows, dtype=torch.int64, device=device)
 
+    def take(self, index, capacity: int, width: int | None = None) -> CacheRows:
+        """Rows `index` (int64 tensor) alone, copied: their cache columns [0, width) (default: the cache's n)
+        with room for `capacity`, their mask (to `capacity`) and positions; `put` writes them back."""
+        sub = CacheRows.__new__(CacheRows)
+        sub.cache = self.cache.take_rows(index, capacity, width)
+        sub.mask, sub.nreal = self.mask[index, :capacity], self.nreal[index]
+        return sub
+
+    def put(self, sub: CacheRows, index, start: int, width: int) -> None:
+        """Write columns [start, start + width) of `sub` (a `take` of rows `index`) back, with its mask and
+        positions; the other rows get holes in those columns."""
+        self.cache.put_columns(sub.cache, index, start, width)
+        self.mask[:, start:start + width] = False
+        self.mask[index, start:start + width] = sub.mask[:, start:start + width]
+        self.nreal[index] = sub.nreal
+
     def reserve(self, needed: int) -> None:
         """Room for `needed` columns (cache buffers and mask grow together)."""
         import torch
@@ -211,13 +227,9 @@ class CacheLayout:
 
         st, start, q = self.st, self.st.cache.n, ids.shape[1]
         index = torch.tensor(rows, device=st.mask.device)
-        sub = CacheRows.__new__(CacheRows)
-        sub.cache, sub.mask, sub.nreal = st.cache.take_rows(index, start + q), st.mask[index, :start + q], st.nreal[index]
+        sub = st.take(index, start + q)
         self._append(sub, ids[rows], new_mask[rows])
-        st.cache.put_columns(sub.cache, index, start, q)
-        st.mask[:, start:start + q] = False
-        st.mask[index, start:start + q] = sub.mask[:, start:]
-        st.nreal[index] = sub.nreal
+        st.put(sub, index, start, q)
         st.cache.advance(q)
 
     def _maybe_compact(self) -> None:
