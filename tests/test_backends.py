@@ -255,3 +255,19 @@ def test_cpu_bf16_override_decides_auto_dtype_and_autocast(backend, monkeypatch)
     monkeypatch.setenv("RCGRPO_CPU_BF16", "yes")
     with pytest.raises(InputError, match="RCGRPO_CPU_BF16"):
         bf16_supported()
+
+
+def test_exact_model_is_float32_and_the_same_weights(tiny_model_dir, backend):
+    """A bf16 backend measures its margin on the same folder loaded in float32; a float32 one on itself."""
+    import torch
+
+    assert backend.exact_model() is backend.model
+    half = HFBackend(tiny_model_dir, dtype="bfloat16", device="cpu")
+    exact = half.exact_model()
+    assert exact is not half.model and next(exact.parameters()).dtype == torch.float32
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        torch.testing.assert_close(exact(input_ids=ids).logits, backend.model(input_ids=ids).logits)
+    live = HFBackend.from_model(half.model, half.tokenizer)
+    with pytest.raises(ValueError, match="in-memory"):
+        live.exact_model()

@@ -118,3 +118,18 @@ def test_fit_micro_batch_never_retries_inside_a_multi_process_launch(monkeypatch
     with pytest.raises(torch.OutOfMemoryError):
         placement.fit_micro_batch(oom, 4, 1, "x")
     assert calls == [4]
+
+
+def test_a_cpu_trains_in_float32_unless_told_and_a_gpu_in_bf16_where_it_has_it(monkeypatch):
+    """`bf16: null` never autocasts a CPU run, even one with native bf16 (slower there for training); an
+    explicit flag wins everywhere; a GPU takes bf16 where it has it."""
+    import torch
+
+    monkeypatch.setenv("RCGRPO_CPU_BF16", "1")  # a CPU with native bf16
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert placement.resolve_bf16(None, cpu) is False
+    assert placement.resolve_bf16(True, cpu) is True and placement.resolve_bf16(False, gpu) is False
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert placement.resolve_bf16(None, gpu) is True
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert placement.resolve_bf16(None, gpu) is False

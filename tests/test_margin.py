@@ -91,6 +91,29 @@ def test_shared_prompt_forward_equals_one_forward_per_sequence(equal_rows_dir, s
     assert all(v < 0 for v in shared)
 
 
+def test_margin_chunks_keep_entries_whole_within_their_tree_budget():
+    """An entry's sequences share one forward (its prompt once); entries fill a chunk up to the budget of tree
+    tokens; an entry over the budget is a chunk alone; the order is the items' order."""
+    from rcgrpo_tasks.engine.shared_prefix import trunk_tokens
+
+    prompt = list(range(100, 160))  # 60 shared tokens per entry, 4 answers of 10 tokens each
+
+    def entry(e: str, system: int) -> list:
+        return [mg.Contrast(e, kind, token, tuple([system] + prompt + [hash((e, kind, token)) % 997 + 1000 + i
+                                                                       for i in range(10)]), (0,) * 61 + (1,) * 10)
+                for kind in ("expert", "k") for token in TOKENS]
+
+    items = entry("a", 1) + entry("b", 2) + entry("c", 3)
+    one = trunk_tokens([list(c.token_ids) for c in entry("a", 1)])
+    assert one == 61 + 4 * 10
+    chunks = mg.margin_chunks(items, budget=2 * one)
+    assert [[c.entry_id for c in ch] for ch in chunks] == [["a"] * 4 + ["b"] * 4, ["c"] * 4]
+    assert [c for ch in chunks for c in ch] == items
+    assert [len(ch) for ch in mg.margin_chunks(items, budget=one - 1)] == [4, 4, 4]  # too big: alone
+    raw = sum(len(c.token_ids) for c in items)
+    assert sum(trunk_tokens([list(c.token_ids) for c in ch]) for ch in chunks) == 3 * one < raw / 2
+
+
 def test_a_model_that_cannot_read_its_token_has_zero_margin(equal_rows_dir, single_turn):
     """Equal rows: lp(x | high) == lp(x | low) for every answer, so every margin is 0 (while the two prompts
     differ in their reward goal, and the answers' log-probs differ from each other)."""

@@ -14,7 +14,7 @@ tenth of a nat on a 135M model (a sampled gap has SE ~0.09 at 16 entries x 3 sam
   rollout engine with real observations, kept only if it scores 0; seeded attempts), under both tokens:
   the same token bookkeeping a rollout has (`engine.rollout.replay_calls`). Entries whose expert does not
   score 1 or whose replay does not fit the context are skipped and counted.
-- `sequence_logprobs`: summed log-probs of the masked tokens, no gradient; a few entries' contrast sets
+- `sequence_logprobs`: summed log-probs of the masked tokens, no gradient; whole entries' contrast sets
   (both tokens) packed as one prefix tree (`engine.shared_prefix`): every shared prompt token once.
 - `margin_stats`: per kind and overall (per entry: the mean over its kinds), the mean with its 95 %
   percentile-bootstrap CI over entries and the share of entries above 0.
@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from itertools import groupby
 
 from rcgrpo_tasks.engine.rollout import replay_calls
-from rcgrpo_tasks.engine.shared_prefix import target_hidden, trunk_and_head
+from rcgrpo_tasks.engine.shared_prefix import target_hidden, trunk_and_head, trunk_tokens
 from rcgrpo_tasks.env.tasks import task_of
 from rcgrpo_tasks.ops.stats import bootstrap_ci, mean
 
@@ -101,17 +102,21 @@ def contrast_set(entries: list, proto, tokenizer, tokens: tuple[str, str], kinds
     return out, counts
 
 
-MARGIN_CHUNK_TOKENS = 2048
-"""Tokens of the sequences one margin forward packs (before sharing): a few entries' contrast sets."""
+MARGIN_CHUNK_TOKENS = 1024
+"""Tokens one margin forward packs (after sharing: its prefix tree's), whole entries' contrast sets; an entry
+larger than this is one forward of its own. Whole entries so that an entry's prompt runs once (its twelve
+sequences split across two forwards ran it twice); ~1k because the dense mask grows with its square while
+the trunk's tokens barely fall beyond it (docs/measured.md, "Shared prefix")."""
 
 
 def sequence_logprobs(model, items: list[Contrast], shared: bool = True) -> list[float]:
     """Summed log p of each item's masked tokens under `model` (eval mode, no gradient), in item order.
 
-    Consecutive items (an entry's expert and near misses under both tokens, then the next entry's) are packed
-    as one prefix tree per chunk (`engine.shared_prefix`): the prompt they share is run once for all of them
-    (the system prompt once for the chunk's entries), each answer attends to its own prefix only, and the LM
-    head runs on the masked positions only. `shared=False`: the padded forward of each chunk (bench)."""
+    Consecutive items of one entry (its expert and near misses under both tokens) stay in one chunk, and whole
+    entries fill a chunk up to `MARGIN_CHUNK_TOKENS` tokens of its prefix tree (`margin_chunks`); a chunk is
+    one forward of that tree (`engine.shared_prefix`): the prompt its items share runs once (the system prompt
+    once for the chunk's entries), each answer attends to its own prefix only, and the LM head runs on the
+    masked positions only. `shared=False`: the padded forward of each chunk (bench)."""
     import torch
 
     device = next(model.parameters()).device
@@ -121,17 +126,25 @@ def sequence_logprobs(model, items: list[Contrast], shared: bool = True) -> list
     try:
         trunk, head = trunk_and_head(model)
         with torch.no_grad():
-            chunk: list[Contrast] = []
-            for c in items:
-                if chunk and sum(len(x.token_ids) for x in chunk) + len(c.token_ids) > MARGIN_CHUNK_TOKENS:
-                    out += _chunk_logprobs(trunk, head, chunk, device, shared)
-                    chunk = []
-                chunk.append(c)
-            if chunk:
+            for chunk in margin_chunks(items):
                 out += _chunk_logprobs(trunk, head, chunk, device, shared)
     finally:
         model.train(was_training)
     return out
+
+
+def margin_chunks(items: list[Contrast], budget: int = MARGIN_CHUNK_TOKENS) -> list[list[Contrast]]:
+    """`items` in order, cut only between entries (runs of one `entry_id`), each chunk as many whole entries as
+    fit `budget` tokens of their prefix tree (`trunk_tokens`); an entry over `budget` is a chunk alone."""
+    chunks: list[list[Contrast]] = []
+    chunk: list[Contrast] = []
+    for _, run in groupby(items, key=lambda c: c.entry_id):
+        run = list(run)
+        if chunk and trunk_tokens([list(c.token_ids) for c in chunk + run]) > budget:
+            chunks.append(chunk)
+            chunk = []
+        chunk += run
+    return chunks + [chunk] if chunk else chunks
 
 
 def _chunk_logprobs(trunk, head, chunk: list[Contrast], device, shared: bool) -> list[float]:

@@ -284,6 +284,20 @@ class HFBackend(Backend):
         self.shared_prefixes = attn == CPU_ATTENTION  # prefixes stored once: the attention that reads them
         self.batched_prefill = batched_prefill_wanted(model.device.type)  # forwards by length bucket, not node
 
+    def exact_model(self):
+        """This backend's model in float32, for what is measured from forward passes (the teacher-forced
+        margin): the model itself where its weights are float32 and no autocast runs, else the same folders
+        loaded again in float32 on the same device, merged as here. bf16 moves a sequence's summed log-prob by
+        as much as the margin it would measure, and on the CPU measured it was slower too (docs/measured.md)."""
+        import torch
+
+        if next(self.model.parameters()).dtype == torch.float32 and not self.autocast:
+            return self.model
+        if self.info.get("model") in (None, "<in-memory>"):
+            raise ValueError("exact_model: an in-memory model not in float32 has no folder to reload")
+        return HFBackend(self.info["model"], self.info["adapter"], dtype="float32",
+                         device=str(self.model.device), cuda_graphs=False).model
+
     @property
     def stop_ids(self) -> set[int]:
         return self._stops

@@ -48,8 +48,9 @@ def check_adapter_dir(adapter_dir: str | Path) -> Path:
 def bf16_supported() -> bool:
     """True when this CPU has native bf16 matmuls (AVX512-BF16 or AMX).
 
-    `RCGRPO_CPU_BF16=0` makes a bf16 CPU behave as one without (every `auto` dtype and autocast falls back
-    to float32), so a run measured here reproduces a host that lacks it; `=1` forces bf16 on.
+    `RCGRPO_CPU_BF16=0` makes a bf16 CPU behave as one without (every `auto` decoding dtype and decoding
+    autocast falls back to float32), so a run measured here reproduces a host that lacks it; `=1` forces bf16
+    on. Training does not ask: a CPU trains in float32 unless told (`train.placement.resolve_bf16`).
     """
     forced = os.environ.get("RCGRPO_CPU_BF16", "").strip()
     if forced in ("0", "1"):

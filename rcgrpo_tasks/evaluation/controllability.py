@@ -94,8 +94,9 @@ def held_out_entries(entries_path: Path, split_path: Path, cfg: ControllabilityC
 
 
 def reading(cfg: ControllabilityConfig, backend, entries: list, prompt: PromptConfig, tokens: tuple[str, str]) -> dict:
-    """Does the model read its token, from forward passes (`data.margin.read_token`) on `entries`."""
-    return read_token(backend.model, backend.tokenizer, entries, prompt.protocol_config(REPLAY_OUTPUTS), tokens,
+    """Does the model read its token, from forward passes (`data.margin.read_token`) on `entries`, in float32
+    whatever the decoding dtype (`HFBackend.exact_model`)."""
+    return read_token(backend.exact_model(), backend.tokenizer, entries, prompt.protocol_config(REPLAY_OUTPUTS), tokens,
                       cfg.margin_kinds, cfg.seed, cfg.n_bootstrap, backend.max_positions)
 
 

@@ -17,8 +17,8 @@ a tracking failure fails the stage (and, the output being atomic, leaves nothing
 
 Does the model still read its token (`evaluate.margin`, reward-conditioned evaluations of a model with both
 reward tokens): `metrics.json` also holds the teacher-forced margin on the evaluated entries and the
-reward-token rows' distance (`data.margin.read_token`, forward passes only): RL rewards the low token for
-success too and can erode what RCTP taught.
+reward-token rows' distance (`data.margin.read_token`, forward passes only, in float32 whatever the decoding
+dtype: `HFBackend.exact_model`): RL rewards the low token for success too and can erode what RCTP taught.
 
 Reward-token guidance (`evaluate.guidance` > 0, beyond the paper): reward-conditioned evaluations decode
 with `SamplingParams.guidance` (hf backend); `metrics.json` records the scale used (`guidance`).
@@ -111,7 +111,7 @@ def main(
         trajs, rows, summary = run_eval(cfg, prompt, backend, held_out, token, label, tokens)
         pair = (tokens[-1], tokens[0])
         if cfg.margin and margin and token and cfg.decode.backend == "hf" and has_tokens(backend.tokenizer, pair):
-            summary.update(read_token(backend.model, backend.tokenizer, held_out, prompt.protocol_config(REPLAY_OUTPUTS),
+            summary.update(read_token(backend.exact_model(), backend.tokenizer, held_out, prompt.protocol_config(REPLAY_OUTPUTS),
                                       pair, seed=cfg.seed, n_boot=cfg.n_bootstrap,
                                       max_positions=backend.max_positions))
         official = None

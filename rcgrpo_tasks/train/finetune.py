@@ -11,7 +11,7 @@ runs it; docs/training.md).
   `token_lr_multiplier`, the CPU loss over assistant positions only, the pairs' order, small saves).
 - `save_trained` writes the adapter (or full model; `init: sft`: the LoRA merged into a model folder) +
   tokenizer atomically; `curve` / `summarize` the results.
-CPU speed: bf16 autocast where the CPU has native bf16, no gradient checkpointing (TRL's default turns it
+CPU speed: float32 (bf16 autocast only on a GPU by default: `placement.resolve_bf16`), no gradient checkpointing (TRL's default turns it
 on), the LM head on assistant positions only (TRL's fused head scores every position off-GPU);
 bench/sft_throughput.py measures it. Departure from the paper: LoRA (+ trainable reward-token rows)
 instead of full fine-tuning by default.
@@ -130,7 +130,7 @@ class SftConfig:
     require_reward_token: bool = False
     """Every row must carry a reward token (RCTP) — guards against training RCTP on the SFT file."""
     bf16: bool | None = None
-    """bf16 autocast; None = where supported (GPU, or a CPU with AVX512-BF16/AMX)."""
+    """bf16 autocast; None = on a GPU with bf16, off on a CPU (`placement.resolve_bf16`)."""
     model_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype the base weights are loaded in (bf16 halves memory; LoRA weights stay float32)."""
     gradient_checkpointing: bool = False

@@ -129,7 +129,8 @@ class RLConfig:
     generation; `live` = from the training model itself; `auto` = on a CPU bfloat16 where native, else float32;
     on a GPU live."""
     bf16: bool | None = None
-    """bf16 autocast for the trainer's forward/backward; None = where supported (GPU, CPU with AVX512-BF16/AMX)."""
+    """bf16 autocast for the trainer's forward/backward; None = on a GPU with bf16, off on a CPU
+    (`placement.resolve_bf16`)."""
     gradient_checkpointing: bool = False
     """Trade compute for memory (on for 7B on GPU)."""
     shared_prefix_min_tokens: int | None = 16

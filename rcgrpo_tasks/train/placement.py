@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from rcgrpo_tasks.engine.device import MemorySplitWarning, free_memory, is_memory_error, placement, resolve_device
-from rcgrpo_tasks.engine.models import bf16_supported
 from rcgrpo_tasks.ops import tracking_log, tracking_store
 from rcgrpo_tasks.ops.config import ConfigError
 
@@ -20,14 +19,18 @@ T = TypeVar("T")
 
 
 def resolve_bf16(flag: bool | None, device=None) -> bool:
-    """bf16 autocast: `flag`, or (None) where the hardware the run trains on (`device`; None = CUDA when
-    available) has native bf16 (GPU, AVX512-BF16/AMX CPU)."""
+    """bf16 autocast of a training run: `flag`, or (None) on a GPU with bf16 (the device the run trains on,
+    `device`; None = CUDA when available), never on a CPU. A training step is compute-bound, and on the
+    AVX512-BF16 CPU measured (no AMX) bf16 matmuls run at about half float32's speed: its SFT and RL steps
+    took 1.3-1.6x longer under autocast (`bench/cpu_bf16.py`, docs/measured.md). Decoding, bound by memory,
+    still takes bf16 where the CPU has it (`engine.models.bf16_supported`). `bf16: true` turns it on for a
+    CPU where it pays (AMX: not measured here)."""
     import torch
 
     if flag is not None:
         return flag
     on_cuda = torch.cuda.is_available() if device is None else device.type == "cuda"
-    return torch.cuda.is_bf16_supported() if on_cuda else bf16_supported()
+    return on_cuda and torch.cuda.is_bf16_supported()
 
 
 def train_device(setting: str):
