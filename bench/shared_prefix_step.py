@@ -11,7 +11,8 @@ run, at the CPU default's shapes.
   live PEFT model, `rollout_dtype: live`, every row decoded to the last step): the whole change, one ratio.
 - margin: the teacher-forced margin's forwards (`data.margin.sequence_logprobs`) on `--margin` held-out
   entries' contrast sets (expert + near misses under both tokens), shared vs the padded forward of the same
-  chunks, with the largest log-prob difference between the arms.
+  chunks, with the largest log-prob difference between the arms. `--margin-plain before`: the plain arm is
+  the prefix tree of the chunks the margin cut before whole entries (2,048 tokens counted before sharing).
 - RCTP: `sft.train_variant` with the default's `rctp` variant on `--pairs` pairs built from real entries
   (one prompt under both tokens, an expert answer and a near miss), the same micro-batch of one pair, plain
   vs shared; per-step seconds from the run's log (Trainer `train_runtime` / steps, warm-up step excluded).
@@ -149,12 +150,26 @@ def margin_arm(args, shared: bool, work: Path) -> dict:
     proto = from_dict(PromptConfig, params["prompt"]).protocol_config(1)
     entries = split_entries(REPO / "data/entries.jsonl", REPO / "data/split.json", "test")[: args.margin]
     items, _ = mg.contrast_set(entries, proto, tok, (levels[-1], levels[0]))
+    if not shared and args.margin_plain == "before":  # the tree per chunk of 2,048 tokens before sharing
+        mg.margin_chunks, shared = _raw_chunks, True
     times, lps = [], []
     for _ in range(args.steps + 1):
         t0 = time.perf_counter()
         lps = mg.sequence_logprobs(model, items, shared=shared)
         times.append(time.perf_counter() - t0)
     return {"margin_s": times[1:], "logprobs": lps, "sequences": len(items)}
+
+
+def _raw_chunks(items: list) -> list[list]:
+    """The margin's chunks before `data.margin.margin_chunks`: consecutive sequences up to 2,048 tokens counted
+    before sharing, cut anywhere (an entry's prompt in two forwards)."""
+    chunks, chunk = [], []
+    for c in items:
+        if chunk and sum(len(x.token_ids) for x in chunk) + len(c.token_ids) > 2048:
+            chunks.append(chunk)
+            chunk = []
+        chunk.append(c)
+    return chunks + [chunk] if chunk else chunks
 
 
 def child(args) -> None:
@@ -176,7 +191,7 @@ def child(args) -> None:
 def run_arm(args, kind: str, arm: str) -> dict:
     cmd = [sys.executable, __file__, "--child", "--kind", kind, "--arm", arm, "--model", args.model,
            "--steps", str(args.steps), "--threads", str(args.threads), "--pairs", args.pairs or "",
-           "--margin", str(args.margin), "--rl-plain", args.rl_plain]
+           "--margin", str(args.margin), "--rl-plain", args.rl_plain, "--margin-plain", args.margin_plain]
     if args.adapter:
         cmd += ["--adapter", args.adapter]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MLFLOW_TRACKING_URI": "file:///tmp/bench-mlruns"}
@@ -200,6 +215,9 @@ def main() -> None:
     ap.add_argument("--rl-plain", default="padded", choices=["padded", "before"],
                     help="the RL plain arm: padded = the padded forward only; before = also the rollouts before the "
                     "merged float32 copy and narrowing (live PEFT model, every row to the last step)")
+    ap.add_argument("--margin-plain", default="padded", choices=["padded", "before"],
+                    help="the margin's plain arm: padded = the padded forward of each chunk; before = the prefix tree "
+                    "of chunks of 2,048 tokens counted before sharing (before whole entries per chunk)")
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--kind", default="rl")
     ap.add_argument("--arm", default="plain")
