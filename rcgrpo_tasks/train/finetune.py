@@ -11,9 +11,9 @@ runs it; docs/training.md).
   `token_lr_multiplier`, the CPU loss over assistant positions only, the pairs' order, small saves).
 - `save_trained` writes the adapter (or full model; `init: sft`: the LoRA merged into a model folder) +
   tokenizer atomically; `curve` / `summarize` the results.
-CPU speed: float32 (bf16 autocast only on a GPU by default: `placement.resolve_bf16`), no gradient checkpointing (TRL's default turns it
-on), the LM head on assistant positions only (TRL's fused head scores every position off-GPU);
-bench/sft_throughput.py measures it. Departure from the paper: LoRA (+ trainable reward-token rows)
+CPU speed: float32 (bf16 autocast only on a GPU by default: `placement.resolve_bf16`), no gradient
+checkpointing (TRL's default turns it on), the LM head on assistant positions only (TRL's fused head scores
+every position off-GPU); bench/sft_throughput.py measures it. Departure from the paper: LoRA (+ trainable reward-token rows)
 instead of full fine-tuning by default.
 """
 

@@ -21,8 +21,8 @@ T = TypeVar("T")
 def resolve_bf16(flag: bool | None, device=None) -> bool:
     """bf16 autocast of a training run: `flag`, or (None) on a GPU with bf16 (the device the run trains on,
     `device`; None = CUDA when available), never on a CPU. A training step is compute-bound, and on the
-    AVX512-BF16 CPU measured (no AMX) bf16 matmuls run at about half float32's speed: its SFT and RL steps
-    took 1.3-1.6x longer under autocast (`bench/cpu_bf16.py`, docs/measured.md). Decoding, bound by memory,
+    AVX512-BF16 CPU measured (no AMX) bf16 matmuls are slower than float32's, and so are its SFT and RL
+    steps under autocast (`bench/cpu_bf16.py`; docs/measured.md, "CPU bf16"). Decoding, bound by memory,
     still takes bf16 where the CPU has it (`engine.models.bf16_supported`). `bf16: true` turns it on for a
     CPU where it pays (AMX: not measured here)."""
     import torch
