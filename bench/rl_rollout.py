@@ -115,7 +115,7 @@ def parse_args():
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own); 1 keeps a "
                     "host shared with other jobs from stalling the threads of a step on each other")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                    help="rollout snapshot dtype; auto: bfloat16 where the CPU has native bf16, else float32")
+                    help="rollout snapshot dtype; auto: bfloat16 where the CPU has AMX, else float32")
     return ap.parse_args()
 
 

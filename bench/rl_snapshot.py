@@ -6,7 +6,7 @@ model the engine samples from:
 - `live`: the PEFT model itself (fp32 base weights + a LoRA matmul per adapted layer per token) —
   `rollout_dtype: live`;
 - `snapshot`: `rollout_policy.policy_snapshot` — base + LoRA deltas merged into a plain copy in
-  `--snapshot-dtype` (default: bfloat16 on a CPU with native bf16, as `rollout_dtype: auto` there; float32
+  `--snapshot-dtype` (default: bfloat16 on a CPU with AMX, as `rollout_dtype: auto` there; float32
   elsewhere, as `rollout_dtype: float32`), refreshed in place before every rollout phase (the refresh is timed
   inside the arm).
 The LoRA B matrices are perturbed so the deltas are non-zero (a fresh LoRA is the identity). Arms alternate
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--snapshot-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                    help="auto: bfloat16 where the CPU has native bf16, else float32")
+                    help="auto: bfloat16 where the CPU has AMX, else float32")
     args = ap.parse_args()
 
     import torch

@@ -257,6 +257,20 @@ def test_cpu_bf16_override_decides_auto_dtype_and_autocast(backend, monkeypatch)
         bf16_supported()
 
 
+def test_auto_decodes_in_bf16_on_a_cpu_with_amx_only(tmp_path, monkeypatch):
+    from rcgrpo_tasks.engine.models import bf16_supported
+
+    monkeypatch.delenv("RCGRPO_CPU_BF16", raising=False)
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    assert not bf16_supported(info)  # AVX512-BF16 alone: float32 decodes faster there
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    assert bf16_supported(info)
+    assert not bf16_supported(tmp_path / "absent")
+    monkeypatch.setenv("RCGRPO_CPU_BF16", "1")
+    assert bf16_supported(tmp_path / "absent")
+
+
 def test_exact_model_is_float32_and_the_same_weights(tiny_model_dir, backend):
     """A bf16 backend measures its margin on the same folder loaded in float32; a float32 one on itself."""
     import torch

@@ -198,7 +198,7 @@ def test_minibatches_need_entries_for_the_whole_generation():
 
 
 def test_auto_rollout_dtype_is_a_snapshot_on_every_cpu_and_the_live_model_on_a_gpu(monkeypatch):
-    """A CPU samples from a merged copy (the live PEFT model decodes at half its speed): bf16 where native,
+    """A CPU samples from a merged copy (the live PEFT model decodes at half its speed): bf16 with AMX,
     float32 elsewhere; the copy's numerics differ from the trainer's, so the correction is on. GPU: live."""
     import torch
 

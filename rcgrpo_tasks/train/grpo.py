@@ -126,7 +126,7 @@ class RLConfig:
     """Dtype the merged init weights are held in (LoRA weights stay float32)."""
     rollout_dtype: Literal["auto", "live", "float32", "bfloat16"] = "auto"
     """Rollouts (without vLLM) sample from a merged copy of the policy in this dtype, refreshed every
-    generation; `live` = from the training model itself; `auto` = on a CPU bfloat16 where native, else float32;
+    generation; `live` = from the training model itself; `auto` = on a CPU bfloat16 where it has AMX, else float32;
     on a GPU live."""
     bf16: bool | None = None
     """bf16 autocast for the trainer's forward/backward; None = on a GPU with bf16, off on a CPU

@@ -22,8 +22,8 @@ def resolve_bf16(flag: bool | None, device=None) -> bool:
     """bf16 autocast of a training run: `flag`, or (None) on a GPU with bf16 (the device the run trains on,
     `device`; None = CUDA when available), never on a CPU. A training step is compute-bound, and on the
     AVX512-BF16 CPU measured (no AMX) bf16 matmuls are slower than float32's, and so are its SFT and RL
-    steps under autocast (`bench/cpu_bf16.py`; docs/measured.md, "CPU bf16"). Decoding, bound by memory,
-    still takes bf16 where the CPU has it (`engine.models.bf16_supported`). `bf16: true` turns it on for a
+    steps under autocast (`bench/cpu_bf16.py`; docs/measured.md, "CPU bf16"). Decoding, too, takes bf16
+    only where the CPU has AMX (`engine.models.bf16_supported`). `bf16: true` turns it on for a
     CPU where it pays (AMX: not measured here)."""
     import torch
 
