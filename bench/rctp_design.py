@@ -2,7 +2,8 @@
 
 Each design is the pipeline's own `sft@rctp` run (`rcgrpo sft --variant rctp`) with params overrides of the
 `sft.variants.rctp` section, followed by the pipeline's own controllability check (`rcgrpo controllability`:
-teacher-forced margin on held-out entries, greedy and paired sampled gaps at the RL temperature), on the
+teacher-forced margin, greedy and paired sampled gaps at the RL temperature) on the dev entries (`--side`:
+designs are chosen on dev; `test` only to re-measure a chosen one), on the
 outputs `dvc repro label_rewards@rctp` left (data/datasets/rctp.jsonl, models/sft/sft). Designs run one
 after another on the same inputs and seeds; each prints one JSON line: the design, RCTP's train seconds,
 the margin with its CI and share of entries > 0 (overall and per near-miss kind), the token rows' distance
@@ -44,7 +45,7 @@ def design_params(base: dict, overrides: dict, sets: list[str]) -> dict:
 
 
 def run_design(name: str, overrides: dict, base: dict, sets: list[str], work: Path,
-               data: str = "data/datasets/rctp.jsonl") -> dict:
+               data: str = "data/datasets/rctp.jsonl", side: str = "dev") -> dict:
     params = work / f"{name}.yaml"
     params.write_text(yaml.safe_dump(design_params(base, overrides, sets), sort_keys=False))
     init = "models/sft/sft" if overrides.get("init", base["sft"]["variants"]["rctp"].get("init")) == "sft" else ""
@@ -58,12 +59,13 @@ def run_design(name: str, overrides: dict, base: dict, sets: list[str], work: Pa
     t0 = time.perf_counter()
     subprocess.run(["rcgrpo", "controllability", "--params", str(params), "--model-dir", "models/base",
                     "--adapter-dir", str(out / "model"), "--entries", "data/entries.jsonl", "--split",
-                    "data/split.json", "--metrics", str(out / "ctl.json")], check=True, stdout=subprocess.DEVNULL)
+                    "data/split.json", "--side", side, "--metrics", str(out / "ctl.json")], check=True,
+                   stdout=subprocess.DEVNULL)
     check_s = time.perf_counter() - t0
     m = json.loads((out / "ctl.json").read_text())
     sft = json.loads((out / "sft.json").read_text())
     mg, g, s = m["margin"], m["greedy"], m["sampled"]
-    return {"design": name, "overrides": overrides, "rctp_steps": sft["steps"], "rctp_s": round(train_s, 1),
+    return {"design": name, "side": side, "overrides": overrides, "rctp_steps": sft["steps"], "rctp_s": round(train_s, 1),
             "margin": round(mg["margin"], 3), "margin_ci": [round(x, 3) for x in mg["ci"]],
             "margin_share_positive": round(mg["share_positive"], 2), "margin_entries": mg["n_entries"],
             "kinds": {k: round(v["margin"], 3) for k, v in mg["kinds"].items()},
@@ -86,6 +88,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="section.key=value on the base params")
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--data", default="data/datasets/rctp.jsonl", help="the RCTP set (label_rewards@rctp's by default)")
+    ap.add_argument("--side", default="dev", help="controllability's entries: dev (choosing) | test (reporting)")
     ap.add_argument("--work", default=None, help="folder for the designs' outputs (default: a temp folder)")
     args = ap.parse_args()
     base = yaml.safe_load(Path(args.params).read_text())
@@ -93,7 +96,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     for text in args.design:
         name, overrides = parse_design(text)
-        print(json.dumps({**run_design(name, overrides, base, args.set, work, args.data), "data": args.data}),
+        print(json.dumps({**run_design(name, overrides, base, args.set, work, args.data, args.side), "data": args.data}),
               flush=True)
     print(f"outputs: {work}", file=sys.stderr)
 

@@ -188,7 +188,7 @@ def test_cli_on_tiny_rctp_model(tiny_model_dir, tmp_path, monkeypatch):
         "--params", str(tmp_path / "params.yaml")])
     assert res.exit_code == 0, res.output
     m = json.loads((tmp_path / "m.json").read_text())
-    assert m["entries"] == [e.id for e in entries[1:]] and m["n_entries"] == 2
+    assert m["entries"] == [e.id for e in entries[1:]] and m["n_entries"] == 2 and m["side"] == "test"
     for arm in ("greedy", "sampled", "guided"):
         lo, hi = m[arm]["gap_ci"]
         assert 0.0 <= m[arm]["success_rate_high"] <= 1.0 and -1.0 <= lo <= m[arm]["gap"] <= hi <= 1.0
@@ -208,6 +208,24 @@ def test_cli_on_tiny_rctp_model(tiny_model_dir, tmp_path, monkeypatch):
     assert {r["provenance"]["guidance"] for r in guided} == {4.0}
     unguided = [r["logprobs"] for r in rows if r["provenance"]["arm"] == "sampled"]
     assert [r["logprobs"] for r in guided] != unguided
+
+
+def test_entries_come_from_the_side_asked_for(tmp_path):
+    """Designs are chosen on dev: `--side dev` takes dev entries only, in the stratified order; a bad side or an
+    empty dev side is a clear error."""
+    entries = multi_turn.load_entries(["base"])[:5]
+    write_jsonl(tmp_path / "entries.jsonl", (e.to_json() for e in entries))
+    ids = [e.id for e in entries]
+    write_json(tmp_path / "split.json", {"train": ids[:1], "dev": ids[1:3], "test": ids[3:]})
+    cfg = from_dict(ctl.ControllabilityConfig, {"n_entries": 8})
+    paths = (tmp_path / "entries.jsonl", tmp_path / "split.json")
+    assert [e.id for e in ctl.held_out_entries(*paths, cfg, side="dev")] == ids[1:3]
+    assert [e.id for e in ctl.held_out_entries(*paths, cfg)] == ids[3:]
+    with pytest.raises(InputError, match="side must be test or dev"):
+        ctl.held_out_entries(*paths, cfg, side="train")
+    write_json(tmp_path / "split.json", {"train": ids[:1], "dev": [], "test": ids[1:]})
+    with pytest.raises(InputError, match="the dev side is empty"):
+        ctl.held_out_entries(*paths, cfg, side="dev")
 
 
 def test_bad_params_and_missing_split(tmp_path):

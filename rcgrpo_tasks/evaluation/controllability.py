@@ -84,13 +84,16 @@ def rl_record(rl: RLConfig) -> dict:
 
 
 def held_out_entries(entries_path: Path, split_path: Path, cfg: ControllabilityConfig,
-                     n: int | None = -1) -> list:
-    """The first `n` (default `n_entries`; None = all) test entries of `cfg.categories`, round-robin over
-    the categories (file order within each), as evaluate's `limit` takes them."""
-    test = split_entries(entries_path, split_path, "test", cfg.categories)
-    if not test:
-        raise InputError(f"{split_path}: no test entries in categories {list(cfg.categories or [])} (empty: any)")
-    return stratified(test, cfg.n_entries if n == -1 else (n or len(test)))
+                     n: int | None = -1, side: str = "test") -> list:
+    """The first `n` (default `n_entries`; None = all) entries of `side` (test: what is reported; dev: what
+    designs are chosen on) in `cfg.categories`, round-robin over the categories (file order within each), as
+    evaluate's `limit` takes them."""
+    if side not in ("test", "dev"):
+        raise InputError(f"side must be test or dev, got {side!r}")
+    rows = split_entries(entries_path, split_path, side, cfg.categories)
+    if not rows:
+        raise InputError(f"{split_path}: no {side} entries in categories {list(cfg.categories or [])} (empty: any)")
+    return stratified(rows, cfg.n_entries if n == -1 else (n or len(rows)))
 
 
 def reading(cfg: ControllabilityConfig, backend, entries: list, prompt: PromptConfig, tokens: tuple[str, str]) -> dict:

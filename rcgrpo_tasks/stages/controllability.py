@@ -30,7 +30,7 @@ averaged over entries, with a paired bootstrap CI of mixed - all-high. Plug-in e
 per token the rates are often 0 or 1 and both shares are biased toward 1.
 
 Reads: `--model-dir` + `--adapter-dir` (an sft-stage output, loaded by `HFBackend` as evaluate does),
-`--entries` and `--split` (prepare_data; the `test` side), params `controllability`, `prompt`,
+`--entries` and `--split` (prepare_data; the `test` side, `--side dev` for design choices), params `controllability`, `prompt`,
 `label_rewards.tokens` and `rl.temperature` / `rl.top_p` / `rl.num_generations` / `rl.p_high`.
 Writes: `--metrics` (JSON, also to MLflow), `--trajectories` (JSONL of both arms, optional).
 Run: `rcgrpo controllability --model-dir models/base --adapter-dir models/sft/rctp --entries
@@ -83,7 +83,8 @@ def main(
     model_dir: Path = typer.Option(Path("models/base"), help="Base model folder (prepare_model)."),
     adapter_dir: Path | None = typer.Option(None, help="sft-stage output (e.g. models/sft/rctp)."),
     entries: Path = typer.Option(Path("data/entries.jsonl"), help="Entries JSONL (prepare_data)."),
-    split: Path = typer.Option(Path("data/split.json"), help="Split JSON (prepare_data); the test side is used."),
+    split: Path = typer.Option(Path("data/split.json"), help="Split JSON (prepare_data)."),
+    side: str = typer.Option("test", help="test (held out: what is reported) | dev (what designs are chosen on)."),
     metrics: Path = typer.Option(Path("metrics/controllability.json"), help="Output: metrics JSON."),
     trajectories: Path | None = typer.Option(None, help="Output: the rollouts of both arms as trajectory JSONL."),
     params: Path = typer.Option(Path("params.yaml"), help="Params (sections `controllability`, `label_rewards`, `rl`)."),
@@ -94,17 +95,18 @@ def main(
         prompt = load_config(PromptConfig, params, "prompt")
         tokens = load_reward_tokens(params)
         rl = load_config(RLConfig, params, "rl")  # the sampled arm samples as RL does
-        picked = held_out_entries(entries, split, cfg)
-        margin_set = held_out_entries(entries, split, cfg, cfg.margin_entries) if cfg.margin else None
+        picked = held_out_entries(entries, split, cfg, side=side)
+        margin_set = held_out_entries(entries, split, cfg, cfg.margin_entries, side) if cfg.margin else None
         cfg.decode.check_context(model_dir, f"{params}:controllability.max_new_tokens")
         backend = load_policy(model_dir, adapter_dir, cfg.decode.dtype, (tokens[-1], tokens[0]),
                               load_compute(params).device)  # before any MLflow run
     typer.echo(f"controllability: decoding on {backend.describe().get('device')}")
     run_params = {"controllability": as_dict(cfg), "prompt": as_dict(prompt), "rl": rl_record(rl),
-                  "adapter": str(adapter_dir), "tokens": list(tokens)}
+                  "adapter": str(adapter_dir), "tokens": list(tokens), "side": side}
     with tracking.published_run("controllability", run_params, outputs=(metrics, trajectories)) as (_, staged):
         result, trajs = measure(cfg, prompt, tokens, backend, picked, rl,
                                 {"model": str(model_dir), "adapter": str(adapter_dir)}, margin_set)
+        result["side"] = side
         write_json(staged.file(metrics), result)
         if trajectories:
             write_trajectories(staged.file(trajectories), as_stage_output(trajs, "controllability"))
@@ -113,7 +115,7 @@ def main(
     s, z = result["sampled"], result["zero_variance"]
     greedy = f"; greedy gap {_ci(result['greedy'], 'gap')}" if "greedy" in result else ""
     greedy += f"; guided (w={cfg.guidance}) gap {_ci(result['guided'], 'gap')}" if "guided" in result else ""
-    typer.echo(f"controllability over {result['n_entries']} entries: sampled (T={s['temperature']}, "
+    typer.echo(f"controllability over {result['n_entries']} {side} entries: sampled (T={s['temperature']}, "
                f"{s['samples_per_token']}/token) R|high {s['success_rate_high']:.3f} R|low {s['success_rate_low']:.3f} "
                f"gap {_ci(s, 'gap')} ({s['identical_outputs']} of {s['pairs']} pairs identical){greedy}; "
                f"zero-variance share (G={z['G']}) all-high {z['all_high']:.3f} mixed {z['mixed']:.3f}; "
@@ -121,7 +123,7 @@ def main(
     if "margin" in result:
         m, rows = result["margin"], result["token_rows"]
         kinds = ", ".join(f"{k} {v['margin']:+.3f}" for k, v in m["kinds"].items())
-        typer.echo(f"teacher-forced margin over {m['n_entries']} entries: {m['margin']:+.3f} "
+        typer.echo(f"teacher-forced margin over {m['n_entries']} {side} entries: {m['margin']:+.3f} "
                    f"[{m['ci'][0]:+.3f}, {m['ci'][1]:+.3f}] nat, {m['share_positive']:.0%} of entries > 0 ({kinds}); "
                    f"token rows {rows['distance']:.3f} apart ({rows['ratio']:.2f}x two real tokens); "
                    f"{result['margin_s']} s")
