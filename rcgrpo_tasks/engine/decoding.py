@@ -51,7 +51,8 @@ class DecodeConfig:
     CPU vLLM environment `make vllm-venv` on a CPU); docs/engine.md "vLLM" has the choice, docs/measured.md
     the measurements."""
     dtype: Literal["float32", "bfloat16", "auto"] = "auto"
-    """Weights dtype; `auto` = bf16 on a GPU with bf16 and on a CPU with AMX (`engine.models.bf16_supported`), else float32 (both backends)."""
+    """Weights dtype; `auto` = bf16 on a GPU with bf16 and on a CPU with AMX (`engine.models.bf16_supported`),
+    else float32 (both backends)."""
     batch_rows: int = 8
     """Rollouts decoded together in one session (hf)."""
 

@@ -213,8 +213,8 @@ class HFSession(CacheLayout, Session):
 
 class HFBackend(Backend):
     """transformers model + tokenizer on `device` (auto | cpu | cuda | cuda:N); `dtype`: float32 | bfloat16 |
-    auto (bf16 on CUDA and on CPUs with AMX: `engine.models.bf16_supported`). `cuda_graphs`: capture the decode step on CUDA
-    (None = on for CUDA; never used on CPU)."""
+    auto (bf16 on CUDA and on CPUs with AMX: `engine.models.bf16_supported`). `cuda_graphs`: capture the
+    decode step on CUDA (None = on for CUDA; never used on CPU)."""
 
     name = "hf"
     STOP_CHECK_CUDA = 8
@@ -253,8 +253,8 @@ class HFBackend(Backend):
     def from_model(cls, model, tokenizer, autocast: bool = False, cuda_graphs: bool | None = None) -> "HFBackend":
         """Wrap an in-memory (possibly PEFT-wrapped, training-mode) model where it is; generation runs in eval mode.
 
-        `autocast`: run forwards under bf16 autocast where bf16 pays (CUDA with bf16, a CPU with AMX) (faster matmuls on fp32
-        weights; log-probs then bf16-precise).
+        `autocast`: run forwards under bf16 autocast on CUDA with bf16 and on a CPU with AMX (faster matmuls on
+        fp32 weights; log-probs then bf16-precise).
         """
         self = cls.__new__(cls)
         self._init(model, tokenizer, autocast, cuda_graphs)

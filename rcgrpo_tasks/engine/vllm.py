@@ -62,8 +62,9 @@ def import_vllm():
 
 
 def engine_dtype(dtype: str, on_cpu: bool) -> str:
-    """The project's dtype rule (as the `hf` backend's): `auto` = bf16 on CUDA and on CPUs with AMX (`engine.models.bf16_supported`)
-    (`RCGRPO_CPU_BF16` decides), else float32. vLLM's own `auto` would pick bf16 on any CPU."""
+    """The project's dtype rule (as the `hf` backend's): `auto` = bf16 on CUDA and on CPUs with AMX
+    (`engine.models.bf16_supported`; `RCGRPO_CPU_BF16` overrides), else float32. vLLM's own `auto` would pick
+    bf16 on any CPU."""
     if dtype != "auto":
         return dtype
     return "bfloat16" if not on_cpu or bf16_supported() else "float32"

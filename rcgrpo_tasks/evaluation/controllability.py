@@ -17,6 +17,7 @@ from rcgrpo_tasks.engine.rollout import run_groups
 from rcgrpo_tasks.env.entries import check_categories, split_entries, stratified
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.tasks import task_of_entries
+from rcgrpo_tasks.evaluation.heldout import check_side
 from rcgrpo_tasks.ops.config import flat_field
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.stats import check_n_boot, mean, paired_bootstrap_ci
@@ -88,9 +89,7 @@ def held_out_entries(entries_path: Path, split_path: Path, cfg: ControllabilityC
     """The first `n` (default `n_entries`; None = all) entries of `side` (test: what is reported; dev: what
     designs are chosen on) in `cfg.categories`, round-robin over the categories (file order within each), as
     evaluate's `limit` takes them."""
-    if side not in ("test", "dev"):
-        raise InputError(f"side must be test or dev, got {side!r}")
-    rows = split_entries(entries_path, split_path, side, cfg.categories)
+    rows = split_entries(entries_path, split_path, check_side(side), cfg.categories)
     if not rows:
         raise InputError(f"{split_path}: no {side} entries in categories {list(cfg.categories or [])} (empty: any)")
     return stratified(rows, cfg.n_entries if n == -1 else (n or len(rows)))

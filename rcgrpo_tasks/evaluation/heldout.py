@@ -17,6 +17,7 @@ from rcgrpo_tasks.env.prompt import DEFAULT_REWARD_TOKENS, PromptConfig
 from rcgrpo_tasks.env.tasks import ALL_CATEGORIES, get_task, paper_overall, task_of
 from rcgrpo_tasks.ops.cli import Progress
 from rcgrpo_tasks.ops.config import flat_field
+from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import write_jsonl, write_text
 from rcgrpo_tasks.ops.plots import accuracy_plot
 from rcgrpo_tasks.ops.stats import bootstrap_ci, check_n_boot
@@ -98,6 +99,14 @@ def summarize(rows: list[dict], label: str, n_boot: int, seed: int) -> dict:
         "n_model_tokens": sum(r["n_model_tokens"] for r in rows),
         "mean_steps": sum(r["n_steps"] for r in rows) / len(rows),
     }
+
+
+def check_side(side: str) -> str:
+    """The split side a measurement reads: test (held out: what is reported) | dev (what designs are chosen
+    on); anything else (train included) is an InputError."""
+    if side not in ("test", "dev"):
+        raise InputError(f"--side must be test or dev, got {side!r}")
+    return side
 
 
 def guidance_of(cfg: EvaluateConfig, reward_token: str | None) -> float:

@@ -30,8 +30,8 @@ averaged over entries, with a paired bootstrap CI of mixed - all-high. Plug-in e
 per token the rates are often 0 or 1 and both shares are biased toward 1.
 
 Reads: `--model-dir` + `--adapter-dir` (an sft-stage output, loaded by `HFBackend` as evaluate does),
-`--entries` and `--split` (prepare_data; the `test` side, `--side dev` for design choices), params `controllability`, `prompt`,
-`label_rewards.tokens` and `rl.temperature` / `rl.top_p` / `rl.num_generations` / `rl.p_high`.
+`--entries` and `--split` (prepare_data; the `test` side, `--side dev` for design choices), params
+`controllability`, `prompt`, `label_rewards.tokens` and `rl.temperature` / `rl.top_p` / `rl.num_generations` / `rl.p_high`.
 Writes: `--metrics` (JSON, also to MLflow), `--trajectories` (JSONL of both arms, optional).
 Run: `rcgrpo controllability --model-dir models/base --adapter-dir models/sft/rctp --entries
 data/entries.jsonl --split data/split.json --metrics metrics/controllability.json`.

@@ -46,6 +46,7 @@ from rcgrpo_tasks.env.entries import read_entries, select_entries, stratified
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.evaluation.heldout import (
     EvaluateConfig,
+    check_side,
     flat_metrics,
     guidance_of,
     report_markdown,
@@ -55,7 +56,6 @@ from rcgrpo_tasks.evaluation.heldout import (
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config
-from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import write_json, write_text
 
 
@@ -94,9 +94,7 @@ def main(
         prompt = load_config(PromptConfig, params, "prompt")
         tokens = load_reward_tokens(params)
         pool = read_entries(entries)
-        if side not in ("test", "dev"):
-            raise InputError(f"--side must be test or dev, got {side!r}")
-        held_out = stratified(select_entries(pool, split=split, side=side), cfg.limit)
+        held_out = stratified(select_entries(pool, split=split, side=check_side(side)), cfg.limit)
         compute = load_compute(params)
         backend = load_backend(cfg.decode.backend, model, adapter or None, **cfg.decode.backend_kwargs(compute.device))
         if guidance_of(cfg, reward_token or None):  # a model without reward tokens fails here, before any run

@@ -19,9 +19,9 @@ from rcgrpo_tasks.engine.vllm import VLLMBackend, VLLMServerBackend
 
 def rollout_dtype(setting: str, device_type: str):
     """torch dtype of the rollout snapshot, or None to sample from the live training model. `auto`: on a CPU a
-    merged copy in bf16 on a CPU with AMX (`engine.models.bf16_supported`), else in float32 (the same numbers as the trainer up to
-    merge rounding, at about twice the live PEFT model's decode speed: docs/measured.md, "Engine"); on a GPU
-    the live model."""
+    merged copy, in bf16 where the CPU has AMX (`engine.models.bf16_supported`), else in float32 (the same
+    numbers as the trainer up to merge rounding, at about twice the live PEFT model's decode speed:
+    docs/measured.md, "Engine"); on a GPU the live model."""
     import torch
 
     if setting == "auto":
