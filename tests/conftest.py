@@ -63,6 +63,22 @@ def _params_read_afresh():
     forget_params()
 
 
+@pytest.fixture(autouse=True)
+def _global_rngs_reseeded():
+    """Every test starts from the same global random state, whatever ran before it on its worker (`make test`
+    hands whole modules to xdist workers in no fixed order): a test that draws from Python's, numpy's or
+    torch's global generator gets the same numbers in every run. (Each starts from a fresh seed per process
+    otherwise, torch's included; importing torch here costs each worker once what nearly every module pays.)"""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)  # seeds every CUDA device too
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """The real SmolLM2 tokenizer + chat template, saved as a normal HF folder: read from the GGUF, or from the
