@@ -170,6 +170,48 @@ def grad_capture():
     return Grads()
 
 
+def snapshot():
+    """A TrainerCallback keeping the trainable parameters at train begin and end (`.before`, `.after`; PEFT
+    names)."""
+    from transformers import TrainerCallback
+
+    class Snapshot(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+        def on_train_end(self, args, state, control, model=None, **kwargs):
+            self.after = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+        def changed(self, key: str) -> list[str]:
+            return [n for n in self.before if key in n and not (self.before[n] == self.after[n]).all()]
+
+    return Snapshot()
+
+
+def assert_same_adam_step(a, b, grads: dict, near_zero: float = 1e-5, rel: float = 1e-3, left_out: float = 0.01):
+    """Two runs took the same first Adam step from the same weights (`a`, `b`: `snapshot()`s; `grads`: run a's
+    gradients by parameter name, which the caller has compared with run b's).
+
+    Adam's first step moves each element by lr * g / (|g| + eps): an element whose gradient is within the
+    gradients' rounding of 0 may move by anything up to the learning rate, either way, in either run. So the
+    elements with 0 < |g| < `near_zero` of the largest gradient are left out (at most a `left_out` share of
+    the moved ones may be), and every other element agrees within `rel` of the largest step."""
+    import torch
+
+    top = max(float(g.abs().max()) for g in grads.values())
+    step = max(float((a.after[n] - a.before[n]).abs().max()) for n in a.after)
+    assert top > 0 and step > 0 and a.before.keys() == b.before.keys() == a.after.keys() == b.after.keys()
+    skipped = moved = 0
+    for n in a.after:
+        assert (a.before[n] == b.before[n]).all(), n
+        g = grads.get(n, torch.zeros_like(a.after[n]))  # no gradient: compared whole
+        sensitive = (g != 0) & (g.abs() < near_zero * top)
+        skipped, moved = skipped + int(sensitive.sum()), moved + int((g != 0).sum())
+        gap = (a.after[n] - b.after[n]).abs().masked_fill(sensitive, 0)
+        assert float(gap.max()) <= rel * step, (n, float(gap.max()), step)
+    assert moved > 0 and skipped <= left_out * moved, (skipped, moved)
+
+
 def pack_spy(monkeypatch) -> list[int]:
     """Rows of every batch `engine.shared_prefix` packs (the shared layout was taken), appended in order."""
     from rcgrpo_tasks.engine import shared_prefix
