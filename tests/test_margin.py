@@ -98,10 +98,10 @@ def test_margin_chunks_keep_entries_whole_within_their_tree_budget():
 
     prompt = list(range(100, 160))  # 60 shared tokens per entry, 4 answers of 10 tokens each
 
-    def entry(e: str, system: int) -> list:
-        return [mg.Contrast(e, kind, token, tuple([system] + prompt + [hash((e, kind, token)) % 997 + 1000 + i
-                                                                       for i in range(10)]), (0,) * 61 + (1,) * 10)
-                for kind in ("expert", "k") for token in TOKENS]
+    def entry(e: str, system: int) -> list:  # the 4 answers differ from their first token on
+        answers = [(kind, token) for kind in ("expert", "k") for token in TOKENS]
+        return [mg.Contrast(e, kind, token, tuple([system] + prompt + [1000 + 10 * j + i for i in range(10)]),
+                            (0,) * 61 + (1,) * 10) for j, (kind, token) in enumerate(answers)]
 
     items = entry("a", 1) + entry("b", 2) + entry("c", 3)
     one = trunk_tokens([list(c.token_ids) for c in entry("a", 1)])
