@@ -188,9 +188,10 @@ def snapshot():
     return Snapshot()
 
 
-def assert_same_adam_step(a, b, grads: dict, near_zero: float = 1e-5, rel: float = 1e-3, left_out: float = 0.01):
-    """Two runs took the same first Adam step from the same weights (`a`, `b`: `snapshot()`s; `grads`: run a's
-    gradients by parameter name, which the caller has compared with run b's).
+def assert_same_adam_step(a, b, grads_a: dict, grads_b: dict, near_zero: float = 1e-5, rel: float = 1e-3,
+                          left_out: float = 0.01):
+    """Two runs took the same first Adam step from the same weights (`a`, `b`: `snapshot()`s; `grads_a`,
+    `grads_b`: `grad_capture()`'s gradients by parameter name): the gradients agree within 1e-5 of the largest.
 
     Adam's first step moves each element by lr * g / (|g| + eps): an element whose gradient is within the
     gradients' rounding of 0 may move by anything up to the learning rate, either way, in either run. So the
@@ -198,13 +199,16 @@ def assert_same_adam_step(a, b, grads: dict, near_zero: float = 1e-5, rel: float
     the moved ones may be), and every other element agrees within `rel` of the largest step."""
     import torch
 
-    top = max(float(g.abs().max()) for g in grads.values())
+    top = max(float(g.abs().max()) for g in grads_a.values())
+    assert top > 0 and grads_a.keys() == grads_b.keys()
+    for n, g in grads_a.items():
+        assert float((g - grads_b[n]).abs().max()) <= 1e-5 * top, n
     step = max(float((a.after[n] - a.before[n]).abs().max()) for n in a.after)
-    assert top > 0 and step > 0 and a.before.keys() == b.before.keys() == a.after.keys() == b.after.keys()
+    assert step > 0 and a.before.keys() == b.before.keys() == a.after.keys() == b.after.keys()
     skipped = moved = 0
     for n in a.after:
         assert (a.before[n] == b.before[n]).all(), n
-        g = grads.get(n, torch.zeros_like(a.after[n]))  # no gradient: compared whole
+        g = grads_a.get(n, torch.zeros_like(a.after[n]))  # no gradient: compared whole
         sensitive = (g != 0) & (g.abs() < near_zero * top)
         skipped, moved = skipped + int(sensitive.sum()), moved + int((g != 0).sum())
         gap = (a.after[n] - b.after[n]).abs().masked_fill(sensitive, 0)

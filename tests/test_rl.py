@@ -440,11 +440,7 @@ def test_an_rl_step_updates_the_same_weights_with_and_without_the_shared_prefix(
         assert bool(packed) == (shared is not None)  # policy, reference and trainer forwards: the shared layout
     (s_plain, g_plain, w_plain, r_plain), (s_shared, g_shared, w_shared, r_shared) = out["plain"], out["shared"]
     assert r_plain == r_shared
-    top = max(float(g.abs().max()) for g in g_plain.values())
-    assert top > 0 and g_plain.keys() == g_shared.keys()
-    for n, g in g_plain.items():
-        assert float((g - g_shared[n]).abs().max()) <= 1e-5 * top, n
-    assert_same_adam_step(s_plain, s_shared, g_plain)
+    assert_same_adam_step(s_plain, s_shared, g_plain, g_shared)
     before = _weights(model_dir)
     for w in (w_plain, w_shared):
         assert max(float((w[k] - before[k]).abs().max()) for k in w if k in before) > 0

@@ -495,8 +495,4 @@ def test_an_rctp_pair_step_updates_the_same_weights_with_and_without_the_shared_
         runs_[name] = (snap, grads.grads)
         assert packed == ([] if shared is None else [2, 2])  # each pair's micro-batch took the shared layout
     (plain, g_plain), (shared, g_shared) = runs_["plain"], runs_["shared"]
-    top = max(float(g.abs().max()) for g in g_plain.values())
-    assert top > 0 and g_plain.keys() == g_shared.keys()
-    for n, g in g_plain.items():
-        assert float((g - g_shared[n]).abs().max()) <= 1e-5 * top, n
-    assert_same_adam_step(plain, shared, g_plain)
+    assert_same_adam_step(plain, shared, g_plain, g_shared)
