@@ -9,8 +9,8 @@ import pytest
 from rcgrpo_tasks.engine.backend import SamplingParams, ScriptedBackend
 from rcgrpo_tasks.engine.backends import load_backend
 from rcgrpo_tasks.engine.hf import HFBackend
-from rcgrpo_tasks.engine.kvcache import prefix_tree, walk
 from rcgrpo_tasks.engine.models import ModelLoadError
+from rcgrpo_tasks.engine.prefix_layout import prefix_tree, walk
 from rcgrpo_tasks.engine.sampling import sample_tokens
 from rcgrpo_tasks.engine.vllm import VLLMBackend
 

@@ -11,7 +11,8 @@ from helpers import get_entry
 from rcgrpo_tasks.engine.backend import Backend, Completion, SamplingParams, Session, decode_text
 from rcgrpo_tasks.engine.device import MemorySplitWarning
 from rcgrpo_tasks.engine.hf import HFBackend, HFSession
-from rcgrpo_tasks.engine.kvcache import ALIGN, GROWTH, plan_capacity, ragged_segments
+from rcgrpo_tasks.engine.kvcache import ALIGN, GROWTH, plan_capacity
+from rcgrpo_tasks.engine.prefix_layout import ragged_segments
 from rcgrpo_tasks.engine.rollout import run_group, run_groups
 from rcgrpo_tasks.engine.sampling import mix32, mix64, mix64_tensor, row_seed, uniform_noise
 from rcgrpo_tasks.env.prompt import ProtocolConfig

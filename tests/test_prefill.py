@@ -9,8 +9,8 @@ from test_backends import _check
 
 from rcgrpo_tasks.engine.backend import SamplingParams
 from rcgrpo_tasks.engine.hf import HFBackend, HFSession
-from rcgrpo_tasks.engine.kvcache import prefix_tree, walk
 from rcgrpo_tasks.engine.prefill import batched_prefill_wanted, left_padded, length_buckets, plan_prefill
+from rcgrpo_tasks.engine.prefix_layout import prefix_tree, walk
 
 SYSTEM = list(range(100, 140))
 TASKS = [list(range(200, 217)), list(range(300, 320)), list(range(400, 430)), list(range(500, 540)),

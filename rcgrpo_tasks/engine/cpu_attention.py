@@ -3,7 +3,7 @@
 - Prefill: torch's sdpa with `enable_gqa`. transformers' sdpa copies K/V once per query head whenever there
   is a mask, as a padded batch has (measured: docs/measured.md, "Engine").
 - One-token decode: a GQA-packed matmul + softmax (CPU sdpa with a padding mask is slower in bf16).
-- A cache with shared prefixes (`kvcache.SharedPrefixes`, passed as the `rcgrpo_shared` keyword), prefill and
+- A cache with shared prefixes (`prefix_layout.SharedPrefixes`, passed as the `rcgrpo_shared` keyword), prefill and
   decode: each block's prefix is read once for all the rows that share it (their queries stacked into one
   matmul per block and head), the rows' own columns as above, and the two softmaxes merged through their
   log-sum-exps (exact: the same attention as over the concatenated columns, up to float rounding).

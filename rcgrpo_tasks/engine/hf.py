@@ -125,7 +125,7 @@ class HFSession(CacheLayout, Session):
         finally:
             while outer:
                 d = self._widen(d, *outer.pop())
-        st.cache.n += done - 1  # every step but the first sampled one fed a column
+        st.cache.advance(done - 1)  # every step but the first sampled one fed a column
         return self._completions(d.out_tok[:, :done].tolist(), d.out_lp[:, :done].tolist())
 
     def _narrow(self, d: DecodeState, outer: list) -> DecodeState:

@@ -3,14 +3,14 @@
 
 - Batching: every row of a `generate` call is decoded together (the rollout loop hands over every group of
   a batch). Each prompt prefix several rows share is prefilled once at batch 1, on top of the shorter one it
-  extends (`kvcache.prefix_tree`: a system prompt several entries share, each entry's task on it, a GRPO
+  extends (`prefix_layout.prefix_tree`: a system prompt several entries share, each entry's task on it, a GRPO
   group's rows up to their reward token, the rows with the same token past it), and copied into its rows, all
   rows laid out left-padded in one cache (`rcgrpo_tasks.engine.kvcache`).
 - CUDA prefill (`batched_prefill`, `rcgrpo_tasks.engine.prefill`): there the number of forwards is what
   costs, so a new set of rows is prefilled by length bucket instead: each prompt rows share once, in a few
   left-padded batches per bucket, its K/V copied into its rows; the prefix tree above is the CPU's.
 - Shared prefixes (CPU attention): each of those prefixes is stored once, as a block the rows that end there
-  read in attention (`kvcache.SharedPrefixes`), not copied into every row; the rows hold what follows it.
+  read in attention (`prefix_layout.SharedPrefixes`), not copied into every row; the rows hold what follows it.
 - KV reuse: a later call appends only each row's new tokens (observations, next user turn), never
   re-prefilling. Rows of different lengths share the cache through masked holes (position ids count real
   tokens), compacted once holes exceed `COMPACT_AT`; rows whose keys disappear are dropped. A span of new
@@ -19,19 +19,17 @@
 
 from __future__ import annotations
 
-from rcgrpo_tasks.engine.kvcache import (
+from rcgrpo_tasks.engine.kvcache import plan_capacity, prefill_mask, slot_cache_class
+from rcgrpo_tasks.engine.models import last_positions
+from rcgrpo_tasks.engine.prefill import left_padded, plan_prefill
+from rcgrpo_tasks.engine.prefix_layout import (
     PrefixNode,
     SharedPrefixes,
-    plan_capacity,
-    prefill_mask,
     prefix_lengths,
     prefix_tree,
     ragged_segments,
-    slot_cache_class,
     walk,
 )
-from rcgrpo_tasks.engine.models import last_positions
-from rcgrpo_tasks.engine.prefill import left_padded, plan_prefill
 
 
 class CacheRows:
@@ -140,7 +138,7 @@ class CacheLayout:
 
         for root in tree:
             visit(root, None)
-        st.cache.n = width
+        st.cache.advance(width)  # raises where the rows' prefixes were never stored
         self.covered = [list(p[:prefix_len[i]]) for i, p in enumerate(prompts)]
 
     def _prefill_batched(self, prompts: list[list[int]], reserve: int) -> None:
@@ -160,7 +158,7 @@ class CacheLayout:
             st.cache.place(sub.cache, rows, width - sub.cache.n, take)
             st.mask[rows, width - sub.cache.n:width] = sub.mask[take]
             st.nreal[rows] = sub.nreal[take]
-        st.cache.n = width
+        st.cache.advance(width)  # raises where the rows' prefixes were never stored
         self.covered = [list(h) for h in plan.heads]  # per row: its own list (extended in place later)
 
     def _extend(self, one: CacheRows, ids: list[int]) -> CacheRows:

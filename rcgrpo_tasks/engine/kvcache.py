@@ -1,6 +1,5 @@
-"""The `hf` session's KV cache: preallocated per-layer buffers shared by all rows, plus their attention masks,
-and the prompt layout it is filled in (`prefix_tree`: which prefixes are prefilled once; `SharedPrefixes`:
-which are stored once).
+"""The `hf` session's KV cache: preallocated per-layer buffers shared by all rows, plus their attention masks
+(the prompt layout it is filled in: `engine.prefix_layout`).
 
 Layout: per layer K and V of shape (rows, kv_heads, capacity, head_dim); columns [0, n) are in use and
 every row ends at column n - 1 (rows are left-padded; a column a row does not use is a "hole", masked).
@@ -11,20 +10,19 @@ need (tokens so far + this call's new tokens), grown by `GROWTH` only when a cal
 time so the peak stays near one copy. Buffers start zeroed: holes always hold finite values, so a masked
 column contributes exactly 0.
 
-Shared prefixes (`SlotCache.shared`, CPU attention only): a prompt prefix that several rows share (a GRPO
-group's prompt up to its reward token, a system prompt) is stored ONCE, as a "block" beside the rows' own
-columns, and decode and prefill attention read it once per block instead of once per row
-(`engine.cpu_attention`). The rows' own columns then hold only what follows their block. On a CPU a decode
-step over many rows is bound by reading K/V: 40 rows x ~770 prompt columns read 40 copies of 8 prompts.
+Every path that writes rows into a cache (a prefill forward, `place`, `put_columns`) allocates its buffers
+first where it has none, and a cache that counts columns it never stored raises (`check_stored`): a write
+never lands nowhere.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import math
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rcgrpo_tasks.engine.prefix_layout import SharedPrefixes
 
 GROWTH = 1.25
 """Minimum growth factor of the capacity when a call needs more columns (fewer re-allocations and graph captures)."""
@@ -65,13 +63,11 @@ def slot_cache_class():
 
         # -- transformers' Cache interface (what attention layers and mask code call) ------------------
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            import torch
 
             if layer_idx == len(self.keys):  # first use of this layer: shapes, dtype and device from the model
-                shape = (self.rows, key_states.shape[1], self.capacity, key_states.shape[3])
-                self.keys.append(torch.zeros(shape, dtype=key_states.dtype, device=key_states.device))
-                self.values.append(torch.zeros(shape[:3] + (value_states.shape[3],), dtype=value_states.dtype,
-                                               device=value_states.device))
+                self.check_stored()
+                self.keys.append(self._zeros(key_states))
+                self.values.append(self._zeros(value_states))
             k, v = self.keys[layer_idx], self.values[layer_idx]
             if self.write_at is not None:  # a decode step: no Python int that a captured graph would freeze
                 k.index_copy_(2, self.write_at, key_states.to(k.dtype))
@@ -96,6 +92,31 @@ def slot_cache_class():
         # -- the session's operations --------------------------------------------------------------------
         def advance(self, s: int) -> None:
             self.n += s
+            self.check_stored()
+
+        def check_stored(self, before: int | None = None) -> None:
+            """Raise unless columns [0, `before`) (default: [0, n)) have buffers to live in: a cache that
+            counts columns it never stored would attend to zeros where a row's own tokens should be."""
+            if (self.n if before is None else before) > 0 and not self.keys:
+                raise RuntimeError(f"KV cache: columns [0, {self.n if before is None else before}) were never "
+                                   "stored (no buffers): a write went nowhere")
+
+        def _zeros(self, like):
+            """A zeroed buffer for one layer like `like` (any cache's per-layer K or V, or a layer's new
+            states), at this cache's rows and capacity."""
+            import torch
+
+            return torch.zeros((self.rows, like.shape[1], self.capacity, like.shape[3]), dtype=like.dtype,
+                               device=like.device)
+
+        def allocate_like(self, other_keys: list, other_values: list) -> None:
+            """Give this cache its buffers (every layer, zeroed) shaped like another cache's, where it has none
+            yet: every path that writes rows into this cache calls it first, so no write can land nowhere."""
+            if self.keys:
+                return
+            self.check_stored()
+            self.keys.extend(self._zeros(t) for t in other_keys)
+            self.values.extend(self._zeros(t) for t in other_values)
 
         def nbytes(self) -> int:
             own = sum(t.numel() * t.element_size() for t in self.keys + self.values)
@@ -134,6 +155,7 @@ def slot_cache_class():
             """Row r keeps columns index[r] (rows, width) as its new columns [0, width): compaction."""
             import torch
 
+            self.check_stored()
             for buffers in (self.keys, self.values):
                 for i, old in enumerate(buffers):
                     idx = index.to(old.device)[:, None, :, None].expand(-1, old.shape[1], -1, old.shape[3])
@@ -147,6 +169,7 @@ def slot_cache_class():
             """A new cache holding rows `index` (int64 tensor): their columns [0, width) (default: [0, n); a
             decode in flight has written past n), room for `capacity`."""
             width = self.n if width is None else width
+            self.check_stored(before=width)
             sub = type(self)(len(index), capacity)
             sub.n = self.n
             sub.shared = self.shared.select(index, self.rows) if self.shared is not None else None
@@ -158,50 +181,29 @@ def slot_cache_class():
             return sub
 
         def put_columns(self, sub, index, start: int, width: int) -> None:
-            """Write columns [start, start + width) of `sub` (a `take_rows` cache) back into rows `index`."""
+            """Write columns [start, start + width) of `sub` (a `take_rows` cache) back into rows `index`
+            (allocating this cache's buffers where it has none yet: a batch's first span may be one only some
+            rows use)."""
+            if width and not sub.keys:
+                raise RuntimeError("KV cache: put_columns from a cache that stored nothing")
+            self.allocate_like(sub.keys, sub.values)
             cols = slice(start, start + width)
             for src, dst in ((sub.keys, self.keys), (sub.values, self.values)):
-                for t, d in zip(src, dst):
+                for t, d in zip(src, dst, strict=True):
                     d[index.to(d.device), :, cols] = t[:, :, cols]
 
         def place(self, prefix, rows, start: int, take=None) -> None:
             """Copy batch-1 cache `prefix` (its n columns) into rows `rows` (int64 tensor), columns [start, start + n),
             or with `take` (int64 tensor) its row take[i] into rows[i]; allocates this cache's buffers like
             `prefix`'s on first use."""
-            import torch
-
-            if not self.keys:
-                for src, buffers in ((prefix.keys, self.keys), (prefix.values, self.values)):
-                    for t in src:
-                        buffers.append(torch.zeros((self.rows, t.shape[1], self.capacity, t.shape[3]),
-                                                   dtype=t.dtype, device=t.device))
+            prefix.check_stored()
+            self.allocate_like(prefix.keys, prefix.values)
             cols = slice(start, start + prefix.n)
             for src, buffers in ((prefix.keys, self.keys), (prefix.values, self.values)):
-                for t, dst in zip(src, buffers):
+                for t, dst in zip(src, buffers, strict=True):
                     dst[rows.to(dst.device), :, cols] = t[:, :, :prefix.n] if take is None else t[take, :, :prefix.n]
 
     return SlotCache
-
-
-def ragged_segments(lengths: list[int], min_cols: int) -> list[tuple[int, int, list[int] | None]]:
-    """Plan the prefill of right-aligned suffixes (row i fills columns [W - len_i, W), W = the longest):
-    [(start, end, rows)], rows None = every row. A column span that only some rows use is run on those rows
-    alone, so one long tool reply does not cost every row its length in padded compute; a span shorter
-    than `min_cols` joins the next one (whose rows include its rows: the suffixes are right-aligned).
-    The last span always holds every row (their last-column logits come from it)."""
-    width = max(lengths)
-    starts = sorted({width - n for n in lengths if n > 0})
-    segs, carry = [], None
-    for k, a in enumerate(starts):
-        b = starts[k + 1] if k + 1 < len(starts) else width
-        last, first = b == width, (a if carry is None else carry)
-        if b - first < min_cols and not last:
-            carry = first
-            continue
-        carry = None
-        rows = [i for i, n in enumerate(lengths) if n > 0 and width - n <= a]  # every row with a token in [first, b)
-        segs.append((first, b, None if last or len(rows) == len(lengths) else rows))
-    return segs
 
 
 def kv_shape(config) -> tuple[int, int, int]:
@@ -243,153 +245,3 @@ def _additive(m, dtype):
     import torch
 
     return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
-
-
-@dataclass
-class PrefixNode:
-    """A node of `prefix_tree`: it appends tokens [start, end) of its rows' prompts (equal there) to its
-    parent's prefix. `ends`: the rows whose prefilled prefix is exactly [0, end); `children` extend it."""
-
-    start: int
-    end: int
-    ends: list[int]
-    children: list[PrefixNode]
-
-    @property
-    def row(self) -> int:
-        """A row under this node (every node has one: a leaf ends rows)."""
-        return self.ends[0] if self.ends else self.children[0].row
-
-
-def walk(tree: list[PrefixNode]) -> Iterator[PrefixNode]:
-    """Every node of `tree`, parents before their children."""
-    for node in tree:
-        yield node
-        yield from walk(node.children)
-
-
-def prefix_lengths(tree: list[PrefixNode], rows: int) -> list[int]:
-    """Per row, the length of its prefilled prefix in `tree` (0: the row is in no node)."""
-    lengths = [0] * rows
-    for node in walk(tree):
-        for i in node.ends:
-            lengths[i] = node.end
-    return lengths
-
-
-def prefix_tree(prompts: list[list[int]], min_len: int = 1) -> list[PrefixNode]:
-    """The roots of the radix tree of the prompts' shared prefixes: every distinct shared prefix is prefilled
-    once, at batch 1, on top of its parent's (a system prompt several entries share, each entry's task on it,
-    a GRPO group's rows up to their reward token, the rows with the same token past it).
-
-    A row's prefilled prefix is the longest prefix it shares with another row, leaving it at least one token
-    of its own (its last-column logits come from the batched prefill of the rows' rests); a row that shares
-    nothing, or would be alone under a node, is prefilled with the other rows' rests instead. A leaf that
-    adds fewer than `min_len` tokens to its parent is not a node: its rows end at the parent (a forward at
-    batch 1 costs more than a few more tokens in the batched rests; a root that short leaves the tree).
-    """
-    order = sorted(range(len(prompts)), key=lambda i: prompts[i])
-    lcp = [_lcp(prompts[a], prompts[b]) for a, b in zip(order, order[1:])]
-    plen = {i: min(max(lcp[k - 1] if k else 0, lcp[k] if k < len(lcp) else 0), len(prompts[i]) - 1)
-            for k, i in enumerate(order)}
-    roots, _ = _subtree(prompts, [i for i in order if plen[i] > 0], plen, 0)
-    return [r for r in roots if not _prune(r, min_len)]
-
-
-def _prune(node: PrefixNode, min_len: int) -> bool:
-    """Fold leaves shorter than `min_len` into their parents, bottom up; True when `node` itself is one."""
-    kept = []
-    for child in node.children:
-        if _prune(child, min_len):
-            node.ends += child.ends
-        else:
-            kept.append(child)
-    node.children = kept
-    return not kept and node.end - node.start < min_len
-
-
-def _subtree(prompts, rows: list[int], plen: dict[int, int], depth: int) -> tuple[list[PrefixNode], list[int]]:
-    """(nodes below `depth` for `rows`, sorted and each sharing past `depth`; rows left alone, which end at
-    `depth`)."""
-    nodes, alone = [], []
-    for _, run in itertools.groupby(rows, key=lambda i: prompts[i][depth]):
-        run = list(run)
-        if len(run) == 1:
-            alone += run
-            continue
-        end = min(min(plen[i] for i in run), _lcp(prompts[run[0]], prompts[run[-1]]))
-        children, back = _subtree(prompts, [i for i in run if plen[i] > end], plen, end)
-        nodes.append(PrefixNode(depth, end, [i for i in run if plen[i] == end] + back, children))
-    return nodes, alone
-
-
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    return next((k for k in range(n) if a[k] != b[k]), n)
-
-
-@dataclass
-class SharedPrefixes:
-    """Prompt prefixes stored once ("blocks") for the rows that share them; see the module docstring.
-
-    `keys`, `values`: per layer (blocks, kv_heads, width, head_dim), block b's prefix in columns [0, length_b);
-    `bias` (blocks, 1, 1, width) float32: 0 on a block's columns, -inf past its length; `slots`
-    (blocks x per_block,) int64: the row in each slot of each block (`rows` = an empty slot); `of_row` (rows,)
-    int64: each row's slot (blocks x per_block = no block). A row with a block holds only what follows
-    the block in its own columns (position ids count the block)."""
-
-    keys: list
-    values: list
-    bias: object
-    slots: object
-    of_row: object
-    per_block: int
-
-    @classmethod
-    def plan(cls, blocks: list[list[int]], lengths: list[int], rows: int, device) -> SharedPrefixes:
-        """Empty blocks for `blocks` (the rows of each) of prefix `lengths`; `put` fills each block's K/V."""
-        import torch
-
-        per_block = max(len(b) for b in blocks)
-        slots = torch.full((len(blocks) * per_block,), rows, dtype=torch.int64)
-        of_row = torch.full((rows,), len(blocks) * per_block, dtype=torch.int64)
-        for b, members in enumerate(blocks):
-            at = b * per_block + torch.arange(len(members))
-            slots[at] = torch.tensor(members)
-            of_row[members] = at
-        bias = torch.zeros((len(blocks), 1, 1, max(lengths)), dtype=torch.float32)
-        for b, n in enumerate(lengths):
-            bias[b, ..., n:] = float("-inf")
-        return cls([], [], bias.to(device), slots.to(device), of_row.to(device), per_block)
-
-    def put(self, block: int, prefix) -> None:
-        """Copy batch-1 cache `prefix` (its n columns) into block `block` (buffers allocated on first use)."""
-        import torch
-
-        if not self.keys:
-            blocks, width = self.bias.shape[0], self.bias.shape[-1]
-            for src, dst in ((prefix.keys, self.keys), (prefix.values, self.values)):
-                for t in src:
-                    dst.append(torch.zeros((blocks, t.shape[1], width, t.shape[3]), dtype=t.dtype, device=t.device))
-        for src, dst in ((prefix.keys, self.keys), (prefix.values, self.values)):
-            for t, d in zip(src, dst):
-                d[block, :, :prefix.n] = t[0, :, :prefix.n]
-
-    def select(self, index, rows: int) -> SharedPrefixes:
-        """The same blocks for rows `index` (int64 tensor) of the `rows` they served, in that order (the
-        buffers are shared, not copied)."""
-        import dataclasses
-
-        import torch
-
-        index = index.to(self.slots.device)
-        inverse = torch.full((rows + 1,), len(index), dtype=torch.int64, device=index.device)
-        inverse[index] = torch.arange(len(index), device=index.device)
-        return dataclasses.replace(self, slots=inverse[self.slots], of_row=self.of_row[index])
-
-    @property
-    def width(self) -> int:
-        return self.bias.shape[-1]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)

@@ -1,14 +1,14 @@
 """How the `hf` session prefills a new set of rows on CUDA: by length bucket, not by prefix-tree node.
 
 On the CPU the session prefills each prompt prefix several rows share once, at batch 1, on top of the one it
-extends (`kvcache.prefix_tree`): it computes the fewest tokens, which is what a CPU pays for. On a GPU a
+extends (`prefix_layout.prefix_tree`): it computes the fewest tokens, which is what a CPU pays for. On a GPU a
 forward costs its launch and its weights' read whatever its batch, so what costs is the NUMBER of forwards:
 a session's hundreds of distinct prompts would be hundreds of batch-1 forwards. There the session instead
 prefills each prompt several rows share (a GRPO group's) once, in left-padded batches by length bucket
 (`plan_prefill`), and copies its K/V into the rows that have it (memory is cheap next to a forward); the
 rows' last tokens, and the whole prompt of a row that shares it with no other, are then appended for every
 row in one batched pass (`hf_cache.CacheLayout._prefill`: one forward per column span,
-`kvcache.ragged_segments`), which gives every row its last-column logits. Forwards per wave: at most
+`prefix_layout.ragged_segments`), which gives every row its last-column logits. Forwards per wave: at most
 `SLICES` batches per length bucket (a batch's K/V is a copy beside the rows' own, so it holds at most
 1/`SLICES` of the rows' prompts),
 buckets at most log2(longest prompt) + 1, each batch chunked only where its attention would outgrow its
