@@ -13,10 +13,8 @@ import socket
 import subprocess
 from pathlib import Path
 
-from rcgrpo_tasks.engine.trajectory import Trajectory, TrajectoryError
 from rcgrpo_tasks.env.multi_turn.entries import Entry, entries_by_id
 from rcgrpo_tasks.env.prompt import format_reward_goal
-from rcgrpo_tasks.ops.inputs import InputError, read_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOW, HIGH = "<|low_reward|>", "<|high_reward|>"
@@ -98,17 +96,6 @@ def get_entry(entry_id: str) -> Entry:
         return entries_by_id()[entry_id]
     except KeyError:
         raise KeyError(f"unknown BFCL v4 multi-turn entry id: {entry_id!r}") from None
-
-
-def read_trajectories(path: str | Path) -> list[Trajectory]:
-    """Load and validate a trajectory JSONL; a bad row raises InputError naming file and line."""
-    out = []
-    for lineno, row in enumerate(read_jsonl(path), 1):
-        try:
-            out.append(Trajectory.from_json(row))
-        except TrajectoryError as exc:
-            raise InputError(f"{path}: row {lineno}: {exc}") from exc
-    return out
 
 
 def free_port_base(host: str = "127.0.0.1", span: int = 12, tries: int = 50) -> int:

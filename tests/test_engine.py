@@ -125,9 +125,7 @@ def test_context_limit_drops_unseen_next_turn(tok):
 
 
 def test_trajectory_roundtrip_and_validation(tok, tmp_path):
-    from helpers import read_trajectories
-
-    from rcgrpo_tasks.engine.trajectory import TrajectoryError, write_trajectories
+    from rcgrpo_tasks.engine.trajectory import TrajectoryError, read_trajectories, write_trajectories
     from rcgrpo_tasks.ops.inputs import InputError
 
     entry = get_entry("multi_turn_long_context_0")
@@ -155,9 +153,9 @@ def test_episode_state_is_isolated_per_rollout(tok):
 
 
 def test_rollout_cli_writes_scorable_trajectories_and_rejects_bad_input(tiny_model_dir, tmp_path):
-    from helpers import read_trajectories
     from typer.testing import CliRunner
 
+    from rcgrpo_tasks.engine.trajectory import read_trajectories
     from rcgrpo_tasks.stages import rollout, score
 
     out = tmp_path / "t.jsonl"

@@ -24,6 +24,9 @@ evaluate:
   max_new_tokens: 4
   dtype: float32
   n_bootstrap: 50
+  pass_samples: 2
+rl:
+  temperature: 0.7
 """
 
 
@@ -62,6 +65,12 @@ def test_evaluate_end_to_end(workdir, tiny_model_dir):
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert all(set(r) >= {"id", "result", "valid", "partial_credit", "paper_reward"} for r in rows)
     assert all(r["reward_token"] == "<|high_reward|>" for r in rows)
+    # pass@1: two answers per entry sampled at rl.temperature, their verdicts and share per entry
+    assert all(len(r["pass_samples"]) == 2 and r["pass1"] == sum(r["pass_samples"]) / 2 for r in rows)
+    assert metrics["pass_at_1"]["temperature"] == 0.7 and metrics["pass_at_1"]["samples"] == 2
+    assert metrics["overall"]["pass1"]["accuracy"] == pytest.approx(100 * sum(r["pass1"] for r in rows) / 4)
+    trajs = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert len(trajs) == 4 and all(t["provenance"]["arm"] == "greedy" for t in trajs)  # the greedy answers
     assert (out / "accuracy.png").read_bytes()[:4] == b"\x89PNG"
     assert "| **overall** |" in (out / "report.md").read_text()
     # the report stage reads this folder as is

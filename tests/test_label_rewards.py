@@ -358,7 +358,7 @@ def test_raw_samples_fail_the_balance_check_and_a_leak_blocks_rctp(chain, tmp_pa
 
 
 def test_real_datasets_masks_match_engine_and_template(chain, tok):
-    from helpers import read_trajectories
+    from rcgrpo_tasks.engine.trajectory import read_trajectories
 
     tmp = chain["tmp"]
     trajs = {t.trajectory_id: t for t in read_trajectories(tmp / "traj.jsonl")}

@@ -231,4 +231,26 @@ def test_rctp_is_compared_with_sft_on_the_same_entries(tmp_path):
     rows = {r["label"]: r for r in report.build_report(evals, [])}
     v = rows["rctp"]["vs_init"]
     assert v["init"] == "sft" and v["n"] == 4 and v["diff"] == pytest.approx(-25.0) and "vs_init" not in rows["sft"]
-    assert "vs SFT |" in report_tables.outcome_table(list(rows.values()))
+    assert "vs SFT (0 up, 1 down) |" in report_tables.outcome_table(list(rows.values()))
+
+
+def test_pass_at_1_rows_and_paired_differences(tmp_path):
+    """pass@1 per row (bootstrap CI over entries) and paired to the init; greedy's up / down counts."""
+    def folder(label, greedy, pass1):
+        rows = [{"id": f"simple_python_{i}", "category": "simple_python", "valid": bool(g), "official_valid": bool(g),
+                 "partial_credit": 0.0, "paper_reward": float(g), "pass1": p} for i, (g, p) in enumerate(zip(greedy, pass1))]
+        write_jsonl(tmp_path / label / "results.jsonl", rows)
+        return label, tmp_path / label
+
+    rows = {r["label"]: r for r in report.build_report(
+        [folder("sft", [1, 0, 0, 1], [0.5, 0.0, 0.25, 1.0]), folder("sft-grpo", [1, 1, 0, 0], [0.75, 0.5, 0.25, 1.0])], [])}
+    assert rows["sft"]["overall"]["pass1"]["accuracy"] == pytest.approx(43.75)
+    lo, hi = rows["sft"]["overall"]["pass1"]["ci"]
+    assert lo <= 43.75 <= hi and hi - lo > 0
+    vs = rows["sft-grpo"]["vs_init"]
+    assert vs["pass1"]["diff"] == pytest.approx(25.0 * (0.25 + 0.5) / 1)  # (0.25 + 0.5) / 4 entries, in %
+    assert (vs["diff"], vs["up"], vs["down"]) == (pytest.approx(0.0), 1, 1)
+    md = report_tables.report_markdown(list(rows.values()), {})
+    assert "+18.8" in md and "simple_python: greedy / pass@1 %" in md
+    plain = report.build_report([("sft", _eval_dir(tmp_path, "plain", {"base": 0.5}))], [])[0]
+    assert plain["overall"]["pass1"] is None and "| n/a |" in report_tables.outcome_table([plain])

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from rcgrpo_tasks.ops.inputs import InputError, read_jsonl
 from rcgrpo_tasks.ops.outputs import write_jsonl
 
 SCHEMA_VERSION = 1
@@ -126,3 +127,14 @@ class Trajectory:
 def write_trajectories(path: str | Path, trajectories: Iterable[Trajectory]) -> int:
     """Write trajectories as JSONL atomically; returns the number written."""
     return write_jsonl(path, (t.to_json() for t in trajectories))
+
+
+def read_trajectories(path: str | Path) -> list[Trajectory]:
+    """A trajectory JSONL, every row validated; a bad row raises InputError naming the file and line."""
+    out = []
+    for lineno, row in enumerate(read_jsonl(path), 1):
+        try:
+            out.append(Trajectory.from_json(row))
+        except TrajectoryError as exc:
+            raise InputError(f"{path}: row {lineno}: {exc}") from exc
+    return out

@@ -1,13 +1,21 @@
-"""Held-out evaluation: rollouts of one model on the held-out split (either task), scored, summarised with bootstrap CIs (the evaluate stage runs `run_eval`)."""
+"""Held-out evaluation: rollouts of one model on the held-out split (either task), scored, summarised with
+bootstrap CIs (the evaluate stage runs `run_eval`).
+
+Two measures per entry: the greedy answer (`valid`), and pass@1 estimated from `pass_samples` answers
+sampled as RL samples (`rl.temperature`, `rl.top_p`): the share of them that succeed. RL sharpens the
+sampling distribution, which greedy alone can hide. An entry's i-th sample has the same row seed for every
+model (`engine.rollout.run_groups`: seeded by the stage's seed, the entry and i), so two models' pass@1 are
+paired entry by entry and sample by sample."""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rcgrpo_tasks.engine.backend import reward_pair_ids
+from rcgrpo_tasks.engine.backend import SamplingParams, reward_pair_ids
 from rcgrpo_tasks.engine.decoding import MAX_OUTPUTS, DecodeConfig
 from rcgrpo_tasks.engine.rollout import run_rollouts
 from rcgrpo_tasks.engine.trajectory import as_stage_output, write_trajectories
@@ -21,6 +29,7 @@ from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import write_jsonl, write_text
 from rcgrpo_tasks.ops.plots import accuracy_plot
 from rcgrpo_tasks.ops.stats import bootstrap_ci, check_n_boot
+from rcgrpo_tasks.train.grpo import RLConfig
 
 
 @dataclass(frozen=True)
@@ -50,8 +59,13 @@ class EvaluateConfig:
     """Reward-token guidance scale w (0 = off; beyond the paper, `SamplingParams.guidance`): applied to
     reward-conditioned evaluations (a `--reward-token`); the others decode unguided and record w = 0.
     hf backend only; each guided row decodes a twin, so decoding costs ~2x."""
+    pass_samples: int = 4
+    """Answers sampled per entry for pass@1, at `rl.temperature` / `rl.top_p` (`pass_sampling`); 0 = greedy
+    only. pass@1 = the mean over entries of the share of an entry's samples that succeed."""
 
     def __post_init__(self) -> None:
+        if not 0 <= self.pass_samples <= MAX_OUTPUTS:
+            raise ValueError(f"pass_samples must be in [0, {MAX_OUTPUTS}]")
         if self.guidance < 0 or (self.guidance > 0 and self.decode.backend != "hf"):
             raise ValueError("guidance must be >= 0, and > 0 needs backend hf")
         check_n_boot(self.n_bootstrap)
@@ -79,13 +93,19 @@ def result_row(traj, entry: Entry) -> dict:
 
 
 def summarize(rows: list[dict], label: str, n_boot: int, seed: int) -> dict:
-    """Accuracy (%) per category and overall (stratified) with 95% bootstrap CIs, as report.py draws them."""
-    def cell(subset, strata=None):
-        vals = [float(r["valid"]) for r in subset]
+    """Accuracy (%) per category and overall (stratified) with 95% bootstrap CIs, as report.py draws them;
+    where the rows carry pass@1 (`pass1`), the same for it."""
+    def pct(vals, strata=None):
         lo, hi = bootstrap_ci(vals, strata, n_boot=n_boot, seed=seed)
-        return {"n": len(vals), "accuracy": 100 * sum(vals) / len(vals), "ci": [100 * lo, 100 * hi],
-                "partial_credit": sum(r["partial_credit"] for r in subset) / len(subset),
-                "paper_reward": sum(r["paper_reward"] for r in subset) / len(subset)}
+        return {"accuracy": 100 * sum(vals) / len(vals), "ci": [100 * lo, 100 * hi]}
+
+    def cell(subset, strata=None):
+        out = {"n": len(subset), **pct([float(r["valid"]) for r in subset], strata),
+               "partial_credit": sum(r["partial_credit"] for r in subset) / len(subset),
+               "paper_reward": sum(r["paper_reward"] for r in subset) / len(subset)}
+        if "pass1" in subset[0]:
+            out["pass1"] = pct([r["pass1"] for r in subset], strata)
+        return out
 
     cats = [c for c in ALL_CATEGORIES if any(r["category"] == c for r in rows)]
     overall = cell(rows, [r["category"] for r in rows])
@@ -114,28 +134,55 @@ def guidance_of(cfg: EvaluateConfig, reward_token: str | None) -> float:
     return cfg.guidance if reward_token else 0.0
 
 
+def pass_sampling(cfg: EvaluateConfig, rl: RLConfig) -> SamplingParams | None:
+    """How pass@1's answers are sampled: as RL samples (`rl`'s temperature and top_p), with evaluate's budgets
+    and seed; None when `pass_samples` is 0."""
+    if not cfg.pass_samples:
+        return None
+    return dataclasses.replace(cfg.decode, temperature=rl.decode.temperature, top_p=rl.decode.top_p).sampling(cfg.seed)
+
+
+def _rollouts(cfg: EvaluateConfig, backend, entries: list[Entry], k: int, proto, sampling: SamplingParams,
+              reward_token: str | None, label: str, arm: str) -> list:
+    """k rollouts of every entry (k consecutive per entry) in sessions of `batch_rows` rows, with a progress bar."""
+    bar = Progress(len(entries) * k, desc=f"evaluate {label} ({proto.protocol}, {arm})")
+    try:
+        return run_rollouts(backend, entries, k, proto, sampling, lambda e, i: reward_token,
+                            batch_rows=cfg.decode.batch_rows, progress=bar,
+                            provenance={"source": "evaluate", "label": label, "arm": arm})
+    finally:
+        bar.close()
+
+
 def run_eval(cfg: EvaluateConfig, prompt: PromptConfig, backend, entries: list[Entry], reward_token: str | None,
-             label: str, tokens: tuple[str, ...] = DEFAULT_REWARD_TOKENS) -> tuple[list, list[dict], dict]:
-    """(trajectories, per-entry rows, summary) of greedy rollouts of `entries` under `prompt.protocol`;
-    `tokens`: the pipeline's reward tokens, lowest first (guidance contrasts the highest with the lowest)."""
+             label: str, tokens: tuple[str, ...] = DEFAULT_REWARD_TOKENS,
+             sampled: SamplingParams | None = None) -> tuple[list, list[dict], dict]:
+    """(greedy trajectories, per-entry rows, summary) of `entries` under `prompt.protocol`. With `sampled`
+    (`pass_sampling`) also `cfg.pass_samples` sampled answers per entry: each row's `pass_samples` (their
+    verdicts) and `pass1` (their mean), the summary's `pass1` cells and `pass_at_1` settings. `tokens`: the
+    pipeline's reward tokens, lowest first (guidance contrasts the highest with the lowest; both arms)."""
     protocol = prompt.protocol
     proto = prompt.protocol_config(cfg.decode.max_outputs if protocol == "paper" else cfg.official_max_steps_per_turn)
     w = guidance_of(cfg, reward_token)
-    sampling = cfg.decode.sampling(cfg.seed, guidance=w, guidance_pair=reward_pair_ids(
-        backend.tokenizer, (tokens[-1], tokens[0])) if w else None)
-    bar = Progress(len(entries), desc=f"evaluate {label} ({protocol})")
+    guide = {"guidance": w, "guidance_pair": reward_pair_ids(backend.tokenizer, (tokens[-1], tokens[0])) if w else None}
     t0 = time.perf_counter()
-    try:
-        trajs = run_rollouts(backend, entries, 1, proto, sampling, lambda e, i: reward_token,
-                             batch_rows=cfg.decode.batch_rows, progress=bar,
-                             provenance={"source": "evaluate", "label": label})
-    finally:
-        bar.close()
+    trajs = _rollouts(cfg, backend, entries, 1, proto, cfg.decode.sampling(cfg.seed, **guide), reward_token, label,
+                      "greedy")
     wall = time.perf_counter() - t0
     rows = [result_row(t, e) for t, e in zip(trajs, entries)]
+    k = cfg.pass_samples if sampled is not None else 0
+    if k:
+        samples = _rollouts(cfg, backend, entries, k, proto, dataclasses.replace(sampled, **guide), reward_token,
+                            label, "sampled")
+        for i, row in enumerate(rows):
+            row["pass_samples"] = [result_row(t, entries[i])["valid"] for t in samples[i * k:(i + 1) * k]]
+            row["pass1"] = sum(row["pass_samples"]) / k
     summary = summarize(rows, label, cfg.n_bootstrap, cfg.seed)
     summary.update(guidance=w, wall_time_s=round(wall, 1), rollouts_per_s=len(rows) / wall,
                    model_tokens_per_s=summary["n_model_tokens"] / wall)
+    if k:
+        summary["pass_at_1"] = {"samples": k, "temperature": sampled.temperature, "top_p": sampled.top_p,
+                                "wall_time_s": round(time.perf_counter() - t0 - wall, 1)}
     return trajs, rows, summary
 
 
@@ -151,10 +198,14 @@ def write_outputs(folder: Path, trajs: list, rows: list[dict], summary: dict) ->
 
 
 def report_markdown(summary: dict, settings: dict, official: dict | None) -> str:
+    def pct(c: dict | None) -> str:
+        return "n/a" if c is None else f"{c['accuracy']:.1f} [{c['ci'][0]:.1f}, {c['ci'][1]:.1f}]"
+
     def table(s: dict) -> list[str]:
-        out = ["| category | n | accuracy % [95% CI] | partial credit | paper reward |", "|---|---|---|---|---|"]
+        out = ["| category | n | greedy accuracy % [95% CI] | pass@1 % [95% CI] | partial credit | paper reward |",
+               "|---|---|---|---|---|---|"]
         for cat, c in [*s["categories"].items(), ("**overall**", s["overall"])]:
-            out.append(f"| {cat} | {c['n']} | {c['accuracy']:.1f} [{c['ci'][0]:.1f}, {c['ci'][1]:.1f}] | "
+            out.append(f"| {cat} | {c['n']} | {pct(c)} | {pct(c.get('pass1'))} | "
                        f"{c['partial_credit']:.3f} | {c['paper_reward']:.3f} |")
         return out
 
@@ -162,7 +213,10 @@ def report_markdown(summary: dict, settings: dict, official: dict | None) -> str
     lines += [f"- {k}: `{v}`" for k, v in settings.items()]
     lines += ["", f"## Held-out split, `{summary['task']}` task, `{summary['protocol']}` protocol", "",
               *table(summary), ""]
-    lines.append(f"Accuracy: {get_task(summary['task']).accuracy}; "
+    p = summary.get("pass_at_1")
+    sampled = (f"pass@1: the mean share of {p['samples']} answers per entry sampled at T = {p['temperature']}, "
+               f"top-p {p['top_p']}, that succeed; " if p else "pass@1: not sampled (pass_samples 0); ")
+    lines.append(f"Accuracy: {get_task(summary['task']).accuracy}, greedy; {sampled}"
                  f"partial credit: {summary['partial_credit_kind']}; CIs: 95% percentile bootstrap over entries "
                  "(overall stratified by category).")
     lines += ["", f"Terminations: {summary['terminations']}; mean steps {summary['mean_steps']:.2f}; "
@@ -180,4 +234,7 @@ def flat_metrics(summary: dict, prefix: str = "") -> dict:
            f"{prefix}paper_reward": summary["paper_reward"], f"{prefix}n_model_tokens": summary["n_model_tokens"],
            f"{prefix}wall_time_s": summary["wall_time_s"], f"{prefix}model_tokens_per_s": summary["model_tokens_per_s"]}
     out.update({f"{prefix}accuracy_{c}": v["accuracy"] for c, v in summary["categories"].items()})
+    if "pass1" in summary["overall"]:
+        out[f"{prefix}pass1"] = summary["overall"]["pass1"]["accuracy"]
+        out.update({f"{prefix}pass1_{c}": v["pass1"]["accuracy"] for c, v in summary["categories"].items()})
     return out

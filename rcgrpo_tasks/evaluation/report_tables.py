@@ -1,8 +1,10 @@
 """The report as a reader takes it in: three Markdown tables over the rows of `results_table.build_report`.
 
-1. Outcome: held-out accuracy with its 95 % Wilson interval (n entries, the same entry set in every row),
-   the paired difference to the row's init (an RL row) or to the same model under its token (a no-token
-   row), and the paper's Table 1 number beside it (7B, GPU, multi-turn: a reference, not comparable).
+1. Outcome: held-out greedy accuracy with its 95 % Wilson interval and pass@1 with its bootstrap interval
+   (n entries, the same entry set in every row), each row's paired difference in both to its init (an RL
+   row) or to the same model under its token (a no-token row), RC-GRPO against GRPO from the same init
+   paired over entries, the paper's Table 1 number beside it (7B, GPU, multi-turn: a reference, not
+   comparable), the cross-stage checks, and both measures per category.
 2. RL: per cell, the fixed probe's mean reward at step 0 and at the end with the change and its paired CI
    over the probe's prompts (`train.probe`), the zero-variance share of the groups trained on (flat at 0 /
    at 1), RC-GRPO against GRPO from the same init paired group by group (exact McNemar p), rollouts per
@@ -29,16 +31,57 @@ def _ci(v, ci, spec: str = "+.3f") -> str:
     return f"{format(v, spec)} [{format(ci[0], spec)}, {format(ci[1], spec)}]"
 
 
+def _versus(vs: dict | None) -> tuple[str, str]:
+    """(greedy, pass@1) cells of a paired difference to another row: pts [95% paired CI] vs that row."""
+    if not vs or not vs["n"]:
+        return "", ""
+    who = f" vs {row_name(vs['init'])}"
+    greedy = _ci(vs["diff"], vs["ci"], "+.1f") + f"{who} ({vs['up']} up, {vs['down']} down)"
+    p = vs.get("pass1")
+    return greedy, (_ci(p["diff"], p["ci"], "+.1f") + who) if p else "n/a"
+
+
+def _pct(c: dict | None) -> str:
+    return "n/a" if not c else _ci(c["accuracy"], c["ci"], ".1f")
+
+
 def outcome_table(rows: list[dict]) -> str:
-    head = ["model", "held-out accuracy % [95% Wilson CI]", "n", "vs init (RL) / vs SFT (RCTP) / vs with token, pts [95% paired CI]",
+    head = ["model", "greedy accuracy % [95% Wilson CI]", "pass@1 % [95% CI]", "n",
+            "greedy vs init (RL) / vs SFT (RCTP) / vs with token, pts [95% paired CI]", "pass@1 vs the same row, pts",
             "paper Table 1 % (7B, GPU, multi-turn)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        o, vs = r["overall"], r.get("vs_init")
-        versus = _ci(vs["diff"], vs["ci"], "+.1f") + f" vs {row_name(vs['init'])}" if vs and vs["n"] else ""
-        lines.append(f"| {row_name(r['label'])} | {_ci(o['accuracy'], o['ci'], '.1f')} | {r['n']} | {versus} | "
-                     f"{_n(r.get('paper_table1_overall'), '.2f') if r.get('paper_table1_overall') is not None else ''} |")
+        o = r["overall"]
+        greedy, sampled = _versus(r.get("vs_init"))
+        paper = r.get("paper_table1_overall")
+        lines.append(f"| {row_name(r['label'])} | {_pct(o)} | {_pct(o.get('pass1'))} | {r['n']} | {greedy} | "
+                     f"{sampled} | {_n(paper, '.2f') if paper is not None else ''} |")
+    for r in rows:  # RC-GRPO against GRPO from the same init: the paper's comparison
+        if r.get("vs_grpo"):
+            greedy, sampled = _versus(r["vs_grpo"])
+            lines.append(f"\n{row_name(r['label'])} against {row_name(r['vs_grpo']['init'])}, paired over entries: "
+                         f"greedy {greedy}; pass@1 {sampled}.")
     return "\n".join(lines) + "\n"
+
+
+def category_table(rows: list[dict]) -> str:
+    """Greedy accuracy and pass@1 per category (each with its interval), one row per model."""
+    cats = list(dict.fromkeys(c for r in rows for c in r["categories"]))
+    head = ["model"] + [f"{c}: greedy / pass@1 %" for c in cats]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [f"{_pct(r['categories'][c])} / {_pct(r['categories'][c].get('pass1'))}" if c in r["categories"]
+                 else "" for c in cats]
+        lines.append(f"| {row_name(r['label'])} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def agreement_lines(checks: list[dict]) -> str:
+    """One line per cross-stage check that passed (a failed one stops the report before it is written)."""
+    return "".join(f"\nCross-stage check, {row_name(c['label'])}: its greedy answers and {c['other']}'s greedy arm "
+                   f"under {c['reward_token']} on {c['entries']} shared entries: {c['identical']} identical, "
+                   f"{c['tie']} parting at a near-tie (log-probs within {c['tol']}), 0 disagreeing; successes "
+                   f"{c['successes'][0]} and {c['successes'][1]}.\n" for c in checks)
 
 
 def _probe(p: dict | None) -> tuple[str, str]:
@@ -102,8 +145,10 @@ def controllability_table(rows: list[dict]) -> str:
 
 NOTE = (
     "Accuracy: the evaluate stage's success (single_turn: BFCL's AST checker; multi_turn: the paper's binary reward "
-    "under the paper protocol) on the held-out entries, greedy; intervals: 95 % Wilson score; differences: the "
-    "same entries paired, 95 % bootstrap over entries. The paper's numbers are Qwen2.5-7B-Instruct on BFCL v4 "
+    "under the paper protocol) on the held-out entries, greedy; pass@1: the mean over entries of the share of "
+    "the entry's answers sampled as RL samples them that succeed (the same row seeds in every model); "
+    "intervals: 95 % Wilson score (greedy), 95 % bootstrap over entries (pass@1); differences: the same entries "
+    "paired, 95 % bootstrap over entries, with the entries only this row / only the other got right (up, down). The paper's numbers are Qwen2.5-7B-Instruct on BFCL v4 "
     "multi-turn (80 held-out entries): the shape of the result, not a target here. Probe: the run's fixed "
     "prompts x samples at the rollouts' temperature, the same seeds at every checkpoint and in every cell of an "
     "init, conditioned as the cell is evaluated; its change is paired over prompts. Zero-std: groups whose "
@@ -113,7 +158,8 @@ NOTE = (
     "its task to separate. Gaps: E[R|high] - E[R|low] on held-out entries, paired over entries.\n")
 
 
-def report_markdown(rows: list[dict], contrast: dict) -> str:
-    """The three tables with their headings and the note."""
-    return ("## Outcome\n\n" + outcome_table(rows) + "\n## RL\n\n" + rl_table(rows, contrast)
+def report_markdown(rows: list[dict], contrast: dict, checks: list[dict] = ()) -> str:
+    """The three tables with their headings, the per-category table, the cross-stage checks and the note."""
+    return ("## Outcome\n\n" + outcome_table(rows) + agreement_lines(list(checks))
+            + "\n### Per category\n\n" + category_table(rows) + "\n## RL\n\n" + rl_table(rows, contrast)
             + "\n## Controllability\n\n" + controllability_table(rows) + "\n" + NOTE)

@@ -4,13 +4,14 @@ between RC-GRPO and GRPO, RL diagnostics and the fixed probe's curve. Every row 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rcgrpo_tasks.env.paper import NO_TOKEN, ROWS
 from rcgrpo_tasks.env.tasks import ALL_CATEGORIES, paper_overall, task_of_id
 from rcgrpo_tasks.ops.inputs import InputError, read_json, read_jsonl
-from rcgrpo_tasks.ops.stats import mcnemar_exact, mean, paired_bootstrap_ci, wilson_ci
+from rcgrpo_tasks.ops.stats import bootstrap_ci, mcnemar_exact, mean, paired_bootstrap_ci, wilson_ci
 
 RESULT_FILES = ("results.jsonl",)  # the evaluate stage's per-entry file
 
@@ -19,7 +20,8 @@ RESULT_FILES = ("results.jsonl",)  # the evaluate stage's per-entry file
 class EvalResult:
     label: str
     entries: list[dict]
-    """Per entry: entry_id, category, correct (evaluate's `valid`, 0/1), official, partial_credit, paper_reward."""
+    """Per entry: entry_id, category, correct (evaluate's greedy `valid`, 0/1), pass1 (evaluate's share of sampled
+    answers that succeed; NaN where not sampled), official, partial_credit, paper_reward."""
     source: str
     task: str
     rl: dict = field(default_factory=dict)
@@ -49,7 +51,7 @@ def _normalise(row: dict, where: str) -> dict:
         raise InputError(f"{where}: needs 'entry_id'/'id' and 'valid' (or score.valid); got keys {sorted(row)}")
     official = score.get("official_valid", valid)
     return {"entry_id": entry_id, "task": _task(entry_id, row), "category": _category(entry_id, row),
-            "correct": float(bool(valid)),
+            "correct": float(bool(valid)), "pass1": float(row.get("pass1", float("nan"))),
             "official": float("nan") if official is None else float(bool(official)),
             "partial_credit": float(score.get("partial_credit", float("nan"))),
             "paper_reward": float(score.get("paper_reward", float("nan")))}
@@ -83,15 +85,26 @@ def _proportion(vals: list[float]) -> dict:
     return {"n": len(vals), "successes": k, "accuracy": 100 * mean(vals), "ci": [100 * lo, 100 * hi]}
 
 
+def _pass1(entries: list[dict], seed: int, strata: list[str] | None = None) -> dict | None:
+    """{accuracy %, ci: 95 % bootstrap over entries %} of the entries' pass@1; None where it was not sampled."""
+    vals = [e["pass1"] for e in entries]
+    if any(math.isnan(v) for v in vals):
+        return None
+    lo, hi = bootstrap_ci(vals, strata, seed=seed)
+    return {"accuracy": 100 * mean(vals), "ci": [100 * lo, 100 * hi]}
+
+
 def summarize_row(res: EvalResult, seed: int = 0) -> dict:
-    """Accuracy (%) per category and overall with 95 % Wilson intervals, partial credit, paper reward, RL
-    diagnostics, the fixed probe's curve (`train.probe`)."""
+    """Greedy accuracy (%) per category and overall with 95 % Wilson intervals, pass@1 with bootstrap intervals
+    over entries (overall stratified by category), partial credit, paper reward, RL diagnostics, the fixed
+    probe's curve (`train.probe`)."""
     cats = sorted({e["category"] for e in res.entries}, key=lambda c: (ALL_CATEGORIES + (c,)).index(c))
     out: dict = {"label": res.label, "task": res.task, "n": len(res.entries), "categories": {}}
     for cat in cats:
-        vals = [e["correct"] for e in res.entries if e["category"] == cat]
-        out["categories"][cat] = _proportion(vals)
-    out["overall"] = _proportion([e["correct"] for e in res.entries])
+        subset = [e for e in res.entries if e["category"] == cat]
+        out["categories"][cat] = {**_proportion([e["correct"] for e in subset]), "pass1": _pass1(subset, seed)}
+    out["overall"] = {**_proportion([e["correct"] for e in res.entries]),
+                      "pass1": _pass1(res.entries, seed, [e["category"] for e in res.entries])}
     out["official_accuracy"] = 100 * mean([e.get("official", float("nan")) for e in res.entries])
     out["partial_credit"] = mean([e["partial_credit"] for e in res.entries])
     out["paper_reward"] = mean([e["paper_reward"] for e in res.entries])
@@ -174,13 +187,24 @@ def compared_with(label: str) -> str | None:
 
 
 def versus(res: EvalResult, init: EvalResult, seed: int = 0) -> dict:
-    """Accuracy (%) of a row minus the row it is compared with (`rctp-rc_grpo` vs `rctp`) on the entries both evaluated,
-    with a 95% paired bootstrap CI over entries."""
-    mine = {e["entry_id"]: e["correct"] for e in res.entries}
-    theirs = {e["entry_id"]: e["correct"] for e in init.entries}
+    """Greedy accuracy (%) of a row minus the row it is compared with (`rctp-rc_grpo` vs `rctp`) on the entries
+    both evaluated, with a 95% paired bootstrap CI over entries, the entries each got right alone (`up`,
+    `down`), and the same difference in pass@1 (`pass1`; None where either row was not sampled)."""
+    mine = {e["entry_id"]: e for e in res.entries}
+    theirs = {e["entry_id"]: e for e in init.entries}
     common = [i for i in mine if i in theirs]
-    diff, lo, hi = paired_bootstrap_ci([mine[i] for i in common], [theirs[i] for i in common], seed=seed)
-    return {"init": init.label, "n": len(common), "diff": 100 * diff, "ci": [100 * lo, 100 * hi]}
+
+    def paired(key: str) -> dict | None:
+        a, b = [mine[i][key] for i in common], [theirs[i][key] for i in common]
+        if any(math.isnan(v) for v in a + b):
+            return None
+        diff, lo, hi = paired_bootstrap_ci(a, b, seed=seed)
+        return {"diff": 100 * diff, "ci": [100 * lo, 100 * hi]}
+
+    greedy = paired("correct") or {"diff": float("nan"), "ci": [float("nan")] * 2}
+    return {"init": init.label, "n": len(common), **greedy, "pass1": paired("pass1"),
+            "up": sum(mine[i]["correct"] > theirs[i]["correct"] for i in common),
+            "down": sum(mine[i]["correct"] < theirs[i]["correct"] for i in common)}
 
 
 def rc_versus_grpo(rows: list[dict], groups: dict[str, list[dict]]) -> dict:

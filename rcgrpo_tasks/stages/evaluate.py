@@ -1,4 +1,5 @@
-"""evaluate stage: greedy rollouts of one model on the held-out split; metrics, report, plot, MLflow.
+"""evaluate stage: greedy rollouts of one model on the held-out split, and pass@1 from answers sampled as RL
+samples them (`evaluate.pass_samples` per entry at `rl.temperature` / `rl.top_p`); metrics, report, plot, MLflow.
 
 Reads: `params.yaml:evaluate`, a model folder (`--model`), an optional adapter / fine-tuned folder
 (`--adapter`), the split (`--split data/split.json`, side `test`) and entries (`--entries`, default
@@ -7,7 +8,8 @@ empty for base/SFT). One definition serves every model through DVC `foreach` (`e
 Writes `--out` (atomically; replaced as a whole):
 - `results.jsonl`: per entry `id`, `category`, `result` (BFCL result format), `valid` (success under the
   evaluated protocol: paper reward 1 for `paper`, the official verdict for `official`), `official_valid`,
-  `error_type`, `paper_reward`, `partial_credit`, `termination`, `n_steps`, `n_model_tokens`;
+  `error_type`, `paper_reward`, `partial_credit`, `termination`, `n_steps`, `n_model_tokens`, and with
+  pass@1 `pass_samples` (the sampled answers' verdicts) and `pass1` (their mean);
 - `trajectories.jsonl` (full trajectories), `metrics.json` (accuracy per category and overall with 95%
   bootstrap CIs, partial credit, terminations, tokens, time), `report.md`, `accuracy.png` (bar chart
   with CIs) and `accuracy.csv` (the same numbers, for `dvc plots show`);
@@ -49,6 +51,7 @@ from rcgrpo_tasks.evaluation.heldout import (
     check_side,
     flat_metrics,
     guidance_of,
+    pass_sampling,
     report_markdown,
     run_eval,
     write_outputs,
@@ -57,6 +60,7 @@ from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config
 from rcgrpo_tasks.ops.outputs import write_json, write_text
+from rcgrpo_tasks.train.grpo import RLConfig
 
 
 def _log(folder: Path, rows: list[dict], summary: dict, official: dict | None) -> None:
@@ -90,6 +94,8 @@ def main(
     label = name or out.name
     with cli_errors():
         cfg = load_config(EvaluateConfig, params, "evaluate")
+        # pass@1 samples as RL does: its temperature and top_p
+        sampled = pass_sampling(cfg, load_config(RLConfig, params, "rl")) if cfg.pass_samples else None
         cfg.decode.check_context(model, f"{params}:evaluate.max_new_tokens")
         prompt = load_config(PromptConfig, params, "prompt")
         tokens = load_reward_tokens(params)
@@ -106,7 +112,7 @@ def main(
     run_params = {k: v for k, v in settings.items() if k != "backend_info"}
     with tracking.published_run("evaluate", run_params, outputs=(out,),
                                 tags={"rcgrpo.eval_label": label}) as (_, staged):
-        trajs, rows, summary = run_eval(cfg, prompt, backend, held_out, token, label, tokens)
+        trajs, rows, summary = run_eval(cfg, prompt, backend, held_out, token, label, tokens, sampled)
         pair = (tokens[-1], tokens[0])
         if cfg.margin and margin and token and cfg.decode.backend == "hf" and has_tokens(backend.tokenizer, pair):
             summary.update(read_token(backend.exact_model(), backend.tokenizer, held_out, prompt.protocol_config(REPLAY_OUTPUTS),
@@ -124,8 +130,10 @@ def main(
                                           **({"official": official} if official else {})})
         write_text(tmp / "report.md", report_markdown(summary, settings, official))
         _log(tmp, rows, summary, official)
-    typer.echo(f"{label}: accuracy {summary['accuracy']:.1f}% on {summary['n']} {side} entries "
-               f"({prompt.protocol}); wrote {out}")
+    pass1 = summary["overall"].get("pass1")
+    typer.echo(f"{label}: accuracy {summary['accuracy']:.1f}% greedy"
+               + (f", pass@1 {pass1['accuracy']:.1f}%" if pass1 else "")
+               + f" on {summary['n']} {side} entries ({prompt.protocol}); wrote {out}")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@ Reads one evaluation per model (`--eval LABEL=DIR`, the `evaluate` stage's outpu
 (`--rl LABEL=results/rl/<run>/metrics.json`). Rows, in the paper's order: base, SFT, RCTP, SFT+GRPO,
 SFT+RC-GRPO, RCTP+GRPO, RCTP+RC-GRPO (any subset; unknown labels are appended).
 
-Per row: accuracy (the evaluate stage's `valid`: paper reward under the paper protocol, which is the
+Per row: greedy accuracy (the evaluate stage's `valid`: paper reward under the paper protocol, which is the
 paper's Table 1 view; the official verdict under the official protocol) per category and overall, each
-with its 95% Wilson interval; the official BFCL verdict, mean partial credit and paper reward; for RL rows
+with its 95% Wilson interval, and pass@1 (evaluate's sampled answers) with its bootstrap interval; the official BFCL verdict, mean partial credit and paper reward; for RL rows
 the fixed probe's curve (`train.probe`) and the training diagnostics (zero-std groups, paired group by
 group between RC-GRPO and GRPO from one init); beside them the paper's Table 1 overall accuracy
 (Qwen2.5-7B-Instruct on GPU, 80 held-out entries) where the paper gives it, else `n/a`. With `--controllability
@@ -15,6 +15,10 @@ LABEL=metrics/controllability.json` (the controllability stage, run on RCTP) the
 E[R|high] - E[R|low] sampled at the RL temperature and greedy, each with its 95% paired bootstrap CI, and the
 expected zero-variance share of G-sized groups under all-high vs mixed tokens. The paper's
 numbers are a reference for the shape of the result, not a target for a 135M CPU model.
+
+Stages that measure the same thing must agree: with `--agree LABEL=TRAJECTORIES` (evaluate@rctp beside the
+controllability stage's greedy arm) the two greedy answers are compared entry by entry
+(`evaluation.agreement`) and a disagreement fails the stage, naming the entries, before anything is written.
 
 Writes: `--table` (Markdown: three tables, `evaluation.report_tables`), `--json` (DVC metrics: every number
 above), `--plot` (PNG: accuracy per row with its interval), `--probe` (PNG: the probe curves of the six
@@ -31,6 +35,7 @@ from pathlib import Path
 import typer
 
 from rcgrpo_tasks.env.paper import PAPER_TABLE1_OVERALL, ROWS, row_name
+from rcgrpo_tasks.evaluation.agreement import cross_check
 from rcgrpo_tasks.evaluation.report_tables import report_markdown
 from rcgrpo_tasks.evaluation.results_table import build_report, rc_versus_grpo
 from rcgrpo_tasks.ops import tracking
@@ -60,6 +65,8 @@ def main(
     rl: list[str] = typer.Option([], "--rl", help="LABEL=metrics.json of an RL run (repeat)."),
     controllability: list[str] = typer.Option([], "--controllability",
                                               help="LABEL=metrics/controllability.json of a model (repeat)."),
+    agree: list[str] = typer.Option([], "--agree", help="LABEL=TRAJECTORIES: the evaluation LABEL's greedy answers "
+                                    "must be another stage's greedy-arm answers under its token (repeat)."),
     table: Path = typer.Option(Path("results/report/table.md"), help="Output: Markdown table."),
     json_out: Path = typer.Option(Path("results/report/report.json"), "--json", help="Output: metrics JSON."),
     plot_out: Path = typer.Option(Path("results/report/accuracy.png"), "--plot", help="Output: PNG plot."),
@@ -77,18 +84,24 @@ def main(
             raise InputError(f"--steps: not found: {missing} (run `dvc repro rl`)")
         rows = build_report(_pairs(eval_, "--eval"), _pairs(rl, "--rl"), seed,
                             _pairs(controllability, "--controllability"))
+        dirs = dict(_pairs(eval_, "--eval"))
+        checks = []
+        for label, other in _pairs(agree, "--agree"):
+            if label not in dirs:
+                raise InputError(f"--agree {label}: no --eval {label}=DIR to compare")
+            checks.append({"label": label, **cross_check(dirs[label], other)})
         if mechanism is not None and not step_files:
             raise InputError("--mechanism needs the runs' per-step TSVs (--steps LABEL=TSV)")
     task = " / ".join(sorted({r["task"] for r in rows}))
     contrast = rc_versus_grpo(rows, {label: read_json(p).get("groups") or [] for label, p in _pairs(rl, "--rl")})
-    md = report_markdown(rows, contrast)
+    md = report_markdown(rows, contrast, checks)
     outputs = (table, json_out, plot_out, mechanism, probe)
     with tracking.published_run("report", {"eval": eval_, "rl": rl, "seed": seed}, outputs=outputs,
                                 track=track) as (_, staged):
         files = [staged.file(table), staged.file(json_out), staged.file(plot_out)]
         write_text(files[0], md)
         write_json(files[1], {"rows": {r["label"]: r for r in rows}, "rc_grpo_vs_grpo": contrast,
-                              "paper_table1_overall": PAPER_TABLE1_OVERALL})
+                              "stage_agreement": checks, "paper_table1_overall": PAPER_TABLE1_OVERALL})
         accuracy_plot(rows, files[2], dict(ROWS), title=f"BFCL v4 {task}, held-out split")
         if mechanism is not None:
             files.append(staged.file(mechanism))
