@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from rcgrpo_tasks.engine.prefix_layout import SharedPrefixes
+from rcgrpo_tasks.engine.prefix_layout import SharedPrefixes
 
 GROWTH = 1.25
 """Minimum growth factor of the capacity when a call needs more columns (fewer re-allocations and graph captures)."""
