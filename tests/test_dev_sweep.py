@@ -2,12 +2,18 @@
 load, every evaluation reads the dev side, and the design table is built from the report stage's own JSON."""
 
 import json
+import shlex
+import sys
+import tarfile
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import yaml
+from helpers import REPO_ROOT
 
 from rcgrpo_tasks.evaluation import design
-from rcgrpo_tasks.ops import sweep
+from rcgrpo_tasks.ops import pipeline, sweep
 from rcgrpo_tasks.ops.config import ConfigError
 
 
@@ -23,6 +29,7 @@ def _spec(tmp_path, body: dict):
     ({"cells": ["rctp-grpo"], "candidates": {}}, "candidates"),
     ({"cells": ["rctp-grpo"], "candidates": {"a/b": {}}}, "folder-safe"),
     ({"cells": ["rctp-grpo"], "candidates": {"a": {}}, "extra": 1}, "unknown key"),
+    ({"cells": ["rctp-grpo"], "candidates": {"init": {}}}, "sweep's own folder"),
 ])
 def test_a_bad_spec_names_its_file_and_field(tmp_path, body, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -50,13 +57,79 @@ def test_candidate_params_merge_common_then_own_and_refuse_unknown_sections(tmp_
         sweep.candidate_params(base, spec, "b", tmp_path)
 
 
-def test_commands_are_the_stages_own_and_evaluate_reads_the_dev_side(tmp_path):
-    rl = sweep.rl_command(tmp_path / "p.yaml", "rctp-rc_grpo", tmp_path / "c")
-    assert rl[:2] == ["rcgrpo", "rl"] and rl[rl.index("--algo") + 1] == "rc_grpo"
-    assert rl[rl.index("--adapter-dir") + 1] == "models/sft/rctp"
-    ev = sweep.evaluate_command(tmp_path / "p.yaml", "m", "", sweep.cell_token("rctp-grpo", "<|h|>"), tmp_path / "e", "x")
-    assert ev[ev.index("--side") + 1] == "dev" and ev[ev.index("--reward-token") + 1] == "<|h|>"
-    assert sweep.cell_token("sft-grpo", "<|h|>") == "" and sweep.cell_token("sft-rc_grpo", "<|h|>") == "<|h|>"
+# The substitutions ops.sweep documents, per stage kind: (options whose value moves into the sweep's folder,
+# options dropped, arguments appended: the report's are its own `--eval`/`--rl` pairs, then `--no-track`).
+# Anything else in a sweep command must be dvc.yaml's, as planned.
+DOCUMENTED = {"rl": ({"--params", "--out", "--checkpoints", "--metrics", "--plots"}, set(), []),
+              "evaluate": ({"--params", "--out", "--model"}, set(), ["--side", "dev"]),
+              "report": ({"--params", "--table", "--json", "--plot"},
+                         {"--eval", "--rl", "--eval-root", "--rl-root", "--steps", "--controllability", "--agree",
+                          "--mechanism", "--probe"}, ["--no-track"])}
+
+
+def _pairs(argv: list[str]) -> list[tuple[str, str | None]]:
+    """(option, value or None for a flag) in order."""
+    out, i = [], 0
+    while i < len(argv):
+        takes = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        out.append((argv[i], argv[i + 1] if takes else None))
+        i += 2 if takes else 1
+    return out
+
+
+def _report_inputs(pairs, out: Path) -> tuple[list, dict[str, set[str]]]:
+    """The report's appended `--eval`/`--rl` pairs split off the end: (the rest, {option: labels}); each
+    path in the sweep's folder."""
+    labels: dict[str, set[str]] = {"--eval": set(), "--rl": set()}
+    while pairs and pairs[-1][0] in labels:
+        opt, value = pairs.pop()
+        label, _, path = value.partition("=")
+        assert Path(path).is_relative_to(out), value
+        labels[opt].add(label)
+    return pairs, labels
+
+
+def test_the_sweep_runs_dvc_yamls_commands_with_only_the_documented_substitutions(tmp_path):
+    """Every sweep stage's command is its dvc.yaml stage's (as DVC resolves it: the plan of `rcgrpo plan`)
+    with only the documented options moved into the sweep's folder, dropped or appended: an option added to
+    dvc.yaml reaches the sweep, and a sweep cannot train, score or tabulate otherwise than the pipeline."""
+    planned = {s.name: s for s in pipeline.dvc_stages(REPO_ROOT, with_status=False)}
+    cells = tuple(n.partition("@")[2] for n in planned if n.startswith("rl@"))
+    inits = sorted({c.partition("-")[0] for c in cells})
+    spec = sweep.Spec(cells, {}, {"a": {}, "b": {}})
+    out = tmp_path / "sw"
+    plan = sweep.sweep_plan(list(planned.values()), spec, ["a", "b"], out)
+    assert sorted(s.name for s in plan) == sorted([f"init/evaluate@{i}" for i in inits] + ["a/report", "b/report"]
+                                                  + [f"{n}/{k}@{c}" for n in "ab" for c in cells
+                                                     for k in ("rl", "evaluate")])
+    for stage in plan:
+        base = planned[stage.name.rpartition("/")[2]]
+        moved, dropped, add = DOCUMENTED[base.name.partition("@")[0]]
+        mine, theirs = shlex.split(stage.cmds[0]), shlex.split(base.cmds[0])
+        assert mine[:2] == theirs[:2] and mine[len(mine) - len(add):] == add, stage.name
+        pairs = _pairs(mine[2:len(mine) - len(add)])
+        if base.name == "report":
+            pairs, labels = _report_inputs(pairs, out)
+            assert labels == {"--eval": {*inits, *cells}, "--rl": set(cells)}
+        kept = [(o, v) for o, v in _pairs(theirs[2:]) if o not in dropped]
+        assert [(o, "*" if o in moved else v) for o, v in pairs] == [(o, "*" if o in moved else v) for o, v in kept]
+        for opt, value in pairs:
+            if opt in moved and (opt, value) not in kept:
+                assert Path(value).is_relative_to(out), (stage.name, opt, value)
+        assert all(Path(p).is_relative_to(out) for p in (*stage.outs, *stage.records)), stage.name
+
+
+def test_an_input_the_sweep_does_not_make_fails_the_plan_naming_it(tmp_path):
+    """A new option of dvc.yaml's report naming a pipeline result the sweep neither runs nor moves (here the
+    controllability stage's) stops the sweep before it starts, instead of reading the pipeline's file."""
+    planned = pipeline.dvc_stages(REPO_ROOT, with_status=False)
+    planned = [replace(s, cmds=(s.cmds[0] + " --extra rctp=metrics/controllability.json",)) if s.name == "report"
+               else s for s in planned]
+    spec = sweep.Spec(("rctp-grpo",), {}, {"a": {}})
+    with pytest.raises(ConfigError, match="a/report.*controllability"):
+        sweep.sweep_plan(planned, spec, ["a"], tmp_path / "sw")
+    with pytest.raises(ConfigError, match="no stage rl@rctp-ppo"):
+        sweep.sweep_plan(planned, sweep.Spec(("rctp-ppo",), {}, {"a": {}}), ["a"], tmp_path / "sw")
 
 
 def test_the_design_table_reads_each_candidate_s_report(tmp_path):
@@ -79,18 +152,6 @@ def test_the_design_table_reads_each_candidate_s_report(tmp_path):
     assert "0.28 vs 0.47 over 40 groups (1 vs 9, p = 0.021)" in md
     assert "| b | rctp-grpo | n/a | n/a | n/a |  | 3 | failed (exit 2) |" in md
     assert "| b | rctp-rc_grpo | n/a | n/a | n/a |  | n/a | not run |" in md
-
-
-def test_a_failing_chain_stops_there_and_is_recorded(tmp_path):
-    import os
-    import sys
-
-    ok = [sys.executable, "-c", "print('one')"]
-    bad = [sys.executable, "-c", "import sys; sys.exit(3)"]
-    never = [sys.executable, "-c", f"open({str(tmp_path / 'never')!r}, 'w')"]
-    rc, secs = sweep.run_chain([ok, bad, never], tmp_path / "log", dict(os.environ))
-    assert rc == 3 and secs >= 0 and "one" in (tmp_path / "log").read_text()
-    assert not (tmp_path / "never").exists()
 
 
 def _eval(folder, correct: dict):
@@ -129,5 +190,88 @@ def test_a_candidate_with_an_unknown_section_fails_before_anything_is_written(tm
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"rl": {"max_steps": 10}, "label_rewards": {"tokens": ["<|l|>", "<|h|>"]}}))
     with pytest.raises(ConfigError, match="candidates.bad"):
-        sweep.run_sweep(spec, tmp_path / "out", params)
+        sweep.run_sweep(spec, tmp_path / "out", params, [], root=tmp_path)
     assert not (tmp_path / "out").exists()
+
+
+FAKE_STAGE = """
+import json, sys
+from pathlib import Path
+kind, args, opts = sys.argv[1], sys.argv[2:], {}
+for i, a in enumerate(args):
+    if a.startswith("--"):
+        opts.setdefault(a, []).append(args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else "")
+if "--params" in opts and "fail: true" in Path(opts["--params"][0]).read_text():
+    sys.exit(3)
+def write(path, text):
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text)
+if kind == "rl":
+    write(opts["--out"][0] + "/weights.bin", "w")
+    write(opts["--metrics"][0], "{}")
+    write(opts["--plots"][0], "step\\n")
+elif kind == "evaluate":
+    assert opts["--side"] == ["dev"] and Path(opts["--model"][0]).exists()
+    write(opts["--out"][0] + "/results.jsonl", json.dumps({"model": opts["--model"][0]}) + "\\n")
+else:
+    assert all(Path(v.partition("=")[2]).exists() for v in opts["--eval"] + opts["--rl"])
+    write(opts["--json"][0], json.dumps({"rows": {v.partition("=")[0]: {} for v in opts["--eval"]}}))
+    write(opts["--table"][0], "t")
+"""
+
+
+def _fake_pipeline(root: Path) -> list[pipeline.PlannedStage]:
+    """The sweep's part of a pipeline, each stage one `python fake.py <kind> ...` argv with dvc.yaml's options."""
+    (root / "fake.py").write_text(FAKE_STAGE)
+    run = f"{shlex.quote(sys.executable)} fake.py"
+
+    def stage(name, args, outs=(), records=(), upstream=()):
+        return pipeline.PlannedStage(name, (f"{run} {args}",), tuple(upstream), tuple(outs), tuple(records))
+
+    return [stage("sft@rctp", "sft --params params.yaml --out models/sft/rctp", ["models/sft/rctp"]),
+            stage("rl@rctp-grpo", "rl --params params.yaml --adapter-dir models/sft/rctp --out models/rl/rctp-grpo "
+                  "--checkpoints checkpoints/rl/rctp-grpo --metrics results/rl/rctp-grpo/metrics.json --plots "
+                  "results/rl/rctp-grpo/steps.tsv", ["models/rl/rctp-grpo"],
+                  ["results/rl/rctp-grpo/metrics.json", "results/rl/rctp-grpo/steps.tsv"], ["sft@rctp"]),
+            stage("evaluate@rctp", "evaluate --params params.yaml --model models/sft/rctp --out results/eval/rctp",
+                  ["results/eval/rctp/results.jsonl"], upstream=["sft@rctp"]),
+            stage("evaluate@rctp-grpo", "evaluate --params params.yaml --model models/rl/rctp-grpo --out "
+                  "results/eval/rctp-grpo", ["results/eval/rctp-grpo/results.jsonl"], upstream=["rl@rctp-grpo"]),
+            stage("controllability", "controllability --out metrics/c.json", records=["metrics/c.json"]),
+            stage("report", "report --params params.yaml --eval-root results/eval --rl-root results/rl "
+                  "--controllability rctp=metrics/c.json --table results/t.md --json results/report.json --plot "
+                  "results/a.png --mechanism results/m.png", [],
+                  ["results/t.md", "results/report.json", "results/a.png", "results/m.png"],
+                  ["evaluate@rctp", "evaluate@rctp-grpo", "controllability"])]
+
+
+def test_the_plan_runner_runs_the_sweep_and_a_failed_candidate_stops_only_itself(tmp_path):
+    """run_sweep on stand-in stage commands, two side by side: each candidate's rl -> evaluate on dev ->
+    report in its own folder, the init once, one candidate's failure recorded without stopping the other;
+    the pipeline's own output paths untouched; one bundle (results, logs, params, plan; no model)."""
+    planned = _fake_pipeline(tmp_path)
+    spec = _spec(tmp_path, {"cells": ["rctp-grpo"], "candidates": {"good": {}, "bad": {"rl": {"fail": True}}}})
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"rl": {"fail": False}}))
+    out = tmp_path / "sw"
+    with pytest.raises(ConfigError, match=r"models/sft/rctp.*dvc repro sft@rctp"):  # the init it starts from
+        sweep.run_sweep(spec, out, params, planned, root=tmp_path)
+    assert not out.exists()
+    (tmp_path / "models" / "sft" / "rctp").mkdir(parents=True)
+    run = sweep.run_sweep(spec, out, params, planned, jobs=2, bundle=tmp_path / "b.tar.gz", root=tmp_path)
+    assert {k: v["status"] for k, v in json.loads((out / "timings.json").read_text()).items()} == {
+        "init/rctp": "ok", "good/rctp-grpo": "ok", "good/report": "ok", "bad/rctp-grpo": "failed (exit 3)",
+        "bad/report": "not run"}
+    assert {r["candidate"]: r["status"] for r in design.design_rows(out, run.spec)} == {"good": "ok",
+                                                                                      "bad": "failed (exit 3)"}
+    assert set(json.loads((out / "good" / "report.json").read_text())["rows"]) == {"rctp", "rctp-grpo"}
+    assert json.loads((out / "good" / "rctp-grpo" / "eval" / "results.jsonl").read_text())["model"] == str(
+        out / "good" / "rctp-grpo" / "model")
+    assert [p.name for p in (tmp_path / "models").iterdir()] == ["sft"]
+    assert not any((tmp_path / p).exists() for p in ("results", "metrics", "checkpoints"))
+    with tarfile.open(sweep.write_sweep_bundle(run, tmp_path / "b.tar.gz")) as tar:
+        names = set(tar.getnames())
+    assert {"sw/good/report.json", "sw/good/rctp-grpo/eval/results.jsonl", "sw/good/rctp-grpo/rl.json",
+            "sw/logs/good/rl@rctp-grpo.log", "sw/logs/bad/rl@rctp-grpo.log", "sw/plan.json", "sw/timings.json",
+            "sw/good/params.yaml", "sw/init/params.yaml", "timings.json"} <= names
+    assert not any("/model/" in n for n in names)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -173,6 +174,28 @@ def test_jobs_after_a_failure_start_nothing_new_and_let_the_running_stages_finis
     assert (tmp_path / "y.txt").read_text() == "y\n" and not (tmp_path / "w.txt").exists()
     with pytest.raises(InputError, match="jobs must be >= 1"):
         plan_runner.run_plan(stages, tmp_path, tmp_path / "logs", jobs=0)
+    stages.append(_stage("v", ["echo v > v.txt"], ["v.txt"], ["z"]))  # downstream of x, one stage removed
+    rec = plan_runner.run_plan(stages, tmp_path, tmp_path / "logs", jobs=2, echo=lambda _: None, keep_going=True)
+    assert _status(rec) == {"x": "failed", "y": "ran", "w": "ran", "z": "not_run", "v": "not_run"}
+    assert rec.stages["v"].reason == "upstream z did not finish" and (tmp_path / "w.txt").is_file()
+
+
+def test_a_variant_substitutes_only_the_named_options_and_never_writes_the_planned_outputs():
+    """A stage run again elsewhere: named options moved or dropped, its outputs moving with them; an output
+    left where the pipeline writes it, or an option the command lacks, is an error."""
+    stage = _stage("t@a", ["tool run --params params.yaml --in data/x --out res/a --eval a=res/a --eval b=res/b "
+                           "--plot=res/p.png --flag"], ["res/a/out.json"], records=["res/p.png"])
+    v = pipeline.variant(stage, "sw/t@a", {"--params": "sw/p.yaml", "--out": "sw/a", "--eval": {"b": "sw/b"},
+                                           "--plot": None}, ["--side", "dev"], ["up"])
+    assert shlex.split(v.cmds[0]) == ["tool", "run", "--params", "sw/p.yaml", "--in", "data/x", "--out", "sw/a",
+                                      "--eval", "b=sw/b", "--flag", "--side", "dev"]
+    assert (v.outs, v.records, v.upstream, v.done) == (("sw/a/out.json",), (), ("up",), False)
+    with pytest.raises(InputError, match="output res/a/out.json is under no substituted option"):
+        pipeline.variant(stage, "v", {"--params": "p"})
+    with pytest.raises(InputError, match="no --nope, --eval c="):
+        pipeline.variant(stage, "v", {"--out": "o", "--plot": "q", "--nope": "z", "--eval": {"c": "z"}})
+    with pytest.raises(InputError, match="shell syntax"):
+        pipeline.variant(_stage("s", ["a --out x && b"], ["x"]), "v", {"--out": "o"})
 
 
 def test_bundle_holds_records_and_small_outputs_not_large_ones(tmp_path):

@@ -19,11 +19,16 @@ with no DVC:
 Departures from `dvc repro`, on purpose: no hashes are computed or compared (a fresh host has nothing
 stale but what is missing) and no `dvc.lock` is written (the host's outputs are results to bring back, not
 artifacts to cache).
+
+A stage run again elsewhere (the dev sweep: the `rl` stage's command with a candidate's params file and its
+own output folders) is a `variant` of the planned stage: its command with named options' values replaced
+or dropped and arguments appended, so the command stays the one DVC resolved, changed only where said.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -149,6 +154,79 @@ def select(upstream: Mapping[str, Sequence[str]], wanted: list[str] | None) -> l
                 keep.add(up)
                 todo.append(up)
     return [s for s in upstream if s in keep]
+
+
+# -- a stage run again elsewhere ----------------------------------------------------------------------------
+
+Substitution = str | Mapping[str, str] | None
+"""What `variant` does to one option: a string = its value; {label: path} = a repeatable `LABEL=PATH`
+option keeps exactly these labels, each with its new path; None = every occurrence dropped."""
+SHELL_SYNTAX = frozenset({"|", "||", "&&", ";", "&", ">", ">>", "<"})
+
+
+def _swap(tokens: list[str], args: Mapping[str, Substitution], where: str) -> tuple[list[str], dict]:
+    """(the new argv, {old path: new path, or None where dropped}) of one command under `args`."""
+    out, moved, seen = [], {}, set()
+    i = 0
+    while i < len(tokens):
+        opt, eq, inline = tokens[i].partition("=")
+        if opt not in args or not opt.startswith("--"):
+            out.append(tokens[i])
+            i += 1
+            continue
+        if not eq and i + 1 == len(tokens):
+            raise InputError(f"{where}: {opt} has no value")
+        value, i = (inline, i + 1) if eq else (tokens[i + 1], i + 2)
+        new = args[opt]
+        if isinstance(new, str):
+            moved[value] = new
+            out += [opt, new]
+        elif new is not None and value.partition("=")[0] in new:
+            label, _, path = value.partition("=")
+            moved[path] = new[label]
+            out += [opt, f"{label}={new[label]}"]
+            seen.add((opt, label))
+        else:  # dropped: an output under it is not made by the variant (unless a kept option moves it)
+            moved.setdefault(value.partition("=")[2] if isinstance(new, Mapping) else value, None)
+        seen.add(opt)
+    missing = [o for o, new in args.items() if new is not None and o not in seen]
+    missing += [f"{o} {label}=" for o, new in args.items() if isinstance(new, Mapping)
+                for label in new if (o, label) not in seen]
+    if missing:
+        raise InputError(f"{where}: the command has no {', '.join(missing)} to substitute (dvc.yaml changed?)")
+    return out, moved
+
+
+def _move(path: str, moved: Mapping[str, str | None], where: str) -> str | None:
+    """`path` under the longest old value in `moved` that holds it, moved to the new one (None: dropped)."""
+    hits = [old for old in moved if path == old or path.startswith(old.rstrip("/") + "/")]
+    if not hits:
+        raise InputError(f"{where}: output {path} is under no substituted option: the variant would "
+                         "overwrite the pipeline's own")
+    old = max(hits, key=len)
+    new = moved[old]
+    return None if new is None else new + path[len(old):]
+
+
+def variant(stage: PlannedStage, name: str, args: Mapping[str, Substitution], add: Sequence[str] = (),
+            upstream: Sequence[str] = ()) -> PlannedStage:
+    """`stage` (one command, an argv without shell syntax) run again as `name` after `upstream`: every
+    `--opt VALUE` / `--opt=VALUE` of an option in `args` substituted (`Substitution`), `add` appended, the
+    rest of the command as planned. Every output must lie under a substituted option's old value (it moves
+    with it, or is dropped with it), so a variant never writes where the pipeline's stage does; an option
+    to substitute that the command lacks is an error (a string or label substitution; None drops what is
+    there), so a renamed option in dvc.yaml fails here instead of running the planned path."""
+    where = f"variant {name} of {stage.name}"
+    if len(stage.cmds) != 1:
+        raise InputError(f"{where}: {len(stage.cmds)} commands; a variant substitutes in one")
+    tokens = shlex.split(stage.cmds[0])
+    if SHELL_SYNTAX & set(tokens):
+        raise InputError(f"{where}: the command uses shell syntax; a variant substitutes in one argv")
+    argv, moved = _swap(tokens, args, where)
+    outs = [_move(p, moved, where) for p in stage.outs]
+    records = [_move(p, moved, where) for p in stage.records]
+    return PlannedStage(name, (shlex.join([*argv, *add]),), tuple(upstream), tuple(p for p in outs if p),
+                        tuple(p for p in records if p))
 
 
 # -- running it (no DVC needed) -----------------------------------------------------------------------------

@@ -195,13 +195,27 @@ def _ready(stage: PlannedStage, record: RunRecord, names: set[str]) -> bool:
                for u in stage.upstream if u in names)
 
 
+def _drop_blocked(pending: list, record: RunRecord, names: set[str]) -> None:
+    """Record as `not_run` (and take out of `pending`) every stage downstream of a stage that failed, was
+    stopped or will not run; repeated, since `pending` is not in plan order side by side."""
+    ended = ("failed", "stopped", "not_run")
+    while blocked := [item for item in pending if any(
+            record.stages.get(u, StageRun("", "")).status in ended for u in item[0].upstream if u in names)]:
+        for item in blocked:
+            up = next(u for u in item[0].upstream if record.stages.get(u, StageRun("", "")).status in ended)
+            record.stages[item[0].name] = StageRun("not_run", f"upstream {up} did not finish")
+            pending.remove(item)
+
+
 def run_plan(stages: list[PlannedStage], root: str | Path, logs: str | Path, bundle: str | Path | None = None,
              extra: list[Path] | None = None, env: dict[str, str] | None = None,
-             echo: Callable[[str], None] | None = None, jobs: int = 1) -> RunRecord:
+             echo: Callable[[str], None] | None = None, jobs: int = 1, keep_going: bool = False) -> RunRecord:
     """Run `stages` (a plan, in order) in `root` by the rule of the module docstring, at most `jobs` at a
     time: a stage starts once every stage it depends on has finished (`jobs=1`: in plan order; side by side
-    those with the most stages depending on them first, `descendants`); after the first failure nothing new starts, the stages running finish,
-    the rest are `not_run`. Side by side, stages share the host (on a GPU host: one device; the stages
+    those with the most stages depending on them first, `descendants`); after the first failure nothing new
+    starts, the stages running finish, the rest are `not_run` (`keep_going`, as `dvc repro --keep-going`:
+    only the stages downstream of a failed one are `not_run`, the others still run: a sweep's candidates do
+    not depend on each other). Side by side, stages share the host (on a GPU host: one device; the stages
     here place small models and size nothing by free memory). The bundle, if asked for, is rewritten after
     every stage and once more at the end, also after a failure or a stop (SIGTERM/SIGHUP: the running
     stages' groups are stopped, recorded as `stopped`, then `procs.Terminated` propagates)."""
@@ -263,15 +277,16 @@ def run_plan(stages: list[PlannedStage], root: str | Path, logs: str | Path, bun
     try:
         while pending or running:
             failed |= reap()
-            if failed:
+            if failed and not keep_going:
                 for stage, _ in pending:
                     record.stages[stage.name] = StageRun("not_run", "an earlier stage failed")
                 pending.clear()
             else:
+                _drop_blocked(pending, record, names)
                 launch()
             if running:
                 time.sleep(POLL_S)
-            elif pending and not failed:  # cannot happen with a plan in topological order
+            elif pending:  # cannot happen with a plan in topological order
                 raise InputError(f"stages wait on stages that never ran: {[s.name for s, _ in pending]}")
     except procs.Terminated:
         for name, job in running.items():

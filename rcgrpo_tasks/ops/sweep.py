@@ -1,8 +1,8 @@
-"""Running a dev sweep: RL's levers tried side by side through the stages' own commands.
+"""Running a dev sweep: RL's levers tried side by side through the pipeline's own stage commands.
 
 A sweep spec (YAML, e.g. `configs/sweeps/rl-dev.yaml`):
 
-    cells: [rctp-grpo, rctp-rc_grpo]      # init-algo, as dvc.yaml's rl matrix names them
+    cells: [rctp-grpo, rctp-rc_grpo]      # RL cells of the pipeline (params `grid.rl`)
     common: {evaluate: {margin: false}}   # overrides every candidate gets
     candidates:
       default: {}
@@ -10,35 +10,51 @@ A sweep spec (YAML, e.g. `configs/sweeps/rl-dev.yaml`):
 
 Each candidate is a params file: the project's `params.yaml` (as the current profile left it) with `common`
 and then its own overrides deep-merged, written to `<out>/<candidate>/params.yaml` and checked by the
-stages themselves (unknown keys fail before anything runs). Per candidate and cell the `rl` stage's own
-command trains from the pipeline's init model (`models/sft/<init>`, the pool in `data/policy`), and the
-`evaluate` stage's command scores the result on the DEV side (`--side dev`); each init is evaluated on dev
-once; then the `report` stage's command builds each candidate's tables. Judging them is
+stages themselves (unknown keys fail before anything runs). The sweep is a plan (`sweep_plan`) of
+`pipeline.variant`s of the pipeline's planned stages (dvc.yaml as DVC resolves it: `rcgrpo plan`), each the
+planned command with only these substitutions (`rl_args`, `evaluate_args`, `report_args`, `report_add`):
+
+- per candidate and cell, `rl@<cell>`: `--params` the candidate's file; `--out`, `--checkpoints`,
+  `--metrics`, `--plots` in `<out>/<candidate>/<cell>/` (`model`, `checkpoints`, `rl.json`, `rl.tsv`); it
+  trains from the pipeline's init model and RL pool, as planned;
+- then `evaluate@<cell>`: `--params` the candidate's file, `--model` that cell's model, `--out`
+  `<out>/<candidate>/<cell>/eval`, and `--side dev` appended;
+- each init once, `evaluate@<init>`: `--params` `<out>/init/params.yaml` (params + `common`), `--out`
+  `<out>/init/<init>`, `--side dev`;
+- per candidate, `report`: `--params` the candidate's file; `--table`, `--json`, `--plot` in
+  `<out>/<candidate>/` (`table.md`, `report.json`, `accuracy.png`); what it reads (`--eval-root`,
+  `--rl-root`, or `--eval`, `--rl`) and the inputs and plots the sweep does not make (`--controllability`,
+  `--agree`, `--steps`, `--mechanism`, `--probe`) dropped; appended: `--eval` for each init and cell
+  (the folders above), `--rl` for each cell (its `rl.json`), `--no-track`.
+
+Every other argument is the planned one. No sweep stage may read an output of a pipeline stage other than
+those the cells start from (`check_reads`), and those must exist before it starts (`missing_inputs`). `plan_runner.run_plan` runs the plan (`jobs` side by
+side, one log per stage, the bundle; `keep_going`: one candidate's failure does not stop the others);
+`chain_timings` turns its record into `<out>/timings.json` (per chain: rl + evaluate). Judging them is
 `evaluation.design` (the design table, pooled replicates). Nothing here reads the held-out side.
 
-Why by hand: no library here sweeps DVC stage commands over params files (DVC's experiments queue runs
-`dvc exp run`, which needs DVC and a git workspace a GPU host has not; Prefect would sequence the same
-commands). The commands are the stages' own, so a sweep cannot train or score differently from the pipeline.
+Why no sweep library: DVC's experiments queue runs `dvc exp run`, which needs DVC and a git workspace a GPU
+host has not; the plan runner already runs the pipeline's commands there.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as futures
 import shlex
-import subprocess
-import tarfile
-import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from rcgrpo_tasks.ops.config import ConfigError, deep_merge, read_params
-from rcgrpo_tasks.ops.outputs import atomic_path, write_json, write_text
-from rcgrpo_tasks.ops.plan_runner import stage_env
+from rcgrpo_tasks.ops.outputs import write_json, write_text
+from rcgrpo_tasks.ops.pipeline import PlannedStage, Substitution, select, variant, write_plan
+from rcgrpo_tasks.ops.plan_runner import RunRecord, StageRun, bundle_members, run_plan, write_bundle
 
 INITS = ("sft", "rctp")
 ALGOS = ("grpo", "rc_grpo", "dynamic")
+RESERVED = frozenset({"init", "logs"})
+"""Folders of `<out>` that are the sweep's own, not a candidate's."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +78,8 @@ def read_spec(path: Path) -> Spec:
     for name, over in candidates.items():
         if not str(name).replace("-", "").replace("_", "").replace(".", "").isalnum() or not isinstance(over or {}, dict):
             raise ConfigError(f"{path}: candidates.{name}: a folder-safe name and a mapping of overrides")
+        if str(name) in RESERVED:
+            raise ConfigError(f"{path}: candidates.{name}: the sweep's own folder; name it otherwise")
     unknown = sorted(set(raw) - {"cells", "common", "candidates"})
     if unknown:
         raise ConfigError(f"{path}: unknown key(s) {unknown}; expected cells, common, candidates")
@@ -77,107 +95,187 @@ def candidate_params(base: dict, spec: Spec, name: str, where: Path) -> dict:
     return deep_merge(deep_merge(base, spec.common), spec.candidates[name])
 
 
-def cell_token(cell: str, high: str) -> str:
-    """The reward goal a cell is evaluated under (as dvc.yaml's evaluate items): every RCTP-based or
-    RC-GRPO model under the high token, the SFT model's GRPO cells under none."""
-    init, _, algo = cell.partition("-")
-    return high if init == "rctp" or algo == "rc_grpo" else ""
+def rl_args(params: Path, folder: Path) -> dict[str, Substitution]:
+    """The rl stage's substitutions: the candidate's params, every output in the cell's folder."""
+    return {"--params": str(params), "--out": str(folder / "model"), "--checkpoints": str(folder / "checkpoints"),
+            "--metrics": str(folder / "rl.json"), "--plots": str(folder / "rl.tsv")}
 
 
-def rl_command(params: Path, cell: str, out: Path) -> list[str]:
-    init, _, algo = cell.partition("-")
-    return ["rcgrpo", "rl", "--params", str(params), "--init", init, "--algo", algo, "--model-dir", "models/base",
-            "--adapter-dir", f"models/sft/{init}", "--entries", "data/entries.jsonl", "--split", "data/split.json",
-            "--out", str(out / "model"), "--checkpoints", str(out / "checkpoints"), "--metrics",
-            str(out / "rl.json"), "--plots", str(out / "rl.tsv"), "--policy", "data/policy/trajectories.jsonl"]
+def evaluate_args(params: Path, out: Path, model: Path | None = None) -> dict[str, Substitution]:
+    """The evaluate stage's substitutions: the params, the output folder and (a cell) the RL model."""
+    return {"--params": str(params), "--out": str(out), **({"--model": str(model)} if model else {})}
 
 
-def evaluate_command(params: Path, model: str, adapter: str, token: str, out: Path, name: str) -> list[str]:
-    return ["rcgrpo", "evaluate", "--params", str(params), "--side", "dev", "--model", model, "--adapter", adapter,
-            "--reward-token", token, "--entries", "data/entries.jsonl", "--split", "data/split.json",
-            "--out", str(out), "--name", name]
+EVALUATE_ADD = ("--side", "dev")
+"""What the sweep appends to evaluate: it judges on the dev side, never on the held-out one."""
 
 
-def report_command(folder: Path, cells: tuple[str, ...], inits: set[str], init_dir: Path) -> list[str]:
-    evals = [f"--eval={i}={init_dir / i}" for i in sorted(inits)]
-    evals += [f"--eval={c}={folder / c / 'eval'}" for c in cells]
-    rls = [f"--rl={c}={folder / c / 'rl.json'}" for c in cells]
-    return ["rcgrpo", "report", *evals, *rls, "--table", str(folder / "table.md"), "--json",
-            str(folder / "report.json"), "--plot", str(folder / "accuracy.png"), "--no-track"]
+REPORT_DROPS = ("--eval", "--rl", "--eval-root", "--rl-root", "--steps", "--controllability", "--agree",
+                "--mechanism", "--probe")
+"""The report's options a sweep drops: what it reads of the pipeline (the sweep appends its own `--eval` and
+`--rl`), the inputs the sweep does not make, the plots it does not need to judge."""
 
 
-def run_chain(commands: list[list[str]], log: Path, env: dict[str, str]) -> tuple[int, float]:
-    """Run `commands` one after another (stop at the first failure), output to `log`; (exit code, seconds)."""
-    start = time.monotonic()
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as fh:
-        for cmd in commands:
-            fh.write(f"$ {shlex.join(cmd)}\n")
-            fh.flush()
-            rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
-            if rc:
-                return rc, time.monotonic() - start
-    return 0, time.monotonic() - start
+def report_args(params: Path, folder: Path) -> dict[str, Substitution]:
+    """The report stage's substitutions: the candidate's params, the tables in its folder; what it reads
+    (`--eval`, `--rl` or their roots) and the inputs and plots the sweep does not make dropped."""
+    return {"--params": str(params), "--table": str(folder / "table.md"), "--json": str(folder / "report.json"),
+            "--plot": str(folder / "accuracy.png"), **dict.fromkeys(REPORT_DROPS)}
 
 
-def write_sweep_bundle(out: Path, bundle: Path) -> Path:
-    """`bundle` (.tar.gz): the sweep folder without its models and checkpoints (what a GPU host sends back),
-    rewritten after every chain so a lease that ends mid-sweep still returns what finished."""
-    heavy = {"model", "checkpoints"}
-    # Chains still running stage their outputs in hidden temporary folders that vanish when published.
-    members = [p for p in sorted(out.rglob("*")) if p.is_file() and not heavy & set(p.relative_to(out).parts)
-               and not any(part.startswith(".") for part in p.relative_to(out).parts)]
-    with atomic_path(bundle) as tmp, tarfile.open(tmp, "w:gz") as tar:
-        for p in members:
-            try:
-                tar.add(p, arcname=str(Path(out.name) / p.relative_to(out)))
-            except FileNotFoundError:  # replaced between the listing and the read: the next bundle has it
-                continue
-    return bundle
+def report_add(folder: Path, cells: tuple[str, ...], init_dir: Path, inits: list[str]) -> list[str]:
+    """What the sweep appends to report: the inits' and the cells' dev evaluations and RL metrics from the
+    sweep's folders as `--eval LABEL=DIR` / `--rl LABEL=JSON` (the report's explicit form), and `--no-track`
+    (its tables are files of the sweep, not runs of the pipeline)."""
+    evals = [f"{i}={init_dir / i}" for i in inits] + [f"{c}={folder / c / 'eval'}" for c in cells]
+    rls = [f"{c}={folder / c / 'rl.json'}" for c in cells]
+    return [*(a for e in evals for a in ("--eval", e)), *(a for r in rls for a in ("--rl", r)), "--no-track"]
 
 
-def run_sweep(spec_path: Path, out: Path, params_path: Path, jobs: int = 1, only: list[str] | None = None,
-              bundle: Path | None = None) -> tuple[Spec, list[str]]:
-    """Every candidate x cell (rl, then evaluate on dev), `jobs` chains side by side, each init evaluated on
-    dev beside them; then each candidate's report. Returns the spec and the candidates run; `timings.json`
-    records each chain's status and seconds."""
+def _planned(stages: dict[str, PlannedStage], name: str) -> PlannedStage:
+    if name not in stages:
+        raise ConfigError(f"the pipeline has no stage {name}: a sweep's cells are RL cells of the pipeline "
+                          "(params `grid`, as the plan was made)")
+    return stages[name]
+
+
+def sweep_plan(planned: list[PlannedStage], spec: Spec, names: list[str], out: Path) -> list[PlannedStage]:
+    """The sweep as a plan, in order: each init's evaluation on dev, then per candidate its cells (rl, then
+    evaluate on dev) and its report; each stage a `pipeline.variant` of `planned` (the module docstring's
+    substitutions), checked by `check_reads`."""
+    by_name = {s.name: s for s in planned}
+    inits = sorted({c.partition("-")[0] for c in spec.cells})
+    init_dir = out / "init"
+    plan = [variant(_planned(by_name, f"evaluate@{i}"), f"init/evaluate@{i}",
+                    evaluate_args(init_dir / "params.yaml", init_dir / i), EVALUATE_ADD) for i in inits]
+    for name in names:
+        params, folder = out / name / "params.yaml", out / name
+        for cell in spec.cells:
+            rl = variant(_planned(by_name, f"rl@{cell}"), f"{name}/rl@{cell}", rl_args(params, folder / cell))
+            plan += [rl, variant(_planned(by_name, f"evaluate@{cell}"), f"{name}/evaluate@{cell}",
+                                 evaluate_args(params, folder / cell / "eval", folder / cell / "model"),
+                                 EVALUATE_ADD, [rl.name])]
+        ups = [f"init/evaluate@{i}" for i in inits] + [f"{name}/{k}@{c}" for c in spec.cells for k in ("rl", "evaluate")]
+        plan.append(variant(_planned(by_name, "report"), f"{name}/report", report_args(params, folder),
+                            report_add(folder, spec.cells, init_dir, inits), ups))
+    check_reads(plan, planned, spec.cells)
+    return plan
+
+
+def _overlap(a: str, b: str) -> bool:
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+
+
+def _reads(plan: list[PlannedStage], planned: list[PlannedStage], cells: tuple[str, ...]) -> Iterator[tuple]:
+    """(sweep stage, argument, the path it names, the pipeline stage that makes it, whether the cells start
+    from that stage) for every argument of the sweep's commands that names a pipeline output."""
+    rls = {f"rl@{c}" for c in cells}
+    given = set(select({s.name: s.upstream for s in planned}, sorted(rls))) - rls
+    made = [(p, s.name) for s in planned for p in (*s.outs, *s.records)]
+    for stage in plan:
+        for token in shlex.split(stage.cmds[0]):
+            for path in {token, token.partition("=")[2]} - {""}:
+                yield from ((stage, token, path, who, who in given) for p, who in made if _overlap(path, p))
+
+
+def check_reads(plan: list[PlannedStage], planned: list[PlannedStage], cells: tuple[str, ...]) -> None:
+    """No argument of a sweep stage names an output of a pipeline stage the cells do not start from (the
+    cells' own rl stages and everything after them): a sweep reads the pipeline's data and inits, and
+    otherwise only what it made. An option dvc.yaml adds to a stage fails here until the sweep substitutes
+    or drops it."""
+    for stage, token, _, who, given in _reads(plan, planned, cells):
+        if not given:
+            raise ConfigError(f"sweep stage {stage.name}: {token!r} names what pipeline stage {who} makes, "
+                              "which the sweep neither runs nor moves (ops.sweep substitutes each stage's "
+                              "options: add this one there)")
+
+
+def missing_inputs(plan: list[PlannedStage], planned: list[PlannedStage], cells: tuple[str, ...],
+                   root: Path) -> dict[str, list[str]]:
+    """{pipeline stage: the paths it makes that the sweep reads and `root` lacks}: what to run first."""
+    missing: dict[str, list[str]] = {}
+    for _, _, path, who, _ in _reads(plan, planned, cells):
+        if not (root / path).exists() and path not in missing.get(who, []):
+            missing.setdefault(who, []).append(path)
+    return missing
+
+
+def chain_timings(record: RunRecord, plan: list[PlannedStage]) -> dict[str, dict]:
+    """{chain: {status, seconds}} as `evaluation.design` reads `<out>/timings.json`: a chain is a cell's
+    rl + evaluate (`<candidate>/<cell>`), an init's evaluation (`init/<init>`) or a report
+    (`<candidate>/report`); `ok` when all its stages ran, else the first failure, stop or `not run`."""
+    chains: dict[str, list[StageRun]] = {}
+    for stage in plan:
+        prefix, _, tail = stage.name.rpartition("/")
+        chains.setdefault(f"{prefix}/{tail.partition('@')[2] or tail}", []).append(
+            record.stages.get(stage.name, StageRun("not_run", "")))
+    out = {}
+    for key, runs in chains.items():
+        failed = [r for r in runs if r.status == "failed"]
+        status = (f"failed (exit {failed[0].rc})" if failed else "stopped" if any(r.status == "stopped" for r in runs)
+                  else "ok" if all(r.status == "ran" for r in runs) else "not run")
+        out[key] = {"status": status, "seconds": round(sum(r.wall_s for r in runs), 1)}
+    return out
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """A finished sweep: its spec, the candidates run, where, its plan and the plan runner's record."""
+
+    spec: Spec
+    names: list[str]
+    out: Path
+    root: Path
+    plan: list[PlannedStage]
+    record: RunRecord
+
+
+def sweep_files(out: Path, names: list[str]) -> list[Path]:
+    """The sweep's own files for the bundle beside its stages' results: logs, plan, params, timings, design."""
+    return [out / "logs", out / "plan.json", out / "timings.json", out / "design.md", out / "design.json",
+            out / "init" / "params.yaml", *(out / n / "params.yaml" for n in names)]
+
+
+def write_sweep_bundle(run: SweepRun, bundle: Path) -> Path:
+    """The plan runner's bundle of the sweep (results, logs, params; no models), rewritten now: after the
+    design table, which is written once the plan has run."""
+    members = bundle_members(run.plan, run.root, sweep_files(run.out, run.names), run.record)
+    return write_bundle(bundle, members, run.root, run.record)
+
+
+def _runner_lines(line: str) -> None:
+    """Print the runner's own lines; each stage's output stays in its log (side by side it would interleave)."""
+    if line.startswith("[run-plan]"):
+        print(line, flush=True)
+
+
+def run_sweep(spec_path: Path, out: Path, params_path: Path, planned: list[PlannedStage], jobs: int = 1,
+              only: list[str] | None = None, bundle: Path | None = None, root: Path = Path(".")) -> SweepRun:
+    """Every candidate x cell and each init, by `sweep_plan` from `planned` (the pipeline's plan), run in
+    `root` by `plan_runner.run_plan` (`jobs` side by side, logs in `<out>/logs`, `bundle` rewritten after
+    every stage, one failed chain not stopping the others); writes the candidates' params files, the sweep's
+    `plan.json` and `timings.json` (`chain_timings`). Everything is checked before anything is written;
+    `out` must lie inside `root` (the bundle keeps paths relative to it)."""
     spec = read_spec(spec_path)
     names = [n for n in spec.candidates if not only or n in only]
     base = read_params(params_path)
-    merged = {name: candidate_params(base, spec, name, spec_path) for name in names}  # all checked before any write
-    out.mkdir(parents=True, exist_ok=True)
-    files = {name: out / name / "params.yaml" for name in names}
+    merged = {name: candidate_params(base, spec, name, spec_path) for name in names}
+    try:
+        out.resolve().relative_to(Path(root).resolve())
+    except ValueError:
+        raise ConfigError(f"--out {out}: must lie inside the project {root} (the bundle keeps paths relative "
+                          "to it)") from None
+    plan = sweep_plan(planned, spec, names, out)
+    missing = missing_inputs(plan, planned, spec.cells, Path(root))
+    if missing:
+        raise ConfigError(f"not found: {sorted(p for paths in missing.values() for p in paths)}: run the stages "
+                          f"the sweep starts from first (`dvc repro {' '.join(missing)}`; without DVC: "
+                          "`rcgrpo run-plan --stage ...`)")
+    write_text(out / "init" / "params.yaml", yaml.safe_dump(deep_merge(base, spec.common), sort_keys=False))
     for name in names:
-        write_text(files[name], yaml.safe_dump(merged[name], sort_keys=False))
-    inits = {c.partition("-")[0] for c in spec.cells}
-    init_dir, init_params = out / "init", out / "init" / "params.yaml"
-    write_text(init_params, yaml.safe_dump(deep_merge(base, spec.common), sort_keys=False))
-    env = stage_env(jobs=jobs)
-    high = base["label_rewards"]["tokens"][-1]  # the highest level, as label_rewards orders them
-    timings: dict[str, dict] = {}
-
-    def record(key: str, rc: int, secs: float) -> None:
-        timings[key] = {"status": "ok" if rc == 0 else f"failed (exit {rc})", "seconds": round(secs, 1)}
-        write_json(out / "timings.json", timings)
-        if bundle is not None:
-            write_sweep_bundle(out, bundle)
-
-    chains = {f"init/{i}": [evaluate_command(init_params, "models/base", f"models/sft/{i}",
-                                             high if i == "rctp" else "", init_dir / i, i)] for i in sorted(inits)}
-    for name in names:
-        for cell in spec.cells:
-            folder = out / name / cell
-            chains[f"{name}/{cell}"] = [rl_command(files[name], cell, folder),
-                                        evaluate_command(files[name], str(folder / "model"), "", cell_token(cell, high),
-                                                         folder / "eval", cell)]
-    with futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        running = {pool.submit(run_chain, cmds, out / "logs" / f"{key.replace('/', '__')}.log", env): key
-                   for key, cmds in chains.items()}
-        for done in futures.as_completed(running):
-            record(running[done], *done.result())
-    for name in names:
-        if all(timings.get(f"{name}/{c}", {}).get("status") == "ok" for c in spec.cells):
-            rc, secs = run_chain([report_command(out / name, spec.cells, inits, init_dir)],
-                                 out / "logs" / f"{name}__report.log", env)
-            record(f"{name}/report", rc, secs)
-    return spec, names
+        write_text(out / name / "params.yaml", yaml.safe_dump(merged[name], sort_keys=False))
+    write_plan(plan, out / "plan.json", {"spec": str(spec_path), "candidates": names})
+    record = run_plan(plan, root, out / "logs", bundle, sweep_files(out, names), echo=_runner_lines, jobs=jobs,
+                      keep_going=True)
+    write_json(out / "timings.json", chain_timings(record, plan))
+    return SweepRun(spec, names, out, Path(root), plan, record)
