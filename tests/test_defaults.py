@@ -20,6 +20,7 @@ from rcgrpo_tasks.engine.source import PrepareModelConfig
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.split import PrepareDataConfig
 from rcgrpo_tasks.evaluation.controllability import ControllabilityConfig
+from rcgrpo_tasks.evaluation.grid import GridConfig
 from rcgrpo_tasks.evaluation.heldout import EvaluateConfig
 from rcgrpo_tasks.evaluation.promotion import PromoteConfig
 from rcgrpo_tasks.ops import config
@@ -31,7 +32,7 @@ SECTIONS = {
     "prepare_model": PrepareModelConfig, "evaluate": EvaluateConfig, "generate_trajectories": GenerateConfig,
     "validate_trajectories": ValidateConfig, "label_rewards": LabelConfig, "sft": SftConfig,
     "controllability": ControllabilityConfig, "sample_policy": SampleConfig, "rl": RLConfig,
-    "promote": PromoteConfig,
+    "promote": PromoteConfig, "grid": GridConfig,
 }
 """params.yaml section -> the config dataclass its stage loads it into."""
 

@@ -274,34 +274,51 @@ def test_config_checks():
         tiny_sft_config(margin_every=-1)
 
 
-def test_rl_prompts_the_sft_model_already_solves(single_turn, tmp_path):
-    """rl.min_sampled_success keeps the train entries whose own-sample success rate reaches it (unsampled
-    entries out), before max_entries; without the samples, or with too few entries left, it refuses."""
+def test_rl_pool_is_rl_prompts_in_the_inits_success_band(single_turn, tmp_path):
+    """RL samples the split's rl side (prompts no fine-tuning set holds), its pool the prompts whose share of
+    the init's own samples that succeed lies in rl.pool_band, plus always-solved ones up to
+    rl.pool_solved_share of the pool (a seeded draw); unsampled prompts are out; without the samples, or with
+    too few prompts left, it refuses; without an rl side it samples train."""
     from rcgrpo_tasks.data.onpolicy import sampled_success_rates
     from rcgrpo_tasks.ops.config import ConfigError
     from rcgrpo_tasks.train import grpo
 
     entries, split = single_turn
+    rl, train = split["train"][:7], split["train"][7:]
     write_jsonl(tmp_path / "entries.jsonl", (e.to_json() for e in entries))
-    write_json(tmp_path / "split.json", split)
-    train = split["train"][:4]
-    rows = [{"entry_id": e, "provenance": {"reward": float(i < k)}} for e, k in zip(train, (4, 3, 1, 0))
-            for i in range(4)]
-    rates = sampled_success_rates(rows)
-    assert rates == {train[0]: 1.0, train[1]: 0.75, train[2]: 0.25, train[3]: 0.0}
+    write_json(tmp_path / "split.json", {**split, "train": train, "rl": rl})
+    rows = [{"entry_id": e, "provenance": {"reward": float(i < k)}} for e, k in zip(rl, (4, 3, 2, 1, 0, 4, 4))
+            for i in range(4)]  # rl[6] never sampled below: it is left out
+    rates = sampled_success_rates(rows[:24])
+    assert rates == {rl[0]: 1.0, rl[1]: 0.75, rl[2]: 0.5, rl[3]: 0.25, rl[4]: 0.0, rl[5]: 1.0}
     proto = PromptConfig(system_prompt="bfcl").protocol_config(1)
-    cfg = from_dict(grpo.RLConfig, {"num_generations": 2, "batch_size": 2, "micro_batch_size": 2,
-                                    "min_sampled_success": 0.75, "max_entries": None})
-    picked = grpo.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", cfg, proto, success=rates)
-    assert sorted(e.id for e in picked) == sorted(train[:2])
-    with pytest.raises(ConfigError, match="--policy"):
+
+    def pick(**kw):
+        cfg = from_dict(grpo.RLConfig, {"num_generations": 2, "batch_size": 2, "micro_batch_size": 2,
+                                        "max_entries": None, **kw})
+        return sorted(e.id for e in grpo.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", cfg,
+                                                         proto, success=rates))
+
+    assert pick() == sorted(rl[1:4])  # the default band [0.25, 0.75]
+    with_solved = pick(pool_solved_share=0.25)  # one always-solved prompt per three of the band's
+    assert set(with_solved) - set(rl[1:4]) <= {rl[0], rl[5]} and len(with_solved) == 4
+    assert pick(pool_solved_share=0.6) == sorted(rl[:4] + [rl[5]])  # no more than there are
+    assert pick(pool_band=None) == sorted(rl)  # every prompt of the side, sampled or not
+    assert grpo.pool_ids({"a": 1.0, "b": 0.5}, (0.5, 1.0), 0.5, 0) == ["a", "b"]  # in the band: not an extra
+    cfg = from_dict(grpo.RLConfig, {"num_generations": 2, "batch_size": 2, "micro_batch_size": 2})
+    with pytest.raises(ConfigError, match="--pool"):
         grpo.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", cfg, proto)
-    strict = from_dict(grpo.RLConfig, {"num_generations": 2, "batch_size": 6, "micro_batch_size": 2,
-                                       "min_sampled_success": 0.75, "max_entries": None})
-    with pytest.raises(ConfigError, match="need at least 3"):
+    strict = from_dict(grpo.RLConfig, {"num_generations": 2, "batch_size": 8, "micro_batch_size": 2,
+                                       "max_entries": None})
+    with pytest.raises(ConfigError, match="need at least 4"):
         grpo.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", strict, proto, success=rates)
-    with pytest.raises(ValueError, match="min_sampled_success"):
-        from_dict(grpo.RLConfig, {"min_sampled_success": 1.5})
+    for bad in ({"pool_band": [0.8, 0.2]}, {"pool_band": [0.1, 1.5]}, {"pool_solved_share": 1.0}):
+        with pytest.raises(ConfigError, match="pool_"):
+            from_dict(grpo.RLConfig, bad)
+    with pytest.raises(ConfigError, match="rl.pool_band"):
+        from_dict(grpo.RLConfig, {"min_sampled_success": 0.25}, "p.yaml:rl")
+    write_json(tmp_path / "split.json", {k: v for k, v in split.items() if k != "rl"})  # no rl side: train
+    assert grpo.rl_side(tmp_path / "split.json") == "train"
 
 
 def test_divergent_loss_keeps_only_what_follows_the_parting(tiny_model_dir):

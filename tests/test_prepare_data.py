@@ -1,4 +1,5 @@
-"""Split by numeric id: deterministic, 80/10/10 (train/dev/test) per category, no overlap, variants kept together."""
+"""Split by numeric id: deterministic, 60/20/10/10 (train/rl/dev/test) per category, no overlap, variants kept
+together; RL's side carved after dev, leaving the held-out and dev sides as they were."""
 
 import json
 import subprocess
@@ -11,26 +12,35 @@ from rcgrpo_tasks.env.split import PrepareDataConfig, prepare, split_metrics
 from rcgrpo_tasks.ops.config import ConfigError, from_dict
 
 
-def test_split_is_640_80_80_without_overlap_and_deterministic():
+def test_split_is_480_160_80_80_without_overlap_and_deterministic():
     entries, split = prepare(PrepareDataConfig(task="multi_turn", categories=None))
-    train, dev, test = set(split["train"]), set(split["dev"]), set(split["test"])
-    assert (len(train), len(dev), len(test)) == (640, 80, 80)
-    assert not train & test and not train & dev and not dev & test
-    assert train | dev | test == {e.id for e in entries}
-    families = [{numeric_id(i) for i in side} for side in (train, dev, test)]
+    sides = [set(split[k]) for k in ("train", "rl", "dev", "test")]
+    assert [len(s) for s in sides] == [480, 160, 80, 80]
+    assert all(a.isdisjoint(b) for i, a in enumerate(sides) for b in sides[i + 1:])
+    assert set().union(*sides) == {e.id for e in entries}
+    families = [{numeric_id(i) for i in side} for side in sides]
     assert all(a.isdisjoint(b) for i, a in enumerate(families) for b in families[i + 1:])
-    assert sorted(families[1]) == split["dev_numeric_ids"]
+    assert sorted(families[2]) == split["dev_numeric_ids"] and sorted(families[1]) == split["rl_numeric_ids"]
     counts = split_metrics(split)["per_category"]
-    assert all(c == {"train": 160, "dev": 20, "test": 20} for c in counts.values())
+    assert all(c == {"train": 120, "rl": 40, "dev": 20, "test": 20} for c in counts.values())
     assert prepare(PrepareDataConfig(task="multi_turn", categories=None))[1] == split
     assert prepare(PrepareDataConfig(task="multi_turn", categories=None, seed=1))[1]["test"] != split["test"]
 
 
+def test_rls_side_leaves_the_held_out_and_dev_sides_as_they_were():
+    _, with_rl = prepare(PrepareDataConfig(task="single_turn"))
+    _, without = prepare(PrepareDataConfig(task="single_turn", rl_fraction=0.0))
+    assert with_rl["test"] == without["test"] and with_rl["dev"] == without["dev"] and without["rl"] == []
+    assert set(with_rl["train"]) | set(with_rl["rl"]) == set(without["train"])
+    counts = split_metrics(with_rl)["per_category"]
+    assert counts["simple_python"]["rl"] == 80 and counts["multiple"]["rl"] == 40  # 20 % of each category
+
+
 def test_the_dev_split_leaves_the_held_out_side_as_it_was():
     _, with_dev = prepare(PrepareDataConfig(task="single_turn"))
-    _, without = prepare(PrepareDataConfig(task="single_turn", dev_fraction=0.0))
+    _, without = prepare(PrepareDataConfig(task="single_turn", dev_fraction=0.0, rl_fraction=0.0))
     assert with_dev["test"] == without["test"] and without["dev"] == []
-    assert set(with_dev["train"]) | set(with_dev["dev"]) == set(without["train"])
+    assert set(with_dev["train"]) | set(with_dev["rl"]) | set(with_dev["dev"]) == set(without["train"])
     counts = split_metrics(with_dev)["per_category"]
     assert counts["simple_python"]["dev"] == counts["simple_python"]["test"] == 40
     assert counts["multiple"]["dev"] == counts["multiple"]["test"] == 20
@@ -47,6 +57,8 @@ def test_entries_round_trip_json():
     ({"test_fraction": 1.5}, "test_fraction"),
     ({"dev_fraction": 0.9}, "dev_fraction"),
     ({"dev_fraction": -0.1}, "dev_fraction"),
+    ({"rl_fraction": 0.8}, "rl_fraction"),
+    ({"rl_fraction": -0.1}, "rl_fraction"),
     ({"categories": ["nope"]}, "categories"),
     ({"seed": "zero"}, "seed"),
     ({"sede": 1}, "unknown key"),

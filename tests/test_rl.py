@@ -32,7 +32,7 @@ from rcgrpo_tasks.train import checkpoints, grpo, grpo_trainer, rl, rollout_poli
 TEST_RL = dict(num_generations=2, batch_size=2, micro_batch_size=2, max_steps=2, learning_rate=5e-3, beta=0.1,
                max_new_tokens=6, max_outputs=2, categories=["base"], max_entries=2,
                lora_r=4, lora_alpha=8, save_steps=1, bf16=False, temperature=1.0, dynamic_max_rounds=3,
-               min_sampled_success=None, probe_entries=0)  # the probe's own tests: tests/test_probe.py
+               pool_band=None, probe_entries=0)  # the probe's own tests: tests/test_probe.py
 PROTOCOL = PromptConfig(system_prompt="short").protocol_config(TEST_RL["max_outputs"])
 
 

@@ -98,3 +98,17 @@ def test_last_round_takes_only_what_the_cap_leaves(tok):
     rows, metrics = sample_policy(backend, entries, cfg, proto, "paper_reward")
     assert len(rows) == 3 and started == {entries[0].id: 3} and metrics["entries_only_failure"] == 1
     assert [r.provenance["round"] for r in rows] == [0, 0, 1]
+
+
+def test_an_rctp_init_is_sampled_under_its_reward_goal(tok):
+    """RL's pool from an RCTP init: every rollout carries the reward goal its cells roll with, in its prompt."""
+    entries = multi_turn.load_entries(["base"])[:2]
+    prompt = PromptConfig(system_prompt="bfcl")
+    cfg = from_dict(SampleConfig, {"samples_per_entry": 2, "max_samples_per_entry": 2, "max_outputs": 20,
+                                   "max_new_tokens": 4000})
+    proto = prompt.protocol_config(cfg.decode.max_outputs)
+    backend, _ = scripted(tok, entries, {e.id: "SF" for e in entries}, proto)
+    rows, _ = sample_policy(backend, entries, cfg, proto, "paper_reward", reward_token="<|high_reward|>")
+    assert len(rows) == 4 and all(r.reward_token == "<|high_reward|>" for r in rows)
+    assert all(next(m for m in r.messages if m["role"] == "user")["content"].endswith("[Reward Goal: <|high_reward|>]")
+               for r in rows)

@@ -16,14 +16,14 @@ from rcgrpo_tasks.ops.config import ConfigError, from_dict
 
 def test_split_is_stratified_seeded_and_complete():
     entries, split = prepare(PrepareDataConfig(task="single_turn", categories=None))
-    train, dev, test = set(split["train"]), set(split["dev"]), set(split["test"])
-    assert not train & test and not train & dev and not dev & test and len(entries) == 1000
-    assert train | dev | test == {e.id for e in entries}
+    sides = [set(split[k]) for k in ("train", "rl", "dev", "test")]
+    assert all(a.isdisjoint(b) for i, a in enumerate(sides) for b in sides[i + 1:]) and len(entries) == 1000
+    assert set().union(*sides) == {e.id for e in entries}
     counts = split_metrics(split)["per_category"]
-    assert counts == {"simple_python": {"train": 320, "dev": 40, "test": 40},
-                      "multiple": {"train": 160, "dev": 20, "test": 20},
-                      "parallel": {"train": 160, "dev": 20, "test": 20},
-                      "parallel_multiple": {"train": 160, "dev": 20, "test": 20}}
+    assert counts == {"simple_python": {"train": 240, "rl": 80, "dev": 40, "test": 40},
+                      "multiple": {"train": 120, "rl": 40, "dev": 20, "test": 20},
+                      "parallel": {"train": 120, "rl": 40, "dev": 20, "test": 20},
+                      "parallel_multiple": {"train": 120, "rl": 40, "dev": 20, "test": 20}}
     assert split["task"] == "single_turn" and split_metrics(split)["task"] == "single_turn"
     assert prepare(PrepareDataConfig(task="single_turn", categories=None))[1] == split
     assert prepare(PrepareDataConfig(task="single_turn", categories=None, seed=1))[1]["test"] != split["test"]

@@ -3,8 +3,8 @@ repo, with the conftest's 2-layer random-init model as `prepare_model.source` (t
 take CI past its time; the model's size is all that differs). A random model never succeeds, so the numbers
 are zeros: what is checked is that the stages run, in order, on either task, and say which task they ran.
 
-Each task runs the chain to its RC-GRPO cell's evaluation plus the controllability check (12 of the 27
-stages: data, GX gate, labels, both fine-tunes, on-policy samples, rl@rctp-rc_grpo, evaluate; each stage a
+Each task runs the chain to its RC-GRPO cell's evaluation plus the controllability check (13 of the 23
+stages: data, GX gate, labels, both fine-tunes, on-policy samples and RL's pool, rl@rctp-rc_grpo, evaluate; each stage a
 process that imports torch, TRL and PEFT), which holds every task-specific path; the two chains run side by
 side. On the single-turn chain's outputs `rcgrpo dev-sweep` then runs one candidate (rl, evaluate on dev,
 report). The rest of the grid is the same code on other inputs, and the report is tested on built inputs
@@ -25,8 +25,8 @@ from helpers import copy_tree
 BIN = Path(sys.executable).parent
 TARGETS = ("controllability", "evaluate@rctp-rc_grpo")
 CHAIN = ("prepare_data", "prepare_model", "generate_trajectories", "validate_trajectories", "label_rewards@sft",
-         "sft@sft", "sample_policy", "label_rewards@rctp", "sft@rctp", "controllability", "rl@rctp-rc_grpo",
-         "evaluate@rctp-rc_grpo")
+         "sft@sft", "sample_policy@rctp", "label_rewards@rctp", "sft@rctp", "sample_policy@pool-rctp", "controllability",
+         "rl@rctp-rc_grpo", "evaluate@rctp-rc_grpo")
 
 
 PROFILES = {"single_turn": "smoke", "multi_turn": "multi-turn+smoke"}
@@ -96,5 +96,5 @@ def _check(repo: Path, stdout: str, task: str) -> None:
     assert set(CHAIN) == set(ran), ran
     metrics = json.loads((repo / "results" / "eval" / "rctp-rc_grpo" / "metrics.json").read_text())
     assert metrics["task"] == task, metrics
-    rl = json.loads((repo / "metrics" / "rl_rctp-rc_grpo.json").read_text())
+    rl = json.loads((repo / "results" / "rl" / "rctp-rc_grpo" / "metrics.json").read_text())
     assert rl["steps"] >= 1, rl

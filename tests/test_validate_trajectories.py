@@ -250,3 +250,26 @@ def test_the_gate_run_is_named_after_the_stage_it_runs_in(monkeypatch):
     assert tracking.run_name(STAGE, run_variant()) == "validate_trajectories"
     monkeypatch.delenv("DVC_STAGE")
     assert run_variant() is None
+
+
+def test_an_rl_prompt_in_a_fine_tuning_set_is_refused_and_rls_own_samples_pass(tmp_path, dataset):
+    """RL learns on prompts no fine-tuning set holds: a train-side set with an RL prompt fails `no_rl_leakage`;
+    the samples of RL's prompts pass the gate on the rl side (`--side rl`), and fail it on the train side."""
+    rows = copy.deepcopy(dataset["rows"])
+    split = json.loads(dataset["split"].read_text())
+    moved = rows[0]["entry_id"]
+    split = {**split, "train": [i for i in split["train"] if i != moved], "rl": [moved]}
+    path = tmp_path / "split.json"
+    path.write_text(json.dumps(split))
+    rl_rows = [r for r in rows if r["entry_id"] == moved]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rl_rows))
+    cfg = ValidateConfig(data_docs=False, min_rows=1)
+    metrics, *_ = validate(cfg, GEN, PROMPT, tmp_path / "t.jsonl", path, dataset["model_dir"], tmp_path / "v1")
+    assert "no_rl_leakage" in metrics["failed_checks"]
+    metrics, *_ = validate(cfg, GEN, PROMPT, tmp_path / "rl.jsonl", path, dataset["model_dir"], tmp_path / "v2",
+                           balance=False, side="rl")
+    assert metrics["passed"], metrics["failed_checks"]
+    metrics, *_ = validate(cfg, GEN, PROMPT, tmp_path / "rl.jsonl", path, dataset["model_dir"], tmp_path / "v3",
+                           balance=False)
+    assert {"no_rl_leakage", "known_entry_id"} <= set(metrics["failed_checks"])

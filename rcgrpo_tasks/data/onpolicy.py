@@ -1,5 +1,6 @@
-"""On-policy samples for RCTP: the SFT model's own rollouts on train entries, sampled in rounds until each
-entry has both a success and a failure (the `sample_policy` stage runs `sample_policy`).
+"""On-policy samples: the SFT model's own rollouts on train entries for RCTP, sampled in rounds until each
+entry has both a success and a failure, and an init's rollouts on RL's prompts, from which RL's pool is
+chosen by how often each succeeds (the `sample_policy` stage runs `sample_policy`).
 
 Why: a reward token can only matter if the same prompt is seen under both tokens with trajectories the
 model itself could produce. An SFT model tends to memorise its train entries (docs/data.md),
@@ -98,11 +99,13 @@ def finish(traj: Trajectory, reward_fn: str, sample_index: int, round_: int, ext
 
 def sample_policy(backend: Backend, entries: Sequence[Entry], cfg: SampleConfig, protocol: ProtocolConfig,
                   reward_fn: str, provenance: dict | None = None,
-                  progress: Callable[[list[Trajectory]], None] | None = None) -> tuple[list[Trajectory], dict]:
+                  progress: Callable[[list[Trajectory]], None] | None = None,
+                  reward_token: str | None = None) -> tuple[list[Trajectory], dict]:
     """(every rollout, entries in input order and samples in sampling order per entry; metrics).
 
     Round r samples `min(samples_per_entry, cap - taken)` rollouts of every entry that still `needs_more`
-    (all such entries have the same count, so one `run_rollouts` call decodes the whole round).
+    (all such entries have the same count, so one `run_rollouts` call decodes the whole round), each
+    conditioned on `reward_token` (None: no reward goal; an RCTP model sampled as RL's cells from it sample).
     """
     t0 = time.perf_counter()
     extra = {"seed": cfg.seed, **(provenance or {})}
@@ -113,8 +116,8 @@ def sample_policy(backend: Backend, entries: Sequence[Entry], cfg: SampleConfig,
                                                         cfg.max_samples_per_entry)]:
         n = min(cfg.samples_per_entry, cfg.max_samples_per_entry - len(taken[active[0].id]))
         sampling = cfg.decode.sampling(cfg.seed + round_ * ROUND_SEED_STRIDE)
-        trajs = run_rollouts(backend, active, n, protocol, sampling, batch_rows=cfg.decode.batch_rows,
-                             provenance=extra, progress=progress)
+        trajs = run_rollouts(backend, active, n, protocol, sampling, lambda e, i: reward_token,
+                             batch_rows=cfg.decode.batch_rows, provenance=extra, progress=progress)
         for k, entry in enumerate(active):
             for traj in trajs[k * n:(k + 1) * n]:
                 row = finish(traj, reward_fn, len(taken[entry.id]), round_, extra)

@@ -100,11 +100,13 @@ def trajectory_frame(rows: list[dict], reward_fn: str):
 
 
 def build_expectations(gx, cfg: ValidateConfig, gen: GenerateConfig, protocol: str, split: dict[str, list[str]],
-                       max_tokens: int, balance: bool = True) -> list:
+                       max_tokens: int, balance: bool = True, side: str = "train") -> list:
     """The expectation suite; every expectation carries `meta.check`, the name used in messages.
 
     `balance=False` leaves out `success_balance`: for raw on-policy samples (sample_policy), whose success
     rate is the model's, not a configured mix (label_rewards checks the 1:1 of the set it builds from them).
+    `side`: the split side the set's entries must come from: `train` (every set a fine-tuning stage may read:
+    an RL prompt there is refused by name, `no_rl_leakage`) or `rl` (samples of RL's prompts: its pool).
     """
     E = gx.expectations
 
@@ -144,8 +146,11 @@ def build_expectations(gx, cfg: ValidateConfig, gen: GenerateConfig, protocol: s
         named("no_dev_leakage", E.ExpectColumnValuesToNotBeInSet(column="entry_id",
                                                                  value_set=sorted(split["dev"]))),
         # Rows of entries the split does not know (typos, another data version) are not vouched for.
-        named("known_entry_id", E.ExpectColumnValuesToBeInSet(column="entry_id", value_set=sorted(split["train"]))),
+        named("known_entry_id", E.ExpectColumnValuesToBeInSet(column="entry_id", value_set=sorted(split[side]))),
     ]
+    if side == "train":  # RL learns on prompts no fine-tuning set holds: what it learns must transfer
+        out.append(named("no_rl_leakage", E.ExpectColumnValuesToNotBeInSet(column="entry_id",
+                                                                           value_set=sorted(split["rl"]))))
     return out
 
 
@@ -247,12 +252,13 @@ def deterministic(result):
 def validate(cfg: ValidateConfig, gen: GenerateConfig, prompt: PromptConfig, trajectories: str | Path,
              split_path: str | Path, model_dir: str | Path, out_dir: str | Path,
              balance: bool = True, metrics_out: str | Path | None = None, staged: OutputSet | None = None,
-             docs_dir: Path | None = None) -> tuple[dict, list[dict], str]:
+             docs_dir: Path | None = None, side: str = "train") -> tuple[dict, list[dict], str]:
     """Run the gate; writes out_dir (the deterministic result JSON, passed.json only on success) and the
     metrics JSON (`metrics_out`) together: both appear or neither (a failed gate still writes both). With
     `staged` (a stage's `published_run`) they are staged there and published with the run record;
     `docs_dir` (with `cfg.data_docs`): where GX's HTML data docs go.
-    `balance=False`: no success-balance check (raw on-policy samples, see `build_expectations`).
+    `balance=False`: no success-balance check (raw on-policy samples, see `build_expectations`); `side`: the
+    split side the rows must come from (`build_expectations`).
 
     Returns (metrics, failures, summary text). Corrupt input raises InputError naming file and line.
     """
@@ -263,7 +269,7 @@ def validate(cfg: ValidateConfig, gen: GenerateConfig, prompt: PromptConfig, tra
     df = trajectory_frame(rows, gen.reward)
     with contextlib.nullcontext(staged) if staged is not None else atomic_outputs() as outputs:
         tmp = outputs.dir(out_dir)
-        expectations = build_expectations(import_gx(), cfg, gen, prompt.protocol, split, max_tokens, balance)
+        expectations = build_expectations(import_gx(), cfg, gen, prompt.protocol, split, max_tokens, balance, side)
         result = deterministic(run_suite(df, expectations, docs_dir if cfg.data_docs else None))
         write_json(tmp / RESULT_FILE, result)
         fails = failures(result, df, cfg.max_examples)

@@ -1,7 +1,8 @@
 """THE reader of prepared entries and the train/test split: every stage and command selects entries here.
 
-- `read_split(path)`: `{"train": [ids], "dev": [ids], "test": [ids]}` (prepare_data's `split.json`), disjoint
-  sides (a split written before the dev side existed reads as one with an empty dev side).
+- `read_split(path)`: `{"train": [ids], "rl": [ids], "dev": [ids], "test": [ids]}` (prepare_data's
+  `split.json`), disjoint sides: train = the SFT part (SFT, RCTP and their samples), rl = RL's prompts; a
+  split written before the dev or rl side existed reads as one with that side empty.
 - `read_entries(path)`: entries by id from prepare_data's `entries.jsonl` (None: straight from bfcl-eval).
 - `split_entries(entries, split, side, categories)`: one side of the split, in file order, every id known.
 - `select_entries(pool, ids, split, side, categories, limit)`: the CLI's selection (`rcgrpo rollout`).
@@ -16,7 +17,7 @@ from rcgrpo_tasks.env import tasks
 from rcgrpo_tasks.env.contract import Entry
 from rcgrpo_tasks.ops.inputs import InputError, read_json, read_jsonl
 
-SIDES = ("train", "dev", "test")
+SIDES = ("train", "rl", "dev", "test")
 
 
 def read_split(split_path: str | Path) -> dict[str, list[str]]:
@@ -25,12 +26,12 @@ def read_split(split_path: str | Path) -> dict[str, list[str]]:
     if not path.is_file():
         raise InputError(f"{path}: split file not found (run `dvc repro prepare_data`)")
     split = read_json(path)
-    if isinstance(split, dict) and "dev" not in split:
-        split = {**split, "dev": []}
+    if isinstance(split, dict):
+        split = {"dev": [], "rl": [], **split}
     for key in SIDES:
         if not isinstance(split, dict) or not isinstance(split.get(key), list):
-            raise InputError(f"{path}: expected {{'train': [ids], 'dev': [ids], 'test': [ids]}}, field {key!r} "
-                             "missing or not a list")
+            raise InputError(f"{path}: expected {{'train': [ids], 'rl': [ids], 'dev': [ids], 'test': [ids]}}, "
+                             f"field {key!r} missing or not a list")
     for i, a in enumerate(SIDES):
         for b in SIDES[i + 1:]:
             overlap = sorted(set(split[a]) & set(split[b]))
@@ -72,7 +73,8 @@ def split_entries(entries_path: str | Path, split_path: str | Path, side: str,
     pool = read_entries(entries_path)
     ids = read_split(split_path)[side]
     if not ids:
-        why = " (prepare_data.dev_fraction is 0, or the file predates the dev split)" if side == "dev" else ""
+        why = {"dev": " (prepare_data.dev_fraction is 0, or the file predates the dev split)",
+               "rl": " (prepare_data.rl_fraction is 0, or the file predates RL's own prompts)"}.get(side, "")
         raise InputError(f"{split_path}: the {side} side is empty{why}")
     missing = [i for i in ids if i not in pool]
     if missing:

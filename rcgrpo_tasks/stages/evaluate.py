@@ -89,13 +89,15 @@ def main(
     name: str = typer.Option("", help="label in metrics/report (default: the output folder's name)."),
     margin: bool = typer.Option(True, help="--no-margin: skip the teacher-forced margin `evaluate.margin` asks for "
                                 "(where another stage measures it for the same model and entries)."),
+    pass1: bool = typer.Option(True, help="--no-pass1: greedy only, whatever `evaluate.pass_samples` says (the base "
+                               "model answers in prose: its samples would cost minutes to score 0)."),
 ) -> None:
     """Evaluate a model on the held-out split: metrics, report, plot."""
     label = name or out.name
     with cli_errors():
         cfg = load_config(EvaluateConfig, params, "evaluate")
         # pass@1 samples as RL does: its temperature and top_p
-        sampled = pass_sampling(cfg, load_config(RLConfig, params, "rl")) if cfg.pass_samples else None
+        sampled = pass_sampling(cfg, load_config(RLConfig, params, "rl")) if cfg.pass_samples and pass1 else None
         cfg.decode.check_context(model, f"{params}:evaluate.max_new_tokens")
         prompt = load_config(PromptConfig, params, "prompt")
         tokens = load_reward_tokens(params)

@@ -5,11 +5,12 @@ AST categories: simple_python, multiple, parallel, parallel_multiple and the liv
 (BFCL v4 multi-turn: base, miss_func, miss_param, long_context; the paper's task).
 Writes (paths from `dvc.yaml`):
 - `--entries`: one entry per line (`to_json()`, naming its task): the frozen snapshot every later stage reads;
-- `--split`: `{"train": [ids], "dev": [ids], "test": [ids], "task": ..., ...}`, seeded. multi_turn: by
+- `--split`: `{"train": [ids], "rl": [ids], "dev": [ids], "test": [ids], "task": ..., ...}`, seeded. multi_turn: by
   *numeric id*, the same numeric id on the same side in every category (miss_func_17 is a variant of base_17);
   10% = 80 test entries, the paper's scheme (its exact ids are not published). single_turn: stratified by
   category (10% of each). The dev side (`dev_fraction`, drawn from train by the same rule) is what every
-  design choice is made on (`env.split`);
+  design choice is made on, and the rl side (`rl_fraction`, drawn next) RL's own prompts, which no
+  fine-tuning stage reads (`env.split`);
 - `--metrics`: counts per category and side.
 
 Run: `rcgrpo prepare-data --params params.yaml --entries data/entries.jsonl --split data/split.json
@@ -49,8 +50,8 @@ def main(
         write_json(staged.file(split), split_data)
         if metrics:
             write_json(staged.file(metrics), m)
-    typer.echo(f"{len(rows)} {config.task} entries -> {entries}; train {m['n_train']} / dev {m['n_dev']} / test "
-               f"{m['n_test']} -> {split}")
+    typer.echo(f"{len(rows)} {config.task} entries -> {entries}; train (SFT) {m['n_train']} / rl {m['n_rl']} / "
+               f"dev {m['n_dev']} / test {m['n_test']} -> {split}")
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ the candidate becomes champion. A champion registered before per-entry records e
 the reason says so. The decision, the reason, both accuracies and the CI go to the run (metrics + tags),
 the version's tags and `--out` (JSON, DVC metric).
 
-Run: `rcgrpo promote --params params.yaml --eval-dir results/eval \
-  --candidate rctp-rc_grpo=models/rl/rctp-rc_grpo --out metrics/promote.json`.
+Run: `rcgrpo promote --params params.yaml --eval-dir results/eval --out metrics/promote.json` (the candidates:
+every RL cell of params `grid`, or `--candidate rctp-rc_grpo=models/rl/rctp-rc_grpo` ...).
 Departs from the paper: the paper has no registry; this is the project's deployment gate.
 """
 
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import typer
 
+from rcgrpo_tasks.evaluation.grid import GridConfig
 from rcgrpo_tasks.evaluation.promotion import PromoteConfig, pick, promote, read_eval
 from rcgrpo_tasks.ops import tracking, tracking_store
 from rcgrpo_tasks.ops.config import ConfigError, load_config
@@ -43,7 +44,9 @@ app = typer.Typer(add_completion=False)
 @app.command()
 def main(
     params: Path = typer.Option(Path("params.yaml"), help="Params file (section `promote`)."),
-    candidate: list[str] = typer.Option(..., help="LABEL=MODEL_DIR of a candidate (repeat)."),
+    candidate: list[str] = typer.Option([], help="LABEL=MODEL_DIR of a candidate (repeat); none: every RL cell of "
+                                             "params `grid` (RL_ROOT/CELL)."),
+    rl_root: Path = typer.Option(Path("models/rl"), help="The RL cells' policies: RL_ROOT/CELL (without --candidate)."),
     eval_dir: Path = typer.Option(Path("results/eval"), help="Evaluate outputs: EVAL_DIR/LABEL/results.jsonl."),
     champion_eval: Path | None = typer.Option(None, help="The champion's fresh evaluate output (same entries, "
                                                          "protocol and settings); default: its stored record."),
@@ -56,6 +59,8 @@ def main(
         pairs = dict(c.split("=", 1) for c in candidate if "=" in c)
         if len(pairs) != len(candidate):
             raise InputError(f"--candidate must be LABEL=DIR, got {candidate}")
+        if not pairs:
+            pairs = {cell: str(rl_root / cell) for cell in load_config(GridConfig, params, "grid").cells}
         cands = {label: (Path(d), read_eval(eval_dir / label, label)) for label, d in pairs.items()}
         champ = read_eval(champion_eval, "champion") if champion_eval else None
         pick(cands)  # a missing model folder fails before any run

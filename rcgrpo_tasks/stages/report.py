@@ -2,7 +2,8 @@
 
 Reads one evaluation per model (`--eval LABEL=DIR`, the `evaluate` stage's output folder: its
 `metrics.json` and per-entry results JSONL) and, optionally, the RL runs' summaries
-(`--rl LABEL=results/rl/<run>/metrics.json`). Rows, in the paper's order: base, SFT, RCTP, SFT+GRPO,
+(`--rl LABEL=results/rl/<run>/metrics.json`); without `--eval`, every model and RL cell params `grid` names
+(`evaluation.grid`: what dvc.yaml runs), from `--eval-root` and `--rl-root`. Rows, in the paper's order: base, SFT, RCTP, SFT+GRPO,
 SFT+RC-GRPO, RCTP+GRPO, RCTP+RC-GRPO (any subset; unknown labels are appended).
 
 Per row: greedy accuracy (the evaluate stage's `valid`: paper reward under the paper protocol, which is the
@@ -36,10 +37,12 @@ import typer
 
 from rcgrpo_tasks.env.paper import PAPER_TABLE1_OVERALL, ROWS, row_name
 from rcgrpo_tasks.evaluation.agreement import cross_check
+from rcgrpo_tasks.evaluation.grid import GridConfig
 from rcgrpo_tasks.evaluation.report_tables import report_markdown
 from rcgrpo_tasks.evaluation.results_table import build_report, rc_versus_grpo
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
+from rcgrpo_tasks.ops.config import load_config
 from rcgrpo_tasks.ops.inputs import InputError, read_json
 from rcgrpo_tasks.ops.outputs import write_json, write_text
 from rcgrpo_tasks.ops.plots import accuracy_plot, probe_plot
@@ -61,8 +64,13 @@ app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
 
 @app.command()
 def main(
-    eval_: list[str] = typer.Option(..., "--eval", help="LABEL=DIR of an evaluate output (repeat)."),
+    eval_: list[str] = typer.Option([], "--eval", help="LABEL=DIR of an evaluate output (repeat); none: every "
+                                    "evaluation and RL cell of params `grid` (EVAL_ROOT/LABEL, RL_ROOT/CELL)."),
     rl: list[str] = typer.Option([], "--rl", help="LABEL=metrics.json of an RL run (repeat)."),
+    params: Path = typer.Option(Path("params.yaml"), help="Params file (section `grid`, without --eval)."),
+    eval_root: Path = typer.Option(Path("results/eval"), help="Evaluate outputs: EVAL_ROOT/LABEL (without --eval)."),
+    rl_root: Path = typer.Option(Path("results/rl"), help="RL runs: RL_ROOT/CELL/metrics.json and steps.tsv "
+                                 "(without --eval)."),
     controllability: list[str] = typer.Option([], "--controllability",
                                               help="LABEL=metrics/controllability.json of a model (repeat)."),
     agree: list[str] = typer.Option([], "--agree", help="LABEL=TRAJECTORIES: the evaluation LABEL's greedy answers "
@@ -78,6 +86,11 @@ def main(
 ) -> None:
     """Assemble the results table (with CIs and the paper's numbers) and plot."""
     with cli_errors():
+        if not eval_:  # what params `grid` runs: the report cannot list other models than the pipeline's
+            grid = load_config(GridConfig, params, "grid")
+            eval_ = [f"{label}={eval_root / label}" for label in grid.labels]
+            rl = [f"{cell}={rl_root / cell / 'metrics.json'}" for cell in grid.cells]
+            steps = [f"{cell}={rl_root / cell / 'steps.tsv'}" for cell in grid.cells]
         step_files = dict(_pairs(steps, "--steps"))
         missing = [str(p) for p in step_files.values() if not p.is_file()]
         if missing:

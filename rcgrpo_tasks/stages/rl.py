@@ -5,7 +5,9 @@ and `train/grpo_trainer.py`, the method docs/rl.md):
 1. Loads the init model: base + the SFT/RCTP adapter (`load_trained`), MERGED into the base weights, and
    hands TRL a fresh LoRA: TRL's reference (adapter disabled) is exactly the init, so the KL term anchors
    to the RCTP model, as in the paper, not to the raw base.
-2. Trains with `GRPOTrainer(rollout_func=EngineRollout)`: the dataset rows are train-split entry ids; the
+2. Trains with `GRPOTrainer(rollout_func=EngineRollout)`: the dataset rows are the ids of RL's pool (the
+   split's `rl` side, prompts no fine-tuning stage saw, those whose success among the init's own samples
+   `--pool` lies in `rl.pool_band`: `train.grpo.train_entries`); the
    rollout function runs the project's rollout engine on the current policy (a merged bf16 copy
    refreshed every generation on CPU; TRL's vLLM engine on GPU); multi_turn: the environment executes the
    model's calls between model steps, environment tokens carry no loss; single_turn: one output per
@@ -71,14 +73,14 @@ def main(
     model_dir: Path = typer.Option(Path("models/base"), help="Base model folder (prepare_model)."),
     adapter_dir: Path | None = typer.Option(None, help="Init adapter (sft stage); omit to start from the base."),
     entries: Path = typer.Option(Path("data/entries.jsonl"), help="Entries JSONL (prepare_data)."),
-    split: Path = typer.Option(Path("data/split.json"), help="Split JSON (prepare_data); train side is used."),
+    split: Path = typer.Option(Path("data/split.json"), help="Split JSON (prepare_data); the rl side is used."),
     out: Path = typer.Option(..., help="Output: merged policy folder (replaced atomically)."),
     checkpoints: Path = typer.Option(..., help="Checkpoint folder (kept across runs: resume point)."),
     metrics: Path | None = typer.Option(None, help="Output: summary metrics JSON."),
     plots: Path | None = typer.Option(None, help="Output: per-step diagnostics TSV."),
     conditioning: str | None = typer.Option(None, help="Override: rc | fixed | none (default: from init x algo)."),
-    policy: str = typer.Option("", help="The SFT model's samples (sample_policy) for rl.min_sampled_success; "
-                                        "empty = none."),
+    pool: str = typer.Option("", help="The init's samples of RL's prompts (sample_policy@pool-<init>) for "
+                                      "rl.pool_band; empty = none."),
     params: Path = typer.Option(Path("params.yaml"), help="Params file (sections `rl`, `prompt`, `label_rewards`, "
                                                        "`compute`)."),
 ) -> None:
@@ -90,7 +92,7 @@ def main(
         device = runs.train_device(compute.device)  # a device this machine lacks fails here, before anything loads
         spec = RLRun(init=init, algo=algo, model_dir=model_dir, adapter_dir=adapter_dir, entries=entries,
                      split=split, out=out, checkpoints=checkpoints, metrics=metrics, plots=plots,
-                     conditioning=conditioning, policy=Path(policy) if policy else None)
+                     conditioning=conditioning, pool=Path(pool) if pool else None)
         spec.check()
         if processes.should_launch(compute):  # N processes: this command again, under accelerate launch
             check_world(cfg, compute.processes)  # whole groups per process, checked before anything starts

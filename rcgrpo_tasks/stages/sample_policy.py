@@ -1,8 +1,10 @@
-"""sample_policy stage: the SFT model's own rollouts on train entries, the on-policy half of the RCTP data.
+"""sample_policy stage: a model's own rollouts on one side of the split: the SFT model on train entries (the
+on-policy half of the RCTP data: `sample_policy@rctp`), and each RL init on RL's prompts (`--side rl`, the
+init's reward goal: `sample_policy@pool-<init>`), whose success per prompt chooses RL's pool (`rl.pool_band`).
 
 Reads `--model-dir` (`models/base`) + `--adapter-dir` (`models/sft/sft`, loaded through the backend
 registry exactly as `evaluate` loads a trained output: `engine.hf.HFBackend` -> `engine.models.load_trained`),
-`--entries` / `--split` (prepare_data; the `train` side only) and params sections `sample_policy`
+`--entries` / `--split` (prepare_data; the `--side` sampled) and params sections `sample_policy`
 (`data.onpolicy.SampleConfig`), `prompt` (THE shared prompt) and `generate_trajectories.reward` (THE
 definition of success R for every trajectory set). Writes `--out` (trajectory JSONL, the schema of
 `data/trajectories.jsonl`, `provenance.source = policy`, `provenance.kind = on_policy`) and `--metrics`
@@ -51,7 +53,11 @@ def main(
     model_dir: Path = typer.Option(Path("models/base"), help="base model folder (prepare_model)."),
     adapter_dir: str = typer.Option("models/sft/sft", help="sft-stage output sampled (empty = the base model)."),
     entries: Path = typer.Option(Path("data/entries.jsonl"), help="entries JSONL (prepare_data)."),
-    split: Path = typer.Option(Path("data/split.json"), help="split JSON (prepare_data); the train side is used."),
+    split: Path = typer.Option(Path("data/split.json"), help="split JSON (prepare_data)."),
+    side: str = typer.Option("train", help="the split side sampled: train (the SFT part: RCTP's own failures) | "
+                             "rl (RL's prompts: its pool is chosen by their success)."),
+    reward_token: str = typer.Option("", help="reward goal of every rollout (an RCTP init: '<|high_reward|>'); "
+                                     "empty = none."),
     out: Path = typer.Option(Path("data/policy/trajectories.jsonl"), help="output: every rollout, trajectory JSONL."),
     metrics: Path = typer.Option(Path("metrics/sample_policy.json"), help="output: metrics JSON."),
 ) -> None:
@@ -60,34 +66,37 @@ def main(
         cfg = load_config(SampleConfig, params, "sample_policy")
         prompt = load_config(PromptConfig, params, "prompt")
         gen = load_config(GenerateConfig, params, "generate_trajectories")
-        train = split_entries(entries, split, "train")
+        if side not in ("train", "rl"):
+            raise InputError(f"--side must be train or rl, got {side!r}")
+        train = split_entries(entries, split, side)
         check_task(gen, prompt, task_of_entries(train))
         chosen = pick_entries(train, cfg)
         if not chosen:
-            raise InputError(f"{split}: no train entries in categories {list(cfg.categories or [])} (empty: any)")
+            raise InputError(f"{split}: no {side} entries in categories {list(cfg.categories or [])} (empty: any)")
         cfg.decode.check_context(model_dir, f"{params}:sample_policy.max_new_tokens")
         backend = load_backend(cfg.decode.backend, model_dir, adapter_dir or None,  # before any MLflow run
                                **cfg.decode.backend_kwargs(load_compute(params).device))
         # Cut rollouts where the trajectory sets are cut: the model's context minus the reward goal's room.
         backend.max_positions = min(backend.max_positions, gen.max_tokens or model_context(model_dir) - GOAL_RESERVE)
     typer.echo(f"sample_policy: decoding on {backend.describe().get('device', cfg.decode.backend)}")
-    origin = {"model": str(model_dir), "adapter": adapter_dir or None, "policy_backend": cfg.decode.backend}
+    origin = {"model": str(model_dir), "adapter": adapter_dir or None, "policy_backend": cfg.decode.backend,
+              "side": side}
     run_params = {"sample_policy": as_dict(cfg), "prompt": as_dict(prompt), "reward": gen.reward, **origin}
     with tracking.published_run("sample_policy", run_params, outputs=(out, metrics)) as (_, staged), cli_errors():
         bar = Progress(len(chosen) * cfg.max_samples_per_entry, "on-policy samples (at most)")
         try:
             rows, record = sample_policy(backend, chosen, cfg, prompt.protocol_config(cfg.decode.max_outputs), gen.reward,
-                                         origin, progress=bar)
+                                         origin, progress=bar, reward_token=reward_token or None)
         finally:
             bar.close()
-        record["n_train_entries"] = len(train)
+        record["n_side_entries"], record["side"], record["reward_token"] = len(train), side, reward_token or None
         record["reward_fn"] = gen.reward
         write_trajectories(staged.file(out), rows)
         write_json(staged.file(metrics), record)
         tracking_log.log_metrics({k: v for k, v in record.items()
                               if isinstance(v, (int, float)) and not isinstance(v, bool)})
         tracking_log.log_dict(record, "sample_policy_metrics.json")
-    typer.echo(f"wrote {out}: {record['samples']} samples of {record['n_entries']} train entries in "
+    typer.echo(f"wrote {out}: {record['samples']} samples of {record['n_entries']} {side} entries in "
                f"{record['rounds']} round(s); success rate {record['success_rate_first_round']} (first round), "
                f"{record['entries_with_both']} entries with both outcomes, in {record['seconds']} s")
 

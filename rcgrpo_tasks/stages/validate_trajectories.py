@@ -44,6 +44,7 @@ from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.cli import GATE_EXIT, cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config
+from rcgrpo_tasks.ops.inputs import InputError
 
 # `id` (= entry_id) is what Trajectory.to_json adds so a trajectory file is also a BFCL result file.
 
@@ -67,6 +68,8 @@ def main(
     out_dir: Path = typer.Option(Path("data/validation"), help="output folder: result JSON, data docs, passed.json."),
     metrics: Path = typer.Option(Path("metrics/validate_trajectories.json"), help="output metrics JSON."),
     balance: bool = typer.Option(True, help="check the success balance; --no-balance for raw on-policy samples."),
+    side: str = typer.Option("train", help="split side the rows come from: train (fine-tuning sets; an RL prompt "
+                             "there fails the gate) | rl (samples of RL's prompts)."),
 ) -> None:
     """Great Expectations quality gate on the trajectory set."""
     with cli_errors():
@@ -74,6 +77,8 @@ def main(
         gen = load_config(GenerateConfig, params, "generate_trajectories")
         prompt = load_config(PromptConfig, params, "prompt")
         read_split(split)  # bad inputs refuse here, in a second, before any run (validate reads them again)
+        if side not in ("train", "rl"):
+            raise InputError(f"--side must be train or rl, got {side!r}")
         if not cfg.max_tokens:
             model_context(model_dir)
     run_params = {"validate": as_dict(cfg), "reward": gen.reward, "success_fraction": gen.success_fraction,
@@ -81,7 +86,7 @@ def main(
     with tracking.published_run(STAGE, run_params, outputs=(out_dir, metrics), variant=run_variant()) as (_, staged), \
             cli_errors(), tempfile.TemporaryDirectory() as docs:
         record, fails, text = validate(cfg, gen, prompt, trajectories, split, model_dir, out_dir, balance, metrics,
-                                       staged=staged, docs_dir=Path(docs))
+                                       staged=staged, docs_dir=Path(docs), side=side)
         tracking_log.log_metrics({k: v for k, v in record.items() if isinstance(v, (int, float))})
         tracking_log.set_tags({"rcgrpo.gate": "passed" if not fails else "failed"})
         tracking_log.log_artifact(staged.temp(out_dir) / RESULT_FILE)

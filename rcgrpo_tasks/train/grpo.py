@@ -1,7 +1,8 @@
 """GRPO / RC-GRPO settings and the entries a run samples from.
 
 - `RLConfig` (params.yaml `rl`) and `check_world` (groups must not straddle processes).
-- `train_entries`: the train-split entries a run samples from (`env.entries`, the one reader of the split).
+- `train_entries`: the entries a run samples from: RL's own side of the split, its pool chosen by the init's
+  success on each prompt (`pool_ids`; `env.entries`, the one reader of the split).
 - `check_reward`: `rl.reward` must be defined for the entries under `prompt.protocol`; `check_deepspeed`:
   ZeRO-3 and LoRA reward-token rows do not mix.
 The rollout function TRL calls (`EngineRollout`) is in `grpo_rollout.py`, the trainer (`RCGRPOTrainer`,
@@ -11,12 +12,13 @@ The rollout function TRL calls (`EngineRollout`) is in `grpo_rollout.py`, the tr
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from rcgrpo_tasks.engine.decoding import DecodeConfig
-from rcgrpo_tasks.env.entries import split_entries
+from rcgrpo_tasks.env.entries import read_split, split_entries
 from rcgrpo_tasks.env.prompt import ProtocolConfig
 from rcgrpo_tasks.env.rewards import Reward
 from rcgrpo_tasks.env.tasks import task_of
@@ -30,6 +32,9 @@ DECODE_KEYS = ("temperature", "top_p", "max_outputs", "max_new_tokens")
 
 @dataclass(frozen=True)
 class RLConfig:
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "min_sampled_success": "rl.pool_band (RL's pool: prompts of RL's own side in a band of the init's success)"}
+
     num_generations: int = 4
     """G: rollouts per entry (group size). Paper: 5."""
     batch_size: int = 16
@@ -105,13 +110,16 @@ class RLConfig:
     categories: tuple[str, ...] | None = None
     """Train-split categories to sample entries from; null = every category of the prepared entries."""
     max_entries: int | None = 64
-    """Use only this many train entries (the shortest prompts first); null = all."""
-    min_sampled_success: float | None = 0.25
-    """RL's pool: only train entries whose success rate among the SFT model's own samples (sample_policy,
-    `--policy`) is at least this (before `max_entries`); null = every entry. 0.25 (one of 4): prompts the
-    init solves sometimes (p near 0.5, GRPO's case: something to learn) or always (high p, RC-GRPO's own
-    case: a low token adds spread where all-high groups are flat at success); prompts it never solves give
-    all-0 groups under any token and are left out."""
+    """Use only this many pool entries (the shortest prompts first); null = all."""
+    pool_band: tuple[float, float] | None = (0.25, 0.75)
+    """RL's pool (`pool_ids`): the prompts of RL's side (prepare_data's `rl`; no fine-tuning set holds them)
+    whose share of the init's own samples that succeed (sample_policy@pool-<init>, `--pool`) lies in
+    [lo, hi]: solved sometimes, GRPO's case (a group of G has spread, something to learn). Never-solved
+    prompts give all-0 groups under any token; always-solved ones all-1 groups under one token. Null: every
+    prompt of the side (no samples read)."""
+    pool_solved_share: float = 0.0
+    """Always-solved prompts (every sample succeeded) added beside the band's, up to this share of the pool
+    (drawn by `seed`): RC-GRPO's own case, where a low token can add the spread that all-high groups lack."""
     full_finetune: bool = False
     """Train every weight (the paper; GPU + DeepSpeed) instead of a LoRA on top of the merged init."""
     lora_r: int = 8
@@ -153,13 +161,16 @@ class RLConfig:
     deepspeed: str | None = None
     """DeepSpeed JSON (GPU; e.g. configs/ds_zero3.json under `accelerate launch`)."""
     seed: int = 0
-    """Seed of LoRA init, entry order, reward tokens and sampling."""
+    """Seed of LoRA init, entry order, reward tokens, sampling and the pool's always-solved draw."""
     extra: dict = field(default_factory=dict)
     """Extra GRPOConfig keyword arguments (escape hatch, e.g. deepspeed config path, bf16)."""
 
     def __post_init__(self) -> None:
-        if self.min_sampled_success is not None and not 0.0 <= self.min_sampled_success <= 1.0:
-            raise ValueError(f"min_sampled_success must be in [0, 1] or null, got {self.min_sampled_success}")
+        if self.pool_band is not None and not (len(self.pool_band) == 2 and 0.0 <= self.pool_band[0]
+                                               <= self.pool_band[1] <= 1.0):
+            raise ValueError(f"pool_band must be [lo, hi] with 0 <= lo <= hi <= 1, or null, got {self.pool_band}")
+        if not 0.0 <= self.pool_solved_share < 1.0:
+            raise ValueError(f"pool_solved_share must be in [0, 1), got {self.pool_solved_share}")
         g = self.num_generations
         if g < 2:
             raise ValueError(f"num_generations (G) must be >= 2 for a group advantage, got {g}")
@@ -222,24 +233,46 @@ def check_world(cfg: RLConfig, world_size: int) -> int:
     return per_proc // cfg.micro_batch_size
 
 
+def pool_ids(success: dict[str, float], band: tuple[float, float] | None, solved_share: float,
+             seed: int) -> list[str]:
+    """RL's pool from each sampled prompt's success share (`onpolicy.sampled_success_rates`), sorted: those in
+    `band` (every one when None), and always-solved ones (share 1.0, outside the band) drawn by `seed` up to
+    `solved_share` of the pool (rounded down)."""
+    if band is None:
+        return sorted(success)
+    lo, hi = band
+    inside = sorted(e for e, p in success.items() if lo <= p <= hi)
+    solved = sorted(e for e, p in success.items() if p == 1.0 and not lo <= p <= hi)
+    extra = min(len(solved), int(solved_share * len(inside) / (1.0 - solved_share)))
+    return sorted(inside + random.Random(f"{seed}:pool").sample(solved, extra))
+
+
 def train_entries(entries_path: Path, split_path: Path, cfg: RLConfig, protocol: ProtocolConfig,
                   tokenizer=None, success: dict[str, float] | None = None) -> list:
-    """Train-split entries of `cfg.categories`, with `min_sampled_success`: those whose rate in `success`
-    (`onpolicy.sampled_success_rates`; entries never sampled are left out) reaches it; with `max_entries`:
-    those with the shortest prompts, counted in `tokenizer` tokens, else characters. Too few for one
-    generation batch is a ConfigError."""
-    entries = split_entries(entries_path, split_path, "train", cfg.categories)
-    if cfg.min_sampled_success is not None:
+    """RL's entries: the split's `rl` side (the `train` side where the split has none), of `cfg.categories`;
+    with `pool_band`, the prompts `pool_ids` keeps from `success` (the init's samples; a prompt never sampled
+    is left out); with `max_entries`, those with the shortest prompts, counted in `tokenizer` tokens, else
+    characters. Too few for one generation batch is a ConfigError."""
+    side = rl_side(split_path)
+    entries = split_entries(entries_path, split_path, side, cfg.categories)
+    if cfg.pool_band is not None:
         if success is None:
-            raise ConfigError("rl.min_sampled_success needs the SFT model's samples (--policy)")
-        entries = [e for e in entries if success.get(e.id, -1.0) >= cfg.min_sampled_success]
+            raise ConfigError("rl.pool_band needs the init's samples of RL's prompts (--pool)")
+        keep = set(pool_ids({e.id: success[e.id] for e in entries if e.id in success}, cfg.pool_band,
+                            cfg.pool_solved_share, cfg.seed))
+        entries = [e for e in entries if e.id in keep]
     if cfg.max_entries is not None:
         entries.sort(key=lambda e: (prompt_length(e, protocol, tokenizer), e.id))
         entries = entries[: cfg.max_entries]
     if len(entries) < cfg.entries_per_generation:
-        raise ConfigError(f"{split_path}: {len(entries)} train entries in {cfg.categories} (min_sampled_success "
-                          f"{cfg.min_sampled_success}), need at least {cfg.entries_per_generation} per generation batch")
+        raise ConfigError(f"{split_path}: {len(entries)} {side} entries in {cfg.categories} (pool_band "
+                          f"{cfg.pool_band}), need at least {cfg.entries_per_generation} per generation batch")
     return entries
+
+
+def rl_side(split_path: Path) -> str:
+    """The split side RL samples: `rl` (its own prompts), or `train` where the split has none."""
+    return "rl" if read_split(split_path)["rl"] else "train"
 
 
 def check_deepspeed(cfg: RLConfig, mode: str) -> None:

@@ -35,7 +35,7 @@ from rcgrpo_tasks.train import advantages as adv
 from rcgrpo_tasks.train import runs
 from rcgrpo_tasks.train.adapters import expose_head_bias, token_indices
 from rcgrpo_tasks.train.diagnostics import STEP_MARKER, DiagnosticsMixin, diag_metrics
-from rcgrpo_tasks.train.grpo import RLConfig, check_deepspeed, check_reward, check_world, train_entries
+from rcgrpo_tasks.train.grpo import RLConfig, check_deepspeed, check_reward, check_world, rl_side, train_entries
 from rcgrpo_tasks.train.grpo_rollout import EngineRollout
 from rcgrpo_tasks.train.grpo_steps import RCGRPOTrainerMixin, grpo_args, reward_funcs
 from rcgrpo_tasks.train.kl_guard import DivergenceGuardMixin, kl_bounds
@@ -60,8 +60,8 @@ class RLRun(runs.RunSpec):
     metrics: Path | None = None
     plots: Path | None = None
     conditioning: str | None = None
-    policy: Path | None = None
-    """The SFT model's own samples (sample_policy), for `rl.min_sampled_success`."""
+    pool: Path | None = None
+    """The init's own samples of RL's prompts (sample_policy@pool-<init>), for `rl.pool_band`."""
 
     @property
     def mode(self) -> adv.Conditioning:
@@ -83,8 +83,8 @@ class RLRun(runs.RunSpec):
         if not Path(self.entries).is_file():
             raise InputError(f"--entries {self.entries}: not found (run `dvc repro prepare_data`)")
         read_split(self.split)
-        if self.policy is not None and not Path(self.policy).is_file():
-            raise InputError(f"--policy {self.policy}: not found (run `dvc repro sample_policy`)")
+        if self.pool is not None and not Path(self.pool).is_file():
+            raise InputError(f"--pool {self.pool}: not found (run `dvc repro sample_policy@pool-{self.init}`)")
 
 
 # ---------------------------------------------------------------- models
@@ -164,10 +164,10 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     fit = cfg if micro_batch is None else replace(cfg, micro_batch_size=micro_batch)
     grad_accum = check_world(fit, int(os.environ.get("WORLD_SIZE", "1")))
     check_deepspeed(cfg, mode)
-    check_reward(cfg, protocol, split_entries(spec.entries, spec.split, "train", cfg.categories))
+    check_reward(cfg, protocol, split_entries(spec.entries, spec.split, rl_side(spec.split), cfg.categories))
     model, tokenizer = load_init_model(spec.model_dir, spec.adapter_dir, cfg.dtype)
     check_tokenizer_has_reward_tokens(tokenizer, mode, levels)
-    success = sampled_success_rates(read_jsonl(spec.policy)) if spec.policy is not None else None
+    success = sampled_success_rates(read_jsonl(spec.pool)) if spec.pool is not None else None
     entries = train_entries(spec.entries, spec.split, cfg, protocol, tokenizer, success)
     fp = runs.fingerprint(cfg, protocol=as_dict(protocol), levels=list(levels), init=spec.init, algo=spec.algo,
                           mode=mode, code=Path(__file__), step_code=Path(__file__).with_name("grpo_steps.py"),
