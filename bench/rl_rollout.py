@@ -1,7 +1,7 @@
 """RL rollout phase on CPU: two ways of decoding the same step side by side in one run (`--arms A,B`).
 
 The rollout function of the rl stage hands the engine one process's share of a step. Both arms decode the
-SAME groups, drawn as `grpo_rollout.EngineRollout.group_specs` draws them (per group: its reward tokens and
+SAME groups, drawn as `rl_rollout.EngineRollout.group_specs` draws them (per group: its reward tokens and
 its own sampling seed), from the SAME policy: the RL LoRA on the init model (non-zero deltas), sampled from
 the merged rollout snapshot (`rollout_policy.policy_snapshot`, `--dtype`, as `rl.rollout_dtype: auto` picks
 it) refreshed before every phase, or from the live PEFT model. The arms (`ARMS`):
@@ -40,11 +40,14 @@ from rcgrpo_tasks.engine.rollout import run_group, run_seeded_groups
 from rcgrpo_tasks.env import tasks
 from rcgrpo_tasks.env.prompt import DEFAULT_REWARD_TOKENS, PromptConfig
 from rcgrpo_tasks.ops.config import from_dict
-from rcgrpo_tasks.train import adapters, grpo, grpo_rollout, rollout_policy, runs
-from rcgrpo_tasks.train.grpo_trainer import load_init_model
+from rcgrpo_tasks.train.common import adapters, runs
+from rcgrpo_tasks.train.rl import config as rl_config
+from rcgrpo_tasks.train.rl import rollout as rl_rollout
+from rcgrpo_tasks.train.rl import rollout_policy
+from rcgrpo_tasks.train.rl.trainer import load_init_model
 
 
-def lora_policy(model_dir: str, adapter: str | None, cfg: grpo.RLConfig, mode: str, seed: int):
+def lora_policy(model_dir: str, adapter: str | None, cfg: rl_config.RLConfig, mode: str, seed: int):
     """(PEFT model, tokenizer): the RL LoRA on the merged init with non-zero deltas; with `mode` rc/fixed and a
     tokenizer without the reward tokens, they are added (mean init) first."""
     import torch
@@ -73,7 +76,7 @@ ARMS = {
 }
 
 
-def run_arm(name: str, rollout: grpo_rollout.EngineRollout, policy, state: dict, dtype, ids: list[str],
+def run_arm(name: str, rollout: rl_rollout.EngineRollout, policy, state: dict, dtype, ids: list[str],
             step: int):
     """(wall s, CPU s, model tokens, trajectories) of one rollout phase of arm `name` (`ARMS`), snapshot
     refresh included."""
@@ -126,7 +129,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype if args.dtype != "auto" else "bfloat16" if bf16_supported() else "float32")
-    cfg = from_dict(grpo.RLConfig, {"max_new_tokens": args.max_new_tokens, "max_outputs": args.max_outputs,
+    cfg = from_dict(rl_config.RLConfig, {"max_new_tokens": args.max_new_tokens, "max_outputs": args.max_outputs,
                                     "temperature": args.temperature, "num_generations": args.g,
                                     "batch_size": args.g * args.groups, "micro_batch_size": args.g,
                                     "seed": args.seed, "max_entries": None, "min_sampled_success": None})
@@ -134,11 +137,11 @@ def main() -> None:
     proto = PromptConfig(system_prompt="bfcl").protocol_config(args.max_outputs)
     task = tasks.get_task(args.task)
     pool = task.load_entries(tuple(args.categories or task.default_categories))
-    pool.sort(key=lambda e: (grpo.prompt_length(e, proto, tok), e.id))
+    pool.sort(key=lambda e: (rl_config.prompt_length(e, proto, tok), e.id))
     entries = pool[: args.entries or args.groups]
     by_id = {e.id: e for e in entries}
-    rollout = grpo_rollout.EngineRollout(cfg, proto, args.mode, DEFAULT_REWARD_TOKENS, by_id, tok)
-    lengths = [grpo.prompt_length(e, proto, tok) for e in entries]
+    rollout = rl_rollout.EngineRollout(cfg, proto, args.mode, DEFAULT_REWARD_TOKENS, by_id, tok)
+    lengths = [rl_config.prompt_length(e, proto, tok) for e in entries]
     print(f"{args.task}: {args.groups} groups x G={args.g} from {len(entries)} entries (prompt tokens {min(lengths)}-{max(lengths)}), "
           f"mode {args.mode}, <= {args.max_outputs} outputs of <= {args.max_new_tokens} tokens, T={args.temperature}, "
           f"snapshot {dtype}, threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}")

@@ -1,7 +1,7 @@
 """RL rollout phase on CPU: sampling from the live PEFT policy vs from the merged snapshot (`rollout_dtype`).
 
 Both arms drive the SAME engine (`engine.run_group`, hf backend, same entries, G, sampling seed) with the
-SAME policy: the RL LoRA on top of the init model, as `grpo_trainer.build_trainer` sets it up. They differ only in the
+SAME policy: the RL LoRA on top of the init model, as `train.rl.trainer.build_trainer` sets it up. They differ only in the
 model the engine samples from:
 - `live`: the PEFT model itself (fp32 base weights + a LoRA matmul per adapted layer per token) —
   `rollout_dtype: live`;
@@ -30,11 +30,13 @@ from rcgrpo_tasks.engine.models import bf16_supported
 from rcgrpo_tasks.engine.rollout import run_group
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.config import from_dict
-from rcgrpo_tasks.train import grpo, rollout_policy, runs
-from rcgrpo_tasks.train.grpo_trainer import load_init_model
+from rcgrpo_tasks.train.common import runs
+from rcgrpo_tasks.train.rl import config as rl_config
+from rcgrpo_tasks.train.rl import rollout_policy
+from rcgrpo_tasks.train.rl.trainer import load_init_model
 
 
-def lora_policy(model_dir: str, adapter: str | None, cfg: grpo.RLConfig, seed: int):
+def lora_policy(model_dir: str, adapter: str | None, cfg: rl_config.RLConfig, seed: int):
     """(PEFT model, tokenizer): the RL policy as the rl stage trains it (the `cfg` LoRA on the merged init), with
     non-zero LoRA deltas."""
     import torch
@@ -94,14 +96,14 @@ def main() -> None:
 
     snapshot_dtype = getattr(torch, args.snapshot_dtype if args.snapshot_dtype != "auto" else
                              "bfloat16" if bf16_supported() else "float32")
-    cfg = from_dict(grpo.RLConfig, {"max_new_tokens": args.max_new_tokens, "max_outputs": args.max_outputs,
+    cfg = from_dict(rl_config.RLConfig, {"max_new_tokens": args.max_new_tokens, "max_outputs": args.max_outputs,
                                     "max_entries": args.entries, "num_generations": args.g, "batch_size": args.g,
                                     "micro_batch_size": args.g, "lora_r": args.lora_r,
                                     "lora_alpha": 2 * args.lora_r, "min_sampled_success": None})
     policy, tok = lora_policy(args.model, args.adapter, cfg, args.seed)
     # BFCL's classic system prompt (the prompt before params.yaml's `short`), paper protocol, compact docs
     proto = PromptConfig(system_prompt="bfcl").protocol_config(args.max_outputs)
-    entries = grpo.train_entries(Path(args.entries_file), Path(args.split), cfg, proto, tok)
+    entries = rl_config.train_entries(Path(args.entries_file), Path(args.split), cfg, proto, tok)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
     print(f"entries {[e.id for e in entries]}, G={args.g}, max_new_tokens={args.max_new_tokens}, "
           f"outputs<={args.max_outputs}, LoRA r={args.lora_r}, snapshot {snapshot_dtype}, "

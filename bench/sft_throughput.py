@@ -2,7 +2,7 @@
 
 Both sides get the same pre-tokenized rows (assistant-only labels), the same LoRA, batch size, max length,
 learning rate and seed, so they see the same batches; they differ only in what the project changes for
-CPU speed (see rcgrpo_tasks/train/finetune.py): TRL defaults = gradient checkpointing on, bf16 autocast, the fused
+CPU speed (see rcgrpo_tasks/train/sft/trainer.py): TRL defaults = gradient checkpointing on, bf16 autocast, the fused
 LM head over every position; project = `params.yaml:sft` (no checkpointing, bf16 where the CPU has it,
 LM head on assistant positions only). Tokens/s = non-padding tokens of a step / its wall time, the
 median over the measured steps (the first step of each run is a warm-up and not counted); tokens per
@@ -31,7 +31,11 @@ from rcgrpo_tasks.env.multi_turn import entries as multi_turn  # noqa: E402
 from rcgrpo_tasks.env.prompt import ProtocolConfig  # noqa: E402
 from rcgrpo_tasks.ops.config import as_dict, from_dict  # noqa: E402
 from rcgrpo_tasks.ops.inputs import read_jsonl  # noqa: E402
-from rcgrpo_tasks.train import adapters, finetune, sft, sft_rows  # noqa: E402
+from rcgrpo_tasks.train.common import adapters  # noqa: E402
+from rcgrpo_tasks.train.sft import config as sft_config  # noqa: E402
+from rcgrpo_tasks.train.sft import rows as sft_rows  # noqa: E402
+from rcgrpo_tasks.train.sft import run as sft_run  # noqa: E402
+from rcgrpo_tasks.train.sft import trainer as sft_trainer  # noqa: E402
 
 
 def replay_rows(model_dir: Path, n: int) -> list[dict]:
@@ -78,7 +82,7 @@ def make_trainer(kind: str, cfg, args, rows: list[dict], tokens: tuple[str, ...]
 
     timer = step_timer()
     if kind == "project":
-        trainer, _, _, stats = finetune.build_trainer(cfg, args.model_dir, rows, tokens, out, [timer])
+        trainer, _, _, stats = sft_trainer.build_trainer(cfg, args.model_dir, rows, tokens, out, [timer])
     else:
         tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
         model = AutoModelForCausalLM.from_pretrained(args.model_dir)
@@ -88,7 +92,7 @@ def make_trainer(kind: str, cfg, args, rows: list[dict], tokens: tuple[str, ...]
                          learning_rate=cfg.learning_rate, max_length=cfg.max_length, seed=cfg.seed,
                          report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
         trainer = SFTTrainer(model=model, args=conf, train_dataset=Dataset.from_list(data), processing_class=tokenizer,
-                             peft_config=finetune.lora_config(cfg, model, ids), callbacks=[timer])
+                             peft_config=sft_trainer.lora_config(cfg, model, ids), callbacks=[timer])
         adapters.expose_head_bias(trainer.model)
     timer.trainer = trainer
     return trainer, timer, stats
@@ -136,11 +140,11 @@ def main() -> None:
     import yaml
 
     torch.manual_seed(0)
-    cfg, tokens = sft.load_sft_config(args.params, args.variant)
+    cfg, tokens = sft_run.load_sft_config(args.params, args.variant)
     cfg = dataclasses.replace(cfg, batch_size=args.batch_size, grad_accum=1, max_length=args.max_length,
                               max_steps=args.steps + 1, max_examples=None, save_steps=10_000)
     overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
-    project_cfg = from_dict(finetune.SftConfig, {**as_dict(cfg), **overrides}, where="--set")
+    project_cfg = from_dict(sft_config.SftConfig, {**as_dict(cfg), **overrides}, where="--set")
     rows, source = load_rows(args)
     print(f"model {args.model_dir} | data: {source} | batch {cfg.batch_size} x max_length {cfg.max_length} | "
           f"torch threads {torch.get_num_threads()}", flush=True)

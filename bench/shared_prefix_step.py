@@ -1,7 +1,7 @@
 """RL and RCTP steps with and without the shared-prefix forward (`engine.shared_prefix`), side by side in one
 run, at the CPU default's shapes.
 
-- RL: the rl stage itself (`rl.train_rl`, RC-GRPO from `--model`, + `--adapter` merged when given) at the
+- RL: the rl stage itself (`rl_run.train_rl`, RC-GRPO from `--model`, + `--adapter` merged when given) at the
   default's shape, params.yaml's `rl` section with `max_steps` = `--steps`, `min_sampled_success` off (no
   sample_policy needed) and `shared_prefix_min_tokens` null (plain) or the default (shared). Per step from
   the run's diagnostics: the whole step (TRL's `step_time`, rollouts included), the rollouts (`rollout_s`)
@@ -9,11 +9,11 @@ run, at the CPU default's shapes.
   log-probs for the mismatch, the rollout snapshot). The first step of each run (warm-up) is left out.
   `--rl-plain before`: the plain arm also samples as the rl stage did before its rollouts were sped up (the
   live PEFT model, `rollout_dtype: live`, every row decoded to the last step): the whole change, one ratio.
-- margin: the teacher-forced margin's forwards (`data.margin.sequence_logprobs`) on `--margin` held-out
+- margin: the teacher-forced margin's forwards (`train.sft.margin.sequence_logprobs`) on `--margin` held-out
   entries' contrast sets (expert + near misses under both tokens), shared vs the padded forward of the same
   chunks, with the largest log-prob difference between the arms. `--margin-plain before`: the plain arm is
   the prefix tree of the chunks the margin cut before whole entries (2,048 tokens counted before sharing).
-- RCTP: `sft.train_variant` with the default's `rctp` variant on `--pairs` pairs built from real entries
+- RCTP: `sft_run.train_variant` with the default's `rctp` variant on `--pairs` pairs built from real entries
   (one prompt under both tokens, an expert answer and a near miss), the same micro-batch of one pair, plain
   vs shared; per-step seconds from the run's log (Trainer `train_runtime` / steps, warm-up step excluded).
 Each arm runs in its own process (peak RSS per arm, `ru_maxrss` of the child), arms alternate per repetition
@@ -45,7 +45,10 @@ def rl_arm(args, shared: bool, work: Path) -> dict:
     from rcgrpo_tasks.engine.compute import ComputeConfig
     from rcgrpo_tasks.env.prompt import PromptConfig
     from rcgrpo_tasks.ops.config import from_dict, read_sections
-    from rcgrpo_tasks.train import grpo, grpo_trainer, rl, runs
+    from rcgrpo_tasks.train.common import runs
+    from rcgrpo_tasks.train.rl import config as rl_config
+    from rcgrpo_tasks.train.rl import run as rl_run
+    from rcgrpo_tasks.train.rl import trainer as rl_trainer
 
     params = read_sections(PARAMS, "rl", "prompt", "label_rewards")
     raw = {**params["rl"], "max_steps": args.steps, "min_sampled_success": None, "save_steps": args.steps}
@@ -62,16 +65,16 @@ def rl_arm(args, shared: bool, work: Path) -> dict:
                 self.narrow_rows = False
 
             HFBackend._init = full_batch
-    cfg = from_dict(grpo.RLConfig, raw)
+    cfg = from_dict(rl_config.RLConfig, raw)
     prompt = from_dict(PromptConfig, params["prompt"])
     levels = tuple(params["label_rewards"]["tokens"])
     model_dir = Path(args.model) if args.adapter else prepared_model(Path(args.model), levels, work)
     name = "shared" if shared else "plain"
-    spec = grpo_trainer.RLRun(init="rctp", algo="rc_grpo", model_dir=model_dir,
+    spec = rl_trainer.RLRun(init="rctp", algo="rc_grpo", model_dir=model_dir,
                               adapter_dir=Path(args.adapter) if args.adapter else None,
                               entries=REPO / "data/entries.jsonl", split=REPO / "data/split.json", out=work / name,
                               checkpoints=work / f"ckpt-{name}", plots=work / f"{name}.tsv")
-    rl.train_rl(cfg, prompt.protocol_config(cfg.decode.max_outputs), levels, spec, track=False,
+    rl_run.train_rl(cfg, prompt.protocol_config(cfg.decode.max_outputs), levels, spec, track=False,
                 compute=ComputeConfig(device="cpu"))
     rows = runs.read_tsv(spec.plots)[1:]
     return {"step": [r["step_time"] for r in rows], "rollout": [r["rollout_s"] for r in rows],
@@ -84,7 +87,7 @@ def prepared_model(model: Path, levels: tuple[str, ...], work: Path) -> Path:
     the RCTP model has them (with `--adapter`, the adapter's tokenizer brings them)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rcgrpo_tasks.train import adapters
+    from rcgrpo_tasks.train.common import adapters
 
     tok = AutoTokenizer.from_pretrained(model)
     if levels[-1] in tok.get_vocab():
@@ -106,10 +109,11 @@ def rctp_arm(args, shared: bool, work: Path) -> dict:
 
     from rcgrpo_tasks.engine.compute import ComputeConfig
     from rcgrpo_tasks.ops.config import from_dict, read_sections
-    from rcgrpo_tasks.train import finetune, sft
+    from rcgrpo_tasks.train.sft import config as sft_config
+    from rcgrpo_tasks.train.sft import run as sft_run
 
     params = read_sections(PARAMS, "sft", "label_rewards")
-    cfg = from_dict(finetune.SftConfig, params["sft"]).resolve("rctp")
+    cfg = from_dict(sft_config.SftConfig, params["sft"]).resolve("rctp")
     cfg = replace(cfg, max_steps=args.steps + 1, save_steps=args.steps + 1, margin_every=0, log_model=False,
                   init="base", shared_prefix_min_tokens=cfg.shared_prefix_min_tokens if shared else None)
     levels = tuple(params["label_rewards"]["tokens"])
@@ -126,23 +130,23 @@ def rctp_arm(args, shared: bool, work: Path) -> dict:
 
     clock = Clock()
     name = "shared" if shared else "plain"
-    spec = finetune.SftRun("rctp", Path(args.model), Path(args.pairs), work / name, work / f"ckpt-{name}",
+    spec = sft_config.SftRun("rctp", Path(args.model), Path(args.pairs), work / name, work / f"ckpt-{name}",
                            work / f"{name}.json", work / f"{name}.tsv")
-    sft.train_variant(cfg, levels, spec, callbacks=[clock], track=False, compute=ComputeConfig(device="cpu"))
+    sft_run.train_variant(cfg, levels, spec, callbacks=[clock], track=False, compute=ComputeConfig(device="cpu"))
     return {"rctp_step": clock.times[1:]}
 
 
 def margin_arm(args, shared: bool, work: Path) -> dict:
-    """The teacher-forced margin's forwards (`data.margin.sequence_logprobs`) on `--margin` held-out entries'
+    """The teacher-forced margin's forwards (`train.sft.margin.sequence_logprobs`) on `--margin` held-out entries'
     contrast sets: shared prefix tree vs the padded forward of the same chunks; seconds per call (the first
     of `--steps + 1` calls left out) and the log-probs (compared across the arms by the parent)."""
     import time
 
-    from rcgrpo_tasks.data import margin as mg
     from rcgrpo_tasks.engine.models import load_trained
     from rcgrpo_tasks.env.entries import split_entries
     from rcgrpo_tasks.env.prompt import PromptConfig
     from rcgrpo_tasks.ops.config import from_dict, read_sections
+    from rcgrpo_tasks.train.sft import margin as mg
 
     params = read_sections(PARAMS, "prompt", "label_rewards")
     levels = tuple(params["label_rewards"]["tokens"])
@@ -161,7 +165,7 @@ def margin_arm(args, shared: bool, work: Path) -> dict:
 
 
 def _raw_chunks(items: list) -> list[list]:
-    """The margin's chunks before `data.margin.margin_chunks`: consecutive sequences up to 2,048 tokens counted
+    """The margin's chunks before `train.sft.margin.margin_chunks`: consecutive sequences up to 2,048 tokens counted
     before sharing, cut anywhere (an entry's prompt in two forwards)."""
     chunks, chunk = [], []
     for c in items:

@@ -2,11 +2,11 @@
 the stages' own code (the GPU check's `train-steps` step: infra/gpu-host/check.sh, docs/gpu-run.md).
 
 Phases (each prints one line as it ends; `--out` gets them all as JSON):
-- `sft-full`: SFT steps of the `sft` variant (`sft.train_variant`) as configs/gpu.yaml trains it: full
+- `sft-full`: SFT steps of the `sft` variant (`train.sft.run.train_variant`) as configs/gpu.yaml trains it: full
   fine-tuning, micro-batch 8 x grad_accum 2 = 16 chats per optimizer step; the chats are expert replays of
   single-turn train entries round-robin over categories (~300 tokens; the task's median is ~280). Seconds per optimizer step (a trainer
   callback), the first step left out as warm-up.
-- `rl`: the rl stage (`rl.train_rl`, a `grpo_trainer.RLRun`) RC-GRPO from an RCTP init (the model with the
+- `rl`: the rl stage (`train.rl.run.train_rl`, a `train.rl.trainer.RLRun`) RC-GRPO from an RCTP init (the model with the
   reward tokens added: bench/shared_prefix_step.py `prepared_model`), reference model on (beta 0.1), at
   configs/gpu.yaml's `rl` shape (8 groups x G=5, <= 128 new tokens); per step from the run's diagnostics:
   the whole step (TRL's `step_time`), the rollouts (`rollout_s`) and the training part (the difference),
@@ -135,12 +135,13 @@ def step_clock():
 
 
 def sft_phase(cfg, levels: tuple[str, ...], model: Path, data: Path, work: Path, compute, name: str) -> list[float]:
-    """Seconds of each optimizer step of one sft run (`sft.train_variant`) after the first."""
-    from rcgrpo_tasks.train import finetune, sft
+    """Seconds of each optimizer step of one sft run (`train.sft.run.train_variant`) after the first."""
+    from rcgrpo_tasks.train.sft import config as sft_config
+    from rcgrpo_tasks.train.sft import run as sft_run
 
     clock = step_clock()
-    spec = finetune.SftRun(variant="sft", model_dir=model, data=data, out=work / name, checkpoints=work / f"ckpt-{name}")
-    sft.train_variant(cfg, levels, spec, callbacks=[clock], track=False, compute=compute)
+    spec = sft_config.SftRun(variant="sft", model_dir=model, data=data, out=work / name, checkpoints=work / f"ckpt-{name}")
+    sft_run.train_variant(cfg, levels, spec, callbacks=[clock], track=False, compute=compute)
     return clock.times[1:]
 
 
@@ -154,13 +155,15 @@ def sft_config(cfg, steps: int, dtype: str, batch: tuple[int, int] | None = None
 
 def rl_phase(params: Path, model: Path, entries: Path, split: Path, work: Path, compute) -> dict:
     """The rl stage's run (RC-GRPO from an RCTP init); per step after the first: whole, rollouts, training."""
-    from rcgrpo_tasks.train import grpo_trainer, rl, runs
+    from rcgrpo_tasks.train.common import runs
+    from rcgrpo_tasks.train.rl import run as rl_run
+    from rcgrpo_tasks.train.rl import trainer as rl_trainer
 
-    cfg, protocol, levels = rl.load_rl_config(params)
-    spec = grpo_trainer.RLRun(init="rctp", algo="rc_grpo", model_dir=prepared_model(model, levels, work),
+    cfg, protocol, levels = rl_run.load_rl_config(params)
+    spec = rl_trainer.RLRun(init="rctp", algo="rc_grpo", model_dir=prepared_model(model, levels, work),
                               adapter_dir=None, entries=entries, split=split, out=work / "rl",
                               checkpoints=work / "ckpt-rl", plots=work / "rl.tsv")
-    rl.train_rl(cfg, protocol, levels, spec, track=False, compute=compute)
+    rl_run.train_rl(cfg, protocol, levels, spec, track=False, compute=compute)
     rows = runs.read_tsv(spec.plots)[1:]
     return {"step": [r["step_time"] for r in rows], "rollout": [r["rollout_s"] for r in rows],
             "train": [r["step_time"] - r["rollout_s"] for r in rows],
@@ -199,8 +202,8 @@ def run(args) -> dict:
     """Every phase in order (sft-full, rl, evaluate, sft-lora), one line each as it ends; the JSON record."""
     from rcgrpo_tasks.engine.compute import load_compute
     from rcgrpo_tasks.ops.config import from_dict
-    from rcgrpo_tasks.train.finetune import SftConfig
-    from rcgrpo_tasks.train.sft import load_sft_config
+    from rcgrpo_tasks.train.sft.config import SftConfig
+    from rcgrpo_tasks.train.sft.run import load_sft_config
 
     steps = args.steps or (1 if args.tiny else 2)
     out = {"device": args.device, "dtype": args.dtype, "tiny": args.tiny, "model": str(args.model), "steps": steps}

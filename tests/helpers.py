@@ -70,7 +70,7 @@ def on_test_device(device) -> bool:
 
 def tiny_sft_config(**overrides):
     """An `SftConfig` for the tiny model (`TINY_SFT` with `overrides`)."""
-    from rcgrpo_tasks.train.finetune import SftConfig
+    from rcgrpo_tasks.train.sft.config import SftConfig
 
     return SftConfig(**{**TINY_SFT, **overrides})
 
@@ -130,17 +130,17 @@ def copy_tree(dest: Path) -> Path:
 
 
 def capture_trainer(monkeypatch) -> dict:
-    """Make `rl.train_rl` record what `rl.build_trainer` builds: the returned dict gets "trainer" and "rollout"."""
-    from rcgrpo_tasks.train import rl
+    """Make `rl_run.train_rl` record what `rl_run.build_trainer` builds: the returned dict gets "trainer" and "rollout"."""
+    from rcgrpo_tasks.train.rl import run as rl_run
 
     box: dict = {}
-    real = rl.build_trainer
+    real = rl_run.build_trainer
 
     def build(*a, **k):
         box["trainer"], resume, box["rollout"] = real(*a, **k)
         return box["trainer"], resume, box["rollout"]
 
-    monkeypatch.setattr(rl, "build_trainer", build)
+    monkeypatch.setattr(rl_run, "build_trainer", build)
     return box
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 from helpers import HIGH, LEVELS, LOW
 
-from rcgrpo_tasks.train import advantages as adv
+from rcgrpo_tasks.train.rl import advantages as adv
 
 
 def _obedient_rewards(tokens):

@@ -98,10 +98,26 @@ def test_the_reward_tokens_have_one_loader():
     assert checkers == ["rcgrpo_tasks.env.prompt"], f"functions named check_reward_tokens: {checkers}"
 
 
+def _library_folder(module: str) -> str | None:
+    """The folder a dvc.yaml stage lists for a library `module`: its layer's folder (`rcgrpo_tasks/engine`), or,
+    where that folder holds no module of its own (`train/`: the wings `sft/`, `rl/` and `common/`), the
+    subpackage's (`rcgrpo_tasks/train/rl`); None for a module outside a folder (`cli`) or an empty container
+    `__init__`."""
+    parts = module.split(".")[1:]
+    folder = PKG
+    for depth, part in enumerate(parts, 1):
+        folder = folder / part
+        if not folder.is_dir():
+            return None
+        if any(p.name != "__init__.py" or p.read_text().strip() for p in folder.glob("*.py")):
+            return "/".join(["rcgrpo_tasks", *parts[:depth]])
+    return None
+
+
 def test_dvc_stages_list_every_library_folder_they_import():
     """A stage's deps in dvc.yaml name every library folder its module imports, directly or through other
     modules (in-function imports included), and no other: a change there reruns exactly the stages that
-    can see it."""
+    can see it (a training stage lists its wing and `train/common`, never the other wing)."""
     graph = grimp.build_graph("rcgrpo_tasks")
     stages = yaml.safe_load((PKG.parent / "dvc.yaml").read_text())["stages"]
     wrong = {}
@@ -109,8 +125,7 @@ def test_dvc_stages_list_every_library_folder_they_import():
         deps = spec.get("do", spec)["deps"]
         module = next(d for d in deps if d.startswith("rcgrpo_tasks/stages/"))
         imported = graph.find_upstream_modules(_name(PKG.parent / module))
-        need = {f"rcgrpo_tasks/{m.split('.')[1]}" for m in imported
-                if m.count(".") >= 1 and m.split(".")[1] != "stages" and (PKG / m.split(".")[1]).is_dir()}
+        need = {_library_folder(m) for m in imported if m.count(".") >= 1 and m.split(".")[1] != "stages"} - {None}
         listed = {d.rstrip("/") for d in deps if d.startswith("rcgrpo_tasks/") and not d.endswith(".py")}
         if need != listed:
             wrong[stage] = {"missing": sorted(need - listed), "not imported": sorted(listed - need)}

@@ -9,7 +9,7 @@ import yaml
 from rcgrpo_tasks.engine.compute import ComputeConfig, load_compute
 from rcgrpo_tasks.engine.device import MemorySplitWarning
 from rcgrpo_tasks.ops.config import ConfigError
-from rcgrpo_tasks.train import placement
+from rcgrpo_tasks.train.common import placement
 
 
 def _params(tmp_path, data) -> str:
@@ -51,9 +51,10 @@ def test_training_device_never_falls_back(monkeypatch):
 def test_explicit_cpu_reaches_the_training_arguments(tmp_path):
     import torch
 
-    from rcgrpo_tasks.train import finetune
+    from rcgrpo_tasks.train.sft import config as sft_config
+    from rcgrpo_tasks.train.sft import trainer as sft_trainer
 
-    args = finetune.trainer_args(finetune.SftConfig(max_steps=1), tmp_path / "ck", False, torch.device("cpu"))
+    args = sft_trainer.trainer_args(sft_config.SftConfig(max_steps=1), tmp_path / "ck", False, torch.device("cpu"))
     assert args.use_cpu and args.device.type == "cpu"
 
 

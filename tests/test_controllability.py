@@ -18,7 +18,7 @@ from rcgrpo_tasks.ops.config import ConfigError, from_dict
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
 from rcgrpo_tasks.stages import controllability as ctl_stage
-from rcgrpo_tasks.train.grpo import RLConfig
+from rcgrpo_tasks.train.rl.config import RLConfig
 
 RL = {"temperature": 1.0, "top_p": 1.0, "num_generations": 4, "p_high": 0.5, "learning_rate": 1e-5}
 
@@ -158,8 +158,8 @@ def test_cli_on_tiny_rctp_model(tiny_model_dir, tmp_path, monkeypatch):
     """End to end on a tiny sft-stage output: loads through sft.load_trained, rolls, writes, logs."""
     from typer.testing import CliRunner
 
-    from rcgrpo_tasks.train import sft
-    from rcgrpo_tasks.train.finetune import SftConfig, SftRun
+    from rcgrpo_tasks.train.sft import run as sft_run
+    from rcgrpo_tasks.train.sft.config import SftConfig, SftRun
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     monkeypatch.setenv("MLFLOW_ARTIFACT_ROOT", str(tmp_path / "mlartifacts"))
@@ -171,7 +171,7 @@ def test_cli_on_tiny_rctp_model(tiny_model_dir, tmp_path, monkeypatch):
     cfg = SftConfig(learning_rate=1e-2, max_steps=1, batch_size=4, max_length=128, lora_r=4, lora_alpha=8,
                     log_model=False, require_reward_token=True, reward_token_init="apart", grad_accum=1)
     spec = SftRun("rctp", tiny_model_dir, tmp_path / "rctp.jsonl", tmp_path / "adapter", tmp_path / "ck")
-    sft.train_variant(cfg, LEVELS, spec, track=False)
+    sft_run.train_variant(cfg, LEVELS, spec, track=False)
 
     entries = multi_turn.load_entries(["base"])[:3]
     write_jsonl(tmp_path / "entries.jsonl", (e.to_json() for e in entries))

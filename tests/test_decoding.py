@@ -13,7 +13,7 @@ from rcgrpo_tasks.evaluation.controllability import ControllabilityConfig
 from rcgrpo_tasks.evaluation.heldout import EvaluateConfig
 from rcgrpo_tasks.ops import config
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, from_dict
-from rcgrpo_tasks.train.grpo import RLConfig
+from rcgrpo_tasks.train.rl.config import RLConfig
 
 DECODING = {"evaluate": EvaluateConfig, "sample_policy": SampleConfig, "generate_trajectories": GenerateConfig,
             "controllability": ControllabilityConfig, "rl": RLConfig}

@@ -24,8 +24,8 @@ from rcgrpo_tasks.evaluation.grid import GridConfig
 from rcgrpo_tasks.evaluation.heldout import EvaluateConfig
 from rcgrpo_tasks.evaluation.promotion import PromoteConfig
 from rcgrpo_tasks.ops import config
-from rcgrpo_tasks.train.finetune import SftConfig
-from rcgrpo_tasks.train.grpo import RLConfig
+from rcgrpo_tasks.train.rl.config import RLConfig
+from rcgrpo_tasks.train.sft.config import SftConfig
 
 SECTIONS = {
     "prepare_data": PrepareDataConfig, "prompt": PromptConfig, "compute": ComputeConfig,

@@ -38,7 +38,7 @@ def test_a_bad_spec_names_its_file_and_field(tmp_path, body, needle):
 
 def test_the_committed_spec_loads_into_the_rl_stage_config():
     from rcgrpo_tasks.ops.config import from_dict, read_params
-    from rcgrpo_tasks.train.grpo import RLConfig
+    from rcgrpo_tasks.train.rl.config import RLConfig
 
     spec = sweep.read_spec(sweep.Path("configs/sweeps/rl-dev.yaml"))
     base = read_params("params.yaml")

@@ -7,8 +7,9 @@ import math
 
 import pytest
 
-from rcgrpo_tasks.train import advantages as adv
-from rcgrpo_tasks.train import diagnostics, runs
+from rcgrpo_tasks.train.common import runs
+from rcgrpo_tasks.train.rl import advantages as adv
+from rcgrpo_tasks.train.rl import diagnostics
 
 NAN = float("nan")
 

@@ -13,8 +13,11 @@ from helpers import HIGH, LEVELS, LOW, capture_trainer
 from test_rl import PROTOCOL, TEST_RL, _spec, _weights
 
 from rcgrpo_tasks.ops.config import from_dict
-from rcgrpo_tasks.train import advantages as adv
-from rcgrpo_tasks.train import grpo, grpo_rollout, rl, runs
+from rcgrpo_tasks.train.common import runs
+from rcgrpo_tasks.train.rl import advantages as adv
+from rcgrpo_tasks.train.rl import config as rl_config
+from rcgrpo_tasks.train.rl import rollout as rl_rollout
+from rcgrpo_tasks.train.rl import run as rl_run
 
 # ------------------------------------------------------------------ stratified reward tokens
 
@@ -75,12 +78,12 @@ def _rollout(monkeypatch, rule, n_entries=6, **cfg):
         return [_traj(entry.id, reward_tokens[i], rule(entry.id, i), i) for i in range(len(reward_tokens))]
 
     monkeypatch.setattr(engine, "run_seeded_groups", lambda backend, groups, *a, **k: [group(*g) for g in groups])
-    monkeypatch.setattr(grpo_rollout.EngineRollout, "backend", lambda self, trainer: None)
-    config = from_dict(grpo.RLConfig, {**TEST_RL, "max_entries": None, "num_generations": 4, "batch_size": 8,
+    monkeypatch.setattr(rl_rollout.EngineRollout, "backend", lambda self, trainer: None)
+    config = from_dict(rl_config.RLConfig, {**TEST_RL, "max_entries": None, "num_generations": 4, "batch_size": 8,
                                        "micro_batch_size": 4, **cfg})
     entries = {f"e{i}": SimpleNamespace(id=f"e{i}") for i in range(n_entries)}
     tok = SimpleNamespace(eos_token_id=0)
-    return grpo_rollout.EngineRollout(config, PROTOCOL, "fixed", LEVELS, entries, tok, dynamic=True), calls
+    return rl_rollout.EngineRollout(config, PROTOCOL, "fixed", LEVELS, entries, tok, dynamic=True), calls
 
 
 def test_zero_variance_groups_are_dropped_and_refilled(monkeypatch):
@@ -111,7 +114,7 @@ def test_the_round_cap_masks_what_is_still_flat_and_an_empty_step_says_so(monkey
     assert math.isnan(m["rc/gen_tokens_per_useful_group"])
     assert "no group with reward spread after 3 generation round(s)" in capsys.readouterr().err
     with pytest.raises(ValueError, match="dynamic_max_rounds"):
-        from_dict(grpo.RLConfig, {**TEST_RL, "dynamic_max_rounds": 0})
+        from_dict(rl_config.RLConfig, {**TEST_RL, "dynamic_max_rounds": 0})
 
 
 def test_plain_grpo_keeps_every_group_and_prices_it(monkeypatch):
@@ -149,16 +152,16 @@ def entry_rewards(monkeypatch):
 def test_dynamic_trains_on_kept_groups_and_skips_a_step_with_none(rl_env, entry_rewards, monkeypatch):
     root, model_dir = rl_env
     box = capture_trainer(monkeypatch)
-    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1})
+    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1})
     flat = _spec(root, model_dir, "sft-dynamic-flat", "sft", "dynamic")
-    summary = rl.train_rl(cfg, PROTOCOL, LEVELS, flat)  # every group flat: nothing to train on
+    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, flat)  # every group flat: nothing to train on
     assert summary["total_step_skipped"] == 1 and summary["total_useful_groups"] == 0
     before, after = _weights(model_dir), _weights(flat.out)
     assert all(before[k].equal(after[k]) for k in before if k in after)  # no update at all
     for eid in box["rollout"].entries:  # now every entry's group splits: the first round keeps it
         entry_rewards[eid] = lambda i: float(i % 2)
     spread = _spec(root, model_dir, "sft-dynamic-spread", "sft", "dynamic")
-    summary = rl.train_rl(cfg, PROTOCOL, LEVELS, spread)
+    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spread)
     assert summary["total_step_skipped"] == 0 and summary["rollouts_per_useful_group"] == cfg.num_generations
     after = _weights(spread.out)
     assert any(not before[k].equal(after[k]) for k in before if k in after)

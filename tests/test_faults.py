@@ -20,7 +20,9 @@ from rcgrpo_tasks.engine.decoding import PROMPT_FLOOR, DecodeConfig
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.config import ConfigError, ParamsChanged, load_config
 from rcgrpo_tasks.ops.outputs import OutputError, write_jsonl
-from rcgrpo_tasks.train import checkpoints, finetune, runs, sft
+from rcgrpo_tasks.train.common import checkpoints, runs
+from rcgrpo_tasks.train.sft import config as sft_config
+from rcgrpo_tasks.train.sft import run as sft_run
 
 # ------------------------------------------------------------------------------ params edited under a stage
 
@@ -182,17 +184,17 @@ def trained(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("ckpt_run")
     write_jsonl(root / "sft.jsonl", [chat(i, None) for i in range(16)])
     cfg = tiny_sft_config(max_steps=3, save_steps=1, save_total_limit=3, keep_checkpoints=True)
-    spec = finetune.SftRun("sft", tiny_model_dir, root / "sft.jsonl", root / "out", root / "pristine",
+    spec = sft_config.SftRun("sft", tiny_model_dir, root / "sft.jsonl", root / "out", root / "pristine",
                            root / "m.json")
-    sft.train_variant(cfg, LEVELS, spec, track=False)
+    sft_run.train_variant(cfg, LEVELS, spec, track=False)
     assert sorted(p.name for p in spec.checkpoints.glob("checkpoint-*")) == [f"checkpoint-{n}" for n in (1, 2, 3)]
     return cfg, spec
 
 
-def _copy(spec, tmp_path) -> finetune.SftRun:
+def _copy(spec, tmp_path) -> sft_config.SftRun:
     ck = tmp_path / "ck"
     shutil.copytree(spec.checkpoints, ck)
-    return finetune.SftRun("sft", spec.model_dir, spec.data, tmp_path / "out", ck, tmp_path / "m.json")
+    return sft_config.SftRun("sft", spec.model_dir, spec.data, tmp_path / "out", ck, tmp_path / "m.json")
 
 
 DAMAGE = {  # file damaged -> what damage() says about it
@@ -216,7 +218,7 @@ def test_resume_skips_a_damaged_newest_checkpoint_and_names_it(trained, tmp_path
     spec = _copy(pristine, tmp_path)
     _damage(spec.checkpoints / "checkpoint-3", name)
     assert checkpoints.damage(spec.checkpoints / "checkpoint-2") is None
-    summary = sft.train_variant(cfg, LEVELS, spec, track=False)
+    summary = sft_run.train_variant(cfg, LEVELS, spec, track=False)
     assert summary["resumed_from"] == str(spec.checkpoints / "checkpoint-2") and summary["steps"] == 3
     err = capsys.readouterr().err
     line = next(line for line in err.splitlines() if line.startswith("warning: damaged checkpoint"))
@@ -277,7 +279,7 @@ def test_a_real_file_size_limit_in_torch_save_is_one_line(tmp_path):
     """torch.save past `ulimit -f` (Python ignores SIGXFSZ, so the write fails) under `disk_errors`."""
     script = textwrap.dedent(f"""\
         import resource, torch
-        from rcgrpo_tasks.train import runs
+        from rcgrpo_tasks.train.common import runs
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
         with runs.disk_errors({str(tmp_path / 'ckpt')!r}):
             torch.save(torch.zeros(1 << 20), {str(tmp_path / 'big.pt')!r})

@@ -11,7 +11,9 @@ from rcgrpo_tasks.data.chat import answer_goal_template, assistant_token_mask, g
 from rcgrpo_tasks.engine.rollout import ChatRenderer
 from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.ops.outputs import write_jsonl
-from rcgrpo_tasks.train import finetune, sft
+from rcgrpo_tasks.train.sft import config as sft_config
+from rcgrpo_tasks.train.sft import run as sft_run
+from rcgrpo_tasks.train.sft import trainer as sft_trainer
 
 
 @pytest.fixture()
@@ -65,14 +67,14 @@ def test_rctp_with_answer_place_saves_the_template_and_trains_without_the_token_
     data = tmp_path / "rctp.jsonl"
     write_jsonl(data, [chat(i, HIGH if i % 2 else LOW) for i in range(8)])
     cfg = tiny_sft_config(reward_goal_place="answer", max_steps=1, require_reward_token=True)
-    trainer, tok, _, _ = finetune.build_trainer(cfg, tiny_model_dir, sft_rows_of(data), LEVELS, tmp_path / "ck")
+    trainer, tok, _, _ = sft_trainer.build_trainer(cfg, tiny_model_dir, sft_rows_of(data), LEVELS, tmp_path / "ck")
     ex = trainer.train_dataset[0]
     learned = tok.decode([i for i, lab in zip(ex["input_ids"], ex["labels"]) if lab != -100])
     assert learned == "[add(a=0, b=0)]<|im_end|>[done()]<|im_end|>"
     assert tok.convert_tokens_to_ids(LOW) in ex["input_ids"]
-    run = finetune.SftRun("rctp", tiny_model_dir, data, tmp_path / "out", tmp_path / "ckpt2",
+    run = sft_config.SftRun("rctp", tiny_model_dir, data, tmp_path / "out", tmp_path / "ckpt2",
                           tmp_path / "m.json", tmp_path / "m.tsv")
-    sft.train_variant(cfg, LEVELS, run, track=False)
+    sft_run.train_variant(cfg, LEVELS, run, track=False)
     assert goal_place(AutoTokenizer.from_pretrained(run.out)) == "answer"
 
 
@@ -87,7 +89,7 @@ def test_a_user_place_run_refuses_a_start_that_renders_the_goal_before_the_answe
     tok.chat_template = answer_goal_template(tok.chat_template)
     tok.save_pretrained(start)
     with pytest.raises(ConfigError, match="reward_goal_place: user"):
-        finetune.build_trainer(tiny_sft_config(), start, [chat(0, LOW)], LEVELS, tmp_path / "ck")
+        sft_trainer.build_trainer(tiny_sft_config(), start, [chat(0, LOW)], LEVELS, tmp_path / "ck")
 
 
 def test_the_place_is_checked():
@@ -96,6 +98,6 @@ def test_the_place_is_checked():
 
 
 def sft_rows_of(path):
-    from rcgrpo_tasks.train import sft_rows
+    from rcgrpo_tasks.train.sft import rows as sft_rows
 
     return sft_rows.load_rows(path, LEVELS, True)

@@ -27,16 +27,17 @@ def test_the_graph_path_is_cudas_default_and_never_the_cpus():
 
 def _rl_policy(model_dir, tok):
     """The policy RL samples from on a GPU (`rollout_dtype: auto` there is the live model): the RL LoRA with the
-    reward tokens' rows trainable, as `grpo_trainer.rl_lora` builds it, on the device under test."""
+    reward tokens' rows trainable, as `rl_trainer.rl_lora` builds it, on the device under test."""
     import torch
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from rcgrpo_tasks.train import grpo, grpo_trainer
+    from rcgrpo_tasks.train.rl import config as rl_config
+    from rcgrpo_tasks.train.rl import trainer as rl_trainer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).to(device_under_test())
     torch.manual_seed(3)
-    config = grpo_trainer.rl_lora(grpo.RLConfig(lora_r=4, lora_alpha=8), model, tok, LEVELS, "rc")
+    config = rl_trainer.rl_lora(rl_config.RLConfig(lora_r=4, lora_alpha=8), model, tok, LEVELS, "rc")
     policy = get_peft_model(model, config)
     with torch.no_grad():  # trained-looking rows and LoRA: what decodes must be what was trained
         for name, prm in policy.named_parameters():

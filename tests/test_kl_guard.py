@@ -1,4 +1,4 @@
-"""The KL bound and the divergence check (`train.kl_guard`): pure functions here; through TRL's loss and a
+"""The KL bound and the divergence check (`train.rl.kl_guard`): pure functions here; through TRL's loss and a
 real diverging run in tests/test_rl.py."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from rcgrpo_tasks.train.kl_guard import GuardConfig, bounded_reference, divergence, kl_bounds, restore_step
+from rcgrpo_tasks.train.rl.kl_guard import GuardConfig, bounded_reference, divergence, kl_bounds, restore_step
 
 
 def k3(d: float) -> float:

@@ -1,4 +1,4 @@
-"""Does the model read its reward token: the teacher-forced margin (data.margin), its arithmetic, its shared-
+"""Does the model read its reward token: the teacher-forced margin (train.sft.margin), its arithmetic, its shared-
 prompt forward against a plain one, the token rows' distance, the paired (common random numbers) sampled arm
 of the controllability check, and the margin curve of an RCTP run started from the SFT model."""
 
@@ -10,11 +10,11 @@ import pytest
 from helpers import HIGH, LEVELS, LOW, chat, tiny_sft_config
 from test_evaluate import _invoke, make_workdir
 
-from rcgrpo_tasks.data import margin as mg
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.split import PrepareDataConfig, prepare
 from rcgrpo_tasks.ops.config import from_dict
 from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
+from rcgrpo_tasks.train.sft import margin as mg
 
 TOKENS = (HIGH, LOW)
 
@@ -40,7 +40,7 @@ def equal_rows_dir(tiny_model_dir, tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rcgrpo_tasks.train.adapters import add_special_tokens
+    from rcgrpo_tasks.train.common.adapters import add_special_tokens
 
     out = tmp_path_factory.mktemp("equal_rows")
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -151,7 +151,7 @@ def test_paired_sampled_arm_draws_the_same_seeds_under_both_tokens(equal_rows_di
     low are the same tokens, so every pair is identical and the gap is exactly 0."""
     from rcgrpo_tasks.engine.hf import HFBackend
     from rcgrpo_tasks.evaluation import controllability as ctl
-    from rcgrpo_tasks.train.grpo import RLConfig
+    from rcgrpo_tasks.train.rl.config import RLConfig
 
     backend = HFBackend(equal_rows_dir, dtype="float32", device="cpu")
     cfg = from_dict(ctl.ControllabilityConfig, {"n_entries": 3, "samples_per_token": 2, "max_outputs": 1,
@@ -170,7 +170,7 @@ def test_paired_sampled_arm_draws_the_same_seeds_under_both_tokens(equal_rows_di
 
 
 def test_pair_order_keeps_each_prompt_s_rows_side_by_side():
-    from rcgrpo_tasks.train.sft_rows import ordered, pair_order
+    from rcgrpo_tasks.train.sft.rows import ordered, pair_order
 
     rows = [dict(chat(i, tok), entry_id=f"e{i}") for i in range(6) for tok in LEVELS]
     order = pair_order(rows, seed=0)
@@ -183,7 +183,7 @@ def test_pair_order_keeps_each_prompt_s_rows_side_by_side():
 
 
 def test_flat_groups_split_into_failure_and_success():
-    from rcgrpo_tasks.train.advantages import flat_fractions, zero_std_fraction
+    from rcgrpo_tasks.train.rl.advantages import flat_fractions, zero_std_fraction
 
     rewards = [0, 0, 0, 0] + [1, 1, 1, 1] + [1, 1, 1, 1] + [0, 1, 0, 0]
     assert flat_fractions(rewards, 4) == (0.25, 0.5)
@@ -195,7 +195,8 @@ def test_rctp_from_the_sft_model_in_pairs_with_a_margin_curve(tiny_model_dir, si
     consumer loads (`load_trained`); the margin curve measured before the first step and every
     `margin_every` steps; the token rows move apart (10x their rate)."""
     from rcgrpo_tasks.engine.models import load_trained
-    from rcgrpo_tasks.train import finetune, sft
+    from rcgrpo_tasks.train.sft import config as sft_config
+    from rcgrpo_tasks.train.sft import run as sft_run
 
     entries, split = single_turn
     write_jsonl(tmp_path / "entries.jsonl", (e.to_json() for e in entries))
@@ -203,27 +204,27 @@ def test_rctp_from_the_sft_model_in_pairs_with_a_margin_curve(tiny_model_dir, si
     write_jsonl(tmp_path / "sft.jsonl", [chat(i, None) for i in range(8)])
     write_jsonl(tmp_path / "rctp.jsonl", [dict(chat(i // 2, LEVELS[i % 2]), entry_id=f"e{i // 2}")
                                           for i in range(16)])
-    first = finetune.SftRun("sft", tiny_model_dir, tmp_path / "sft.jsonl", tmp_path / "sft", tmp_path / "ck1")
-    sft.train_variant(tiny_sft_config(max_steps=2), LEVELS, first, track=False)
+    first = sft_config.SftRun("sft", tiny_model_dir, tmp_path / "sft.jsonl", tmp_path / "sft", tmp_path / "ck1")
+    sft_run.train_variant(tiny_sft_config(max_steps=2), LEVELS, first, track=False)
 
     cfg = tiny_sft_config(max_steps=4, batch_size=2, init="sft", row_order="pairs", margin_every=2,
                           margin_entries=2, token_lr_multiplier=10.0, require_reward_token=True)
-    run = finetune.SftRun("rctp", tiny_model_dir, tmp_path / "rctp.jsonl", tmp_path / "rctp", tmp_path / "ck2",
+    run = sft_config.SftRun("rctp", tiny_model_dir, tmp_path / "rctp.jsonl", tmp_path / "rctp", tmp_path / "ck2",
                           tmp_path / "m.json", init_adapter=tmp_path / "sft", entries=tmp_path / "entries.jsonl",
                           split=tmp_path / "split.json")
-    summary = sft.train_variant(cfg, LEVELS, run, track=False)
+    summary = sft_run.train_variant(cfg, LEVELS, run, track=False)
     assert [p["step"] for p in summary["margin_curve"]] == [0, 2, 4]
     assert all(p["n_entries"] == 2 and p["token_rows_ratio"] >= 0 for p in summary["margin_curve"])
     assert summary["margin_curve"][-1]["token_rows_distance"] > summary["margin_curve"][0]["token_rows_distance"]
     assert (run.out / "config.json").is_file() and not (run.out / "adapter_config.json").exists()
-    meta = json.loads((run.out / finetune.META_FILE).read_text())
+    meta = json.loads((run.out / sft_run.META_FILE).read_text())
     assert meta["merged"] and meta["init_adapter"] == str(tmp_path / "sft")
     model, tok = load_trained(tiny_model_dir, run.out)
     assert all(len(tok(t, add_special_tokens=False)["input_ids"]) == 1 for t in LEVELS)
     assert not hasattr(model, "peft_config")
 
     with pytest.raises(Exception, match="init-adapter"):
-        sft.train_variant(cfg, LEVELS, finetune.SftRun("rctp", tiny_model_dir, tmp_path / "rctp.jsonl",
+        sft_run.train_variant(cfg, LEVELS, sft_config.SftRun("rctp", tiny_model_dir, tmp_path / "rctp.jsonl",
                                                        tmp_path / "x", tmp_path / "ck3"), track=False)
 
 
@@ -231,7 +232,7 @@ def test_the_margin_curve_reads_dev_entries_never_held_out_ones(single_turn, tmp
     """RCTP's step count is chosen on its margin curve: the curve's entries come from the dev side."""
     from rcgrpo_tasks.env.prompt import PromptConfig
     from rcgrpo_tasks.ops.inputs import InputError
-    from rcgrpo_tasks.train.margin_curve import margin_curve
+    from rcgrpo_tasks.train.sft.margin_curve import margin_curve
 
     entries, split = single_turn
     write_jsonl(tmp_path / "entries.jsonl", (e.to_json() for e in entries))
@@ -247,13 +248,13 @@ def test_the_margin_curve_reads_dev_entries_never_held_out_ones(single_turn, tmp
 def test_pairs_share_a_micro_batch_in_the_trainer_s_own_dataloader(tiny_model_dir, tmp_path):
     """row_order pairs: the dataset order is kept (no random sampler), so each micro-batch of 2 is one
     prompt under its two goals; balanced: the sampler shuffles."""
-    from rcgrpo_tasks.train import finetune
-    from rcgrpo_tasks.train.sft_rows import ordered
+    from rcgrpo_tasks.train.sft import trainer as sft_trainer
+    from rcgrpo_tasks.train.sft.rows import ordered
 
     rows = [dict(chat(i // 2, LEVELS[i % 2]), entry_id=f"e{i // 2}") for i in range(16)]
     for order, kept in (("pairs", True), ("balanced", False)):
         cfg = tiny_sft_config(max_steps=1, batch_size=2, row_order=order)
-        trainer, tok, _, _ = finetune.build_trainer(cfg, tiny_model_dir, ordered(rows, order, 0), LEVELS,
+        trainer, tok, _, _ = sft_trainer.build_trainer(cfg, tiny_model_dir, ordered(rows, order, 0), LEVELS,
                                                     tmp_path / order)
         assert trainer.keep_order is kept
         batches = [[tok.decode(ids) for ids in b["input_ids"]] for b in trainer.get_train_dataloader()]
@@ -281,7 +282,7 @@ def test_rl_pool_is_rl_prompts_in_the_inits_success_band(single_turn, tmp_path):
     too few prompts left, it refuses; without an rl side it samples train."""
     from rcgrpo_tasks.data.onpolicy import sampled_success_rates
     from rcgrpo_tasks.ops.config import ConfigError
-    from rcgrpo_tasks.train import grpo
+    from rcgrpo_tasks.train.rl import config as rl_config
 
     entries, split = single_turn
     rl, train = split["train"][:7], split["train"][7:]
@@ -294,9 +295,9 @@ def test_rl_pool_is_rl_prompts_in_the_inits_success_band(single_turn, tmp_path):
     proto = PromptConfig(system_prompt="bfcl").protocol_config(1)
 
     def pick(**kw):
-        cfg = from_dict(grpo.RLConfig, {"num_generations": 2, "batch_size": 2, "micro_batch_size": 2,
+        cfg = from_dict(rl_config.RLConfig, {"num_generations": 2, "batch_size": 2, "micro_batch_size": 2,
                                         "max_entries": None, **kw})
-        return sorted(e.id for e in grpo.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", cfg,
+        return sorted(e.id for e in rl_config.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", cfg,
                                                          proto, success=rates))
 
     assert pick() == sorted(rl[1:4])  # the default band [0.25, 0.75]
@@ -304,21 +305,21 @@ def test_rl_pool_is_rl_prompts_in_the_inits_success_band(single_turn, tmp_path):
     assert set(with_solved) - set(rl[1:4]) <= {rl[0], rl[5]} and len(with_solved) == 4
     assert pick(pool_solved_share=0.6) == sorted(rl[:4] + [rl[5]])  # no more than there are
     assert pick(pool_band=None) == sorted(rl)  # every prompt of the side, sampled or not
-    assert grpo.pool_ids({"a": 1.0, "b": 0.5}, (0.5, 1.0), 0.5, 0) == ["a", "b"]  # in the band: not an extra
-    cfg = from_dict(grpo.RLConfig, {"num_generations": 2, "batch_size": 2, "micro_batch_size": 2})
+    assert rl_config.pool_ids({"a": 1.0, "b": 0.5}, (0.5, 1.0), 0.5, 0) == ["a", "b"]  # in the band: not an extra
+    cfg = from_dict(rl_config.RLConfig, {"num_generations": 2, "batch_size": 2, "micro_batch_size": 2})
     with pytest.raises(ConfigError, match="--pool"):
-        grpo.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", cfg, proto)
-    strict = from_dict(grpo.RLConfig, {"num_generations": 2, "batch_size": 8, "micro_batch_size": 2,
+        rl_config.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", cfg, proto)
+    strict = from_dict(rl_config.RLConfig, {"num_generations": 2, "batch_size": 8, "micro_batch_size": 2,
                                        "max_entries": None})
     with pytest.raises(ConfigError, match="need at least 4"):
-        grpo.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", strict, proto, success=rates)
+        rl_config.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", strict, proto, success=rates)
     for bad in ({"pool_band": [0.8, 0.2]}, {"pool_band": [0.1, 1.5]}, {"pool_solved_share": 1.0}):
         with pytest.raises(ConfigError, match="pool_"):
-            from_dict(grpo.RLConfig, bad)
+            from_dict(rl_config.RLConfig, bad)
     with pytest.raises(ConfigError, match="rl.pool_band"):
-        from_dict(grpo.RLConfig, {"min_sampled_success": 0.25}, "p.yaml:rl")
+        from_dict(rl_config.RLConfig, {"min_sampled_success": 0.25}, "p.yaml:rl")
     write_json(tmp_path / "split.json", {k: v for k, v in split.items() if k != "rl"})  # no rl side: train
-    assert grpo.rl_side(tmp_path / "split.json") == "train"
+    assert rl_config.rl_side(tmp_path / "split.json") == "train"
 
 
 def test_divergent_loss_keeps_only_what_follows_the_parting(tiny_model_dir):
@@ -327,7 +328,7 @@ def test_divergent_loss_keeps_only_what_follows_the_parting(tiny_model_dir):
     from transformers import AutoTokenizer
 
     from rcgrpo_tasks.env.prompt import format_reward_goal
-    from rcgrpo_tasks.train.sft_rows import tokenize_rows
+    from rcgrpo_tasks.train.sft.rows import tokenize_rows
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     tok.add_special_tokens({"extra_special_tokens": list(LEVELS)})

@@ -19,8 +19,8 @@ from helpers import REPO_ROOT
 
 from rcgrpo_tasks.engine.compute import ComputeConfig, load_compute
 from rcgrpo_tasks.ops.config import ConfigError, apply_profile, load_config
-from rcgrpo_tasks.train.grpo import RLConfig, check_world
-from rcgrpo_tasks.train.sft import load_sft_config
+from rcgrpo_tasks.train.rl.config import RLConfig, check_world
+from rcgrpo_tasks.train.sft.run import load_sft_config
 
 DOC = REPO_ROOT / "docs" / "multi-gpu.md"
 TEMPLATE = REPO_ROOT / "infra" / "k8s" / "gpu-base-job-template.json"
@@ -136,7 +136,7 @@ def test_accelerate_config_loads_through_accelerate(name):
 def test_paper_launch_is_deepspeed_zero3_over_8_processes(paper, monkeypatch):
     import torch
 
-    from rcgrpo_tasks.train import processes
+    from rcgrpo_tasks.train.common import processes
 
     monkeypatch.chdir(REPO_ROOT)  # the config paths are relative to the repo, as under `dvc repro`
     monkeypatch.delenv("LOCAL_RANK", raising=False)
@@ -213,7 +213,7 @@ def test_documented_vllm_server_split(tmp_path):
 def test_documented_multi_node_launch(paper, monkeypatch):
     monkeypatch.chdir(REPO_ROOT)
     rl = load_config(RLConfig, paper, "rl")
-    stage_cmd = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]["rl"]["cmd"]
+    stage_cmd = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]["rl"]["do"]["cmd"]
     ranks = {}
     for _, argv in _doc_commands("accelerate launch"):
         args, env = _accelerate_launch(argv, monkeypatch)
@@ -224,7 +224,8 @@ def test_documented_multi_node_launch(paper, monkeypatch):
         assert check_world(rl, args.num_processes) == 10
         # The module command is the rl stage's own command from dvc.yaml for that cell.
         assert args.module and args.training_script == "rcgrpo_tasks.cli"
-        cell = stage_cmd.replace("${item.init}", _option(argv, "--init")).replace("${item.algo}", _option(argv, "--algo"))
+        init, algo = _option(argv, "--init"), _option(argv, "--algo")
+        cell = stage_cmd.replace("${item.init}", init).replace("${item.algo}", algo).replace("${key}", f"{init}-{algo}")
         expected = shlex.split(cell)
         assert expected[0] == "rcgrpo" and args.training_script_args == expected[1:]
     assert sorted(ranks) == [0, 1]

@@ -1,4 +1,4 @@
-"""The fixed probe (`train.probe`): the same prompts and seeds at every checkpoint and in every cell of an init,
+"""The fixed probe (`train.rl.probe`): the same prompts and seeds at every checkpoint and in every cell of an init,
 points at step 0 / middle / end, the paired change over prompts; GRPO and RC-GRPO from one init draw the same
 prompts and sampling seeds per step."""
 
@@ -10,9 +10,10 @@ from test_rl import PROTOCOL, TEST_RL, _spec, scripted_rewards  # noqa: F401  (f
 
 from rcgrpo_tasks.ops.config import from_dict
 from rcgrpo_tasks.ops.inputs import read_jsonl
-from rcgrpo_tasks.train import grpo, rl
-from rcgrpo_tasks.train.grpo_steps import ROLLOUTS_FILE
-from rcgrpo_tasks.train.probe import probe_ids, probe_summary
+from rcgrpo_tasks.train.rl import config as rl_config
+from rcgrpo_tasks.train.rl import run as rl_run
+from rcgrpo_tasks.train.rl.probe import probe_ids, probe_summary
+from rcgrpo_tasks.train.rl.steps import ROLLOUTS_FILE
 
 
 def test_probe_ids_do_not_depend_on_the_pool_order():
@@ -40,13 +41,13 @@ def test_cells_of_one_init_probe_the_same_prompts_and_seeds_and_share_the_steps_
     from rcgrpo_tasks.engine.compute import ComputeConfig
 
     root, model_dir = rl_env
-    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "probe_entries": 2, "probe_samples": 3,
+    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "probe_entries": 2, "probe_samples": 3,
                                     "temperature": 1.0})
     probes, logs, summaries = {}, {}, {}
     for algo in ("grpo", "rc_grpo"):
         start = len(scripted_rewards)
         spec = _spec(root, model_dir, f"probe-{algo}", "rctp", algo)
-        summaries[algo] = rl.train_rl(cfg, PROTOCOL, LEVELS, spec, track=False, compute=ComputeConfig(device="cpu"))
+        summaries[algo] = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, track=False, compute=ComputeConfig(device="cpu"))
         groups = scripted_rewards[start:]
         probes[algo] = [[t.token_ids for t in g] for g in groups if len(g) == 3]  # S = 3, G = 2
         logs[algo] = read_jsonl(spec.checkpoints / ROLLOUTS_FILE)

@@ -1,4 +1,4 @@
-"""Training across processes (`compute.processes`, `train.processes`): the launcher's command line, groups
+"""Training across processes (`compute.processes`, `train.common.processes`): the launcher's command line, groups
 seeded by their place in the batch whatever process decodes them, and the real thing: the `sft` and `rl`
 stage commands run under `accelerate launch` in two gloo processes on the CPU against one process at twice
 the micro-batch (the same rollouts, rewards, advantages, losses and weights), and a two-process RL run
@@ -24,7 +24,9 @@ from rcgrpo_tasks.engine.compute import ComputeConfig
 from rcgrpo_tasks.ops.config import ConfigError, from_dict
 from rcgrpo_tasks.ops.inputs import read_jsonl
 from rcgrpo_tasks.ops.outputs import write_jsonl
-from rcgrpo_tasks.train import grpo, grpo_rollout, processes, runs
+from rcgrpo_tasks.train.common import processes, runs
+from rcgrpo_tasks.train.rl import config as rl_config
+from rcgrpo_tasks.train.rl import rollout as rl_rollout
 
 HOOK = Path(__file__).parent / "multiproc"
 
@@ -86,12 +88,12 @@ def _scripted_rollout(monkeypatch, draw="iid"):
                 for i in range(len(reward_tokens))]
 
     monkeypatch.setattr(engine, "run_seeded_groups", lambda backend, groups, *a, **k: [group(*g) for g in groups])
-    monkeypatch.setattr(grpo_rollout.EngineRollout, "backend", lambda self, trainer: None)
-    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "num_generations": 4, "batch_size": 16, "micro_batch_size": 4,
+    monkeypatch.setattr(rl_rollout.EngineRollout, "backend", lambda self, trainer: None)
+    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "num_generations": 4, "batch_size": 16, "micro_batch_size": 4,
                                     "max_entries": None, "token_draw": draw})
     entries = {f"e{i}": SimpleNamespace(id=f"e{i}") for i in range(8)}
     tok = SimpleNamespace(eos_token_id=0)
-    rollout = grpo_rollout.EngineRollout(cfg, PROTOCOL, "rc", LEVELS, entries, tok)
+    rollout = rl_rollout.EngineRollout(cfg, PROTOCOL, "rc", LEVELS, entries, tok)
     return rollout, seen
 
 

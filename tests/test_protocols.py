@@ -185,7 +185,7 @@ def test_one_reward_token_check_behind_every_reader(tokens):
     """params (`reward_tokens`), the labeller (`LabelConfig`) and RL (`reward_levels`) refuse the same lists."""
     from rcgrpo_tasks.data.labels import LabelConfig
     from rcgrpo_tasks.env.prompt import reward_tokens
-    from rcgrpo_tasks.train.advantages import reward_levels
+    from rcgrpo_tasks.train.rl.advantages import reward_levels
 
     for read in (lambda: reward_tokens({"label_rewards": {"tokens": tokens}}), lambda: reward_levels(tokens),
                  lambda: LabelConfig(tokens=tuple(tokens), thresholds=(0.5,) * (len(tokens) - 1))):

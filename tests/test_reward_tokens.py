@@ -10,7 +10,10 @@ import pytest
 from helpers import HIGH, LEVELS, LOW, TINY_SFT, chat, tiny_sft_config
 
 from rcgrpo_tasks.ops.outputs import write_jsonl
-from rcgrpo_tasks.train import adapters, finetune, sft_rows
+from rcgrpo_tasks.train.common import adapters
+from rcgrpo_tasks.train.sft import config as sft_config
+from rcgrpo_tasks.train.sft import rows as sft_rows
+from rcgrpo_tasks.train.sft import trainer as sft_trainer
 
 
 def _with_tokens(model_dir: Path, init: str, seed: int = 0, untied: bool = False):
@@ -79,7 +82,7 @@ def test_default_token_settings_are_todays(tiny_model_dir, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cfg = finetune.SftConfig()
+    cfg = sft_config.SftConfig()
     assert (cfg.reward_token_init, cfg.token_lr_multiplier) == ("mean_resizing", 1.0)
     model, _, ids = _with_tokens(tiny_model_dir, cfg.reward_token_init)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -90,7 +93,7 @@ def test_default_token_settings_are_todays(tiny_model_dir, tmp_path):
         ref.resize_token_embeddings(len(tok))
     torch.testing.assert_close(model.get_input_embeddings().weight, ref.get_input_embeddings().weight, rtol=0, atol=0)
     rows = sft_rows.load_rows(_dataset(tmp_path), LEVELS, True)
-    trainer, *_ = finetune.build_trainer(tiny_sft_config(max_steps=1), tiny_model_dir, rows, LEVELS, tmp_path / "ck")
+    trainer, *_ = sft_trainer.build_trainer(tiny_sft_config(max_steps=1), tiny_model_dir, rows, LEVELS, tmp_path / "ck")
     optimizer = trainer.create_optimizer()
     assert len(optimizer.param_groups) == 2 and not any("rcgrpo_token_rows" in g for g in optimizer.param_groups)
     assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
@@ -105,7 +108,7 @@ def _dataset(tmp_path: Path) -> Path:
 def _token_step(tiny_model_dir, tmp_path, name: str, **overrides):
     """Rows of the reward tokens (and of two ordinary tokens) before and after ONE optimizer step."""
     rows = sft_rows.load_rows(_dataset(tmp_path), LEVELS, True)
-    trainer, _, ids, _ = finetune.build_trainer(tiny_sft_config(max_steps=1, **overrides), tiny_model_dir, rows, LEVELS,
+    trainer, _, ids, _ = sft_trainer.build_trainer(tiny_sft_config(max_steps=1, **overrides), tiny_model_dir, rows, LEVELS,
                                                 tmp_path / name)
 
     def token_rows():

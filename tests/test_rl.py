@@ -25,8 +25,12 @@ from helpers import (
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.config import ConfigError, from_dict, load_config
 from rcgrpo_tasks.stages import rl as rl_stage
-from rcgrpo_tasks.train import advantages as adv
-from rcgrpo_tasks.train import checkpoints, grpo, grpo_trainer, rl, rollout_policy, runs
+from rcgrpo_tasks.train.common import checkpoints, runs
+from rcgrpo_tasks.train.rl import advantages as adv
+from rcgrpo_tasks.train.rl import config as rl_config
+from rcgrpo_tasks.train.rl import rollout_policy
+from rcgrpo_tasks.train.rl import run as rl_run
+from rcgrpo_tasks.train.rl import trainer as rl_trainer
 
 # Small enough for seconds per step on 2 cores; G=2 and one entry per step.
 TEST_RL = dict(num_generations=2, batch_size=2, micro_batch_size=2, max_steps=2, learning_rate=5e-3, beta=0.1,
@@ -36,8 +40,8 @@ TEST_RL = dict(num_generations=2, batch_size=2, micro_batch_size=2, max_steps=2,
 PROTOCOL = PromptConfig(system_prompt="short").protocol_config(TEST_RL["max_outputs"])
 
 
-def _spec(root: Path, model_dir: Path, name: str, init: str, algo: str) -> grpo_trainer.RLRun:
-    return grpo_trainer.RLRun(init=init, algo=algo, model_dir=model_dir, adapter_dir=None, entries=root / "entries.jsonl",
+def _spec(root: Path, model_dir: Path, name: str, init: str, algo: str) -> rl_trainer.RLRun:
+    return rl_trainer.RLRun(init=init, algo=algo, model_dir=model_dir, adapter_dir=None, entries=root / "entries.jsonl",
                       split=root / "split.json", out=root / "out" / name, checkpoints=root / "ckpt" / name,
                       metrics=root / "res" / name / "metrics.json", plots=root / "res" / name / "diag.tsv")
 
@@ -77,10 +81,10 @@ def test_two_rl_steps_per_mode(rl_env, scripted_rewards, monkeypatch, init, algo
     import mlflow
 
     root, model_dir = rl_env
-    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",)})
+    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",)})
     spec = _spec(root, model_dir, f"{init}-{algo}", init, algo)
     box = capture_trainer(monkeypatch)
-    summary = rl.train_rl(cfg, PROTOCOL, LEVELS, spec)
+    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec)
 
     assert spec.mode == mode and summary["conditioning"] == mode
     assert summary["steps"] == 2 and math.isfinite(summary["train_loss"])
@@ -134,8 +138,8 @@ def test_env_tokens_carry_no_loss_and_cpu_logps_match_trl(rl_env):
     from trl import GRPOTrainer
 
     root, model_dir = rl_env
-    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",)})
-    trainer, _, _ = grpo_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "mask", "rctp", "rc_grpo"),
+    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",)})
+    trainer, _, _ = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "mask", "rctp", "rc_grpo"),
                                             track=False, device=torch.device("cpu"))  # the CPU fast path
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
@@ -174,7 +178,7 @@ def test_killed_run_resumes_from_last_checkpoint(rl_env, scripted_rewards):
     from transformers import TrainerCallback
 
     root, model_dir = rl_env
-    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "keep_checkpoints": True})
+    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "keep_checkpoints": True})
     spec = _spec(root, model_dir, "resume", "rctp", "rc_grpo")
     shutil.rmtree(spec.checkpoints, ignore_errors=True)
 
@@ -184,18 +188,18 @@ def test_killed_run_resumes_from_last_checkpoint(rl_env, scripted_rewards):
                 raise KeyboardInterrupt("simulated kill after checkpoint-1")
 
     with pytest.raises(KeyboardInterrupt):
-        rl.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[Kill()])
+        rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[Kill()])
     assert (spec.checkpoints / "checkpoint-1").is_dir() and not spec.out.exists()
     n_before = len(scripted_rewards)
-    summary = rl.train_rl(cfg, PROTOCOL, LEVELS, spec)
+    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec)
     assert summary["resumed_from"].endswith("checkpoint-1")
     assert len(scripted_rewards) - n_before == 1  # only step 2 was rolled out again
     assert [r["step"] for r in runs.read_tsv(spec.plots)] == [1, 2]
     state = json.loads((spec.checkpoints / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["global_step"] == 2 and spec.out.is_dir()
     # Other params: the stale checkpoints are discarded, training starts over.
-    cfg2 = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1, "learning_rate": 1e-3})
-    assert rl.train_rl(cfg2, PROTOCOL, LEVELS, spec)["resumed_from"] is None
+    cfg2 = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1, "learning_rate": 1e-3})
+    assert rl_run.train_rl(cfg2, PROTOCOL, LEVELS, spec)["resumed_from"] is None
     # keep_checkpoints false (the default): after success the folder holds its fingerprint and the run's
     # rollout log only (no checkpoint), as sft's its fingerprint
     left = sorted(p.name for p in spec.checkpoints.iterdir())
@@ -206,18 +210,18 @@ def test_a_finished_run_rerun_is_restored_not_trained_a_step_further(rl_env, scr
     """DVC reruns a stage whose code changed; with the same fingerprint its last checkpoint is the finished
     run's. The Trainer resumed there would train one step past max_steps: the run is restored instead."""
     root, model_dir = rl_env
-    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1, "keep_checkpoints": True})
+    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1, "keep_checkpoints": True})
     spec = _spec(root, model_dir, "finished", "rctp", "rc_grpo")
     shutil.rmtree(spec.checkpoints, ignore_errors=True)
-    first = rl.train_rl(cfg, PROTOCOL, LEVELS, spec)
+    first = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec)
     weights = _weights(spec.out)
     n_rollouts = len(scripted_rewards)
-    again = rl.train_rl(cfg, PROTOCOL, LEVELS, spec)
+    again = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec)
     assert again["resumed_from"].endswith("checkpoint-1") and again["steps"] == first["steps"] == 1
     assert len(scripted_rewards) == n_rollouts  # nothing rolled out
     assert not (spec.checkpoints / "checkpoint-2").exists()
     assert all(weights[k].equal(v) for k, v in _weights(spec.out).items())
-    provenance = json.loads((spec.out / grpo_trainer.MODEL_META_FILE).read_text())
+    provenance = json.loads((spec.out / rl_trainer.MODEL_META_FILE).read_text())
     assert provenance["steps"] == 1
 
 
@@ -237,13 +241,13 @@ def test_sigterm_checkpoints_the_step_and_the_rerun_replays_it(rl_env, scripted_
                 os.kill(os.getpid(), signal.SIGTERM)
 
     root, model_dir = rl_env
-    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "save_steps": 2})
+    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "save_steps": 2})
     spec = _spec(root, model_dir, "sigterm", "sft", "rc_grpo")
     with pytest.raises(runs.Interrupted) as info:
-        rl.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[Term()])
+        rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[Term()])
     assert info.value.code == 143 and not spec.out.exists() and not spec.metrics.exists()
     assert sorted(p.name for p in spec.checkpoints.glob("checkpoint-*")) == ["checkpoint-1"]
-    summary = rl.train_rl(cfg, PROTOCOL, LEVELS, spec)
+    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec)
     assert summary["resumed_from"].endswith("checkpoint-1") and summary["steps"] == 2
     done, killed = mlflow.search_runs(experiment_names=["test-rl"], filter_string="tags.`rl.init` = 'sft' and "
                                       "tags.`rl.algo` = 'rc_grpo'", order_by=["start_time DESC"], output_format="list")
@@ -271,10 +275,10 @@ def test_reference_is_the_init_model(rl_env):
         base = AutoModelForCausalLM.from_pretrained(model_dir)(ids).logits
     assert not torch.allclose(expected, base, atol=1e-4)  # the adapter matters
     device = device_under_test()
-    spec = grpo_trainer.RLRun(**{**_spec(root, model_dir, "ref", "rctp", "grpo").__dict__, "adapter_dir": adapter_dir})
+    spec = rl_trainer.RLRun(**{**_spec(root, model_dir, "ref", "rctp", "grpo").__dict__, "adapter_dir": adapter_dir})
     for full in (False, True):
-        cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "full_finetune": full})
-        trainer, _, _ = grpo_trainer.build_trainer(cfg, PROTOCOL, LEVELS, spec, track=False)
+        cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "full_finetune": full})
+        trainer, _, _ = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, spec, track=False)
         assert on_test_device(trainer.accelerator.device)
         on_device = ids.to(trainer.accelerator.device)
         with torch.no_grad():
@@ -318,7 +322,7 @@ def test_bad_params_fail_before_training(tmp_path, override, match):
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"rl": {**TEST_RL, **override}}))
     with pytest.raises(ConfigError, match=match):
-        load_config(grpo.RLConfig, params, "rl")
+        load_config(rl_config.RLConfig, params, "rl")
     res = CliRunner().invoke(rl_stage.app, ["--init", "rctp", "--algo", "rc_grpo", "--out", str(tmp_path / "o"),
                                       "--checkpoints", str(tmp_path / "c"), "--params", str(params)])
     assert res.exit_code == 2 and "rl:" in res.output
@@ -348,11 +352,11 @@ def test_fitted_micro_batch_keeps_the_generation_batch_and_the_run(rl_env):
     import torch
 
     root, model_dir = rl_env
-    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",)})
+    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",)})
     spec = _spec(root, model_dir, "fit", "rctp", "rc_grpo")
     stamps = []
     for micro in (None, 1):
-        trainer, _, _ = grpo_trainer.build_trainer(cfg, PROTOCOL, LEVELS, spec, track=False,
+        trainer, _, _ = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, spec, track=False,
                                                    device=torch.device("cpu"), micro_batch=micro)
         args = trainer.args
         stamps.append(json.loads((spec.checkpoints / checkpoints.FINGERPRINT_FILE).read_text())["fingerprint"])
@@ -381,11 +385,11 @@ def test_rollout_snapshot_lives_on_the_gpu(tiny_model_dir):
 
 
 def test_world_size_must_keep_groups_whole():
-    cfg = grpo.RLConfig(num_generations=5, batch_size=20, micro_batch_size=5)
-    assert [grpo.check_world(cfg, w) for w in (1, 2, 4)] == [4, 2, 1]  # gradient-accumulation steps
+    cfg = rl_config.RLConfig(num_generations=5, batch_size=20, micro_batch_size=5)
+    assert [rl_config.check_world(cfg, w) for w in (1, 2, 4)] == [4, 2, 1]  # gradient-accumulation steps
     for world in (3, 8):
         with pytest.raises(ConfigError, match="whole groups"):
-            grpo.check_world(cfg, world)
+            rl_config.check_world(cfg, world)
 
 
 def test_vllm_backends_over_trl_engines_without_vllm(tiny_model_dir):
@@ -431,11 +435,11 @@ def test_an_rl_step_updates_the_same_weights_with_and_without_the_shared_prefix(
     root, model_dir = rl_env
     out = {}
     for name, shared in (("plain", None), ("shared", 0)):
-        cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1, "batch_size": 4,
+        cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1, "batch_size": 4,
                                         "micro_batch_size": 4, "shared_prefix_min_tokens": shared, "rollout_dtype": "live"})
         spec = _spec(root, model_dir, f"sp-{name}", "rctp", "rc_grpo")
         snap, grads = snapshot(), grad_capture()
-        rl.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[snap, grads], track=False, compute=ComputeConfig(device="cpu"))
+        rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[snap, grads], track=False, compute=ComputeConfig(device="cpu"))
         out[name] = (snap, grads.grads, _weights(spec.out), [t.token_ids for g in scripted_rewards[-2:] for t in g])
         assert bool(packed) == (shared is not None)  # policy, reference and trainer forwards: the shared layout
     (s_plain, g_plain, w_plain, r_plain), (s_shared, g_shared, w_shared, r_shared) = out["plain"], out["shared"]
@@ -462,8 +466,8 @@ def test_one_far_off_token_cannot_dominate_the_kl_term(rl_env):
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     out = {}
     for bound in (None, 10.0):
-        cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "kl_token_max": bound})
-        trainer, _, _ = grpo_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "kl", "rctp", "rc_grpo"),
+        cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "kl_token_max": bound})
+        trainer, _, _ = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "kl", "rctp", "rc_grpo"),
                                                    track=False, device=torch.device("cpu"))
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1
@@ -491,10 +495,10 @@ def test_a_diverging_run_stops_names_the_step_and_rolls_back(rl_env, scripted_re
     from rcgrpo_tasks.engine.compute import ComputeConfig
 
     root, model_dir = rl_env
-    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "learning_rate": 3.0, "max_steps": 8,
+    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "learning_rate": 3.0, "max_steps": 8,
                                     "divergence_kl": 0.05, "keep_checkpoints": True})
     spec = _spec(root, model_dir, "diverge", "rctp", "rc_grpo")
-    summary = rl.train_rl(cfg, PROTOCOL, LEVELS, spec, compute=ComputeConfig(device="cpu"))
+    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, compute=ComputeConfig(device="cpu"))
     event = summary["diverged"]
     assert event is not None and f"step {event['step']}: mean KL" in event["reason"], summary
     assert summary["steps"] == event["step"] < 8 and event["restored_step"] <= event["step"] - 2
@@ -526,9 +530,9 @@ def test_a_nonfinite_gradient_skips_its_update_and_the_run_goes_on(rl_env, scrip
                 handle.append(param.register_hook(lambda g: (handle.pop().remove(), g * float("nan"))[1]))
 
     root, model_dir = rl_env
-    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 3})
+    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 3})
     spec = _spec(root, model_dir, "nonfinite", "rctp", "rc_grpo")
-    summary = rl.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[PoisonStep()], compute=ComputeConfig(device="cpu"))
+    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[PoisonStep()], compute=ComputeConfig(device="cpu"))
     assert summary.get("nonfinite_grad_steps") == [2] and summary["steps"] == 3 and summary["diverged"] is None
     assert all(torch.isfinite(w).all() for w in _weights(spec.out).values())
     rows = runs.read_tsv(spec.plots)
@@ -538,7 +542,7 @@ def test_a_nonfinite_gradient_skips_its_update_and_the_run_goes_on(rl_env, scrip
 def test_drop_nonfinite_grads_leaves_the_weights_and_the_moments_alone():
     import torch
 
-    from rcgrpo_tasks.train.kl_guard import drop_nonfinite_grads
+    from rcgrpo_tasks.train.rl.kl_guard import drop_nonfinite_grads
 
     layer = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(layer.parameters(), lr=0.1)

@@ -13,14 +13,19 @@ from test_rl import PROTOCOL, TEST_RL, _spec
 from rcgrpo_tasks.engine.rollout import run_group
 from rcgrpo_tasks.env.multi_turn import entries as multi_turn
 from rcgrpo_tasks.ops.config import from_dict
-from rcgrpo_tasks.train import grpo, grpo_rollout, grpo_trainer, offpolicy, rl, runs
+from rcgrpo_tasks.train.common import runs
+from rcgrpo_tasks.train.rl import config as rl_config
+from rcgrpo_tasks.train.rl import offpolicy
+from rcgrpo_tasks.train.rl import rollout as rl_rollout
+from rcgrpo_tasks.train.rl import run as rl_run
+from rcgrpo_tasks.train.rl import trainer as rl_trainer
 
 
-def _rollout(tok, mode: str, **cfg) -> grpo_rollout.EngineRollout:
-    config = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "max_entries": None, "max_new_tokens": 8,
+def _rollout(tok, mode: str, **cfg) -> rl_rollout.EngineRollout:
+    config = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "max_entries": None, "max_new_tokens": 8,
                                        "num_generations": 3, "batch_size": 9, "micro_batch_size": 3, **cfg})
     entries = {e.id: e for e in multi_turn.load_entries(["base"])[:3]}
-    return grpo_rollout.EngineRollout(config, PROTOCOL, mode, LEVELS, entries, tok)
+    return rl_rollout.EngineRollout(config, PROTOCOL, mode, LEVELS, entries, tok)
 
 
 @pytest.mark.parametrize("mode", ["rc", "none"])
@@ -75,8 +80,8 @@ def test_truncated_importance_weights_are_trls(rl_env):
     import torch
 
     root, model_dir = rl_env
-    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",)})
-    trainer, _, _ = grpo_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "is", "rctp", "rc_grpo"),
+    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",)})
+    trainer, _, _ = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "is", "rctp", "rc_grpo"),
                                                track=False)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
@@ -121,9 +126,9 @@ def test_mismatch_is_logged_and_corrected_where_the_sampler_differs(rl_env, monk
     from a bf16 snapshot -> a measured mismatch, weights != 1, correction on. Per step in the TSV, the summary."""
     root, model_dir = rl_env
     box = capture_trainer(monkeypatch)
-    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1, "rollout_dtype": rollout_dtype})
+    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1, "rollout_dtype": rollout_dtype})
     spec = _spec(root, model_dir, f"mismatch-{rollout_dtype}", "rctp", "rc_grpo")
-    summary = rl.train_rl(cfg, PROTOCOL, LEVELS, spec, track=False)
+    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, track=False)
     trainer = box["trainer"]
     assert (trainer.rc_importance_cap is not None) == expect_on and trainer.args.vllm_importance_sampling_correction == expect_on
     row = runs.read_tsv(spec.plots)[0]
@@ -169,11 +174,11 @@ def test_several_updates_per_generation_let_the_clip_act(rl_env, monkeypatch, up
     root, model_dir = rl_env
     calls = _scripted(monkeypatch)
     box = capture_trainer(monkeypatch)
-    cfg = from_dict(grpo.RLConfig, {**TEST_RL, "categories": ("base",), "learning_rate": 0.05, "epsilon": 0.05,
+    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "learning_rate": 0.05, "epsilon": 0.05,
                                     "rollout_dtype": "live", **updates})
     name = "-".join(f"{k}{v}" for k, v in updates.items())
     spec = _spec(root, model_dir, f"clip-{name}", "rctp", "rc_grpo")
-    summary = rl.train_rl(cfg, PROTOCOL, LEVELS, spec, track=False)
+    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, track=False)
     assert len(calls) == 1 and summary["steps"] == 2  # one generation served both steps
     rows = runs.read_tsv(spec.plots)
     assert not math.isnan(rows[0]["reward"]) and math.isnan(rows[1]["reward"])  # step 2 generated nothing
@@ -190,11 +195,11 @@ def test_several_updates_per_generation_let_the_clip_act(rl_env, monkeypatch, up
 
 def test_minibatches_need_entries_for_the_whole_generation():
     with pytest.raises(ValueError, match="max_entries"):
-        from_dict(grpo.RLConfig, {**TEST_RL, "max_entries": 1, "minibatches": 2})
+        from_dict(rl_config.RLConfig, {**TEST_RL, "max_entries": 1, "minibatches": 2})
     with pytest.raises(ValueError, match="minibatches"):
-        from_dict(grpo.RLConfig, {**TEST_RL, "minibatches": 0})
+        from_dict(rl_config.RLConfig, {**TEST_RL, "minibatches": 0})
     with pytest.raises(ValueError, match="importance_sampling_cap"):
-        from_dict(grpo.RLConfig, {**TEST_RL, "importance_sampling_cap": 0.5})
+        from_dict(rl_config.RLConfig, {**TEST_RL, "importance_sampling_cap": 0.5})
 
 
 def test_auto_rollout_dtype_is_a_snapshot_on_every_cpu_and_the_live_model_on_a_gpu(monkeypatch):
@@ -202,7 +207,7 @@ def test_auto_rollout_dtype_is_a_snapshot_on_every_cpu_and_the_live_model_on_a_g
     float32 elsewhere; the copy's numerics differ from the trainer's, so the correction is on. GPU: live."""
     import torch
 
-    from rcgrpo_tasks.train.rollout_policy import rollout_dtype, sampler_differs
+    from rcgrpo_tasks.train.rl.rollout_policy import rollout_dtype, sampler_differs
 
     monkeypatch.setenv("RCGRPO_CPU_BF16", "0")
     assert rollout_dtype("auto", "cpu") is torch.float32

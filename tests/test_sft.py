@@ -27,7 +27,11 @@ from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import write_jsonl
 from rcgrpo_tasks.stages import sft as sft_stage
-from rcgrpo_tasks.train import adapters, finetune, runs, sft, sft_rows
+from rcgrpo_tasks.train.common import adapters, runs
+from rcgrpo_tasks.train.sft import config as sft_config
+from rcgrpo_tasks.train.sft import rows as sft_rows
+from rcgrpo_tasks.train.sft import run as sft_run
+from rcgrpo_tasks.train.sft import trainer as sft_trainer
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +42,9 @@ def datasets(tmp_path_factory) -> Path:
     return root
 
 
-def spec(root: Path, model_dir: Path, variant: str, data: Path, name: str | None = None) -> finetune.SftRun:
+def spec(root: Path, model_dir: Path, variant: str, data: Path, name: str | None = None) -> sft_config.SftRun:
     name = name or variant
-    return finetune.SftRun(variant, model_dir, data, root / "out" / name, root / "ckpt" / name,
+    return sft_config.SftRun(variant, model_dir, data, root / "out" / name, root / "ckpt" / name,
                        root / "res" / f"{name}.json", root / "res" / f"{name}.tsv")
 
 
@@ -55,7 +59,7 @@ def test_variant_end_to_end(variant, datasets, tiny_model_dir, tmp_path):
     snap = snapshot()
     cfg = tiny_sft_config(require_reward_token=variant == "rctp", keep_checkpoints=True)
     s = spec(tmp_path, tiny_model_dir, variant, datasets / f"{variant}.jsonl")
-    summary = sft.train_variant(cfg, LEVELS, s, callbacks=[snap], track=False)
+    summary = sft_run.train_variant(cfg, LEVELS, s, callbacks=[snap], track=False)
 
     assert summary["steps"] == 6 and summary["resumed_from"] is None
     assert summary["loss_last"] < summary["loss_first"] - 0.05, summary
@@ -67,7 +71,7 @@ def test_variant_end_to_end(variant, datasets, tiny_model_dir, tmp_path):
     rows = [line.split("\t") for line in s.plots.read_text().splitlines()]
     assert rows[0][:3] == ["step", "epoch", "loss"] and len(rows) == 7
     assert json.loads(s.metrics.read_text())["steps"] == 6
-    meta = json.loads((s.out / finetune.META_FILE).read_text())
+    meta = json.loads((s.out / sft_run.META_FILE).read_text())
     assert meta["variant"] == variant and set(meta["special_tokens"]) == set(LEVELS)
     assert (s.out / "adapter_config.json").is_file() and (s.out / "tokenizer.json").is_file()
     # small adapter: LoRA + the two trainable rows, never the resized 49k-row embedding matrices
@@ -92,7 +96,7 @@ def test_reward_tokens_single_ids_after_reload(datasets, tiny_model_dir, tmp_pat
     base_tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert len(base_tok(HIGH, add_special_tokens=False)["input_ids"]) > 1  # not in SmolLM2's vocabulary
     s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
-    summary = sft.train_variant(tiny_sft_config(max_steps=2), LEVELS, s, track=False)
+    summary = sft_run.train_variant(tiny_sft_config(max_steps=2), LEVELS, s, track=False)
     assert not list(s.checkpoints.glob("checkpoint-*"))  # cleaned after success (keep_checkpoints: false)
     ids = summary["special_tokens"]
     assert len(set(ids.values())) == 2 and min(ids.values()) >= len(base_tok)
@@ -117,7 +121,7 @@ def test_assistant_only_labels(datasets, tiny_model_dir, tmp_path):
     from rcgrpo_tasks.data.chat import assistant_token_mask
 
     rows = sft_rows.load_rows(datasets / "rctp.jsonl", LEVELS, True)
-    trainer, tok, _, stats = finetune.build_trainer(tiny_sft_config(), tiny_model_dir, rows[:2], LEVELS, tmp_path / "ck")
+    trainer, tok, _, stats = sft_trainer.build_trainer(tiny_sft_config(), tiny_model_dir, rows[:2], LEVELS, tmp_path / "ck")
     ex = trainer.train_dataset[0]
     ids, mask = assistant_token_mask(tok, rows[0]["messages"])
     assert ex["input_ids"] == ids
@@ -143,13 +147,13 @@ def test_resume_matches_uninterrupted_run(datasets, tiny_model_dir, tmp_path):
     data = datasets / "rctp.jsonl"
     cfg = tiny_sft_config(lora_dropout=0.1)  # dropout: the RNG state must be restored too
     full = spec(tmp_path, tiny_model_dir, "rctp", data, "full")
-    sft.train_variant(cfg, LEVELS, full, track=False)
+    sft_run.train_variant(cfg, LEVELS, full, track=False)
 
     cut = spec(tmp_path, tiny_model_dir, "rctp", data, "cut")
     with pytest.raises(Killed):
-        sft.train_variant(cfg, LEVELS, cut, callbacks=[KillAfterSave()], track=False)
+        sft_run.train_variant(cfg, LEVELS, cut, callbacks=[KillAfterSave()], track=False)
     assert not cut.out.exists() and (cut.checkpoints / "checkpoint-4" / "trainer_state.json").is_file()
-    summary = sft.train_variant(cfg, LEVELS, cut, track=False)
+    summary = sft_run.train_variant(cfg, LEVELS, cut, track=False)
     assert summary["resumed_from"].endswith("checkpoint-4") and summary["steps"] == 6
 
     a = load_file(full.out / "adapter_model.safetensors")
@@ -162,9 +166,9 @@ def test_resume_matches_uninterrupted_run(datasets, tiny_model_dir, tmp_path):
     done = spec(tmp_path, tiny_model_dir, "rctp", data, "done")
     four = tiny_sft_config(lora_dropout=0.1, max_steps=4, keep_checkpoints=True)
     with pytest.raises(Killed):
-        sft.train_variant(four, LEVELS, done, callbacks=[KillAfterSave()], track=False)
+        sft_run.train_variant(four, LEVELS, done, callbacks=[KillAfterSave()], track=False)
     ckpt = load_file(done.checkpoints / "checkpoint-4" / "adapter_model.safetensors")
-    summary = sft.train_variant(four, LEVELS, done, track=False)
+    summary = sft_run.train_variant(four, LEVELS, done, track=False)
     assert summary["resumed_from"].endswith("checkpoint-4") and summary["steps"] == 4
     assert not (done.checkpoints / "checkpoint-5").exists()
     restored = load_file(done.out / "adapter_model.safetensors")
@@ -191,11 +195,11 @@ def test_sigterm_checkpoints_the_current_step_and_exits_143(datasets, tiny_model
     s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
     cfg = tiny_sft_config(save_steps=4)
     with pytest.raises(runs.Interrupted) as info:
-        sft.train_variant(cfg, LEVELS, s, callbacks=[Term()], track=False)
+        sft_run.train_variant(cfg, LEVELS, s, callbacks=[Term()], track=False)
     assert info.value.code == 143 and signal.getsignal(signal.SIGTERM) is before
     assert not s.out.exists() and not s.metrics.exists() and not s.plots.exists()
     assert sorted(p.name for p in s.checkpoints.glob("checkpoint-*")) == ["checkpoint-3"]
-    summary = sft.train_variant(cfg, LEVELS, s, track=False)
+    summary = sft_run.train_variant(cfg, LEVELS, s, track=False)
     assert summary["resumed_from"].endswith("checkpoint-3") and summary["steps"] == 6
 
 
@@ -218,7 +222,7 @@ def test_a_step_longer_than_the_grace_stops_at_once(datasets, tiny_model_dir, tm
     s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
     t0 = time.perf_counter()
     with pytest.raises(runs.Interrupted) as info:
-        sft.train_variant(tiny_sft_config(save_steps=2), LEVELS, s, callbacks=[SlowStep()], track=False)
+        sft_run.train_variant(tiny_sft_config(save_steps=2), LEVELS, s, callbacks=[SlowStep()], track=False)
     assert info.value.code == 143 and time.perf_counter() - t0 < 60
     assert "SIGTERM received: stopping after the current step" in capsys.readouterr().err
     assert sorted(p.name for p in s.checkpoints.glob("checkpoint-*")) == ["checkpoint-2"]
@@ -271,7 +275,7 @@ def test_mlflow_run_logs_params_steps_and_loadable_model(datasets, tiny_model_di
     monkeypatch.delenv("RCGRPO_PARENT_RUN_ID", raising=False)
     monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")  # sampling thread: not in a 3 s run
     s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
-    sft.train_variant(tiny_sft_config(max_steps=3, log_model=True), LEVELS, s, track=True)
+    sft_run.train_variant(tiny_sft_config(max_steps=3, log_model=True), LEVELS, s, track=True)
 
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
     run = mlflow.search_runs(experiment_names=["test-sft"], output_format="list")[0]
@@ -319,7 +323,7 @@ def test_bad_params_fail_before_training(bad, message, datasets, tiny_model_dir,
 
     params = write_params(tmp_path, **bad)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
-        sft.load_sft_config(params, "rctp")
+        sft_run.load_sft_config(params, "rctp")
     res = CliRunner().invoke(sft_stage.app, ["--variant", "rctp", "--params", str(params), "--model-dir",
                                        str(tiny_model_dir), "--data", str(datasets / "rctp.jsonl"),
                                        "--out", str(tmp_path / "o"), "--checkpoints", str(tmp_path / "ck")])
@@ -332,7 +336,7 @@ def test_unknown_variant_and_missing_inputs(datasets, tiny_model_dir, tmp_path):
 
     params = write_params(tmp_path)
     with pytest.raises(ConfigError, match="unknown variant 'sftt'"):
-        sft.load_sft_config(params, "sftt")
+        sft_run.load_sft_config(params, "sftt")
     args = ["--variant", "rctp", "--params", str(params), "--out", str(tmp_path / "o"),
             "--checkpoints", str(tmp_path / "ck")]
     res = CliRunner().invoke(sft_stage.app, args + ["--model-dir", str(tiny_model_dir), "--data", str(tmp_path / "nope.jsonl")])
@@ -395,7 +399,7 @@ def test_untied_embeddings_train_and_restore_both_rows(tiny_model_dir, tmp_path)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     tok.save_pretrained(tmp_path / "base")
     ids = adapters.add_special_tokens(tok, model, LEVELS)
-    peft = get_peft_model(model, finetune.lora_config(tiny_sft_config(), model, ids))
+    peft = get_peft_model(model, sft_trainer.lora_config(tiny_sft_config(), model, ids))
     with torch.no_grad():
         for name, p in peft.named_parameters():
             if "trainable_tokens_delta" in name:
@@ -434,7 +438,7 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_effective_batch(data
     cb = FakeOOM()
     s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
     with pytest.warns(MemorySplitWarning, match="retrying at 2 x 2"):
-        summary = sft.train_variant(tiny_sft_config(batch_size=4, grad_accum=1, max_steps=2), LEVELS, s, callbacks=[cb],
+        summary = sft_run.train_variant(tiny_sft_config(batch_size=4, grad_accum=1, max_steps=2), LEVELS, s, callbacks=[cb],
                                     track=False)
     assert cb.sizes[:2] == [(4, 1), (2, 2)] and set(cb.sizes[2:]) == {(1, 4)}
     assert summary["micro_batch"] == 1 and summary["grad_accum"] == 4 and summary["steps"] == 2
@@ -490,7 +494,7 @@ def test_an_rctp_pair_step_updates_the_same_weights_with_and_without_the_shared_
         snap, grads = snapshot(), grad_capture()
         cfg = tiny_sft_config(require_reward_token=True, row_order="pairs", batch_size=2, grad_accum=2, max_steps=1,
                               shared_prefix_min_tokens=shared, bf16=False)
-        sft.train_variant(cfg, LEVELS, spec(tmp_path, tiny_model_dir, "rctp", data, name), callbacks=[snap, grads],
+        sft_run.train_variant(cfg, LEVELS, spec(tmp_path, tiny_model_dir, "rctp", data, name), callbacks=[snap, grads],
                           track=False, compute=ComputeConfig(device="cpu"))
         runs_[name] = (snap, grads.grads)
         assert packed == ([] if shared is None else [2, 2])  # each pair's micro-batch took the shared layout

@@ -60,7 +60,7 @@ def _lora(model_dir, out, reward_tokens: bool):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rcgrpo_tasks.train.adapters import add_special_tokens, small_adapter_saves
+    from rcgrpo_tasks.train.common.adapters import add_special_tokens, small_adapter_saves
 
     torch.manual_seed(1)
     model, tok = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
@@ -246,7 +246,10 @@ def test_one_rl_step_through_trl_colocate(vllm_model_dir, tmp_path, monkeypatch,
     the engine decodes what the saved policy decodes with the hf backend."""
     from rcgrpo_tasks.ops.config import from_dict
     from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
-    from rcgrpo_tasks.train import grpo, grpo_rollout, grpo_trainer, rl
+    from rcgrpo_tasks.train.rl import config as rl_config
+    from rcgrpo_tasks.train.rl import rollout as rl_rollout
+    from rcgrpo_tasks.train.rl import run as rl_run
+    from rcgrpo_tasks.train.rl import trainer as rl_trainer
 
     entries = multi_turn.load_entries(["base"])[:4]
     write_jsonl(tmp_path / "entries.jsonl", (e.to_json() for e in entries))
@@ -257,7 +260,7 @@ def test_one_rl_step_through_trl_colocate(vllm_model_dir, tmp_path, monkeypatch,
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "test-vllm-colocate")
     box = {}
-    real_build, real_groups = rl.build_trainer, grpo_rollout.EngineRollout.groups
+    real_build, real_groups = rl_run.build_trainer, rl_rollout.EngineRollout.groups
 
     def build(*a, **k):
         box["trainer"], resume, rollout = real_build(*a, **k)
@@ -271,19 +274,19 @@ def test_one_rl_step_through_trl_colocate(vllm_model_dir, tmp_path, monkeypatch,
                 t.score = {**t.score, "paper_reward": float(i % 2 == 0)}
         return out
 
-    monkeypatch.setattr(rl, "build_trainer", build)
-    monkeypatch.setattr(grpo_rollout.EngineRollout, "groups", groups)
-    cfg = from_dict(grpo.RLConfig, dict(
+    monkeypatch.setattr(rl_run, "build_trainer", build)
+    monkeypatch.setattr(rl_rollout.EngineRollout, "groups", groups)
+    cfg = from_dict(rl_config.RLConfig, dict(
         num_generations=2, batch_size=2, micro_batch_size=2, max_steps=2, learning_rate=5e-2, beta=0.0,
         max_new_tokens=6, max_outputs=2, categories=("base",), max_entries=2, lora_r=4, lora_alpha=8,
         save_steps=1, bf16=False, use_vllm=True, vllm_mode="colocate", extra={"vllm_max_model_length": 4096}))
     protocol = PromptConfig(system_prompt="short").protocol_config(2)
     adapter = _lora(vllm_model_dir, tmp_path / "rctp", reward_tokens=True) if init == "rctp" else None
-    spec = grpo_trainer.RLRun(init=init, algo=algo, model_dir=vllm_model_dir, adapter_dir=adapter,
+    spec = rl_trainer.RLRun(init=init, algo=algo, model_dir=vllm_model_dir, adapter_dir=adapter,
                               entries=tmp_path / "entries.jsonl", split=tmp_path / "split.json", out=tmp_path / "out",
                               checkpoints=tmp_path / "ckpt", metrics=tmp_path / "metrics.json",
                               plots=tmp_path / "diag.tsv")
-    summary = rl.train_rl(cfg, protocol, LEVELS, spec)
+    summary = rl_run.train_rl(cfg, protocol, LEVELS, spec)
     assert summary["steps"] == 2 and set(box["backends"]) == {"vllm"}
     gen = box["trainer"].vllm_generation
     gen.sync_weights()  # the trained policy, as the next step would sample from it

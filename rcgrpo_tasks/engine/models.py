@@ -53,7 +53,7 @@ def bf16_supported(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     "CPU bf16"), so `auto` keeps float32 there and a run reproduces the committed float32 outputs. AMX hosts
     keep bf16 (not measured here). `RCGRPO_CPU_BF16=0` makes a bf16 CPU behave as one without (every `auto`
     decoding dtype and decoding autocast falls back to float32); `=1` forces bf16 on. Training does not ask: a
-    CPU trains in float32 unless told (`train.placement.resolve_bf16`).
+    CPU trains in float32 unless told (`train.common.placement.resolve_bf16`).
     """
     forced = os.environ.get("RCGRPO_CPU_BF16", "").strip()
     if forced in ("0", "1"):

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from rcgrpo_tasks.data.margin import REPLAY_OUTPUTS, read_token
 from rcgrpo_tasks.engine.backend import SamplingParams, reward_pair_ids
 from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.hf import HFBackend
@@ -21,7 +20,8 @@ from rcgrpo_tasks.evaluation.heldout import check_side
 from rcgrpo_tasks.ops.config import flat_field
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.stats import check_n_boot, mean, paired_bootstrap_ci
-from rcgrpo_tasks.train.grpo import RLConfig
+from rcgrpo_tasks.train.rl.config import RLConfig
+from rcgrpo_tasks.train.sft.margin import REPLAY_OUTPUTS, read_token
 
 DECODE_KEYS = ("max_outputs", "max_new_tokens", "batch_rows", "dtype")
 
@@ -49,7 +49,7 @@ class ControllabilityConfig:
     n_bootstrap: int = 2000
     """Bootstrap resamples of every CI."""
     margin: bool = True
-    """Also the teacher-forced margin (`data.margin`: forward passes only) and the reward-token rows'
+    """Also the teacher-forced margin (`train.sft.margin`: forward passes only) and the reward-token rows'
     distance; the margin on `margin_entries` held-out entries."""
     margin_entries: int | None = None
     """Held-out entries of the margin (round-robin over `categories`); null = every held-out entry."""
@@ -96,7 +96,7 @@ def held_out_entries(entries_path: Path, split_path: Path, cfg: ControllabilityC
 
 
 def reading(cfg: ControllabilityConfig, backend, entries: list, prompt: PromptConfig, tokens: tuple[str, str]) -> dict:
-    """Does the model read its token, from forward passes (`data.margin.read_token`) on `entries`, in float32
+    """Does the model read its token, from forward passes (`train.sft.margin.read_token`) on `entries`, in float32
     whatever the decoding dtype (`HFBackend.exact_model`)."""
     return read_token(backend.exact_model(), backend.tokenizer, entries, prompt.protocol_config(REPLAY_OUTPUTS), tokens,
                       cfg.margin_kinds, cfg.seed, cfg.n_bootstrap, backend.max_positions)

@@ -29,7 +29,7 @@ from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import write_jsonl, write_text
 from rcgrpo_tasks.ops.plots import accuracy_plot
 from rcgrpo_tasks.ops.stats import bootstrap_ci, check_n_boot
-from rcgrpo_tasks.train.grpo import RLConfig
+from rcgrpo_tasks.train.rl.config import RLConfig
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class EvaluateConfig:
     """Bootstrap resamples of every CI."""
     margin: bool = True
     """Reward-conditioned evaluations (a `--reward-token`, hf backend): also the teacher-forced margin on the
-    evaluated entries and the reward-token rows' distance (`data.margin.read_token`, forward passes only), so
+    evaluated entries and the reward-token rows' distance (`train.sft.margin.read_token`, forward passes only), so
     every RCTP-based model, RL policies included, shows whether it still reads its token (RL rewards the low
     token for success too, which can erode it)."""
     guidance: float = 0.0

@@ -6,7 +6,7 @@
    paired over entries, the paper's Table 1 number beside it (7B, GPU, multi-turn: a reference, not
    comparable), the cross-stage checks, and both measures per category.
 2. RL: per cell, the fixed probe's mean reward at step 0 and at the end with the change and its paired CI
-   over the probe's prompts (`train.probe`), the zero-variance share of the groups trained on (flat at 0 /
+   over the probe's prompts (`train.rl.probe`), the zero-variance share of the groups trained on (flat at 0 /
    at 1), RC-GRPO against GRPO from the same init paired group by group (exact McNemar p), rollouts per
    useful group, and whether the run diverged.
 3. Controllability: the teacher-forced margin overall and over the realistic kinds (without the empty

@@ -97,7 +97,7 @@ def _pass1(entries: list[dict], seed: int, strata: list[str] | None = None) -> d
 def summarize_row(res: EvalResult, seed: int = 0) -> dict:
     """Greedy accuracy (%) per category and overall with 95 % Wilson intervals, pass@1 with bootstrap intervals
     over entries (overall stratified by category), partial credit, paper reward, RL diagnostics, the fixed
-    probe's curve (`train.probe`)."""
+    probe's curve (`train.rl.probe`)."""
     cats = sorted({e["category"] for e in res.entries}, key=lambda c: (ALL_CATEGORIES + (c,)).index(c))
     out: dict = {"label": res.label, "task": res.task, "n": len(res.entries), "categories": {}}
     for cat in cats:

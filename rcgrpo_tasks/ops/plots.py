@@ -82,7 +82,7 @@ def accuracy_figure(rows: list[dict], names: dict[str, str] | None = None,
 def probe_plot(rows: list[dict], path: Path, names: dict[str, str] | None = None,
                title: str = "RL: the fixed probe's reward") -> None:
     """One panel per init, one line per cell of it: the probe's mean reward at each probed step, with the
-    change's 95 % paired CI in the legend (rows with `rl_probe`: `train.probe.probe_summary`). Written
+    change's 95 % paired CI in the legend (rows with `rl_probe`: `train.rl.probe.probe_summary`). Written
     atomically; an empty figure says that no run had a probe."""
     import matplotlib
 

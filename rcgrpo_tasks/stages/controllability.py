@@ -9,7 +9,7 @@ have reward variance. This stage measures it on held-out entries, in one run, tw
   assistant messages under both tokens (the token then changes nothing);
 - the sampled arm uses common random numbers: the i-th rollout of an entry draws the same row seed under
   both tokens, so the gap is paired rollout by rollout and identical pairs are counted as in greedy;
-- `margin` (forward passes only, `data.margin`): the teacher-forced margin [lp(expert|high) -
+- `margin` (forward passes only, `train.sft.margin`): the teacher-forced margin [lp(expert|high) -
   lp(expert|low)] - [lp(near miss|high) - lp(near miss|low)] per near-miss kind and overall with 95 %
   bootstrap CIs over `margin_entries` held-out entries (default: all), 0 for a model that ignores its token;
   and `token_rows`: the distance between the two reward tokens' embedding rows and its ratio to the median
@@ -61,7 +61,7 @@ from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config
 from rcgrpo_tasks.ops.outputs import write_json
-from rcgrpo_tasks.train.grpo import RLConfig
+from rcgrpo_tasks.train.rl.config import RLConfig
 
 
 def _numbers(record: dict) -> dict:

@@ -9,7 +9,7 @@ SFT+RC-GRPO, RCTP+GRPO, RCTP+RC-GRPO (any subset; unknown labels are appended).
 Per row: greedy accuracy (the evaluate stage's `valid`: paper reward under the paper protocol, which is the
 paper's Table 1 view; the official verdict under the official protocol) per category and overall, each
 with its 95% Wilson interval, and pass@1 (evaluate's sampled answers) with its bootstrap interval; the official BFCL verdict, mean partial credit and paper reward; for RL rows
-the fixed probe's curve (`train.probe`) and the training diagnostics (zero-std groups, paired group by
+the fixed probe's curve (`train.rl.probe`) and the training diagnostics (zero-std groups, paired group by
 group between RC-GRPO and GRPO from one init); beside them the paper's Table 1 overall accuracy
 (Qwen2.5-7B-Instruct on GPU, 80 held-out entries) where the paper gives it, else `n/a`. With `--controllability
 LABEL=metrics/controllability.json` (the controllability stage, run on RCTP) the row also gets the token gap
@@ -46,7 +46,7 @@ from rcgrpo_tasks.ops.config import load_config
 from rcgrpo_tasks.ops.inputs import InputError, read_json
 from rcgrpo_tasks.ops.outputs import write_json, write_text
 from rcgrpo_tasks.ops.plots import accuracy_plot, probe_plot
-from rcgrpo_tasks.train.diagnostics import plot_mechanism
+from rcgrpo_tasks.train.rl.diagnostics import plot_mechanism
 
 
 def _pairs(items: list[str], what: str) -> list[tuple[str, Path]]:

@@ -1,13 +1,13 @@
 """Stage `rl`: GRPO / RC-GRPO on TRL's `GRPOTrainer`, rolling out BFCL episodes of the pipeline's task.
 
-What it does (one run of the grid init x algo, e.g. `rl@rctp-rc_grpo`; the library is `train/grpo.py`
-and `train/grpo_trainer.py`, the method docs/rl.md):
+What it does (one run of the grid init x algo, e.g. `rl@rctp-rc_grpo`; the library is `train/rl/`:
+`run.py` one run end to end, `config.py`, `trainer.py`, ...; the method docs/rl.md):
 1. Loads the init model: base + the SFT/RCTP adapter (`load_trained`), MERGED into the base weights, and
    hands TRL a fresh LoRA: TRL's reference (adapter disabled) is exactly the init, so the KL term anchors
    to the RCTP model, as in the paper, not to the raw base.
 2. Trains with `GRPOTrainer(rollout_func=EngineRollout)`: the dataset rows are the ids of RL's pool (the
    split's `rl` side, prompts no fine-tuning stage saw, those whose success among the init's own samples
-   `--pool` lies in `rl.pool_band`: `train.grpo.train_entries`); the
+   `--pool` lies in `rl.pool_band`: `train.rl.config.train_entries`); the
    rollout function runs the project's rollout engine on the current policy (a merged bf16 copy
    refreshed every generation on CPU; TRL's vLLM engine on GPU); multi_turn: the environment executes the
    model's calls between model steps, environment tokens carry no loss; single_turn: one output per
@@ -17,13 +17,13 @@ and `train/grpo_trainer.py`, the method docs/rl.md):
    are logged.
 4. Conditioning (`--conditioning`, default from the grid: `advantages.conditioning_for(init, algo)`):
    `rc` = each rollout draws its token i.i.d. (P(high)=p), advantage over the whole group (TRL's own
-   group normalisation is exactly RC-GRPO's; see `advantages.py`); `fixed` = every rollout the highest
+   group normalisation is exactly RC-GRPO's; see `train/rl/advantages.py`); `fixed` = every rollout the highest
    token; `none` = no token. The tokens are `label_rewards.tokens` (lowest first, highest last).
 5. Diagnostics every step -> MLflow (`tracking`) and `--plots` TSV (`dvc plots`): reward overall and per
    token, controllability gap, fraction of zero-std groups (tolerance 1e-6), mean |A| and std of A, KL,
    clip fraction, completion / call / step counts, environment errors, rollout tokens/s, step time. The
    metrics JSON states the mechanism's averages (zero-variance share, advantage spread, gap, reward) with
-   95 % bootstrap CIs over steps (`mechanism`); `train.diagnostics.plot_mechanism` draws GRPO vs RC-GRPO.
+   95 % bootstrap CIs over steps (`mechanism`); `train.rl.diagnostics.plot_mechanism` draws GRPO vs RC-GRPO.
 6. Checkpoints every `save_steps` into `--checkpoints` (a DVC `persist` output); a re-run with the same
    params, inputs and training code resumes from the last one (other runs' checkpoints are discarded).
    SIGTERM (dvc / Prefect cancel): one line on stderr; the current step is checkpointed (or, past
@@ -32,7 +32,7 @@ and `train/grpo_trainer.py`, the method docs/rl.md):
    metrics JSON and MLflow params carry `placement`; the rollout copy lives on the policy's device. A
    micro-batch that runs out of memory is halved and the accumulation doubled (same batch), with a warning.
 8. Processes: params `compute.processes` N > 1 runs this command again under `accelerate launch` in N
-   processes (`train.processes`; docs/multi-gpu.md). Each decodes its own whole groups, seeded by their
+   processes (`train.common.processes`; docs/multi-gpu.md). Each decodes its own whole groups, seeded by their
    place in the batch, so the run equals one process at N x the micro-batch; the main process alone
    writes outputs, MLflow and diagnostics, from every process's rollouts. Every rollout (entry, token,
    rewards, advantage) is logged to `rollouts.jsonl` in the checkpoint folder.
@@ -56,12 +56,10 @@ import typer
 
 from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.ops.cli import cli_errors
-from rcgrpo_tasks.train import processes, runs
-from rcgrpo_tasks.train.grpo import check_world
-from rcgrpo_tasks.train.grpo_trainer import (
-    RLRun,
-)
-from rcgrpo_tasks.train.rl import load_rl_config, train_rl
+from rcgrpo_tasks.train.common import processes, runs
+from rcgrpo_tasks.train.rl.config import check_world
+from rcgrpo_tasks.train.rl.run import load_rl_config, train_rl
+from rcgrpo_tasks.train.rl.trainer import RLRun
 
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
 

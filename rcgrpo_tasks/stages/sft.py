@@ -12,13 +12,13 @@ Writes: `--out` (atomically): a standard PEFT adapter folder + the extended toke
 `dvc plots`); `--checkpoints` (periodic Trainer checkpoints, a DVC `persist` output: a killed run re-run
 with the same params, inputs and training code resumes from the last complete one; others discard them).
 Processes: params `compute.processes` N > 1 runs this command again under `accelerate launch` in N processes
-(`train.processes`; docs/multi-gpu.md): micro-batch `batch_size` per process, the main process alone writes.
+(`train.common.processes`; docs/multi-gpu.md): micro-batch `batch_size` per process, the main process alone writes.
 SIGTERM (dvc / Prefect cancel): one line on stderr; the current step is checkpointed (or, past `runs.STOP_GRACE_S`,
 the run stops at once), the MLflow run ends KILLED, nothing is published, exit 143.
 MLflow (via `tracking`): params (config, data/model hashes), step metrics (loss, lr, grad norm, tokens/s),
 system metrics, the final adapter (`mlflow.transformers`, base = the local model folder).
 
-How it trains (`rcgrpo_tasks.train.finetune`): loss on assistant tokens only (`data.chat.assistant_token_mask`,
+How it trains (`rcgrpo_tasks.train.sft`): loss on assistant tokens only (`data.chat.assistant_token_mask`,
 the ONE mask of the project); the reward tokens (`<|low_reward|>`, `<|high_reward|>`, any configured level)
 added as special tokens, the embeddings resized, their rows trained through PEFT `trainable_token_indices`
 (saved in the adapter, ~KBs); CPU speed knobs compared by bench/sft_throughput.py.
@@ -45,11 +45,9 @@ from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import load_config
-from rcgrpo_tasks.train import processes, runs
-from rcgrpo_tasks.train.finetune import (
-    SftRun,
-)
-from rcgrpo_tasks.train.sft import load_sft_config, train_variant
+from rcgrpo_tasks.train.common import processes, runs
+from rcgrpo_tasks.train.sft.config import SftRun
+from rcgrpo_tasks.train.sft.run import load_sft_config, train_variant
 
 app = typer.Typer(add_completion=False)
 

@@ -6,12 +6,12 @@
   TRL's reference model (built from the model's path) is the init too (`_init_on_disk`). Under LoRA the
   reward tokens' embedding rows (input and output) train too, as in RCTP (PEFT trainable tokens), unless
   the run conditions on no token.
-- `RCGRPOTrainer`: TRL's `GRPOTrainer` + `grpo_steps.RCGRPOTrainerMixin` (what it adds to TRL's step, its
-  `GRPOConfig` `grpo_args` and reward functions), the rollout function `grpo_rollout.EngineRollout`.
+- `RCGRPOTrainer`: TRL's `GRPOTrainer` + `steps.RCGRPOTrainerMixin` (what it adds to TRL's step, its
+  `GRPOConfig` `grpo_args` and reward functions), the rollout function `rollout.EngineRollout`.
 - Divergence: `kl_guard.DivergenceGuardMixin` after the diagnostics callback (`rl.stop_on_divergence`);
-  the trainer's `rc_guard` holds its event for `rl.train_rl`.
+  the trainer's `rc_guard` holds its event for `run.train_rl`.
 - Diagnostics: every step's row (`diagnostics.PLOT_COLUMNS`) goes to a resumable TSV in the checkpoint
-  folder and, as `diag/<column>`, to MLflow (`train.diagnostics`).
+  folder and, as `diag/<column>`, to MLflow (`diagnostics`).
 - Placement: `grpo_args` / `build_trainer` take the resolved device (`runs.train_device`) and a fitted
   micro-batch (`runs.fit_micro_batch`); the checkpoint fingerprint keeps the requested one.
 """
@@ -31,15 +31,15 @@ from rcgrpo_tasks.env.prompt import ProtocolConfig
 from rcgrpo_tasks.ops.config import ConfigError, as_dict
 from rcgrpo_tasks.ops.inputs import InputError, read_jsonl
 from rcgrpo_tasks.ops.outputs import atomic_dir, write_json
-from rcgrpo_tasks.train import advantages as adv
-from rcgrpo_tasks.train import runs
-from rcgrpo_tasks.train.adapters import expose_head_bias, token_indices
-from rcgrpo_tasks.train.diagnostics import STEP_MARKER, DiagnosticsMixin, diag_metrics
-from rcgrpo_tasks.train.grpo import RLConfig, check_deepspeed, check_reward, check_world, rl_side, train_entries
-from rcgrpo_tasks.train.grpo_rollout import EngineRollout
-from rcgrpo_tasks.train.grpo_steps import RCGRPOTrainerMixin, grpo_args, reward_funcs
-from rcgrpo_tasks.train.kl_guard import DivergenceGuardMixin, kl_bounds
-from rcgrpo_tasks.train.probe import ProbeMixin, probe_ids
+from rcgrpo_tasks.train.common import runs
+from rcgrpo_tasks.train.common.adapters import expose_head_bias, token_indices
+from rcgrpo_tasks.train.rl import advantages as adv
+from rcgrpo_tasks.train.rl.config import RLConfig, check_deepspeed, check_reward, check_world, rl_side, train_entries
+from rcgrpo_tasks.train.rl.diagnostics import STEP_MARKER, DiagnosticsMixin, diag_metrics
+from rcgrpo_tasks.train.rl.kl_guard import DivergenceGuardMixin, kl_bounds
+from rcgrpo_tasks.train.rl.probe import ProbeMixin, probe_ids
+from rcgrpo_tasks.train.rl.rollout import EngineRollout
+from rcgrpo_tasks.train.rl.steps import RCGRPOTrainerMixin, grpo_args, reward_funcs
 
 DIAGNOSTICS_FILE = "diagnostics.tsv"
 MODEL_META_FILE = "rcgrpo_model.json"
@@ -170,7 +170,7 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     success = sampled_success_rates(read_jsonl(spec.pool)) if spec.pool is not None else None
     entries = train_entries(spec.entries, spec.split, cfg, protocol, tokenizer, success)
     fp = runs.fingerprint(cfg, protocol=as_dict(protocol), levels=list(levels), init=spec.init, algo=spec.algo,
-                          mode=mode, code=Path(__file__), step_code=Path(__file__).with_name("grpo_steps.py"),
+                          mode=mode, code=Path(__file__), step_code=Path(__file__).with_name("steps.py"),
                           entries=Path(spec.entries), split=Path(spec.split), model=Path(spec.model_dir),
                           adapter=spec.adapter_dir and Path(spec.adapter_dir))
     resume = runs.resume_point(spec.checkpoints, fp, run=spec.name)
@@ -200,7 +200,7 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
 
 
 def build_probe(cfg: RLConfig, spec: RLRun, rollout: EngineRollout, entries: list, mode: str, levels):
-    """The run's fixed probe (`train.probe`), None when `probe_entries` is 0: K entries of the pool (drawn by a
+    """The run's fixed probe (`probe`), None when `probe_entries` is 0: K entries of the pool (drawn by a
     seed every cell shares), conditioned as the cell evaluates (the highest token under `rc`/`fixed`)."""
     if cfg.probe_entries == 0:
         return None

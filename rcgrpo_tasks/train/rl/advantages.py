@@ -1,6 +1,6 @@
 """Pure reward / advantage / reward-token functions of GRPO and RC-GRPO (no torch, no trainer).
 
-Everything here is a plain function of lists/arrays, so the RL stage (`rl.py`, `train/grpo*.py`), its
+Everything here is a plain function of lists/arrays, so the RL wing (`train/rl/`), its
 diagnostics and the tests share one definition. Shapes are given in comments: `B` = rollouts in a batch, `G` = rollouts per
 group (`num_generations`), `T` = tokens of one trajectory; a batch is `B // G` groups laid out
 consecutively (rollout `i` belongs to group `i // G`), exactly as TRL's `RepeatSampler` lays them out.
@@ -15,7 +15,7 @@ consecutively (rollout `i` belongs to group `i // G`), exactly as TRL's `RepeatS
   *regardless of their reward tokens* -- which is exactly RC-GRPO's advantage: a group whose rollouts
   split by token (high succeeds, low fails) has reward variance, hence signal, where a uniformly
   conditioned group that always succeeds (or always fails) has none. The RL stage cross-checks this
-  function against the advantages TRL actually used (`grpo_steps.RCGRPOTrainerMixin`).
+  function against the advantages TRL actually used (`steps.RCGRPOTrainerMixin`).
 - `trajectory_fields` splits one engine trajectory into what TRL's `rollout_func` returns: prompt ids
   (everything before the first model generation; it contains the rollout's own reward token), completion
   ids, `env_mask` (1 = model-generated, 0 = environment/template tokens, which carry no loss) and the
@@ -36,7 +36,7 @@ CONDITIONING_MODES: tuple[str, ...] = ("rc", "fixed", "none")
 Algo = Literal["grpo", "rc_grpo", "dynamic"]
 ALGOS: tuple[str, ...] = ("grpo", "rc_grpo", "dynamic")
 """The grid's RL algorithms: GRPO, RC-GRPO, and GRPO with DAPO's dynamic sampling (zero-variance groups
-dropped and refilled: `grpo_rollout.EngineRollout`)."""
+dropped and refilled: `rollout.EngineRollout`)."""
 TokenDraw = Literal["iid", "stratified"]
 ZERO_STD_TOL = 1e-6
 """A group whose reward std is below this counts as zero-std (rewards are floats: never test `== 0`)."""

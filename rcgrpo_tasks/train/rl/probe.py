@@ -29,7 +29,7 @@ from rcgrpo_tasks.engine import rollout as engine_rollout
 from rcgrpo_tasks.env.rewards import reward_value
 from rcgrpo_tasks.ops.inputs import read_jsonl
 from rcgrpo_tasks.ops.stats import bootstrap_ci
-from rcgrpo_tasks.train import advantages as adv
+from rcgrpo_tasks.train.rl import advantages as adv
 
 PROBE_FILE = "probe.jsonl"
 """One JSON line per probe point: {step, entries, rewards (per entry, mean of S), samples}."""

@@ -1,7 +1,7 @@
 """The training-run helpers the sft and rl stages share (one copy each).
 
-- Resume (fingerprints, the checkpoint a run resumes from, clearing them) lives in `train.checkpoints`, the
-  device, bf16 and micro-batch fitting in `train.placement`; both are re-exported here for the callers that
+- Resume (fingerprints, the checkpoint a run resumes from, clearing them) lives in `train.common.checkpoints`,
+  the device, bf16 and micro-batch fitting in `placement`; both are re-exported here for the callers that
   still reach them through this module.
 - `dvc_hashes`, `LORA_TARGETS` / `lora_targets` (every projection of a Llama/Qwen block).
 - Plots: `write_tsv` / `read_tsv`, the `dvc plots` files (an empty cell = no value, NaN when read back).
@@ -29,20 +29,20 @@ import yaml
 
 from rcgrpo_tasks.ops import procs, tracking, tracking_log
 from rcgrpo_tasks.ops.outputs import OutputError, OutputSet, disk_full, disk_full_error, write_json, write_text
-from rcgrpo_tasks.train import processes
-from rcgrpo_tasks.train.checkpoints import FINGERPRINT_FILE as FINGERPRINT_FILE
-from rcgrpo_tasks.train.checkpoints import clear_checkpoints as clear_checkpoints
-from rcgrpo_tasks.train.checkpoints import dir_fingerprint as dir_fingerprint
-from rcgrpo_tasks.train.checkpoints import file_md5 as file_md5
-from rcgrpo_tasks.train.checkpoints import fingerprint as fingerprint
-from rcgrpo_tasks.train.checkpoints import last_checkpoint as last_checkpoint
-from rcgrpo_tasks.train.checkpoints import resume_point as resume_point
-from rcgrpo_tasks.train.checkpoints import train_or_restore as train_or_restore
-from rcgrpo_tasks.train.placement import fit_micro_batch as fit_micro_batch
-from rcgrpo_tasks.train.placement import record_placement as record_placement
-from rcgrpo_tasks.train.placement import resolve_bf16 as resolve_bf16
-from rcgrpo_tasks.train.placement import train_device as train_device
-from rcgrpo_tasks.train.placement import use_cpu as use_cpu
+from rcgrpo_tasks.train.common import processes
+from rcgrpo_tasks.train.common.checkpoints import FINGERPRINT_FILE as FINGERPRINT_FILE
+from rcgrpo_tasks.train.common.checkpoints import clear_checkpoints as clear_checkpoints
+from rcgrpo_tasks.train.common.checkpoints import dir_fingerprint as dir_fingerprint
+from rcgrpo_tasks.train.common.checkpoints import file_md5 as file_md5
+from rcgrpo_tasks.train.common.checkpoints import fingerprint as fingerprint
+from rcgrpo_tasks.train.common.checkpoints import last_checkpoint as last_checkpoint
+from rcgrpo_tasks.train.common.checkpoints import resume_point as resume_point
+from rcgrpo_tasks.train.common.checkpoints import train_or_restore as train_or_restore
+from rcgrpo_tasks.train.common.placement import fit_micro_batch as fit_micro_batch
+from rcgrpo_tasks.train.common.placement import record_placement as record_placement
+from rcgrpo_tasks.train.common.placement import resolve_bf16 as resolve_bf16
+from rcgrpo_tasks.train.common.placement import train_device as train_device
+from rcgrpo_tasks.train.common.placement import use_cpu as use_cpu
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """Every attention and MLP projection of a Llama / Qwen / SmolLM2 block."""

@@ -1,10 +1,15 @@
 """One SFT / RCTP-FT run end to end: the resolved `sft` config of a variant, training (or resuming) on the
 chosen device with micro-batch fitting, the trained output, metrics and MLflow records (the sft stage runs
-`train_variant`)."""
+`train_variant`).
+
+- `save_trained` writes the adapter (or full model; `init: sft`: the LoRA merged into a model folder) +
+  tokenizer atomically; `curve` / `summarize` the results (`PLOT_COLUMNS`, the `dvc plots` TSV).
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -14,21 +19,18 @@ from rcgrpo_tasks.engine.compute import ComputeConfig
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config
-from rcgrpo_tasks.train import processes, runs
-from rcgrpo_tasks.train.adapters import log_model
-from rcgrpo_tasks.train.finetune import (
-    META_FILE,
-    PLOT_COLUMNS,
-    SftConfig,
-    SftRun,
-    build_trainer,
-    curve,
-    fingerprint,
-    save_trained,
-    summarize,
-)
-from rcgrpo_tasks.train.margin_curve import margin_curve
-from rcgrpo_tasks.train.sft_rows import load_rows, ordered
+from rcgrpo_tasks.ops.outputs import write_json
+from rcgrpo_tasks.train.common import processes, runs
+from rcgrpo_tasks.train.common.adapters import log_model
+from rcgrpo_tasks.train.sft.config import SftConfig, SftRun
+from rcgrpo_tasks.train.sft.margin_curve import margin_curve
+from rcgrpo_tasks.train.sft.rows import load_rows, ordered
+from rcgrpo_tasks.train.sft.trainer import build_trainer, fingerprint
+
+META_FILE = "rcgrpo_sft.json"
+"""Written into every output folder: stage, variant, base model, special-token ids, config, input hashes."""
+PLOT_COLUMNS = ("step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_s", "num_tokens",
+                "mean_token_accuracy", "entropy")
 
 
 def load_sft_config(params: str | Path, variant: str) -> tuple[SftConfig, tuple[str, ...]]:
@@ -42,7 +44,7 @@ def load_sft_config(params: str | Path, variant: str) -> tuple[SftConfig, tuple[
 
 
 def margin_callback(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, prompt: PromptConfig | None, track: bool):
-    """The margin curve's callback (`train.margin_curve`) when `margin_every` > 0, else None."""
+    """The margin curve's callback (`train.sft.margin_curve`) when `margin_every` > 0, else None."""
     if not cfg.margin_every:
         return None
     levels = tuple(t for t in tokens if t not in cfg.extra_special_tokens)
@@ -133,3 +135,58 @@ def _log_outputs(trainer, tokenizer, spec: SftRun, summary: dict, cfg: SftConfig
     spec.log_results(staged, folder / META_FILE)
     if cfg.log_model and not cfg.full_finetune and not spec.merged(cfg):  # a merged output: a model folder (DVC's)
         log_model(trainer.accelerator.unwrap_model(trainer.model), tokenizer, spec.model_dir)
+
+
+def save_merged(trainer, folder: Path) -> None:
+    """The trained LoRA and token rows merged into a copy of the model, saved as a plain model folder with
+    the tokenizer (`init: sft`: the adapter's base is the merged SFT model, which is no folder of its own)."""
+    import copy
+
+    model = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model)).merge_and_unload()
+    model.save_pretrained(folder)
+    trainer.processing_class.save_pretrained(folder)
+
+
+def save_trained(trainer, out: Path, folder: Path | None, meta: dict, merged: bool = False) -> None:
+    """Write the adapter (or full model; `merged`: the LoRA merged, `save_merged`) + tokenizer + `meta`
+    (META_FILE) into `folder`, the staged output `out` (main process; None on the others). Every process
+    calls it: under DeepSpeed it is collective."""
+    staging = out.with_name(f".{out.name}.staging")
+    main = trainer.accelerator.is_main_process
+    if main and staging.exists():
+        shutil.rmtree(staging)
+    trainer.accelerator.wait_for_everyone()
+    if merged:
+        if main:
+            save_merged(trainer, staging)
+    else:
+        trainer.save_model(str(staging))  # gathers ZeRO-3 shards; saves the tokenizer; small adapter (_save)
+    if main:
+        (staging / "training_args.bin").unlink(missing_ok=True)
+        write_json(staging / META_FILE, meta)
+        folder.rmdir()
+        staging.rename(folder)
+
+
+def curve(log_history: list[dict]) -> list[dict]:
+    """Per-step training rows (PLOT_COLUMNS, the `dvc plots` TSV) from the Trainer's log history (it
+    survives a resume)."""
+    rows = {}
+    for entry in log_history:
+        if "loss" in entry and "step" in entry:
+            rows[entry["step"]] = {c: entry.get(c) for c in PLOT_COLUMNS}
+    return [rows[k] for k in sorted(rows)]
+
+
+def summarize(trainer, result, stats: dict, rows: list[dict], seconds: float) -> dict:
+    """Run summary: steps, epochs, loss (mean of the first / last fifth of the logged steps), tokens/s (the
+    first log, which includes warm-up, left out), wall time, trainable parameters, data statistics."""
+    losses = [r["loss"] for r in rows if r.get("loss") is not None]
+    speeds = [r["tokens_per_s"] for r in rows[1:] if r.get("tokens_per_s")]
+    k = max(1, len(losses) // 5)
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    return {"steps": trainer.state.global_step, "epochs": round(trainer.state.epoch or 0.0, 4),
+            "train_loss": result.training_loss, "loss_first": sum(losses[:k]) / k if losses else None,
+            "loss_last": sum(losses[-k:]) / k if losses else None,
+            "tokens_per_s": sum(speeds) / len(speeds) if speeds else None, "train_s": round(seconds, 2),
+            "trainable_params": trainable, "data": stats}

@@ -1,7 +1,7 @@
 """What the RC-GRPO trainer adds to TRL's `GRPOTrainer` step, and its TRL settings (the rl stage's trainer is
-built in `grpo_trainer.py`; docs/rl.md).
+built in `trainer.py`; docs/rl.md).
 
-- `RCGRPOTrainerMixin` (on TRL's `GRPOTrainer`: `grpo_trainer.build_trainer`): TRL does not expose the
+- `RCGRPOTrainerMixin` (on TRL's `GRPOTrainer`: `trainer.build_trainer`): TRL does not expose the
   advantages it used, nor a public way for a rollout function to add per-step metrics; the subclass wraps
   `_generate_and_score_completions` to read the advantages (mean |A|, cross-checked against
   `advantages.group_advantages` in the tests), measures and corrects the sampler/trainer mismatch
@@ -24,15 +24,15 @@ from rcgrpo_tasks.engine.models import last_positions
 from rcgrpo_tasks.engine.shared_prefix import target_hidden, trunk_and_head
 from rcgrpo_tasks.env.rewards import REWARDS
 from rcgrpo_tasks.ops.inputs import read_jsonl
-from rcgrpo_tasks.train import advantages as adv
-from rcgrpo_tasks.train import processes, runs
-from rcgrpo_tasks.train.grpo import RLConfig
-from rcgrpo_tasks.train.kl_guard import bounded_reference
-from rcgrpo_tasks.train.offpolicy import OffPolicyMixin, loss_mask
-from rcgrpo_tasks.train.rollout_policy import rollout_dtype, sampler_differs
+from rcgrpo_tasks.train.common import processes, runs
+from rcgrpo_tasks.train.rl import advantages as adv
+from rcgrpo_tasks.train.rl.config import RLConfig
+from rcgrpo_tasks.train.rl.kl_guard import bounded_reference
+from rcgrpo_tasks.train.rl.offpolicy import OffPolicyMixin, loss_mask
+from rcgrpo_tasks.train.rl.rollout_policy import rollout_dtype, sampler_differs
 
 ROLLOUTS_FILE = "rollouts.jsonl"
-"""Every rollout of the run, one JSON line each (`grpo_rollout.rollout_record` + its advantage), in the
+"""Every rollout of the run, one JSON line each (`rollout.rollout_record` + its advantage), in the
 checkpoint folder: which entries, tokens, rewards and advantages each step trained on, whatever the process
 count."""
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 from rcgrpo_tasks.ops.plots import save_png
 from rcgrpo_tasks.ops.stats import bootstrap_ci
-from rcgrpo_tasks.train.advantages import ZERO_STD_TOL, group_stats
-from rcgrpo_tasks.train.runs import read_tsv, write_tsv
+from rcgrpo_tasks.train.common.runs import read_tsv, write_tsv
+from rcgrpo_tasks.train.rl.advantages import ZERO_STD_TOL, group_stats
 
 MECHANISM_COLUMNS = ("frac_zero_std", "adv_abs_mean", "adv_std", "controllability_gap", "reward")
 """Per-step columns that show the mechanism, in plotting order."""
@@ -124,10 +124,10 @@ class DiagnosticsMixin:
 
 
 def group_flags(records: Sequence[Mapping], reward: str, tol: float = ZERO_STD_TOL) -> list[dict]:
-    """Per generated group of a run (`grpo_rollout.rollout_record`s: step, group, entry, rewards): {step, group,
+    """Per generated group of a run (`rollout.rollout_record`s: step, group, entry, rewards): {step, group,
     entry_id, flat: None (reward spread) | "fail" | "success" (zero std at mean <= 0.5 / above)}, in step and
     group order. The unit of the paired GRPO / RC-GRPO comparison (the same step and slot draw the same entry
-    and seeds in both: `grpo_rollout.EngineRollout.group_specs`)."""
+    and seeds in both: `rollout.EngineRollout.group_specs`)."""
     by: dict[tuple[int, int], list] = {}
     for r in records:
         by.setdefault((int(r["step"]), int(r["group"])), []).append(r)

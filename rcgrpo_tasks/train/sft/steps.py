@@ -1,13 +1,13 @@
-"""The SFT / RCTP trainer: TRL's `SFTTrainer` with the project's additions (`RcgrpoSFTTrainerMixin`): trained
-tokens/s in the logs, the reward-token rows' own learning rate, the CPU loss over assistant positions only,
-the dataset's own order where it matters (`row_order: pairs`), small adapter saves. `finetune.build_trainer`
-builds it (`runs.lazy_subclass`: TRL is imported only then)."""
+"""What the SFT / RCTP trainer adds to TRL's `SFTTrainer` (`RcgrpoSFTTrainerMixin`): trained tokens/s in the
+logs, the reward-token rows' own learning rate, the CPU loss over assistant positions only, the dataset's own
+order where it matters (`row_order: pairs`), small adapter saves. `trainer.build_trainer` builds it
+(`runs.lazy_subclass`: TRL is imported only then)."""
 
 from __future__ import annotations
 
 import time
 
-from rcgrpo_tasks.train.adapters import (
+from rcgrpo_tasks.train.common.adapters import (
     compact_head_loss,
     scale_row_updates,
     small_adapter_saves,
@@ -22,7 +22,7 @@ class RcgrpoSFTTrainerMixin:
 
     compact_lm_head = True
     shared_prefix: int | None = None
-    """`SftConfig.shared_prefix_min_tokens` (`finetune.build_trainer` sets it)."""
+    """`SftConfig.shared_prefix_min_tokens` (`trainer.build_trainer` sets it)."""
     keep_order = False
     """The dataset's order is the training order (`row_order: pairs`); otherwise TRL's random sampler."""
     token_lr: tuple[float, list[int]] = (1.0, [])

@@ -5,8 +5,8 @@
   success on each prompt (`pool_ids`; `env.entries`, the one reader of the split).
 - `check_reward`: `rl.reward` must be defined for the entries under `prompt.protocol`; `check_deepspeed`:
   ZeRO-3 and LoRA reward-token rows do not mix.
-The rollout function TRL calls (`EngineRollout`) is in `grpo_rollout.py`, the trainer (`RCGRPOTrainer`,
-`build_trainer`) in `grpo_trainer.py`.
+The rollout function TRL calls (`EngineRollout`) is in `rollout.py`, the trainer (`RCGRPOTrainer`,
+`build_trainer`) in `trainer.py`, one run end to end (`train_rl`) in `run.py`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from rcgrpo_tasks.env.prompt import ProtocolConfig
 from rcgrpo_tasks.env.rewards import Reward
 from rcgrpo_tasks.env.tasks import task_of
 from rcgrpo_tasks.ops.config import ConfigError, flat_field
-from rcgrpo_tasks.train import advantages as adv
-from rcgrpo_tasks.train import runs
-from rcgrpo_tasks.train.kl_guard import GuardConfig
+from rcgrpo_tasks.train.common import runs
+from rcgrpo_tasks.train.rl import advantages as adv
+from rcgrpo_tasks.train.rl.kl_guard import GuardConfig
 
 DECODE_KEYS = ("temperature", "top_p", "max_outputs", "max_new_tokens")
 
@@ -96,7 +96,7 @@ class RLConfig:
     divergence_min_reward: float = 0.25
     """A reward collapse counts after a window whose mean reward reached this."""
     probe_entries: int = 12
-    """K: prompts of the run's pool in the fixed probe (`train.probe`: scored at step 0, the middle and the end
+    """K: prompts of the run's pool in the fixed probe (`probe`: scored at step 0, the middle and the end
     with the same seeds in every cell); 0 = no probe."""
     probe_samples: int = 2
     """S: samples per probe prompt (at the rollouts' temperature)."""

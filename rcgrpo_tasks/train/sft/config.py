@@ -1,50 +1,27 @@
-"""SFT / RCTP fine-tuning on TRL's `SFTTrainer` + PEFT LoRA: the config, the rows, the trainer (the sft stage
-runs it; docs/training.md).
+"""The SFT / RCTP-FT settings and one run's paths (the sft stage; docs/training.md).
 
-- `SftConfig` (params.yaml `sft`, per-variant overrides via `resolve`); `SftRun` (one run's paths).
-- Rows (`train.sft_rows`): validated, ordered (`row_order`), pre-tokenized with THE assistant-token mask:
-  SmolLM2's template has no `{% generation %}` markers, so TRL gets `input_ids` + `assistant_masks`.
-- `build_trainer`: the start (`load_start`: the base, or with `init: sft` the SFT output merged into it) +
-  reward tokens as special tokens (embeddings grown; new rows at the mean or apart, `reward_token_init`; an
-  SFT start already has them, at the mean) + LoRA whose `trainable_token_indices` train those rows, on the
-  resolved device; the trainer is `train.sft_trainer`'s (tokens/s, the token rows' own learning rate
-  `token_lr_multiplier`, the CPU loss over assistant positions only, the pairs' order, small saves).
-- `save_trained` writes the adapter (or full model; `init: sft`: the LoRA merged into a model folder) +
-  tokenizer atomically; `curve` / `summarize` the results.
-CPU speed: float32 (bf16 autocast only on a GPU by default: `placement.resolve_bf16`), no gradient
-checkpointing (TRL's default turns it on), the LM head on assistant positions only (TRL's fused head scores
-every position off-GPU); bench/sft_throughput.py measures it. Departure from the paper: LoRA (+ trainable reward-token rows)
-instead of full fine-tuning by default.
+- `SftConfig` (params.yaml `sft`, per-variant overrides via `resolve`; `VARIANTS`: the two runs of one
+  definition); `SftRun` (one run's paths and their checks).
+The rows it trains on are `train.sft.rows`', the trainer (`build_trainer`) is `train.sft.trainer`'s, one run
+end to end (`train_variant`, the outputs and the summary) `train.sft.run`'s. Departure from the paper: LoRA
+(+ trainable reward-token rows) instead of full fine-tuning by default.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from rcgrpo_tasks.data.chat import GOAL_PLACES, answer_goal_template, goal_place
-from rcgrpo_tasks.engine.models import load_trained
+from rcgrpo_tasks.data.chat import GOAL_PLACES
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, from_dict
 from rcgrpo_tasks.ops.inputs import InputError
-from rcgrpo_tasks.ops.outputs import write_json
-from rcgrpo_tasks.train import runs
-from rcgrpo_tasks.train.adapters import (
-    REWARD_TOKEN_INITS,
-    add_special_tokens,
-    expose_head_bias,
-    token_indices,
-)
-from rcgrpo_tasks.train.sft_rows import LOSS_ON, ORDERS, tokenize_rows
-from rcgrpo_tasks.train.sft_trainer import RcgrpoSFTTrainerMixin
+from rcgrpo_tasks.train.common import runs
+from rcgrpo_tasks.train.common.adapters import REWARD_TOKEN_INITS
+from rcgrpo_tasks.train.sft.rows import LOSS_ON, ORDERS
 
-META_FILE = "rcgrpo_sft.json"
-"""Written into every output folder: stage, variant, base model, special-token ids, config, input hashes."""
-PLOT_COLUMNS = ("step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_s", "num_tokens",
-                "mean_token_accuracy", "entropy")
 VARIANTS: dict[str, dict] = {
     "sft": {"num_epochs": 2},
     "rctp": {"num_epochs": 5, "require_reward_token": True, "init": "sft", "token_lr_multiplier": 10.0,
@@ -108,12 +85,12 @@ class SftConfig:
     `full_finetune` every weight of the SFT model trains and the output is a full folder as usual."""
     row_order: Literal["balanced", "pairs"] = "balanced"
     """`balanced`: rows interleaved over tokens and reshuffled by the data sampler; `pairs`: each prompt's
-    rows side by side, pairs shuffled, that order kept (`sft_rows.pair_order`: a pair's two rows share a
+    rows side by side, pairs shuffled, that order kept (`rows.pair_order`: a pair's two rows share a
     micro-batch when `batch_size` is even, else follow each other). One process: under DDP each rank would
     need its own slice of the pairs."""
     loss_on: Literal["completion", "divergent"] = "completion"
     """`completion`: every assistant token; `divergent`: of each pair (same prompt, both tokens) only the
-    tokens from where its two answers part (`sft_rows.divergent_masks`): the shared ones teach "the same
+    tokens from where its two answers part (`rows.divergent_masks`): the shared ones teach "the same
     output under either token" and carry no information about it. Rows without a partner keep every token."""
     reward_goal_place: Literal["user", "answer"] = "user"
     """Where the model reads its reward goal: `user` = the text `[Reward Goal: <token>]` ends the first user
@@ -121,7 +98,7 @@ class SftConfig:
     saved chat template renders it there, so RL, evaluation and controllability prompt the model the same
     way; the data keep the paper's form). Acts on rows with a goal only."""
     margin_every: int = 0
-    """> 0: log the teacher-forced margin (`data.margin`) every this many optimizer steps (and before the
+    """> 0: log the teacher-forced margin (`margin`) every this many optimizer steps (and before the
     first) on `margin_entries` dev entries (`--entries`, `--split`; never the held-out side: the step count is
     chosen on this curve): when the token starts to be read.
     One process only (skipped under DDP / DeepSpeed)."""
@@ -254,147 +231,3 @@ class SftRun(runs.RunSpec):
             raise ConfigError(f"sft.variants.{self.variant}: --init-adapter given but init is base")
         if cfg.margin_every and (self.entries is None or self.split is None):
             raise ConfigError(f"sft.variants.{self.variant}: margin_every needs --entries and --split")
-
-
-# ---------------------------------------------------------------------------------------------- trainer
-
-
-def lora_config(cfg: SftConfig, model, token_ids: list[int]):
-    """LoRA on `lora_target_modules` + the special-token rows as PEFT trainable tokens.
-
-    Tied embeddings (SmolLM2): the input rows, tied into the LM head by PEFT. Untied (Qwen): the rows of
-    both the input embedding and the LM head, so the saved adapter restores them exactly on load.
-    """
-    from peft import LoraConfig
-
-    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=runs.lora_targets(cfg.lora_target_modules),
-                      trainable_token_indices=token_indices(model, token_ids), task_type="CAUSAL_LM")
-
-
-def trainer_args(cfg: SftConfig, ckpt_dir: Path, bf16: bool, device=None):
-    """TRL `SFTConfig` of a run: checkpoints under `ckpt_dir`, no reporting (MLflow goes through callbacks),
-    on `device` (`runs.train_device`; None = CUDA when available)."""
-    from trl import SFTConfig
-
-    return SFTConfig(
-        output_dir=str(ckpt_dir), learning_rate=cfg.learning_rate, num_train_epochs=cfg.num_epochs,
-        max_steps=cfg.max_steps, per_device_train_batch_size=cfg.batch_size,
-        gradient_accumulation_steps=cfg.grad_accum, lr_scheduler_type=cfg.lr_scheduler,
-        warmup_steps=cfg.warmup_ratio, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
-        seed=cfg.seed, data_seed=cfg.seed, bf16=bf16, gradient_checkpointing=cfg.gradient_checkpointing,
-        max_length=None if cfg.padding_free else cfg.max_length, padding_free=cfg.padding_free,
-        logging_steps=cfg.logging_steps, save_strategy="steps", save_steps=cfg.save_steps,
-        save_total_limit=cfg.save_total_limit, report_to=[], use_cpu=runs.use_cpu(device),
-        deepspeed=cfg.deepspeed, disable_tqdm=True, dataloader_num_workers=0,
-    )
-
-
-def load_start(cfg: SftConfig, model_dir: Path, init_adapter: Path | None):
-    """(model, tokenizer) a run starts from: the base folder, or (`init: sft`) the SFT output merged into it
-    (`engine.models.load_trained`, then PEFT's merge), in `cfg.model_dtype`."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if init_adapter is None:
-        return (AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, cfg.model_dtype)),
-                AutoTokenizer.from_pretrained(model_dir))
-    model, tokenizer = load_trained(model_dir, init_adapter, dtype="float32")  # merged in float32, as RL does
-    if hasattr(model, "merge_and_unload"):
-        model = model.merge_and_unload()
-    return model.to(getattr(torch, cfg.model_dtype)), tokenizer
-
-
-def build_trainer(cfg: SftConfig, model_dir: Path, rows: list[dict], tokens: tuple[str, ...], ckpt_dir: Path,
-                  callbacks: list | None = None, device=None, init_adapter: Path | None = None):
-    """(trainer, tokenizer, special-token ids, data stats): base (or merged SFT: `init_adapter`) + added
-    tokens + LoRA, ready to train on `device` (None = CUDA when available). The reward tokens are `tokens`
-    minus `cfg.extra_special_tokens`, lowest first (`reward_token_init: apart` spreads them in that order)."""
-    from datasets import Dataset
-
-    # first: under ZeRO-3 the model loads sharded
-    args = trainer_args(cfg, ckpt_dir, runs.resolve_bf16(cfg.bf16, device), device)
-    model, tokenizer = load_start(cfg, model_dir, init_adapter)
-    levels = tuple(t for t in tokens if t not in cfg.extra_special_tokens)
-    token_ids = add_special_tokens(tokenizer, model, tokens, cfg.seed, cfg.reward_token_init, levels)
-    if goal_place(tokenizer) != cfg.reward_goal_place:
-        if cfg.reward_goal_place == "user":
-            raise ConfigError(f"sft.reward_goal_place: user, but the start model {model_dir} renders the reward "
-                              "goal before the answer (its chat template); start from a model without it")
-        tokenizer.chat_template = answer_goal_template(tokenizer.chat_template)
-    train_rows, stats = tokenize_rows(rows, tokenizer, cfg.max_length, cfg.max_examples, cfg.loss_on)
-    peft_config = None if cfg.full_finetune else lora_config(cfg, model, token_ids)
-    trainer = runs.lazy_subclass(RcgrpoSFTTrainerMixin, "trl.SFTTrainer")(
-        model=model, args=args, processing_class=tokenizer,
-        train_dataset=Dataset.from_list(train_rows), peft_config=peft_config, callbacks=callbacks or [])
-    expose_head_bias(trainer.model)
-    trainer.compact_lm_head = cfg.compact_lm_head
-    trainer.shared_prefix = cfg.shared_prefix_min_tokens
-    trainer.keep_order = cfg.row_order == "pairs"
-    trainer.token_lr = (cfg.token_lr_multiplier, list(token_ids))
-    return trainer, tokenizer, token_ids, stats
-
-
-def fingerprint(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun) -> str:
-    """Params + tokens + input contents + this training code: checkpoints resume only under the same one."""
-    return runs.fingerprint(cfg, tokens=tokens, variant=spec.variant, code=Path(__file__),
-                            data=Path(spec.data), model=Path(spec.model_dir),
-                            init=spec.init_adapter and Path(spec.init_adapter))
-
-
-# ---------------------------------------------------------------------------------------------- results
-
-
-def save_merged(trainer, folder: Path) -> None:
-    """The trained LoRA and token rows merged into a copy of the model, saved as a plain model folder with
-    the tokenizer (`init: sft`: the adapter's base is the merged SFT model, which is no folder of its own)."""
-    import copy
-
-    model = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model)).merge_and_unload()
-    model.save_pretrained(folder)
-    trainer.processing_class.save_pretrained(folder)
-
-
-def save_trained(trainer, out: Path, folder: Path | None, meta: dict, merged: bool = False) -> None:
-    """Write the adapter (or full model; `merged`: the LoRA merged, `save_merged`) + tokenizer + `meta`
-    (META_FILE) into `folder`, the staged output `out` (main process; None on the others). Every process
-    calls it: under DeepSpeed it is collective."""
-    staging = out.with_name(f".{out.name}.staging")
-    main = trainer.accelerator.is_main_process
-    if main and staging.exists():
-        shutil.rmtree(staging)
-    trainer.accelerator.wait_for_everyone()
-    if merged:
-        if main:
-            save_merged(trainer, staging)
-    else:
-        trainer.save_model(str(staging))  # gathers ZeRO-3 shards; saves the tokenizer; small adapter (_save)
-    if main:
-        (staging / "training_args.bin").unlink(missing_ok=True)
-        write_json(staging / META_FILE, meta)
-        folder.rmdir()
-        staging.rename(folder)
-
-
-def curve(log_history: list[dict]) -> list[dict]:
-    """Per-step training rows (PLOT_COLUMNS, the `dvc plots` TSV) from the Trainer's log history (it
-    survives a resume)."""
-    rows = {}
-    for entry in log_history:
-        if "loss" in entry and "step" in entry:
-            rows[entry["step"]] = {c: entry.get(c) for c in PLOT_COLUMNS}
-    return [rows[k] for k in sorted(rows)]
-
-
-def summarize(trainer, result, stats: dict, rows: list[dict], seconds: float) -> dict:
-    """Run summary: steps, epochs, loss (mean of the first / last fifth of the logged steps), tokens/s (the
-    first log, which includes warm-up, left out), wall time, trainable parameters, data statistics."""
-    losses = [r["loss"] for r in rows if r.get("loss") is not None]
-    speeds = [r["tokens_per_s"] for r in rows[1:] if r.get("tokens_per_s")]
-    k = max(1, len(losses) // 5)
-    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    return {"steps": trainer.state.global_step, "epochs": round(trainer.state.epoch or 0.0, 4),
-            "train_loss": result.training_loss, "loss_first": sum(losses[:k]) / k if losses else None,
-            "loss_last": sum(losses[-k:]) / k if losses else None,
-            "tokens_per_s": sum(speeds) / len(speeds) if speeds else None, "train_s": round(seconds, 2),
-            "trainable_params": trainable, "data": stats}

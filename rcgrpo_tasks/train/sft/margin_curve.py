@@ -1,6 +1,6 @@
 """The teacher-forced margin while RCTP trains: when does the model start to read its reward token?
 
-`MarginCurveMixin` (a Trainer callback) measures `data.margin.teacher_forced_margin` of the model in
+`MarginCurveMixin` (a Trainer callback) measures `margin.teacher_forced_margin` of the model in
 training on a fixed held-out contrast set, before the first step and every `every` optimizer steps (and at
 the last), plus the reward-token rows' distance. Each point goes to MLflow (`margin`, `margin_ci_low`,
 `margin_ci_high`, `token_rows_ratio`, at its step) and into `points` for the run's metrics JSON. Forward
@@ -13,11 +13,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from rcgrpo_tasks.data.margin import REPLAY_OUTPUTS, contrast_set, teacher_forced_margin, token_row_distance
 from rcgrpo_tasks.env.entries import split_entries, stratified
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops import tracking
-from rcgrpo_tasks.train.runs import lazy_subclass
+from rcgrpo_tasks.train.common.runs import lazy_subclass
+from rcgrpo_tasks.train.sft.margin import REPLAY_OUTPUTS, contrast_set, teacher_forced_margin, token_row_distance
 
 
 class MarginCurveMixin:

@@ -13,18 +13,12 @@ from rcgrpo_tasks.env.prompt import PromptConfig, ProtocolConfig
 from rcgrpo_tasks.ops import tracking_log
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config
 from rcgrpo_tasks.ops.inputs import read_jsonl
-from rcgrpo_tasks.train import checkpoints, placement, processes, runs
-from rcgrpo_tasks.train.diagnostics import PLOT_COLUMNS, group_flags, summarize
-from rcgrpo_tasks.train.grpo import RLConfig
-from rcgrpo_tasks.train.grpo_steps import ROLLOUTS_FILE
-from rcgrpo_tasks.train.grpo_trainer import (
-    DIAGNOSTICS_FILE,
-    MODEL_META_FILE,
-    RLRun,
-    build_trainer,
-    save_policy,
-)
-from rcgrpo_tasks.train.probe import PROBE_FILE, probe_summary, read_points
+from rcgrpo_tasks.train.common import checkpoints, placement, processes, runs
+from rcgrpo_tasks.train.rl.config import RLConfig
+from rcgrpo_tasks.train.rl.diagnostics import PLOT_COLUMNS, group_flags, summarize
+from rcgrpo_tasks.train.rl.probe import PROBE_FILE, probe_summary, read_points
+from rcgrpo_tasks.train.rl.steps import ROLLOUTS_FILE
+from rcgrpo_tasks.train.rl.trainer import DIAGNOSTICS_FILE, MODEL_META_FILE, RLRun, build_trainer, save_policy
 
 
 def load_rl_config(params: str | Path) -> tuple[RLConfig, ProtocolConfig, tuple[str, ...]]:

@@ -15,7 +15,7 @@ rolled back to its last good checkpoint.
   logged step, stops training, and restores the trainable weights of the last checkpoint BEFORE the step
   whose policy went bad (a step's metrics are those of the policy the previous update left: the row of step
   N condemns the weights after N - 1 updates, so N - 2's are the last good; none: the init, LoRA deltas at
-  0). `rl.train_rl` records the event in the summary and as MLflow tags and says so on stderr.
+  0). `run.train_rl` records the event in the summary and as MLflow tags and says so on stderr.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from rcgrpo_tasks.train.diagnostics import STEP_MARKER
-from rcgrpo_tasks.train.runs import read_tsv
+from rcgrpo_tasks.train.common.runs import read_tsv
+from rcgrpo_tasks.train.rl.diagnostics import STEP_MARKER
 
 
 def kl_bounds(max_kl: float) -> tuple[float, float]:
