@@ -1,5 +1,5 @@
 """bf16 against float32 on this CPU, side by side in one run, at the default's shapes: where a stage should
-compute in bf16 (`train.common.placement.resolve_bf16`, `engine.models.bf16_supported`).
+compute in bf16 (what params `compute.cpu_bf16: auto` measures in short: `engine.dtype.calibrate`).
 
 - gemm: one matmul of a training forward's shape (the batch's tokens x hidden -> the MLP's width), float32
   vs bfloat16 operands: GFLOP/s of each and the ratio.

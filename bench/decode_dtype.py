@@ -1,6 +1,6 @@
 """Decoding on a CPU in bf16 vs float32 at the stages' own shapes, side by side in one run.
 
-`engine.models.bf16_supported` decides what `dtype: auto` decodes in on a CPU (evaluate, controllability,
+THE dtype rule (`engine.dtype`, params `compute.cpu_bf16`) decides what `dtype: auto` decodes in on a CPU (evaluate, controllability,
 sample_policy, generate_trajectories' policy rows, RL's rollout snapshot). A decode step alone can be faster
 in bf16 (`bench/cpu_bf16.py`) while a stage is not: a stage's decoding is prefill plus short answers in
 batches. This bench decodes what two stages decode, from two backends of the same model and adapter, one
@@ -13,7 +13,7 @@ float32 and one bfloat16, loaded once each; arms alternate per repetition (A B, 
 Prints per repetition the wall seconds of each arm, the bf16 / float32 speed ratio (> 1: bf16 is faster),
 and how many greedy verdicts agree. The runs: docs/measured.md, "CPU bf16".
 Run: `python bench/decode_dtype.py [--model models/base --adapter models/sft/sft --greedy 30 --sampled 16
---reps 2 --threads 2]` (the dtype of each arm is set here: `RCGRPO_CPU_BF16` plays no part).
+--reps 2 --threads 2]` (the dtype of each arm is set here: `compute.cpu_bf16` plays no part).
 """
 
 from __future__ import annotations

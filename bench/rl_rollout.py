@@ -34,8 +34,8 @@ import os
 import time
 from pathlib import Path
 
+from rcgrpo_tasks.engine.dtype import decode_dtype
 from rcgrpo_tasks.engine.hf import HFBackend
-from rcgrpo_tasks.engine.models import bf16_supported
 from rcgrpo_tasks.engine.rollout import run_group, run_seeded_groups
 from rcgrpo_tasks.env import tasks
 from rcgrpo_tasks.env.prompt import DEFAULT_REWARD_TOKENS, PromptConfig
@@ -128,7 +128,7 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype if args.dtype != "auto" else "bfloat16" if bf16_supported() else "float32")
+    dtype = getattr(torch, decode_dtype(args.dtype, "cpu", "auto"))
     cfg = from_dict(rl_config.RLConfig, {"max_new_tokens": args.max_new_tokens, "max_outputs": args.max_outputs,
                                     "temperature": args.temperature, "num_generations": args.g,
                                     "batch_size": args.g * args.groups, "micro_batch_size": args.g,

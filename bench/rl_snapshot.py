@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from rcgrpo_tasks.engine.backend import SamplingParams
+from rcgrpo_tasks.engine.dtype import decode_dtype
 from rcgrpo_tasks.engine.hf import HFBackend
-from rcgrpo_tasks.engine.models import bf16_supported
 from rcgrpo_tasks.engine.rollout import run_group
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.config import from_dict
@@ -95,7 +95,7 @@ def main() -> None:
     import torch
 
     snapshot_dtype = getattr(torch, args.snapshot_dtype if args.snapshot_dtype != "auto" else
-                             "bfloat16" if bf16_supported() else "float32")
+                             decode_dtype("auto", "cpu", "auto"))
     cfg = from_dict(rl_config.RLConfig, {"max_new_tokens": args.max_new_tokens, "max_outputs": args.max_outputs,
                                     "max_entries": args.entries, "num_generations": args.g, "batch_size": args.g,
                                     "micro_batch_size": args.g, "lora_r": args.lora_r,

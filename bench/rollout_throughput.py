@@ -218,7 +218,7 @@ def parse_args():
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | auto (RCGRPO_CPU_BF16 decides)")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | auto (THE dtype rule with compute.cpu_bf16 off)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0, help="torch threads; vLLM's CPU cores (0 = defaults)")
     ap.add_argument("--batch-rows", type=int, default=0, help="rows per session (0 = every group at once)")

@@ -233,42 +233,12 @@ def test_vllm_backend_generates_with_logprobs(tiny_model_dir):
 
 
 def test_autocast_option_runs_close_to_fp32(backend):
-    from rcgrpo_tasks.engine.models import bf16_supported
-
     fast = HFBackend.from_model(backend.model, backend.tokenizer, autocast=True)
-    assert fast.autocast == bf16_supported()
+    assert fast.autocast is True and HFBackend.from_model(backend.model, backend.tokenizer).autocast is False
     prompts = [[5, 6, 7, 8, 9, 10]]
     sp = SamplingParams(temperature=0.0, max_new_tokens=4)
     exact, approx = backend.generate(prompts, sp)[0], fast.generate(prompts, sp)[0]
     assert max(abs(a - b) for a, b in zip(exact.logprobs, approx.logprobs)) < 0.05
-
-
-def test_cpu_bf16_override_decides_auto_dtype_and_autocast(backend, monkeypatch):
-    from rcgrpo_tasks.engine.models import bf16_supported
-    from rcgrpo_tasks.ops.inputs import InputError
-
-    monkeypatch.setenv("RCGRPO_CPU_BF16", "0")
-    assert not bf16_supported()
-    assert HFBackend.from_model(backend.model, backend.tokenizer, autocast=True).autocast is False
-    monkeypatch.setenv("RCGRPO_CPU_BF16", "1")
-    assert bf16_supported()
-    monkeypatch.setenv("RCGRPO_CPU_BF16", "yes")
-    with pytest.raises(InputError, match="RCGRPO_CPU_BF16"):
-        bf16_supported()
-
-
-def test_auto_decodes_in_bf16_on_a_cpu_with_amx_only(tmp_path, monkeypatch):
-    from rcgrpo_tasks.engine.models import bf16_supported
-
-    monkeypatch.delenv("RCGRPO_CPU_BF16", raising=False)
-    info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
-    assert not bf16_supported(info)  # AVX512-BF16 alone: float32 decodes faster there
-    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
-    assert bf16_supported(info)
-    assert not bf16_supported(tmp_path / "absent")
-    monkeypatch.setenv("RCGRPO_CPU_BF16", "1")
-    assert bf16_supported(tmp_path / "absent")
 
 
 def test_exact_model_is_float32_and_the_same_weights(tiny_model_dir, backend):

@@ -122,11 +122,10 @@ def test_fit_micro_batch_never_retries_inside_a_multi_process_launch(monkeypatch
 
 
 def test_a_cpu_trains_in_float32_unless_told_and_a_gpu_in_bf16_where_it_has_it(monkeypatch):
-    """`bf16: null` never autocasts a CPU run, even one with bf16 (slower there for training); an
-    explicit flag wins everywhere; a GPU takes bf16 where it has it."""
+    """`bf16: null` resolved with the CPU setting `off` never autocasts a CPU run; an explicit flag wins
+    everywhere; a GPU takes bf16 where it has it (the rule itself: tests/test_dtype.py)."""
     import torch
 
-    monkeypatch.setenv("RCGRPO_CPU_BF16", "1")  # a CPU with bf16 (AMX)
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert placement.resolve_bf16(None, cpu) is False
     assert placement.resolve_bf16(True, cpu) is True and placement.resolve_bf16(False, gpu) is False

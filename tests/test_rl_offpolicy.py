@@ -202,17 +202,17 @@ def test_minibatches_need_entries_for_the_whole_generation():
         from_dict(rl_config.RLConfig, {**TEST_RL, "importance_sampling_cap": 0.5})
 
 
-def test_auto_rollout_dtype_is_a_snapshot_on_every_cpu_and_the_live_model_on_a_gpu(monkeypatch):
-    """A CPU samples from a merged copy (the live PEFT model decodes at half its speed): bf16 with AMX,
-    float32 elsewhere; the copy's numerics differ from the trainer's, so the correction is on. GPU: live."""
+def test_auto_rollout_dtype_is_a_snapshot_on_every_cpu_and_the_live_model_on_a_gpu():
+    """A CPU samples from a merged copy (the live PEFT model decodes at half its speed), in THE dtype rule's
+    dtype (float32 with compute.cpu_bf16 off; bf16 with on, once a run resolves its config); the copy's
+    numerics differ from the trainer's, so the correction is on. GPU: live."""
     import torch
 
     from rcgrpo_tasks.train.rl.rollout_policy import rollout_dtype, sampler_differs
 
-    monkeypatch.setenv("RCGRPO_CPU_BF16", "0")
     assert rollout_dtype("auto", "cpu") is torch.float32
     assert sampler_differs(False, rollout_dtype("auto", "cpu"), False)
-    monkeypatch.setenv("RCGRPO_CPU_BF16", "1")
-    assert rollout_dtype("auto", "cpu") is torch.bfloat16
+    on = rl_config.RLConfig().resolved("on", "cpu").rollout_dtype
+    assert rollout_dtype(on, "cpu") is torch.bfloat16
     assert rollout_dtype("auto", "cuda") is None and rollout_dtype("live", "cpu") is None
     assert rollout_dtype("float32", "cuda") is torch.float32

@@ -55,8 +55,7 @@ def _check_dev_sweep(repo: Path, root: Path) -> None:
     spec = root / "spec.yaml"
     spec.write_text("cells: [rctp-rc_grpo]\ncommon: {evaluate: {margin: false}}\ncandidates: {default: {}}\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_", "RCGRPO_"))}
-    env.update({"PATH": f"{BIN}{os.pathsep}{env['PATH']}", "MLFLOW_TRACKING_URI": f"sqlite:///{root}/mlflow.db",
-                "RCGRPO_CPU_BF16": "0"})
+    env.update({"PATH": f"{BIN}{os.pathsep}{env['PATH']}", "MLFLOW_TRACKING_URI": f"sqlite:///{root}/mlflow.db"})
     run = subprocess.run([str(BIN / "rcgrpo"), "dev-sweep", "--spec", str(spec), "--out", "sweeps/t", "--bundle",
                           "sweeps/t.tar.gz"], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -77,7 +76,7 @@ def _start(root: Path, tiny_model_dir: Path, profile: str) -> tuple[Path, subpro
     repo = copy_tree(root / "repo")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_", "RCGRPO_"))}
     env.update({"PATH": f"{BIN}{os.pathsep}{env['PATH']}", "MLFLOW_TRACKING_URI": f"sqlite:///{root}/mlflow.db",
-                "RCGRPO_CPU_BF16": "0", "OMP_NUM_THREADS": "1"})
+                "OMP_NUM_THREADS": "1"})
     subprocess.run([str(BIN / "rcgrpo"), "params", "--profile", profile], cwd=repo, env=env, check=True,
                    capture_output=True)
     params = yaml.safe_load((repo / "params.yaml").read_text())

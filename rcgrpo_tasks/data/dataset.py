@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from rcgrpo_tasks.engine.backends import load_backend
+from rcgrpo_tasks.engine.compute import ComputeConfig
 from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.models import model_context
 from rcgrpo_tasks.engine.rollout import replay_calls, run_group
@@ -198,14 +199,16 @@ def near_miss_stream(entries: list[Entry], kind: str, ctx: _Context):
 # Policy samples
 
 
-def policy_trajectories(entries: list[Entry], ctx: _Context, model_dir: str | Path, device: str = "auto") -> list:
+def policy_trajectories(entries: list[Entry], ctx: _Context, model_dir: str | Path,
+                        compute: ComputeConfig | None = None) -> list:
     """`policy_samples` rollouts on each of `policy_entries` seeded train entries."""
     cfg = ctx.cfg
     chosen = _sample(entries, cfg.policy_entries, f"{cfg.seed}:policy")
     if not chosen:
         return []
     model = cfg.policy_model or str(model_dir)
-    backend = load_backend(cfg.decode.backend, model, cfg.policy_adapter, **cfg.decode.backend_kwargs(device))
+    backend = load_backend(cfg.decode.backend, model, cfg.policy_adapter,
+                           **cfg.decode.backend_kwargs(compute or ComputeConfig(), model))
     # Cut rollouts where the dataset's length limit is (the model's own context minus the goal reserve).
     backend.max_positions = min(backend.max_positions, ctx.max_tokens)
     out = []
@@ -291,7 +294,7 @@ def check_task(cfg: GenerateConfig, prompt: PromptConfig, task: Task) -> None:
 
 
 def generate(cfg: GenerateConfig, prompt: PromptConfig, entries_path: str | Path, split_path: str | Path,
-             model_dir: str | Path, device: str = "auto") -> tuple[list, dict]:
+             model_dir: str | Path, compute: ComputeConfig | None = None) -> tuple[list, dict]:
     """(trajectories, metrics) for the train split; pure apart from reading the inputs."""
     from transformers import AutoTokenizer
 
@@ -305,7 +308,7 @@ def generate(cfg: GenerateConfig, prompt: PromptConfig, entries_path: str | Path
     timings = {}
     experts = expert_trajectories(entries, ctx)
     timings["experts"] = time.perf_counter() - t0
-    policy = policy_trajectories(entries, ctx, model_dir, device)
+    policy = policy_trajectories(entries, ctx, model_dir, compute)
     timings["policy"] = time.perf_counter() - t0 - sum(timings.values())
     policy_fail = [t for t in policy if t.provenance["reward"] == 0.0]
     random.Random(f"{cfg.seed}:policy_failures").shuffle(policy_fail)

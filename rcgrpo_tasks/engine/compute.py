@@ -3,6 +3,7 @@
 - `ComputeConfig(device="auto")`: `auto` | `cpu` | `cuda` | `cuda:N`; `resolve()` turns it into a
   `torch.device` through `rcgrpo_tasks.engine.device.resolve_device` (CUDA asked for where there is none
   is a ConfigError: a run never falls back to the CPU silently).
+- `cpu_bf16`: off | on | auto, THE dtype rule's CPU setting (`engine.dtype`);
 - `load_compute(params_path)`: the section of a params file; a file without the section gets the defaults
   (params files written before the section existed keep working), unknown keys are a ConfigError.
 The method is `resolve()`, not `device()`: the dataclass field is `device` (the params key).
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rcgrpo_tasks.engine.device import DEVICE_SETTINGS, resolve_device
+from rcgrpo_tasks.engine.dtype import check_setting
 from rcgrpo_tasks.ops.config import ConfigError, from_dict, read_sections
 
 SECTION = "compute"
@@ -33,6 +35,10 @@ class ComputeConfig:
     """accelerate config file for a launch (e.g. configs/accelerate_zero3.yaml: DeepSpeed ZeRO-3); null =
     plain data parallel (DDP: NCCL on GPUs, gloo on the CPU). Its `num_processes` is overridden by
     `processes`."""
+    cpu_bf16: str = "off"
+    """bf16 on a CPU (`engine.dtype`): `off` (float32: every host the same numbers) | `on` | `auto` (what this
+    host measured once: decoding and training decided apart). A stage's explicit dtype wins; CUDA takes bf16
+    wherever the GPU has it."""
 
     def __post_init__(self) -> None:
         # The format is checked here (no torch import); availability only when resolved.
@@ -42,6 +48,7 @@ class ComputeConfig:
             raise ValueError(f"processes {self.processes!r}: expected an integer >= 1")
         if self.accelerate_config is not None and not str(self.accelerate_config).strip():
             raise ValueError("accelerate_config: expected a file path or null")
+        check_setting(self.cpu_bf16)
 
     def resolve(self):
         """The `torch.device` this setting names on this machine (ConfigError when it is absent)."""

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Literal
 
 from rcgrpo_tasks.engine.backend import SamplingParams
+from rcgrpo_tasks.engine.dtype import decode_dtype
 from rcgrpo_tasks.engine.models import model_context
 from rcgrpo_tasks.ops.config import ConfigError
 
@@ -51,8 +52,8 @@ class DecodeConfig:
     CPU vLLM environment `make vllm-venv` on a CPU); docs/engine.md "vLLM" has the choice, docs/measured.md
     the measurements."""
     dtype: Literal["float32", "bfloat16", "auto"] = "auto"
-    """Weights dtype; `auto` = bf16 on a GPU with bf16 and on a CPU with AMX (`engine.models.bf16_supported`),
-    else float32 (both backends)."""
+    """Weights dtype; `auto` = THE dtype rule (`engine.dtype`: bf16 on a GPU with bf16, on a CPU as params
+    `compute.cpu_bf16` says), both backends."""
     batch_rows: int = 8
     """Rollouts decoded together in one session (hf)."""
 
@@ -82,6 +83,8 @@ class DecodeConfig:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
                               seed=seed, **extra)
 
-    def backend_kwargs(self, device: str) -> dict:
-        """`load_backend` keyword arguments: dtype and device, under the same rules for both backends."""
-        return {"dtype": self.dtype, "device": device}
+    def backend_kwargs(self, compute, model_dir: str | Path | None = None) -> dict:
+        """`load_backend` keyword arguments under THE dtype rule (`engine.dtype.decode_dtype`: `auto` resolved
+        for the device `compute` names and its `cpu_bf16`; `model_dir`: the shape a measured rule times)."""
+        device = compute.resolve()
+        return {"dtype": decode_dtype(self.dtype, device.type, compute.cpu_bf16, model_dir), "device": compute.device}

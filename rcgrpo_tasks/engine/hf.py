@@ -38,12 +38,12 @@ from rcgrpo_tasks.engine.backend import (
 )
 from rcgrpo_tasks.engine.cpu_attention import CPU_ATTENTION, use_cpu_attention
 from rcgrpo_tasks.engine.device import placement, resolve_device
+from rcgrpo_tasks.engine.dtype import decode_dtype
 from rcgrpo_tasks.engine.graphs import CPU, GRAPH, DecodeState, StepGraph, decode_path, graphs_wanted
 from rcgrpo_tasks.engine.hf_cache import CacheLayout, CacheRows
 from rcgrpo_tasks.engine.kvcache import decode_mask
 from rcgrpo_tasks.engine.models import (
     ModelLoadError,
-    bf16_supported,
     check_adapter_dir,
     check_model_dir,
     load_trained,
@@ -213,7 +213,8 @@ class HFSession(CacheLayout, Session):
 
 class HFBackend(Backend):
     """transformers model + tokenizer on `device` (auto | cpu | cuda | cuda:N); `dtype`: float32 | bfloat16 |
-    auto (bf16 on CUDA and on CPUs with AMX: `engine.models.bf16_supported`). `cuda_graphs`: capture the
+    auto (THE dtype rule, `engine.dtype.decode_dtype`: bf16 on CUDA with bf16, float32 on a CPU unless the
+    stage resolved `compute.cpu_bf16` for it). `cuda_graphs`: capture the
     decode step on CUDA (None = on for CUDA; never used on CPU)."""
 
     name = "hf"
@@ -227,9 +228,7 @@ class HFBackend(Backend):
         place = resolve_device(device)  # before loading: a bad device fails fast
         path = check_model_dir(model_dir)
         adapter = check_adapter_dir(adapter_dir) if adapter_dir else None
-        if dtype == "auto":
-            native = torch.cuda.is_bf16_supported() if place.type == "cuda" else bf16_supported()
-            dtype = "bfloat16" if native else "float32"
+        dtype = decode_dtype(dtype, place.type)  # THE dtype rule (`engine.dtype`); stages pass it resolved
         # An adapter is merged in float32 and the result cast to `dtype`, exactly as `rl` saves its merged
         # policies: otherwise an RL run that changed nothing (all-zero advantages) would decode differently
         # from its init only through bf16 merge rounding (greedy outputs diverge).
@@ -253,8 +252,8 @@ class HFBackend(Backend):
     def from_model(cls, model, tokenizer, autocast: bool = False, cuda_graphs: bool | None = None) -> "HFBackend":
         """Wrap an in-memory (possibly PEFT-wrapped, training-mode) model where it is; generation runs in eval mode.
 
-        `autocast`: run forwards under bf16 autocast on CUDA with bf16 and on a CPU with AMX (faster matmuls on
-        fp32 weights; log-probs then bf16-precise).
+        `autocast`: run forwards under bf16 autocast (the caller decides by THE dtype rule, `engine.dtype`;
+        faster matmuls on fp32 weights where the device has them, log-probs then bf16-precise).
         """
         self = cls.__new__(cls)
         self._init(model, tokenizer, autocast, cuda_graphs)
@@ -267,7 +266,7 @@ class HFBackend(Backend):
 
         self.model, self.tokenizer = model, tokenizer
         on_cuda = model.device.type == "cuda"
-        self.autocast = bool(autocast) and (on_cuda or bf16_supported())
+        self.autocast = bool(autocast)
         self.cuda_graphs = graphs_wanted(model.device.type, cuda_graphs)
         self.stop_check_every = self.STOP_CHECK_CUDA if on_cuda else 1
         self.narrow_rows = True  # CPU: ended rows leave the decode batch (`HFSession._narrow`); False: never

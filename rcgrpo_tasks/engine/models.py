@@ -1,4 +1,4 @@
-"""Loading models for decoding and training: folder checks, trained outputs (adapters, reward tokens), bf16.
+"""Loading models for decoding and training: folder checks, trained outputs (adapters, reward tokens).
 
 `load_trained` is THE loader of an sft-stage output (tokenizer with the reward tokens from the adapter
 folder, base embeddings grown to it, LoRA + trained reward-token rows restored); the engine's backends,
@@ -7,7 +7,6 @@ the RL stage and the bench all load through it. Heavy imports happen inside the 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from rcgrpo_tasks.ops.inputs import InputError, read_json
@@ -43,28 +42,6 @@ def check_adapter_dir(adapter_dir: str | Path) -> Path:
     if not any((path / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
         raise ModelLoadError(f"adapter {path}: no adapter_model.safetensors / adapter_model.bin")
     return path
-
-
-def bf16_supported(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """True when this CPU decodes faster in bf16 than in float32: where it has AMX (`amx_bf16`).
-
-    AVX512-BF16 alone does not count: on the AVX512-BF16 CPU measured (no AMX) the stages' own decoding, batched
-    prefill plus short answers, ran at 0.9x float32's speed in bf16 (`bench/decode_dtype.py`; docs/measured.md,
-    "CPU bf16"), so `auto` keeps float32 there and a run reproduces the committed float32 outputs. AMX hosts
-    keep bf16 (not measured here). `RCGRPO_CPU_BF16=0` makes a bf16 CPU behave as one without (every `auto`
-    decoding dtype and decoding autocast falls back to float32); `=1` forces bf16 on. Training does not ask: a
-    CPU trains in float32 unless told (`train.common.placement.resolve_bf16`).
-    """
-    forced = os.environ.get("RCGRPO_CPU_BF16", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    if forced:
-        raise InputError(f"environment RCGRPO_CPU_BF16={forced!r}: expected 0, 1 or unset")
-    try:
-        flags = cpuinfo.read_text()
-    except OSError:
-        return False
-    return any(" amx_bf16" in line for line in flags.splitlines() if line.startswith("flags"))
 
 
 def load_trained(model_dir: str | Path, adapter_dir: str | Path | None = None, dtype: str = "float32",

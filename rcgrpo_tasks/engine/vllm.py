@@ -34,9 +34,9 @@ from rcgrpo_tasks.engine.backend import (
     stop_token_ids,
 )
 from rcgrpo_tasks.engine.device import resolve_device
+from rcgrpo_tasks.engine.dtype import decode_dtype
 from rcgrpo_tasks.engine.models import (
     ModelLoadError,
-    bf16_supported,
     check_adapter_dir,
     check_model_dir,
     load_trained,
@@ -62,12 +62,9 @@ def import_vllm():
 
 
 def engine_dtype(dtype: str, on_cpu: bool) -> str:
-    """The project's dtype rule (as the `hf` backend's): `auto` = bf16 on CUDA and on CPUs with AMX
-    (`engine.models.bf16_supported`; `RCGRPO_CPU_BF16` overrides), else float32. vLLM's own `auto` would pick
-    bf16 on any CPU."""
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if not on_cpu or bf16_supported() else "float32"
+    """THE dtype rule (`engine.dtype.decode_dtype`, as the `hf` backend's): vLLM's own `auto` would pick bf16
+    on any CPU."""
+    return decode_dtype(dtype, "cpu" if on_cpu else "cuda")
 
 
 def adapter_needs_merge(adapter: Path, model: Path) -> bool:

@@ -48,6 +48,7 @@ import typer
 
 from rcgrpo_tasks.data.labels import load_reward_tokens
 from rcgrpo_tasks.engine.compute import load_compute
+from rcgrpo_tasks.engine.dtype import decode_dtype, record
 from rcgrpo_tasks.engine.trajectory import as_stage_output, write_trajectories
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.evaluation.controllability import (
@@ -98,15 +99,16 @@ def main(
         picked = held_out_entries(entries, split, cfg, side=side)
         margin_set = held_out_entries(entries, split, cfg, cfg.margin_entries, side) if cfg.margin else None
         cfg.decode.check_context(model_dir, f"{params}:controllability.max_new_tokens")
-        backend = load_policy(model_dir, adapter_dir, cfg.decode.dtype, (tokens[-1], tokens[0]),
-                              load_compute(params).device)  # before any MLflow run
+        compute = load_compute(params)
+        dtype = decode_dtype(cfg.decode.dtype, compute.resolve().type, compute.cpu_bf16, model_dir)  # THE rule
+        backend = load_policy(model_dir, adapter_dir, dtype, (tokens[-1], tokens[0]), compute.device)  # before MLflow
     typer.echo(f"controllability: decoding on {backend.describe().get('device')}")
     run_params = {"controllability": as_dict(cfg), "prompt": as_dict(prompt), "rl": rl_record(rl),
                   "adapter": str(adapter_dir), "tokens": list(tokens), "side": side}
     with tracking.published_run("controllability", run_params, outputs=(metrics, trajectories)) as (_, staged):
         result, trajs = measure(cfg, prompt, tokens, backend, picked, rl,
                                 {"model": str(model_dir), "adapter": str(adapter_dir)}, margin_set)
-        result["side"] = side
+        result["side"], result["dtype"] = side, record(compute.cpu_bf16, compute.resolve().type, dtype)
         write_json(staged.file(metrics), result)
         if trajectories:
             write_trajectories(staged.file(trajectories), as_stage_output(trajs, "controllability"))

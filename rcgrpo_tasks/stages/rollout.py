@@ -15,6 +15,7 @@ Example: `rcgrpo rollout --model models/base --split data/split.json --split-nam
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import typer
@@ -22,7 +23,7 @@ import typer
 from rcgrpo_tasks.data.labels import load_reward_tokens
 from rcgrpo_tasks.engine.backend import reward_pair_ids
 from rcgrpo_tasks.engine.backends import load_backend
-from rcgrpo_tasks.engine.compute import load_compute
+from rcgrpo_tasks.engine.compute import ComputeConfig, load_compute
 from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.rollout import run_rollouts
 from rcgrpo_tasks.engine.trajectory import write_trajectories
@@ -78,9 +79,10 @@ def main(
         if guidance and not reward_token:
             raise ConfigError("--guidance needs --reward-token (guidance contrasts the two reward goals)")
         chosen = select_entries(read_entries(entries), _csv(ids), split, split_name, _csv(categories), limit)
-        device = device or (load_compute(params).device if params.is_file() else "auto")
+        compute = load_compute(params) if params.is_file() else ComputeConfig()
+        compute = dataclasses.replace(compute, device=device) if device else compute
         decode.check_context(model, "--max-new-tokens")
-        engine_backend = load_backend(decode.backend, model, adapter, **decode.backend_kwargs(device))
+        engine_backend = load_backend(decode.backend, model, adapter, **decode.backend_kwargs(compute, model))
         tokens = load_reward_tokens(params) if params.is_file() else DEFAULT_REWARD_TOKENS
         pair = reward_pair_ids(engine_backend.tokenizer, (tokens[-1], tokens[0])) if guidance else None
         sampling = decode.sampling(seed, guidance=guidance, guidance_pair=pair)

@@ -33,6 +33,7 @@ from rcgrpo_tasks.data.dataset import GenerateConfig, check_task
 from rcgrpo_tasks.data.onpolicy import SampleConfig, pick_entries, sample_policy
 from rcgrpo_tasks.engine.backends import load_backend
 from rcgrpo_tasks.engine.compute import load_compute
+from rcgrpo_tasks.engine.dtype import record as record_dtype
 from rcgrpo_tasks.engine.models import model_context
 from rcgrpo_tasks.engine.trajectory import write_trajectories
 from rcgrpo_tasks.env.entries import split_entries
@@ -74,8 +75,9 @@ def main(
         if not chosen:
             raise InputError(f"{split}: no {side} entries in categories {list(cfg.categories or [])} (empty: any)")
         cfg.decode.check_context(model_dir, f"{params}:sample_policy.max_new_tokens")
-        backend = load_backend(cfg.decode.backend, model_dir, adapter_dir or None,  # before any MLflow run
-                               **cfg.decode.backend_kwargs(load_compute(params).device))
+        compute = load_compute(params)
+        kwargs = cfg.decode.backend_kwargs(compute, model_dir)  # THE dtype rule (`engine.dtype`)
+        backend = load_backend(cfg.decode.backend, model_dir, adapter_dir or None, **kwargs)  # before any MLflow run
         # Cut rollouts where the trajectory sets are cut: the model's context minus the reward goal's room.
         backend.max_positions = min(backend.max_positions, gen.max_tokens or model_context(model_dir) - GOAL_RESERVE)
     typer.echo(f"sample_policy: decoding on {backend.describe().get('device', cfg.decode.backend)}")
@@ -90,6 +92,7 @@ def main(
         finally:
             bar.close()
         record["n_side_entries"], record["side"], record["reward_token"] = len(train), side, reward_token or None
+        record["dtype"] = record_dtype(compute.cpu_bf16, compute.resolve().type, kwargs["dtype"])
         record["reward_fn"] = gen.reward
         write_trajectories(staged.file(out), rows)
         write_json(staged.file(metrics), record)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from rcgrpo_tasks.engine.device import MemorySplitWarning, free_memory, is_memory_error, placement, resolve_device
+from rcgrpo_tasks.engine.dtype import train_bf16
 from rcgrpo_tasks.ops import tracking_log, tracking_store
 from rcgrpo_tasks.ops.config import ConfigError
 
@@ -19,18 +20,13 @@ T = TypeVar("T")
 
 
 def resolve_bf16(flag: bool | None, device=None) -> bool:
-    """bf16 autocast of a training run: `flag`, or (None) on a GPU with bf16 (the device the run trains on,
-    `device`; None = CUDA when available), never on a CPU. A training step is compute-bound, and on the
-    AVX512-BF16 CPU measured (no AMX) bf16 matmuls are slower than float32's, and so are its SFT and RL
-    steps under autocast (`bench/cpu_bf16.py`; docs/measured.md, "CPU bf16"). Decoding, too, takes bf16
-    only where the CPU has AMX (`engine.models.bf16_supported`). `bf16: true` turns it on for a
-    CPU where it pays (AMX: not measured here)."""
+    """bf16 autocast of a training run on `device` (None = CUDA when available): THE dtype rule
+    (`engine.dtype.train_bf16`) with the CPU setting `off`; a run resolves its config with the stage's
+    `compute.cpu_bf16` first (`RLConfig.resolved`, `sft.run.train_variant`), so `flag` arrives concrete."""
     import torch
 
-    if flag is not None:
-        return flag
-    on_cuda = torch.cuda.is_available() if device is None else device.type == "cuda"
-    return on_cuda and torch.cuda.is_bf16_supported()
+    device_type = ("cuda" if torch.cuda.is_available() else "cpu") if device is None else device.type
+    return train_bf16(flag, device_type)
 
 
 def train_device(setting: str):

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar, Literal
 
 from rcgrpo_tasks.engine.decoding import DecodeConfig
+from rcgrpo_tasks.engine.dtype import decode_dtype, train_bf16
 from rcgrpo_tasks.env.entries import read_split, split_entries
 from rcgrpo_tasks.env.prompt import ProtocolConfig
 from rcgrpo_tasks.env.rewards import Reward
@@ -117,7 +118,7 @@ class RLConfig:
     [lo, hi]: solved sometimes, GRPO's case (a group of G has spread, something to learn). Never-solved
     prompts give all-0 groups under any token; always-solved ones all-1 groups under one token. Null: every
     prompt of the side (no samples read)."""
-    pool_solved_share: float = 0.0
+    pool_solved_share: float = 0.15
     """Always-solved prompts (every sample succeeded) added beside the band's, up to this share of the pool
     (drawn by `seed`): RC-GRPO's own case, where a low token can add the spread that all-high groups lack."""
     full_finetune: bool = False
@@ -134,11 +135,11 @@ class RLConfig:
     """Dtype the merged init weights are held in (LoRA weights stay float32)."""
     rollout_dtype: Literal["auto", "live", "float32", "bfloat16"] = "auto"
     """Rollouts (without vLLM) sample from a merged copy of the policy in this dtype, refreshed every
-    generation; `live` = from the training model itself; `auto` = on a CPU bfloat16 where it has AMX, else float32;
-    on a GPU live."""
+    generation; `live` = from the training model itself; `auto` = on a CPU a copy in the dtype THE dtype rule
+    gives (`engine.dtype`, params `compute.cpu_bf16`), on a GPU live."""
     bf16: bool | None = None
-    """bf16 autocast for the trainer's forward/backward; None = on a GPU with bf16, off on a CPU
-    (`placement.resolve_bf16`)."""
+    """bf16 autocast for the trainer's forward/backward; None = THE dtype rule (`engine.dtype.train_bf16`: on a
+    GPU with bf16, on a CPU as params `compute.cpu_bf16` says)."""
     gradient_checkpointing: bool = False
     """Trade compute for memory (on for 7B on GPU)."""
     shared_prefix_min_tokens: int | None = 16
@@ -208,6 +209,15 @@ class RLConfig:
         if self.max_entries is not None and self.max_entries < self.entries_per_generation:
             raise ValueError(f"max_entries ({self.max_entries}) x G < batch_size x minibatches: a generation "
                              f"needs {self.entries_per_generation} distinct entries")
+
+    def resolved(self, cpu_bf16: str, device_type: str, model_dir: Path | None = None) -> RLConfig:
+        """This config under THE dtype rule (`engine.dtype`) for a run on `device_type`: `bf16: null` and
+        `rollout_dtype: auto` made concrete (on a CPU the snapshot's dtype as `compute.cpu_bf16` says; on a GPU
+        the live model), so the run, its fingerprint and its summary name what it computes in."""
+        rollout = self.rollout_dtype
+        if rollout == "auto":
+            rollout = "live" if device_type != "cpu" else decode_dtype("auto", "cpu", cpu_bf16, model_dir)
+        return replace(self, rollout_dtype=rollout, bf16=train_bf16(self.bf16, device_type, cpu_bf16, model_dir))
 
     @property
     def guard(self) -> GuardConfig:

@@ -13,13 +13,14 @@ from __future__ import annotations
 import copy
 
 from rcgrpo_tasks.engine.cpu_attention import use_cpu_attention
-from rcgrpo_tasks.engine.models import bf16_supported
+from rcgrpo_tasks.engine.dtype import decode_dtype
 from rcgrpo_tasks.engine.vllm import VLLMBackend, VLLMServerBackend
 
 
 def rollout_dtype(setting: str, device_type: str):
-    """torch dtype of the rollout snapshot, or None to sample from the live training model. `auto`: on a CPU a
-    merged copy, in bf16 where the CPU has AMX (`engine.models.bf16_supported`), else in float32 (the same
+    """torch dtype of the rollout snapshot, or None to sample from the live training model. `auto` (a run
+    resolves it first: `RLConfig.resolved`): on a CPU a merged copy, in THE dtype rule's dtype (`engine.dtype`;
+    float32 by default: the same
     numbers as the trainer up to merge rounding, at about twice the live PEFT model's decode speed:
     docs/measured.md, "Engine"); on a GPU the live model."""
     import torch
@@ -27,7 +28,7 @@ def rollout_dtype(setting: str, device_type: str):
     if setting == "auto":
         if device_type != "cpu":
             return None
-        return torch.bfloat16 if bf16_supported() else torch.float32
+        return getattr(torch, decode_dtype("auto", "cpu"))
     return None if setting == "live" else getattr(torch, setting)
 
 

@@ -1,0 +1,78 @@
+"""THE dtype rule (`engine.dtype`): one setting, `compute.cpu_bf16`, decides a CPU's decoding dtype and training
+autocast for every stage; `auto` measures once per host and caches; explicit dtypes win; CUDA takes bf16 where
+it has it; every stage records what it resolved."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rcgrpo_tasks.engine import dtype as rule
+from rcgrpo_tasks.engine.compute import ComputeConfig
+from rcgrpo_tasks.engine.decoding import DecodeConfig
+from rcgrpo_tasks.ops.config import ConfigError, from_dict
+from rcgrpo_tasks.train.rl.config import RLConfig
+
+
+def test_off_and_on_decide_a_cpu_and_explicit_dtypes_win():
+    assert rule.decode_dtype("auto", "cpu") == "float32"  # the committed default: off
+    assert rule.decode_dtype("auto", "cpu", "on") == "bfloat16" and rule.train_bf16(None, "cpu", "on") is True
+    assert rule.decode_dtype("float32", "cpu", "on") == "float32" and rule.train_bf16(False, "cpu", "on") is False
+    assert rule.decode_dtype("bfloat16", "cpu", "off") == "bfloat16" and rule.train_bf16(True, "cpu") is True
+    with pytest.raises(ValueError, match="cpu_bf16"):
+        rule.decode_dtype("auto", "cpu", "yes")
+    with pytest.raises(ConfigError, match="cpu_bf16"):
+        from_dict(ComputeConfig, {"cpu_bf16": "maybe"}, "params.yaml:compute")
+
+
+def test_cuda_takes_bf16_where_it_has_it_whatever_the_cpu_setting(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert rule.decode_dtype("auto", "cuda", "off") == "bfloat16" and rule.train_bf16(None, "cuda", "off") is True
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert rule.decode_dtype("auto", "cuda", "on") == "float32" and rule.train_bf16(None, "cuda", "on") is False
+
+
+def test_auto_measures_once_per_host_and_reads_the_cache(tmp_path, monkeypatch):
+    """`auto` runs the calibration once, writes it under the host's key and reads it from there after; the
+    decision follows the measured speed-ups, decoding and training apart."""
+    monkeypatch.setenv("RCGRPO_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def fake(shape):
+        calls.append(shape)
+        return {"decode_speedup": 1.3, "train_speedup": 0.7, "seconds": 0.0}
+
+    monkeypatch.setattr(rule, "calibrate", fake)
+    rule._measured.cache_clear()
+    try:
+        got = rule.cpu_bf16("auto")
+        assert (got["decode"], got["train"]) == (True, False) and "measured" in got["source"]
+        rule._measured.cache_clear()
+        assert rule.decode_dtype("auto", "cpu", "auto") == "bfloat16" and rule.train_bf16(None, "cpu", "auto") is False
+        assert len(calls) == 1  # the second process-level call read the file
+        cached = json.loads(rule.cache_file().read_text())
+        assert list(cached) == [rule.host_key(rule.SMOLLM2_135M, __import__("torch").get_num_threads())]
+    finally:
+        rule._measured.cache_clear()
+
+
+def test_the_calibration_times_both_arms_at_the_stages_shapes():
+    """A real (tiny) calibration: positive speed-ups for decoding and training, and the shape it ran."""
+    got = rule.calibrate((64, 128, 4, 2, 16), layers=1, rows=2, tokens=32, reps=1)
+    assert got["decode_speedup"] > 0 and got["train_speedup"] > 0 and got["shape"] == [64, 128, 4, 2, 16]
+
+
+def test_stages_resolve_through_the_rule(tiny_model_dir):
+    """A decoding stage's backend arguments and an RL run's config come out concrete under the setting."""
+    decode = DecodeConfig(dtype="auto")
+    assert decode.backend_kwargs(ComputeConfig(device="cpu", cpu_bf16="on"))["dtype"] == "bfloat16"
+    assert decode.backend_kwargs(ComputeConfig(device="cpu"))["dtype"] == "float32"
+    rl = RLConfig().resolved("on", "cpu")
+    assert (rl.rollout_dtype, rl.bf16) == ("bfloat16", True)
+    assert (RLConfig().resolved("off", "cpu").rollout_dtype, RLConfig().resolved("off", "cuda").rollout_dtype) == (
+        "float32", "live")
+    assert rule.record("off", "cpu", "float32", False) == {"cpu_bf16": "off", "device": "cpu",
+                                                           "decode_dtype": "float32", "train_bf16": False}
