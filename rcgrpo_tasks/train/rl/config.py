@@ -43,7 +43,7 @@ class RLConfig:
     4 groups a step: chosen on the dev split (2 groups lost dev accuracy; docs/rl.md "Chosen on dev")."""
     micro_batch_size: int = 8
     """Rollouts per forward/backward on one device; batch_size must be a multiple (grad accumulation)."""
-    max_steps: int = 10
+    max_steps: int = 15
     """Optimizer steps. Paper: 400."""
     learning_rate: float = 1e-3
     """LoRA learning rate (paper, full fine-tuning: 1e-6); chosen on dev together with batch_size."""
