@@ -102,6 +102,7 @@ clean-venv:
 	rm -rf $(VENV)
 
 # The GPU lease kit's dry run on this CPU (docs/gpu-run.md "A run inside one lease"): the same commands, a
-# copy of the tree as the host, the smoke budgets on a tiny random-init model. Not in CI (minutes).
+# copy of the tree as the host, the smoke budgets on a tiny random-init model, then the GPU check on what
+# the lease set up (infra/gpu-host/check.sh run --device cpu). Not in CI (minutes).
 gpu-dryrun: venv
 	bash infra/gpu-host/dryrun.sh

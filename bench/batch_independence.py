@@ -64,7 +64,7 @@ def main() -> None:
     cfg = load_config(EvaluateConfig, args.params, "evaluate")
     prompt = load_config(PromptConfig, args.params, "prompt")
     backend = load_backend(cfg.decode.backend, args.model, args.adapter or None,
-                           **cfg.decode.backend_kwargs(load_compute(args.params).device))
+                           **cfg.decode.backend_kwargs(load_compute(args.params), args.model))
     print(f"model {args.model} + {args.adapter or 'no adapter'}, token {args.reward_token or 'none'}, "
           f"{backend.describe()}, threads {args.threads}")
     pool, differ = read_entries(args.entries), 0

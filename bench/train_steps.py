@@ -182,7 +182,7 @@ def evaluate_phase(params: Path, model: Path, entries: Path, split: Path, comput
     prompt = load_config(PromptConfig, params, "prompt")
     held_out = stratified(select_entries(read_entries(entries), split=split, side="test"), cfg.limit)
     batch = held_out[: cfg.decode.batch_rows]
-    backend = load_backend(cfg.decode.backend, model, None, **cfg.decode.backend_kwargs(compute.device))
+    backend = load_backend(cfg.decode.backend, model, None, **cfg.decode.backend_kwargs(compute, model))
     times, tokens = [], 0
     for _ in range(2):
         t0 = time.perf_counter()

@@ -3,11 +3,13 @@
 # the same commands in the same order, here, with a copy of the working tree standing in for the user's
 # checkout and another for the GPU host; the same profile with the smoke budgets and a tiny random-init
 # model of the configured architecture as `prepare_model.source` (`make_model.py --tiny`: minutes, not an
-# hour, on 2 cores). `make gpu-dryrun`; DRY (default /tmp/rcgrpo-gpudry) holds everything; exit 0 when the
-# bundle came back with every stage of the plan run or skipped.
+# hour, on 2 cores); then, in a further call carrying nothing, the GPU check on what the lease set up
+# (check.sh run --device cpu: the lease's site folder and models/base). `make gpu-dryrun`; DRY (default
+# /tmp/rcgrpo-gpudry) holds everything; exit 0 when the bundle came back with every stage of the plan run or
+# skipped and every step of the check passed.
 #   What only the GPU host exercises: CUDA, the wheels on its Python 3.12 (here they are only checked to be
 #   Python 3.12 manylinux wheels), the embedded GGUF as the model (here its parts are joined and checked,
-#   then the tiny model stands in), the RL pool rule (a random model solves nothing: `min_sampled_success`
+#   then the tiny model stands in), the RL pool rule (a random model solves nothing: `rl.pool_band`
 #   is off here).
 set -euo pipefail
 src=$(cd "$(dirname "$0")/../.." && pwd)
@@ -16,7 +18,8 @@ PROFILE=${PROFILE:-gpu+lease}
 DRY=${DRY:-/tmp/rcgrpo-gpudry}
 export PATH="$venv/bin:$PATH" PY="$venv/bin/python"
 rm -rf "$DRY" && mkdir -p "$DRY"/here "$DRY"/host "$DRY"/out
-copy_tree() { (cd "$1" && git ls-files -co --exclude-standard -z | tar --null -cf - -T -) | tar -xf - -C "$2"; }
+# the working tree as git sees it; a tracked file deleted in it is passed over
+copy_tree() { (cd "$1" && git ls-files -co --exclude-standard -z | tar --null --ignore-failed-read -cf - -T - 2>/dev/null) | tar -xf - -C "$2"; }
 t0=$(date +%s)
 say() { echo "[dryrun $(( $(date +%s) - t0 )) s] $*"; }
 
@@ -28,7 +31,7 @@ git init -q && git add -A && git -c user.name=dryrun -c user.email=dryrun@localh
 "$PY" infra/gpu-host/make_model.py build --spec "$DRY/spec" --out "$DRY/tiny-model" --dtype float32 --tiny
 cat > "$DRY/tiny.yaml" <<YAML
 prepare_model: {source: $DRY/tiny-model}
-rl: {min_sampled_success: null}
+rl: {pool_band: null}
 YAML
 rcgrpo params --profile "$PROFILE+smoke+dryrun+$DRY/tiny.yaml"
 dvc repro -q validate_trajectories label_rewards@sft
@@ -37,7 +40,9 @@ infra/gpu-host/pack-plan.sh
 
 say "there: the GPU host ($DRY/host), calls 1-3 as docs/gpu-run.md lists them, then polls"
 copy_tree "$DRY/here" "$DRY/host"
+cp -r "$DRY/here/.git" "$DRY/host/"  # as the device tool's copy: a checkout whose HEAD has the hand-written params
 export STASH="$DRY/stash" SITE="$DRY/site" WORK="$DRY/work" ENV_FILE="$DRY/gpuhost.env" GPUHOST_DRYRUN=1
+export CHECK_WORK="$DRY/check"
 export JOBS=${JOBS:-2}
 # The host has python3 and the system's tools, not this venv's commands: `rcgrpo` must come from the kit.
 mkdir -p "$DRY/pybin"  # a wrapper, not a link: a linked venv python does not find its venv
@@ -59,7 +64,7 @@ n=4
 until [ -f "$WORK/run/exit_code" ]; do call $n -- bash infra/gpu-host/poll.sh 540; n=$((n + 1)); done
 
 say "back here: the bundle"
-bundle=$(ls -t "$DRY"/out/call*/bundle.tar.gz | head -n 1)
+bundle=$(find "$DRY/out" -name bundle.tar.gz -printf '%T@ %p\n' | sort -n | tail -n 1 | cut -d' ' -f2-)
 mkdir -p "$DRY/back" && tar -xzf "$bundle" -C "$DRY/back"
 "$PY" - "$DRY/back/timings.json" <<'PY'
 import json, sys
@@ -70,5 +75,8 @@ for k, v in t["stages"].items():
     print(f"  {k:<28} {v['status']:<8} {v['wall_s']:>7.1f}")
 sys.exit(f"dry run: stages not run or failed: {bad}" if bad else 0)
 PY
-say "done: exit code $(cat "$WORK/run/exit_code"); report: $DRY/back/results/report/table.md"
-[ "$(cat "$WORK/run/exit_code")" = 0 ]
+[ "$(cat "$WORK/run/exit_code")" = 0 ] || { say "run-plan exit code $(cat "$WORK/run/exit_code")"; exit 1; }
+
+say "there, the same lease: the GPU check on the lease's wheels and models/base (docs/gpu-run.md)"
+call $n -- TEST_MODULES=tests/test_device.py bash infra/gpu-host/check.sh run --device cpu
+say "done: report $DRY/back/results/report/table.md, check log $DRY/out/call$n/gpu-check.log"

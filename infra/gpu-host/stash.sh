@@ -3,7 +3,9 @@
 # parts of p1 / p2) in $STASH, outside the working tree the next call re-syncs. docs/gpu-run.md, calls 1-2.
 #   bash infra/gpu-host/stash.sh p1
 set -euo pipefail
-part=${1:?usage: stash.sh p1|p2}; STASH=${STASH:-/root/gpuhost-stash}; PACK=${PACK:-.gpuhost}
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$(dirname "$0")/lib.sh"
+part=${1:?usage: stash.sh p1|p2}; PACK=${PACK:-.gpuhost}
 [ -d "$PACK/$part" ] || { echo "stash: no $PACK/$part here: carry it with this call" >&2; exit 2; }
 mkdir -p "$STASH" && cp "$PACK/$part"/* "$STASH/"
 ls -l "$STASH"
