@@ -68,10 +68,10 @@ pipeline: venv
 XDIST = -n auto --maxprocesses=4 --dist loadfile
 
 test: venv
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -m "not slow" $(XDIST)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -m "not slow" --durations=15 $(XDIST)
 
 # The architecture and style checks CI runs beside the tests (config in pyproject.toml): the import layers
-# (cli -> stages -> train -> data -> engine -> env -> ops) and ruff.
+# (cli -> stages -> evaluation -> train -> data -> engine -> env -> ops; train's two wings apart) and ruff.
 lint: venv
 	$(BIN)/ruff check .
 	cd $(CURDIR) && $(BIN)/lint-imports

@@ -65,12 +65,12 @@ class Spec:
 
 
 def read_spec(path: Path) -> Spec:
-    """The spec file, checked: cells of the rl matrix, a mapping of candidates (names usable as folders)."""
+    """The spec file, checked: cells of the rl grid (init-algo), a mapping of candidates (names usable as folders)."""
     raw = read_params(path)
     cells = tuple(raw.get("cells") or ())
     bad = [c for c in cells if c.partition("-")[0] not in INITS or c.partition("-")[2] not in ALGOS]
     if not cells or bad:
-        raise ConfigError(f"{path}: cells must be init-algo names of the rl matrix "
+        raise ConfigError(f"{path}: cells must be init-algo names of the rl grid "
                           f"({INITS} x {ALGOS}), got {list(cells) or 'none'}")
     candidates = raw.get("candidates")
     if not isinstance(candidates, dict) or not candidates:

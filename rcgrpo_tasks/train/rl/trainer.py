@@ -47,7 +47,7 @@ MODEL_META_FILE = "rcgrpo_model.json"
 
 @dataclass(frozen=True)
 class RLRun(runs.RunSpec):
-    """One grid cell and its paths (CLI arguments, not params: the DVC matrix varies them)."""
+    """One grid cell and its paths (CLI arguments, not params: dvc.yaml's foreach over params `grid.rl` varies them)."""
 
     init: str
     algo: str

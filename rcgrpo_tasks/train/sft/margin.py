@@ -6,7 +6,8 @@ For an entry with an expert answer E and a near miss N of kind k (a well-formed 
 
 where lp(x | token) is the summed log-probability of the model's tokens of x (the completion mask: the
 assistant's tokens, never the prompt or the environment's) with the reward goal of `token` in the prompt.
-It is exactly 0 for a model that ignores its token, whatever it thinks of E and N, and positive when the
+It is 0 for a model that ignores its token (up to the packed forward's float rounding, ~1e-5: the test
+bounds it at 5e-5), whatever it thinks of E and N, and positive when the
 high token moves probability toward the success relative to the failure. Sampling cannot see a shift of a
 tenth of a nat on a 135M model (a sampled gap has SE ~0.09 at 16 entries x 3 samples); this can.
 
