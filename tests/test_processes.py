@@ -228,6 +228,7 @@ def test_rl_on_two_processes_equals_one_process_at_twice_the_micro_batch(rl_runs
     print(f"rl: one process {seconds['one_s']:.1f} s, two processes {seconds['two_s']:.1f} s")
 
 
+@pytest.mark.slow
 def test_plain_grpo_on_two_processes_equals_one_process(rl_runs):
     """GRPO from the SFT init (no reward token; scripted rewards alternate within each group)."""
     root, model_dir, _ = rl_runs
@@ -245,6 +246,7 @@ def test_plain_grpo_on_two_processes_equals_one_process(rl_runs):
                    _safetensors(model_dir / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_on_two_processes_refills_as_one_process_does(rl_runs):
     """Entries ending in an even digit are flat: dynamic sampling drops their groups and refills the slots
     with entries drawn for the whole batch, each process decoding its own slots."""
@@ -266,6 +268,7 @@ def test_dynamic_sampling_on_two_processes_refills_as_one_process_does(rl_runs):
                    _safetensors(model_dir / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_two_process_rl_stopped_by_sigterm_resumes_to_the_same_run(rl_runs):
     """SIGTERM to the stage while step 2 runs: every process finishes and checkpoints the same step, exit 143,
     nothing published; the rerun resumes from that checkpoint and ends where the uninterrupted run ended."""

@@ -5,7 +5,7 @@ outputs, the registry alias moves (and not for a worse model), no test credentia
 param / tracked file; faults: S3 killed mid-flow -> push retried then a clear failure, re-run after
 restart skips finished stages; MLflow down at start -> clear error before any stage.
 
-Marked `integration` (run in CI, ~3-4 min on 2 cores). Every process it starts is stopped in a finalizer.
+Marked `integration` and `slow` (~3-4 min of a core: `make test-all` runs it, CI does not). Every process it starts is stopped in a finalizer.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from helpers import REPO_ROOT, copy_tree, free_port_base
 from rcgrpo_tasks.ops import stack as st
 from rcgrpo_tasks.ops import stack_state
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(REPO_ROOT))
 CHEAP_STAGES = ("prepare_data", "prepare_model")  # the cheap real stages, if dvc.yaml has them
