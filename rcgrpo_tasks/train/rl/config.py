@@ -45,7 +45,7 @@ class RLConfig:
     """Rollouts per forward/backward on one device; batch_size must be a multiple (grad accumulation)."""
     max_steps: int = 15
     """Optimizer steps. Paper: 400."""
-    learning_rate: float = 1e-3
+    learning_rate: float = 3e-4
     """LoRA learning rate (paper, full fine-tuning: 1e-6); chosen on dev together with batch_size."""
     lr_scheduler: str = "constant"
     """transformers scheduler name."""
