@@ -148,10 +148,32 @@ def test_obedient_policy_has_full_gap(tok, protocol):
     assert metrics["sampled"]["samples_per_token"] == 2 and metrics["sampled"]["temperature"] == 1.0
     assert metrics["greedy"]["identical_outputs"] == 0 and metrics["sampled"]["identical_outputs"] == 0
     assert metrics["sampled"]["pairs"] == 4 and "margin" not in metrics
+    premise = metrics["sampled"]["premise"]  # every high success fails under low: q = 1, the gate passes
+    assert premise["q"] == 1.0 and premise["high_only"] == 4 and premise["low_only"] == 0
+    assert metrics["premise_gate"]["passed"] and metrics["premise_gate"]["min_q"] == cfg.premise_min_q
     # p_h = 1, p_l = 0: all-high groups never vary; mixed G=4 groups only when all 4 tokens agree (2 / 16).
     z = metrics["zero_variance"]
     assert z["all_high"] == 1.0 and z["mixed"] == pytest.approx(0.125) and z["G"] == 4
     assert metrics["entries"] == [e.id for e in entries]
+
+
+def test_q_counts_paired_rollouts_and_its_interval_resamples_entries():
+    """q = P(low fails | high succeeds) over pairs (same entry, same row seed); the discordant pairs behind the
+    gap and their exact McNemar p; the interval from resampled entries, NaN-free unless no high success is left."""
+    pairs = {"a": [(1, 0), (1, 0), (0, 0)], "b": [(1, 1), (0, 1), (1, 0)], "c": [(0, 0), (0, 0), (0, 0)]}
+    q = ctl.q_stats(pairs, n_boot=500)
+    assert q["q"] == pytest.approx(3 / 4) and (q["high_successes"], q["high_only"], q["low_only"]) == (4, 3, 1)
+    assert q["pairs"] == 9 and q["mcnemar_p"] == pytest.approx(0.625)
+    assert 0.0 <= q["q_ci"][0] <= 0.75 <= q["q_ci"][1] <= 1.0
+    none = ctl.q_stats({"a": [(0, 0), (0, 1)]}, n_boot=100)
+    assert math.isnan(none["q"]) and all(math.isnan(x) for x in none["q_ci"])
+
+
+@pytest.mark.parametrize("q,low,passed,why", [(0.4, 0.02, True, "met"), (0.2, 0.02, False, "q 0.200 < 0.3"),
+                                               (0.5, 0.0, False, "CI low"), (float("nan"), -0.1, False, "q nan")])
+def test_the_premise_gate_needs_q_and_a_gap_above_zero(q, low, passed, why):
+    gate = ctl.premise_gate({"premise": {"q": q}, "gap_ci": [low, 0.3]}, 0.3)
+    assert gate["passed"] is passed and why in gate["why"]
 
 
 def test_cli_on_tiny_rctp_model(tiny_model_dir, tmp_path, monkeypatch):

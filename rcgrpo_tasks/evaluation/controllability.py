@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from rcgrpo_tasks.env.tasks import task_of_entries
 from rcgrpo_tasks.evaluation.heldout import check_side
 from rcgrpo_tasks.ops.config import flat_field
 from rcgrpo_tasks.ops.inputs import InputError
-from rcgrpo_tasks.ops.stats import check_n_boot, mean, paired_bootstrap_ci
+from rcgrpo_tasks.ops.stats import check_n_boot, mcnemar_exact, mean, paired_bootstrap_ci
 from rcgrpo_tasks.train.rl.config import RLConfig
 from rcgrpo_tasks.train.sft.margin import REPLAY_OUTPUTS, read_token
 
@@ -55,6 +56,9 @@ class ControllabilityConfig:
     """Held-out entries of the margin (round-robin over `categories`); null = every held-out entry."""
     margin_kinds: tuple[str, ...] | None = None
     """Near-miss kinds of the margin; null = every kind the task knows."""
+    premise_min_q: float = 0.3
+    """RC-GRPO's premise gate (`premise_gate`): the sampled arm's q (P(low fails | high succeeds), paired
+    rollouts) at least this, and its sampled gap's 95 % CI above 0. RCTP's design target."""
     guidance: float = 0.0
     """> 0: a third arm, `guided`: the sampled arm again with reward-token guidance of this scale
     (`SamplingParams.guidance`; each token pushed further toward its own goal), same seeds, so its gap
@@ -63,6 +67,8 @@ class ControllabilityConfig:
     def __post_init__(self) -> None:
         if self.guidance < 0:
             raise ValueError("guidance must be >= 0")
+        if not 0.0 <= self.premise_min_q <= 1.0:
+            raise ValueError(f"premise_min_q must lie in [0, 1], got {self.premise_min_q}")
         check_categories(self.categories)
         if self.margin_entries is not None and self.margin_entries < 1:
             raise ValueError("margin_entries must be >= 1 or null (every held-out entry)")
@@ -148,6 +154,48 @@ def zero_variance_stats(rates_high: list[float], rates_low: list[float], g: int,
             "mixed_minus_all_high": diff, "mixed_minus_all_high_ci": [lo, hi]}
 
 
+def paired_rewards(trajs: list, high: str, low: str) -> dict[str, list[tuple[float, float]]]:
+    """Per entry, the (high, low) paper rewards of its paired rollouts: the i-th under each token share a
+    row seed (`arm`), in first-seen entry order."""
+    said: dict[tuple[str, str], list[float]] = {}
+    for t in trajs:
+        said.setdefault((t.entry_id, t.reward_token), []).append(float(t.score["paper_reward"]))
+    return {entry: list(zip(rs, said.get((entry, low), []))) for (entry, token), rs in said.items() if token == high}
+
+
+def q_stats(pairs: dict[str, list[tuple[float, float]]], n_boot: int = 2000, seed: int = 0) -> dict:
+    """RC-GRPO's premise as RL needs it: q = P(low fails | high succeeds) over paired rollouts (same entry, same
+    row seed), with a 95 % CI from resampling entries (the ratio of the resampled sums; NaN bounds when no
+    high success is left to divide by), and the discordant pairs behind the sampled gap with their exact
+    McNemar p (`high_only`: success under high only; `low_only`: under low only)."""
+    flat = [(e, h, w) for e, ps in pairs.items() for h, w in ps]
+    high_wins = sum(1 for _, h, _w in flat if h)
+    high_only = sum(1 for _, h, w in flat if h and not w)
+    low_only = sum(1 for _, h, w in flat if w and not h)
+    per = [(sum(1 for h, w in ps if h and not w), sum(1 for h, _w in ps if h)) for ps in pairs.values()]
+    rng, ratios = random.Random(seed), []
+    for _ in range(n_boot if per else 0):
+        draw = [per[rng.randrange(len(per))] for _ in per]
+        den = sum(d for _, d in draw)
+        if den:
+            ratios.append(sum(a for a, _ in draw) / den)
+    ratios.sort()
+    ci = ([ratios[int(0.025 * len(ratios))], ratios[min(len(ratios) - 1, int(math.ceil(0.975 * len(ratios))) - 1)]]
+          if len(ratios) >= 0.9 * n_boot else [float("nan"), float("nan")])
+    return {"q": high_only / high_wins if high_wins else float("nan"), "q_ci": ci, "pairs": len(flat),
+            "high_successes": high_wins, "high_only": high_only, "low_only": low_only,
+            "mcnemar_p": mcnemar_exact(high_only, low_only)}
+
+
+def premise_gate(sampled: dict, min_q: float) -> dict:
+    """Does the model read its token as RC-GRPO needs (the sampled arm's stats)? `passed` when q >= `min_q`
+    and the sampled gap's CI lies above 0; `why` names what failed."""
+    q, lo = sampled["premise"]["q"], sampled["gap_ci"][0]
+    missed = ([f"q {q:.3f} < {min_q}"] if not q >= min_q else []) + ([f"sampled gap CI low {lo:+.3f} <= 0"]
+                                                                     if not lo > 0 else [])
+    return {"min_q": min_q, "q": q, "gap_ci_low": lo, "passed": not missed, "why": "; ".join(missed) or "met"}
+
+
 def identical_outputs(trajs: list, high: str, low: str) -> int:
     """Paired rollouts (same entry, same row seed: the i-th under each token) whose assistant messages are
     the same under both tokens: the token changed nothing. Greedy: one pair per entry."""
@@ -194,7 +242,8 @@ def arm(cfg: ControllabilityConfig, backend, entries: list, proto, sampling: Sam
              "partial_credit_gap": partial["gap"], "partial_credit_gap_ci": partial["gap_ci"],
              "model_tokens_high": mean([t.n_model_tokens for t in trajs if t.reward_token == high]),
              "model_tokens_low": mean([t.n_model_tokens for t in trajs if t.reward_token == low]),
-             "pairs": len(entries) * k, "identical_outputs": identical_outputs(trajs, high, low)}
+             "pairs": len(entries) * k, "identical_outputs": identical_outputs(trajs, high, low),
+             "premise": q_stats(paired_rewards(trajs, high, low), cfg.n_bootstrap, cfg.seed)}
     return stats, trajs
 
 
@@ -226,6 +275,7 @@ def measure(cfg: ControllabilityConfig, prompt: PromptConfig, tokens: tuple[str,
                                          {**prov, "arm": "guided", "guidance": cfg.guidance})
         metrics["guided"]["guidance"] = cfg.guidance
         trajs += g_trajs
+    metrics["premise_gate"] = premise_gate(metrics["sampled"], cfg.premise_min_q)
     scores = [{"entry_id": t.entry_id, "reward_token": t.reward_token, **t.score} for t in s_trajs]
     _, _, rates_high, rates_low = per_entry(scores, high, low, "paper_reward")
     metrics["zero_variance"] = zero_variance_stats(rates_high, rates_low, rl.num_generations, rl.p_high,

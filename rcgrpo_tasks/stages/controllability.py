@@ -58,7 +58,7 @@ from rcgrpo_tasks.evaluation.controllability import (
     measure,
     rl_record,
 )
-from rcgrpo_tasks.ops import tracking
+from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config
 from rcgrpo_tasks.ops.outputs import write_json
@@ -89,6 +89,8 @@ def main(
     metrics: Path = typer.Option(Path("metrics/controllability.json"), help="Output: metrics JSON."),
     trajectories: Path | None = typer.Option(None, help="Output: the rollouts of both arms as trajectory JSONL."),
     params: Path = typer.Option(Path("params.yaml"), help="Params (sections `controllability`, `label_rewards`, `rl`)."),
+    grid_seed: int | None = typer.Option(None, help="The grid seed of the measured model (params `grid.seeds`; "
+                                         "MLflow tags rcgrpo.cell / rcgrpo.seed)."),
 ) -> None:
     """Sampled (RL settings) and greedy E[R|high] - E[R|low] of a reward-conditioned model, with CIs."""
     with cli_errors(FileNotFoundError):
@@ -105,9 +107,11 @@ def main(
     typer.echo(f"controllability: decoding on {backend.describe().get('device')}")
     run_params = {"controllability": as_dict(cfg), "prompt": as_dict(prompt), "rl": rl_record(rl),
                   "adapter": str(adapter_dir), "tokens": list(tokens), "side": side}
-    with tracking.published_run("controllability", run_params, outputs=(metrics, trajectories)) as (_, staged):
+    with tracking.published_run("controllability", run_params, outputs=(metrics, trajectories),
+                                tags=tracking_log.grid_tags("rctp", grid_seed)) as (_, staged):
         result, trajs = measure(cfg, prompt, tokens, backend, picked, rl,
                                 {"model": str(model_dir), "adapter": str(adapter_dir)}, margin_set)
+        result["grid_seed"] = grid_seed
         result["side"], result["dtype"] = side, record(compute.cpu_bf16, compute.resolve().type, dtype)
         write_json(staged.file(metrics), result)
         if trajectories:
@@ -119,9 +123,15 @@ def main(
     greedy += f"; guided (w={cfg.guidance}) gap {_ci(result['guided'], 'gap')}" if "guided" in result else ""
     typer.echo(f"controllability over {result['n_entries']} {side} entries: sampled (T={s['temperature']}, "
                f"{s['samples_per_token']}/token) R|high {s['success_rate_high']:.3f} R|low {s['success_rate_low']:.3f} "
-               f"gap {_ci(s, 'gap')} ({s['identical_outputs']} of {s['pairs']} pairs identical){greedy}; "
+               f"gap {_ci(s, 'gap')} ({s['identical_outputs']} of {s['pairs']} pairs identical), q "
+               f"{s['premise']['q']:.3f} [{s['premise']['q_ci'][0]:.3f}, {s['premise']['q_ci'][1]:.3f}] "
+               f"({s['premise']['high_only']} high-only vs {s['premise']['low_only']} low-only, exact p "
+               f"{s['premise']['mcnemar_p']:.2g}){greedy}; "
                f"zero-variance share (G={z['G']}) all-high {z['all_high']:.3f} mixed {z['mixed']:.3f}; "
                f"{result['rollout_s']} s")
+    gate = result["premise_gate"]
+    typer.echo(f"premise gate (q >= {gate['min_q']}, sampled gap CI above 0): "
+               f"{'PASSED' if gate['passed'] else 'MISSED: ' + gate['why']}")
     if "margin" in result:
         m, rows = result["margin"], result["token_rows"]
         kinds = ", ".join(f"{k} {v['margin']:+.3f}" for k, v in m["kinds"].items())
