@@ -1,18 +1,20 @@
-"""RCTP design levers, one at a time: does the RCTP model read its reward token, and at what cost?
+"""RCTP designs on dev, over seeds: does the RCTP model read its reward token as RC-GRPO needs (q), and at what
+cost to its success under `<|high_reward|>`?
 
-Each design is the pipeline's own `sft@rctp` run (`rcgrpo sft --variant rctp`) with params overrides of the
-`sft.variants.rctp` section, followed by the pipeline's own controllability check (`rcgrpo controllability`:
-teacher-forced margin, greedy and paired sampled gaps at the RL temperature) on the dev entries (`--side`:
-designs are chosen on dev; `test` only to re-measure a chosen one), on the
-outputs `dvc repro label_rewards@rctp` left (data/datasets/rctp.jsonl, models/sft/sft). Designs run one
-after another on the same inputs and seeds; each prints one JSON line: the design, RCTP's train seconds,
-the margin with its CI and share of entries > 0 (overall and per near-miss kind), the token rows' distance
-ratio, the greedy gap and identical pairs, the sampled gap with its CI, and the check's seconds.
+Each (design, seed) is the pipeline's own `sft@rctp` run (`rcgrpo sft --variant rctp`) with params overrides
+of the `sft.variants.rctp` section and `seed` set, followed by the pipeline's own controllability check
+(`rcgrpo controllability --side dev`: the sampled arm at the RL temperature, paired rollouts) on the dev entries
+(designs are chosen on dev; `--side test` only re-measures a chosen one), on the outputs `dvc repro
+label_rewards@rctp` left (data/datasets/rctp.jsonl, models/sft/sft) or another RCTP set (`--data`, per design:
+`NAME@path:...`). Each run prints one JSON line (design, seed, RCTP seconds, q with its CI and discordant pairs,
+R|high, R|low, the sampled gap with its CI, identical pairs, the premise gate, the check's seconds; the margin
+when `controllability.margin` is on); the end prints the design table: q per seed, the least q, R|high per seed
+against `--bar` (the SFT model's dev pass@1, `rcgrpo evaluate --side dev`), and whether the design meets the
+target (q >= controllability.premise_min_q in every seed and mean R|high >= the bar).
 
-Run: `python bench/rctp_design.py --design base:init=base --design sft:init=sft
---design sft_10x_pairs:init=sft,token_lr_multiplier=10,row_order=pairs [--set controllability.n_entries=16]`
-(a design = NAME:key=value,... over `sft.variants.rctp`; `--set section.key=value` changes the base params;
-`--data` another RCTP set, e.g. `rcgrpo label-rewards` with `label_rewards.failures: near_miss`).
+Run: `python bench/rctp_design.py --seeds 0,1,2 --bar 0.2625 --design strat:row_order=stratified
+--design strat_ul@data/rctp64.jsonl:row_order=stratified,unlikelihood=1 --set controllability.margin=false
+--set controllability.n_entries=60 --set controllability.samples_per_token=4 --work sweeps/rctp`.
 Measured: docs/rl.md, "RCTP design".
 """
 
@@ -44,8 +46,8 @@ def design_params(base: dict, overrides: dict, sets: list[str]) -> dict:
     return params
 
 
-def run_design(name: str, overrides: dict, base: dict, sets: list[str], work: Path,
-               data: str = "data/datasets/rctp.jsonl", side: str = "dev") -> dict:
+def run_design(name: str, overrides: dict, base: dict, sets: list[str], work: Path, data: str, side: str) -> dict:
+    """One RCTP run and its controllability check; the row the table is built from."""
     params = work / f"{name}.yaml"
     params.write_text(yaml.safe_dump(design_params(base, overrides, sets), sort_keys=False))
     init = "models/sft/sft" if overrides.get("init", base["sft"]["variants"]["rctp"].get("init")) == "sft" else ""
@@ -64,40 +66,76 @@ def run_design(name: str, overrides: dict, base: dict, sets: list[str], work: Pa
     check_s = time.perf_counter() - t0
     m = json.loads((out / "ctl.json").read_text())
     sft = json.loads((out / "sft.json").read_text())
-    mg, g, s = m["margin"], m["greedy"], m["sampled"]
-    return {"design": name, "side": side, "overrides": overrides, "rctp_steps": sft["steps"], "rctp_s": round(train_s, 1),
-            "margin": round(mg["margin"], 3), "margin_ci": [round(x, 3) for x in mg["ci"]],
-            "margin_share_positive": round(mg["share_positive"], 2), "margin_entries": mg["n_entries"],
-            "kinds": {k: round(v["margin"], 3) for k, v in mg["kinds"].items()},
-            "token_rows_ratio": round(m["token_rows"]["ratio"], 3),
-            "greedy_gap": g["gap"], "greedy_identical": f"{g['identical_outputs']}/{g['pairs']}",
-            "greedy_high": g["success_rate_high"], "sampled_gap": round(s["gap"], 3),
-            "sampled_gap_ci": [round(x, 3) for x in s["gap_ci"]], "sampled_high": round(s["success_rate_high"], 3),
-            "sampled_low": round(s["success_rate_low"], 3),
-            "sampled_identical": f"{s['identical_outputs']}/{s['pairs']}", "check_s": round(check_s, 1)}
+    s, q = m["sampled"], m["sampled"]["premise"]
+    row = {"design": name, "side": side, "overrides": overrides, "data": data, "rctp_steps": sft["steps"],
+           "rctp_s": round(train_s, 1), "q": round(q["q"], 3), "q_ci": [round(x, 3) for x in q["q_ci"]],
+           "high_only": q["high_only"], "low_only": q["low_only"], "mcnemar_p": q["mcnemar_p"],
+           "sampled_high": round(s["success_rate_high"], 4), "sampled_low": round(s["success_rate_low"], 4),
+           "sampled_gap": round(s["gap"], 4), "sampled_gap_ci": [round(x, 4) for x in s["gap_ci"]],
+           "sampled_identical": f"{s['identical_outputs']}/{s['pairs']}", "gate": m["premise_gate"],
+           "check_s": round(check_s, 1)}
+    if "greedy" in m:
+        row |= {"greedy_gap": m["greedy"]["gap"], "greedy_high": m["greedy"]["success_rate_high"]}
+    if "margin" in m:
+        row |= {"margin": round(m["margin"]["margin"], 3), "token_rows_ratio": round(m["token_rows"]["ratio"], 3)}
+    return row
 
 
-def parse_design(text: str) -> tuple[str, dict]:
-    name, _, body = text.partition(":")
-    return name, {k: _value(v) for k, v in (kv.split("=", 1) for kv in body.split(",") if kv)}
+def parse_design(text: str) -> tuple[str, str | None, dict]:
+    """`NAME[@data]:key=value,...` -> (name, data or None, overrides)."""
+    head, _, body = text.partition(":")
+    name, _, data = head.partition("@")
+    return name, data or None, {k: _value(v) for k, v in (kv.split("=", 1) for kv in body.split(",") if kv)}
+
+
+def table(rows: list[dict], min_q: float, bar: float | None) -> str:
+    """One line per design: q and R|high per seed, the least q, the mean R|high, the target met or not."""
+    lines = ["| design | data | q per seed [95% CI] | least q | R\\|high per seed | mean R\\|high | gap per seed "
+             "| target |", "|---|---|---|---|---|---|---|---|"]
+    for name in dict.fromkeys(r["design"].rsplit("-s", 1)[0] for r in rows):
+        mine = [r for r in rows if r["design"].rsplit("-s", 1)[0] == name]
+        qs = [r["q"] for r in mine]
+        high = sum(r["sampled_high"] for r in mine) / len(mine)
+        met = min(qs) >= min_q and (bar is None or high >= bar)
+        lines.append(f"| {name} | {Path(mine[0]['data']).name} | "
+                     + ", ".join(f"{r['q']:.2f} [{r['q_ci'][0]:.2f}, {r['q_ci'][1]:.2f}]" for r in mine)
+                     + f" | {min(qs):.2f} | " + ", ".join(f"{r['sampled_high']:.3f}" for r in mine)
+                     + f" | {high:.3f} | " + ", ".join(f"{r['sampled_gap']:+.3f}" for r in mine)
+                     + f" | {'met' if met else 'missed'} |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--design", action="append", required=True, help="NAME:key=value,... over sft.variants.rctp")
+    ap.add_argument("--design", action="append", required=True, help="NAME[@data]:key=value,... over sft.variants.rctp")
+    ap.add_argument("--seeds", default="0", help="comma-separated RCTP seeds (sft.variants.rctp.seed)")
     ap.add_argument("--set", action="append", default=[], help="section.key=value on the base params")
     ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("--data", default="data/datasets/rctp.jsonl", help="the RCTP set (label_rewards@rctp's by default)")
+    ap.add_argument("--data", default="data/datasets/rctp.jsonl", help="the RCTP set of designs that name none")
     ap.add_argument("--side", default="dev", help="controllability's entries: dev (choosing) | test (reporting)")
-    ap.add_argument("--work", default=None, help="folder for the designs' outputs (default: a temp folder)")
+    ap.add_argument("--bar", type=float, default=None, help="R|high to keep: the SFT model's dev pass@1 (0..1)")
+    ap.add_argument("--work", default=None, help="folder for the runs' outputs (default: a temp folder)")
     args = ap.parse_args()
     base = yaml.safe_load(Path(args.params).read_text())
     work = Path(args.work or tempfile.mkdtemp(prefix="rctp_design_"))
     work.mkdir(parents=True, exist_ok=True)
+    rows = []
     for text in args.design:
-        name, overrides = parse_design(text)
-        print(json.dumps({**run_design(name, overrides, base, args.set, work, args.data, args.side), "data": args.data}),
-              flush=True)
+        name, data, overrides = parse_design(text)
+        for seed in (int(s) for s in args.seeds.split(",")):
+            done = work / f"{name}-s{seed}.json"
+            if done.is_file():  # resumable: a finished run is read back
+                row = json.loads(done.read_text())
+            else:
+                row = run_design(f"{name}-s{seed}", {**overrides, "seed": seed}, base, args.set, work,
+                                 data or args.data, args.side)
+                done.write_text(json.dumps(row))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    min_q = design_params(base, {}, args.set)["controllability"].get("premise_min_q", 0.3)
+    text = table(rows, min_q, args.bar)
+    (work / "table.md").write_text(text)
+    print(text)
     print(f"outputs: {work}", file=sys.stderr)
 
 

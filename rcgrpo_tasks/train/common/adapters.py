@@ -223,14 +223,17 @@ def scale_row_updates(optimizer, weights: list, rows: list[int], multiplier: flo
     optimizer.register_step_post_hook(after)
 
 
-def compact_head_loss(trainer, model, inputs: dict, num_items_in_batch=None):
+def compact_head_loss(trainer, model, inputs: dict, num_items_in_batch=None, objective=None):
     """Token-mean NLL projecting only the labelled (assistant) positions through the LM head.
 
     TRL's fused head scores every position on devices without Triton; assistant tokens are a small share
     of these chats (long system prompts and tool outputs), so this skips most of the 49k-wide head work.
     Same loss and the same logged metrics (entropy, token accuracy, token count) as TRL's path. A
     micro-batch's shared tokens (an RCTP pair's prompt) go through the trunk once (`shared_prefix`, at the
-    trainer's `shared_prefix` threshold).
+    trainer's `shared_prefix` threshold). `objective(logp, targets, mask, inputs) -> (weights, extra)`, when
+    given, reweights each labelled token's NLL (`weights`, one per labelled position, or None) and adds `extra`
+    (a summed loss term) before the division by the token count: the RCTP objective's hook
+    (`train.sft.objective`).
     """
     import torch
 
@@ -251,7 +254,8 @@ def compact_head_loss(trainer, model, inputs: dict, num_items_in_batch=None):
     tgt = labels[:, 1:][mask]
     nll = -logp.gather(-1, tgt[:, None]).squeeze(-1)
     denom = num_items_in_batch if num_items_in_batch is not None else mask.sum().clamp(min=1)
-    loss = nll.sum() / denom
+    weights, extra = objective(logp, tgt, mask, inputs) if objective is not None else (None, 0.0)
+    loss = ((nll if weights is None else nll * weights).sum() + extra) / denom
     with torch.no_grad():
         n = max(int(mask.sum()), 1)
         metrics = trainer._metrics["train"]

@@ -83,11 +83,20 @@ class SftConfig:
     output is then the merged model folder. RCTP from SFT mirrors the paper, whose RCTP starts from an
     instruct model that already calls tools: the first steps are not spent teaching the call format. With
     `full_finetune` every weight of the SFT model trains and the output is a full folder as usual."""
-    row_order: Literal["balanced", "pairs"] = "balanced"
+    row_order: Literal["balanced", "pairs", "stratified"] = "balanced"
     """`balanced`: rows interleaved over tokens and reshuffled by the data sampler; `pairs`: each prompt's
     rows side by side, pairs shuffled, that order kept (`rows.pair_order`: a pair's two rows share a
-    micro-batch when `batch_size` is even, else follow each other). One process: under DDP each rank would
-    need its own slice of the pairs."""
+    micro-batch when `batch_size` is even, else follow each other); `stratified`: the pairs alternate between
+    those whose failure is the base model's (prose) and the others, the smaller kind cycled
+    (`rows.stratified_order`: with micro-batch 2 and accumulation 2 every optimizer step holds one of each).
+    One process: under DDP each rank would need its own slice of the pairs."""
+    first_token_weight: float = 1.0
+    """The first answer token of both rows of a pair whose answers part there counts this many times in the NLL
+    (`objective`): the token where a reward token can part a success from a format-divergent failure.
+    1 = TRL's token-mean loss."""
+    unlikelihood: float = 0.0
+    """Weight of -log(1 - p(the other row's opening)) for both rows of a pair whose answers part at the first
+    token (`objective`), in units of one answer token's NLL. 0 = off."""
     loss_on: Literal["completion", "divergent"] = "completion"
     """`completion`: every assistant token; `divergent`: of each pair (same prompt, both tokens) only the
     tokens from where its two answers part (`rows.divergent_masks`): the shared ones teach "the same
@@ -159,6 +168,10 @@ class SftConfig:
             (self.shared_prefix_min_tokens is None or self.shared_prefix_min_tokens >= 0,
              f"shared_prefix_min_tokens must be >= 0 or null, got {self.shared_prefix_min_tokens}"),
             (self.row_order in ORDERS, f"row_order must be one of {ORDERS}, got {self.row_order!r}"),
+            (self.first_token_weight > 0 and math.isfinite(self.first_token_weight),
+             f"first_token_weight must be > 0, got {self.first_token_weight}"),
+            (self.unlikelihood >= 0 and math.isfinite(self.unlikelihood),
+             f"unlikelihood must be >= 0, got {self.unlikelihood}"),
             (self.loss_on in LOSS_ON, f"loss_on must be one of {LOSS_ON}, got {self.loss_on!r}"),
             (self.reward_goal_place in GOAL_PLACES,
              f"reward_goal_place must be one of {GOAL_PLACES}, got {self.reward_goal_place!r}"),
@@ -206,6 +219,8 @@ class SftRun(runs.RunSpec):
     init_adapter: Path | None = None
     entries: Path | None = None
     split: Path | None = None
+    grid_seed: int | None = None
+    """The grid seed of an RCTP run (params `grid.seeds`; its MLflow tags), None outside a grid."""
 
     def check(self) -> None:
         """Inputs exist — checked before anything heavy is imported or trained."""

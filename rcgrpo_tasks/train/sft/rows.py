@@ -3,8 +3,10 @@
 - `load_rows` validates every row (roles, an assistant message, the reward goal where a token is named) and
   names file:line of the first bad one;
 - the order TRL sees: `balanced_order` (rows shuffled per reward token and interleaved, so any prefix keeps
-  RCTP's balance; the data sampler reshuffles them) or `pair_order` (each prompt's rows side by side, pairs
-  shuffled; the trainer then keeps this order, so a pair's success and failure share a micro-batch);
+  RCTP's balance; the data sampler reshuffles them), `pair_order` (each prompt's rows side by side, pairs
+  shuffled; the trainer then keeps this order, so a pair's success and failure share a micro-batch) or
+  `stratified_order` (pairs as in `pair_order`, alternating between the base-model-failure pairs and the
+  others, so every optimizer step of an even number of pairs holds both kinds whatever the set's mix);
 - `tokenize_rows` pre-tokenizes with THE assistant-token mask (`data.chat.assistant_token_mask`);
   `divergent_masks` then (`loss_on: divergent`) keeps in the loss only what follows the point where a pair's
   two answers part: the tokens both answers share teach "the same output under either token", the
@@ -22,7 +24,11 @@ from rcgrpo_tasks.env.prompt import format_reward_goal
 from rcgrpo_tasks.ops.inputs import InputError, read_jsonl
 
 ROLES = {"system", "user", "assistant", "tool"}
-ORDERS = ("balanced", "pairs")
+ORDERS = ("balanced", "pairs", "stratified")
+BASE_KIND = "policy"
+"""The trajectory kind of a base-model sample in the generate set (`data.dataset`): a failure of this kind is a
+format-divergent low side (the base model answers in prose), the other failures are the SFT model's own
+(`on_policy`) or near misses."""
 LOSS_ON = ("completion", "divergent")
 
 
@@ -97,10 +103,48 @@ def pair_order(rows: list[dict], seed: int) -> list[dict]:
     return out
 
 
+def pair_stratum(pair: list[dict]) -> str:
+    """`base` when the pair's failure is a base-model sample (`BASE_KIND`: a low side that parts from the
+    success at the first answer token), else `own` (the SFT model's own failure or a near miss)."""
+    return "base" if any(r.get("kind") == BASE_KIND and not r.get("reward") for r in pair) else "own"
+
+
+def stratified_order(rows: list[dict], seed: int) -> list[dict]:
+    """Every pair of `pair_order` (same seeded pair order and inner order), dealt so that the pairs alternate
+    between the two strata (`pair_stratum`: base, own), the larger stratum once through and the smaller one
+    cycled, reshuffled (seeded) on each pass. With 2 pairs an optimizer step (micro-batch 2, accumulation 2)
+    every step holds one base pair and one own pair. Rows without a partner (no pair) count as `own`. A set
+    with one stratum only is `pair_order`. Rows need `kind` (label_rewards writes the trajectory's kind)."""
+    if any("kind" not in r for r in rows):
+        raise InputError("row_order stratified needs each row's trajectory `kind` (re-run label_rewards)")
+    flat = pair_order(rows, seed)
+    pairs: list[list[dict]] = []
+    for row in flat:
+        if pairs and pairs[-1][0].get("entry_id") == row.get("entry_id"):
+            pairs[-1].append(row)
+        else:
+            pairs.append([row])
+    strata = {"base": [p for p in pairs if pair_stratum(p) == "base"],
+              "own": [p for p in pairs if pair_stratum(p) == "own"]}
+    if not strata["base"] or not strata["own"]:
+        return flat
+    big, small = sorted(strata.values(), key=len, reverse=True)
+    rng = random.Random(f"{seed}:strata")
+    dealt, pool = [], []
+    for pair in big:
+        if not pool:
+            pool = list(small)
+            rng.shuffle(pool)
+        dealt += [pair, pool.pop()] if big is strata["base"] else [pool.pop(), pair]
+    return [r for pair in dealt for r in pair]
+
+
 def ordered(rows: list[dict], order: str, seed: int) -> list[dict]:
     """`rows` in the configured order (`ORDERS`)."""
     if order not in ORDERS:
         raise ValueError(f"row order must be one of {ORDERS}, got {order!r}")
+    if order == "stratified":
+        return stratified_order(rows, seed)
     return pair_order(rows, seed) if order == "pairs" else balanced_order(rows, seed)
 
 

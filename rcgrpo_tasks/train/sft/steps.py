@@ -25,6 +25,8 @@ class RcgrpoSFTTrainerMixin:
     """`SftConfig.shared_prefix_min_tokens` (`trainer.build_trainer` sets it)."""
     keep_order = False
     """The dataset's order is the training order (`row_order: pairs`); otherwise TRL's random sampler."""
+    objective = None
+    """`objective.rctp_objective`'s hook (first-token weight, unlikelihood), or None: the plain NLL."""
     token_lr: tuple[float, list[int]] = (1.0, [])
     """(multiplier, token ids): the added tokens' rows train at multiplier x lr (`SftConfig.token_lr_multiplier`)."""
 
@@ -64,9 +66,12 @@ class RcgrpoSFTTrainerMixin:
         return super().train(*args, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.objective is not None and self.model.training and not self._compact_head():
+            raise RuntimeError("sft.first_token_weight / sft.unlikelihood act on the compact head's loss: one CPU "
+                               "process with compact_lm_head (off-CPU: not implemented)")
         if return_outputs or not self.model.training or not self._compact_head():
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        return compact_head_loss(self, model, inputs, num_items_in_batch)
+        return compact_head_loss(self, model, inputs, num_items_in_batch, self.objective)
 
     def _compact_head(self) -> bool:
         # Off-CPU TRL's Triton kernel already scores only the labelled positions; under DDP/DeepSpeed the

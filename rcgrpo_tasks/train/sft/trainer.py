@@ -24,6 +24,7 @@ from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.train.common import runs
 from rcgrpo_tasks.train.common.adapters import add_special_tokens, expose_head_bias, token_indices
 from rcgrpo_tasks.train.sft.config import SftConfig, SftRun
+from rcgrpo_tasks.train.sft.objective import rctp_objective
 from rcgrpo_tasks.train.sft.rows import tokenize_rows
 from rcgrpo_tasks.train.sft.steps import RcgrpoSFTTrainerMixin
 
@@ -99,7 +100,11 @@ def build_trainer(cfg: SftConfig, model_dir: Path, rows: list[dict], tokens: tup
     expose_head_bias(trainer.model)
     trainer.compact_lm_head = cfg.compact_lm_head
     trainer.shared_prefix = cfg.shared_prefix_min_tokens
-    trainer.keep_order = cfg.row_order == "pairs"
+    trainer.keep_order = cfg.row_order in ("pairs", "stratified")
+    ids_of = dict(zip(tokens, token_ids))
+    if len(levels) >= 2:
+        trainer.objective = rctp_objective(ids_of[levels[-1]], ids_of[levels[0]], cfg.first_token_weight,
+                                           cfg.unlikelihood, trainer._metrics["train"])
     trainer.token_lr = (cfg.token_lr_multiplier, list(token_ids))
     return trainer, tokenizer, token_ids, stats
 
