@@ -42,7 +42,7 @@ def test_cells_of_one_init_probe_the_same_prompts_and_seeds_and_share_the_steps_
 
     root, model_dir = rl_env
     cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "probe_entries": 2, "probe_samples": 3,
-                                    "temperature": 1.0})
+                                    "probe_transfer_entries": 1, "temperature": 1.0})
     probes, logs, summaries = {}, {}, {}
     for algo in ("grpo", "rc_grpo"):
         start = len(scripted_rewards)
@@ -55,8 +55,11 @@ def test_cells_of_one_init_probe_the_same_prompts_and_seeds_and_share_the_steps_
     for algo in ("grpo", "rc_grpo"):
         p = summaries[algo]["probe"]
         assert p["steps"] == [0, 1, 2] and len(p["entries"]) == 2 and p["samples"] == 3
+        assert len(p["transfer"]["entries"]) == 1 and not set(p["transfer"]["entries"]) & set(summaries[algo]["pool"]["ids"])
+        assert set(p["entries"]) <= set(summaries[algo]["pool"]["ids"])
     assert summaries["grpo"]["probe"]["entries"] == summaries["rc_grpo"]["probe"]["entries"]
-    assert len(probes["grpo"]) == 6 and probes["grpo"][:2] == probes["rc_grpo"][:2]  # step 0: identical rollouts
+    assert summaries["grpo"]["probe"]["transfer"]["entries"] == summaries["rc_grpo"]["probe"]["transfer"]["entries"]
+    assert len(probes["grpo"]) == 9 and probes["grpo"][:3] == probes["rc_grpo"][:3]  # step 0: identical rollouts
     key = [(r["step"], r["group"], r["entry_id"]) for r in logs["grpo"]]
     assert key == [(r["step"], r["group"], r["entry_id"]) for r in logs["rc_grpo"]]
     assert {r["reward_token"] for r in logs["grpo"]} == {HIGH} and len({r["reward_token"] for r in logs["rc_grpo"]}) == 2

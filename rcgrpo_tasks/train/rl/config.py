@@ -101,6 +101,9 @@ class RLConfig:
     with the same seeds in every cell); 0 = no probe."""
     probe_samples: int = 2
     """S: samples per probe prompt (at the rollouts' temperature)."""
+    probe_transfer_entries: int = 12
+    """K_t: prompts of RL's side outside the pool beside the K pool prompts of the probe (what RL never trains
+    on: does learning on the pool transfer?); 0 = the pool half only."""
     reward: Reward = "paper_reward"
     """Reward that drives the advantage (`env.rewards.Reward`); the other two are logged."""
     decode: DecodeConfig = flat_field(DecodeConfig(temperature=0.7, max_outputs=1, max_new_tokens=64),
@@ -189,6 +192,8 @@ class RLConfig:
             raise ValueError(f"kl_token_max must be > 0 or null, got {self.kl_token_max}")
         if self.divergence_kl is not None and not self.divergence_kl > 0:
             raise ValueError(f"divergence_kl must be > 0 or null, got {self.divergence_kl}")
+        if self.probe_transfer_entries < 0:
+            raise ValueError(f"probe_transfer_entries must be >= 0, got {self.probe_transfer_entries}")
         if self.probe_entries < 0 or self.probe_samples < 1:
             raise ValueError(f"need probe_entries >= 0 and probe_samples >= 1, got {self.probe_entries}, "
                              f"{self.probe_samples}")

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rcgrpo_tasks.ops.plots import save_png
-from rcgrpo_tasks.ops.stats import bootstrap_ci
+from rcgrpo_tasks.ops.stats import bootstrap_ci, mcnemar_exact
 from rcgrpo_tasks.train.common.runs import read_tsv, write_tsv
 from rcgrpo_tasks.train.rl.advantages import ZERO_STD_TOL, group_stats
 
@@ -137,6 +137,29 @@ def group_flags(records: Sequence[Mapping], reward: str, tol: float = ZERO_STD_T
         flat = None if sd >= tol else ("fail" if mu <= 0.5 else "success")  # as `advantages.flat_fractions`
         out.append({"step": step, "group": group, "entry_id": rs[0]["entry_id"], "flat": flat})
     return out
+
+
+def pool_learning(records: Sequence[Mapping], reward: str, token: str | None = None) -> dict:
+    """Does RL learn the prompts it trains on? Per pool prompt drawn at two steps or more, the mean reward of its
+    group at its first visit vs its last (rollouts under `token` only, when given: RC-GRPO's high-token half,
+    what evaluation conditions on); the prompts that rose and fell, and the exact sign test of those counts."""
+    visits: dict[str, dict[int, list[float]]] = {}
+    for r in records:
+        if token is None or r.get("reward_token") == token:
+            visits.setdefault(r["entry_id"], {}).setdefault(int(r["step"]), []).append(
+                float(r["rewards"].get(reward) or 0.0))
+    firsts, lasts = [], []
+    for steps in visits.values():
+        if len(steps) >= 2:
+            first, last = steps[min(steps)], steps[max(steps)]
+            firsts.append(sum(first) / len(first))
+            lasts.append(sum(last) / len(last))
+    up = sum(b > a for a, b in zip(firsts, lasts))
+    down = sum(b < a for a, b in zip(firsts, lasts))
+    n = len(firsts)
+    return {"prompts": n, "up": up, "down": down, "ties": n - up - down, "sign_p": mcnemar_exact(up, down),
+            "first_mean": sum(firsts) / n if n else float("nan"), "last_mean": sum(lasts) / n if n else float("nan"),
+            "token": token}
 
 
 def _finite(values: Sequence[float]) -> list[float]:

@@ -12,8 +12,12 @@ this for its own vLLM path only; the engine's rollouts return their sampled log-
   loss mask and where the sampler gave no log-prob (NaN).
 - `OffPolicyMixin` (of `steps.RCGRPOTrainerMixin`): takes the trainer's log-probs of the batch once at
   generation time (TRL's own `old_per_token_logps` where TRL takes them, i.e. when updates and generations
-  are misaligned; else one no-grad forward, used for the measurement and the weights only), logs the
-  mismatch, and where `rc_importance_cap` is set weights each token's policy loss by its weight. Departure
+  are misaligned; else, where the weights are needed, one no-grad forward), logs the mismatch, and where
+  `rc_importance_cap` is set weights each token's policy loss by its weight. Where nothing is corrected and
+  the update is aligned with its generation (the CPU default: float32 sampler, one update per generation),
+  the mismatch is read from the loss's own forward instead (`_rc_measure`, summed over the step's
+  micro-batches and logged when the step ends: `_rc_flush`): the weights are those of the generation until
+  the step's optimizer update, so it is the same measurement without a forward of its own. Departure
   from TRL's vLLM path, which also puts that forward's log-probs into the PPO ratio: where the update is
   aligned with its generation, the ratio keeps TRL's `old = new.detach()`, exactly 1 (the same policy, so
   the same value up to the float noise of two forwards, which would otherwise make the loss depend on the
@@ -101,16 +105,40 @@ class OffPolicyMixin:
         if sampler is None:
             return
         trainer = batch.get("old_per_token_logps")
+        weights, cap = batch.get("importance_sampling_ratio"), None  # TRL's own (vLLM path)
+        if trainer is None and weights is None and self.rc_importance_cap is None:
+            self._rc_rows = []  # aligned and uncorrected: measured from the loss's own forward (`_rc_measure`)
+            return
+        self._rc_rows = None
         if trainer is None:  # measurement and weights only: an aligned update keeps TRL's ratio of exactly 1
             trainer = self._rc_trainer_logps(batch)
         mask = loss_mask(batch)
-        weights, cap = batch.get("importance_sampling_ratio"), None  # TRL's own (vLLM path)
         if self.rc_importance_cap is not None:
             cap = self.rc_importance_cap
             weights = batch[IS_WEIGHTS] = truncated_is_weights(trainer, sampler, mask, cap)
         elif weights is not None:
             cap = self.args.vllm_importance_sampling_clip_max
         stats = self.accelerator.gather(mismatch_stats(trainer, sampler, mask, weights, cap)[None])
+        for name, value in reduce_stats(stats.reshape(-1, 7).cpu()).items():
+            self.record_metric(name, value)
+
+    def _rc_measure(self, trainer_logps, inputs: dict) -> None:
+        """The loss's forward of a micro-batch: its mismatch rows, kept for `_rc_flush` (deferred batches only)."""
+        sampler = inputs.get("sampling_per_token_logps")
+        if getattr(self, "_rc_rows", None) is not None and sampler is not None:
+            self._rc_rows.append(mismatch_stats(trainer_logps.detach(), sampler, loss_mask(inputs)))
+
+    def _rc_flush(self) -> None:
+        """At the end of an optimizer step: log the mismatch its micro-batches' forwards measured (NaN where a
+        skipped step ran none)."""
+        import torch
+
+        rows, self._rc_rows = getattr(self, "_rc_rows", None), None
+        if rows is None:
+            return
+        mine = torch.stack(rows) if rows else torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, float("inf"), 0.0]],
+                                                           device=self.accelerator.device)
+        stats = self.accelerator.gather(mine)
         for name, value in reduce_stats(stats.reshape(-1, 7).cpu()).items():
             self.record_metric(name, value)
 

@@ -4,10 +4,11 @@ checkpoint and in every cell, scored at step 0, the middle and the end of a run.
 The training reward of a step is 8 rollouts on other prompts than the step before, so "first -> last third"
 mixes learning with which prompts came up. The probe holds prompts and seeds fixed: the change of a prompt's
 success rate between two checkpoints is the policy's, and two cells from one init are compared prompt by
-prompt (paired). The probe's prompts come from the run's own pool (what RL trains on: learning, not
-generalisation; held-out evaluation stays the measure of that), chosen by a seed that does not depend on the
-cell, so every cell of an init probes the same prompts with the same seeds, and step 0 is the same policy
-in each of them (tests/test_probe.py). Conditioning: the cell's evaluation token (`<|high_reward|>` under
+prompt (paired). The probe has two halves: K prompts of the run's own pool (what RL trains on: learning) and
+K_t prompts of RL's side outside the pool (`probe_transfer_entries`: prompts RL never trains on, from the
+same distribution: transfer), each chosen by a seed that does not depend on the cell, so every cell of an
+init probes the same prompts with the same seeds, and step 0 is the same policy in each of them
+(tests/test_probe.py); held-out evaluation stays the measure of generalisation. Conditioning: the cell's evaluation token (`<|high_reward|>` under
 `rc` and `fixed`, none under `none`), as evaluation conditions.
 
 - `probe_ids`: the K entries; `probe_specs`: the engine groups (entry, S tokens, sampling with its fixed
@@ -16,7 +17,8 @@ in each of them (tests/test_probe.py). Conditioning: the cell's evaluation token
   at `max_steps // 2` and at the end, on the same engine backend the rollouts use (the refreshed snapshot,
   the live model or vLLM; a run stopped early: at its last step), and appends each point to `PROBE_FILE` in
   the checkpoint folder (a resumed run keeps the points it has). `probe_summary`: the run's curve, the
-  change from step 0 to the end with a paired CI over the probe's prompts.
+  change from step 0 to the end per half, paired over the half's prompts: the mean with a bootstrap CI, the
+  prompts up and down, and their exact sign test.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from pathlib import Path
 from rcgrpo_tasks.engine import rollout as engine_rollout
 from rcgrpo_tasks.env.rewards import reward_value
 from rcgrpo_tasks.ops.inputs import read_jsonl
-from rcgrpo_tasks.ops.stats import bootstrap_ci
+from rcgrpo_tasks.ops.stats import bootstrap_ci, mcnemar_exact
 from rcgrpo_tasks.train.rl import advantages as adv
 
 PROBE_FILE = "probe.jsonl"
-"""One JSON line per probe point: {step, entries, rewards (per entry, mean of S), samples}."""
+"""One JSON line per probe point: {step, entries, rewards (per entry, mean of S), samples, n_pool (the first
+n_pool entries are pool prompts, the rest transfer prompts)}."""
 
 
 def probe_ids(pool: list[str], k: int, seed: int) -> list[str]:
@@ -63,8 +66,9 @@ class ProbeMixin:
     """Probe points at step 0, `max_steps // 2` and the end (module docstring). Set `trainer` before training."""
 
     def __init__(self, folder: Path, rollout, entries: list, samples: int, token: str | None, reward: str,
-                 max_steps: int):
+                 max_steps: int, n_pool: int | None = None):
         self.folder, self.rollout, self.entries = Path(folder), rollout, entries
+        self.n_pool = len(entries) if n_pool is None else n_pool
         self.samples, self.token, self.reward = samples, token, reward
         self.steps = sorted({0, max_steps // 2, max_steps})
         self.trainer = None
@@ -85,7 +89,8 @@ class ProbeMixin:
         if not self.trainer.accelerator.is_main_process:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
-        row = {"step": step, "entries": [e.id for e in self.entries], "rewards": rewards, "samples": self.samples}
+        row = {"step": step, "entries": [e.id for e in self.entries], "rewards": rewards, "samples": self.samples,
+               "n_pool": self.n_pool}
         with (self.folder / PROBE_FILE).open("a") as fh:
             fh.write(json.dumps(row, sort_keys=True) + "\n")
 
@@ -102,18 +107,36 @@ class ProbeMixin:
         self._point(state.global_step)
 
 
+def change(start: list[float], end: list[float], seed: int = 0) -> dict:
+    """end - start paired over prompts: the mean with a 95 % bootstrap CI, the prompts up / down and the exact
+    sign test of those (a bootstrap of 12 prompts is never below 0 when none went down: the test says more)."""
+    diffs = [b - a for a, b in zip(start, end)]
+    if not diffs:
+        return {"mean": float("nan"), "ci_low": float("nan"), "ci_high": float("nan"), "prompts": 0, "up": 0,
+                "down": 0, "sign_p": 1.0}
+    lo, hi = bootstrap_ci(diffs, seed=seed)
+    up, down = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+    return {"mean": sum(diffs) / len(diffs), "ci_low": lo, "ci_high": hi, "prompts": len(diffs), "up": up,
+            "down": down, "sign_p": mcnemar_exact(up, down)}
+
+
 def probe_summary(points: list[dict], seed: int = 0) -> dict | None:
-    """{entries, steps, reward (mean per point), change: end - step 0 with a 95 % bootstrap CI over the probe's
-    prompts (paired: the same prompts and seeds at both points), per_entry: {step: rewards}}; None without
-    a step-0 point and a later one."""
+    """{entries, steps, reward (mean per point, pool half), change: end - step 0 over the pool half's prompts
+    (`change`: paired, the same prompts and seeds at both points), transfer: the same for the prompts outside
+    the pool (None without them), per_entry: {step: rewards}}; None without a step-0 point and a later one."""
     by_step = {p["step"]: p for p in points}
     if 0 not in by_step or len(by_step) < 2:
         return None
     steps = sorted(by_step)
+    k = by_step[0].get("n_pool", len(by_step[0]["rewards"]))
     start, end = by_step[0]["rewards"], by_step[steps[-1]]["rewards"]
-    diffs = [b - a for a, b in zip(start, end)]
-    lo, hi = bootstrap_ci(diffs, seed=seed)
-    return {"entries": by_step[0]["entries"], "samples": by_step[0]["samples"], "steps": steps,
-            "reward": [sum(by_step[s]["rewards"]) / len(by_step[s]["rewards"]) for s in steps],
-            "change": {"mean": sum(diffs) / len(diffs), "ci_low": lo, "ci_high": hi, "prompts": len(diffs)},
-            "per_entry": {str(s): by_step[s]["rewards"] for s in steps}}
+    out = {"entries": by_step[0]["entries"][:k], "samples": by_step[0]["samples"], "steps": steps,
+           "reward": [sum(by_step[s]["rewards"][:k]) / k for s in steps],
+           "change": change(start[:k], end[:k], seed),
+           "per_entry": {str(s): by_step[s]["rewards"][:k] for s in steps}, "transfer": None}
+    if len(start) > k:
+        n = len(start) - k
+        out["transfer"] = {"entries": by_step[0]["entries"][k:], "change": change(start[k:], end[k:], seed),
+                           "reward": [sum(by_step[s]["rewards"][k:]) / n for s in steps],
+                           "per_entry": {str(s): by_step[s]["rewards"][k:] for s in steps}}
+    return out

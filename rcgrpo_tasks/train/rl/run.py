@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from rcgrpo_tasks.data.labels import load_reward_tokens
+from rcgrpo_tasks.data.onpolicy import sampled_success_rates
 from rcgrpo_tasks.engine.compute import ComputeConfig
 from rcgrpo_tasks.engine.dtype import record
 from rcgrpo_tasks.env.prompt import PromptConfig, ProtocolConfig
@@ -15,8 +16,9 @@ from rcgrpo_tasks.ops import tracking_log
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config
 from rcgrpo_tasks.ops.inputs import read_jsonl
 from rcgrpo_tasks.train.common import checkpoints, placement, processes, runs
+from rcgrpo_tasks.train.rl import advantages as adv
 from rcgrpo_tasks.train.rl.config import RLConfig
-from rcgrpo_tasks.train.rl.diagnostics import PLOT_COLUMNS, group_flags, summarize
+from rcgrpo_tasks.train.rl.diagnostics import PLOT_COLUMNS, group_flags, pool_learning, summarize
 from rcgrpo_tasks.train.rl.probe import PROBE_FILE, probe_summary, read_points
 from rcgrpo_tasks.train.rl.steps import ROLLOUTS_FILE
 from rcgrpo_tasks.train.rl.trainer import DIAGNOSTICS_FILE, MODEL_META_FILE, RLRun, build_trainer, save_policy
@@ -33,6 +35,15 @@ def load_rl_config(params: str | Path) -> tuple[RLConfig, ProtocolConfig, tuple[
     return cfg, protocol, levels
 
 
+def pool_record(ids: list[str], pool: Path | None) -> dict:
+    """What RL trained on: its pool's prompt ids, their number and the init's sampled success on them (the
+    step-0 success of the pool; NaN without the init's samples)."""
+    success = sampled_success_rates(read_jsonl(pool)) if pool is not None else {}
+    rates = [success[i] for i in ids if i in success]
+    return {"ids": sorted(ids), "size": len(ids),
+            "step0_success": sum(rates) / len(rates) if rates else float("nan"), "samples": str(pool) if pool else None}
+
+
 def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], spec: RLRun,
              callbacks: list | None = None, track: bool = True, compute: ComputeConfig | None = None) -> dict:
     """Run (or resume) one RL run; returns the summary written to `spec.metrics` (main process).
@@ -47,7 +58,8 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
     cfg = cfg.resolved(compute.cpu_bf16, device.type, spec.model_dir)  # THE dtype rule, once
     main_proc = processes.process_state(device).is_main_process
     track = track and main_proc
-    tags = {"rl.init": spec.init, "rl.algo": spec.algo, "rl.conditioning": mode}
+    tags = {"rl.init": spec.init, "rl.algo": spec.algo, "rl.conditioning": mode,
+            **tracking_log.grid_tags(spec.name, spec.grid_seed)}
     params = {"rl": as_dict(cfg), "prompt": as_dict(protocol), "tokens": list(levels),
               "run": {**tags, "adapter": str(spec.adapter_dir)}, "compute": as_dict(compute)}
     stage = f"rl@{spec.name}"
@@ -55,16 +67,16 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
                                                         spec.outputs) as (_, staged):
 
         def attempt(micro: int, accum: int):
-            trainer, resume, _ = build_trainer(cfg, protocol, levels, spec, [stop, *(callbacks or [])], track=track,
-                                               device=device, micro_batch=micro)
+            trainer, resume, rollout = build_trainer(cfg, protocol, levels, spec, [stop, *(callbacks or [])],
+                                                     track=track, device=device, micro_batch=micro)
             place = placement.record_placement(trainer, stage, device, track)
             t0 = time.perf_counter()
             with runs.disk_errors(spec.checkpoints):
-                return trainer, resume, place, checkpoints.train_or_restore(trainer, resume), t0
+                return trainer, resume, place, checkpoints.train_or_restore(trainer, resume), t0, rollout
 
         grad_accum = cfg.batch_size // cfg.micro_batch_size  # fit_micro_batch's bookkeeping; TRL's comes from check_world
         run, micro, _ = placement.fit_micro_batch(attempt, cfg.micro_batch_size, grad_accum, stage)
-        trainer, resume, place, result, t0 = run
+        trainer, resume, place, result, t0, rollout = run
         stop.check()
         folder = staged.dir(spec.out) if main_proc else None
         provenance = {
@@ -83,10 +95,13 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
                   f"{diverged['restored_step']}", file=sys.stderr, flush=True)
         points = read_points(spec.checkpoints)
         log = spec.checkpoints / ROLLOUTS_FILE
-        groups = group_flags([r for r in read_jsonl(log) if r["step"] < trainer.state.global_step]
-                             if log.is_file() else [], cfg.reward)
+        records = [r for r in read_jsonl(log) if r["step"] < trainer.state.global_step] if log.is_file() else []
+        groups = group_flags(records, cfg.reward)
+        high = adv.reward_levels(levels)[1] if mode == "rc" else None  # RC-GRPO: the half it is evaluated on
         summary = {**summarize(rows), "init": spec.init, "algo": spec.algo, "conditioning": mode,
                    "diverged": diverged, "probe": probe_summary(points), "groups": groups,
+                   "pool": pool_record(list(rollout.entries), spec.pool),
+                   "pool_learning": pool_learning(records, cfg.reward, high),
                    "resumed_from": resume, "train_s": time.perf_counter() - t0,
                    "train_loss": result.training_loss, "placement": place, "micro_batch": micro,
                    "grad_accum": trainer.args.gradient_accumulation_steps,

@@ -5,7 +5,7 @@ built in `trainer.py`; docs/rl.md).
   advantages it used, nor a public way for a rollout function to add per-step metrics; the subclass wraps
   `_generate_and_score_completions` to read the advantages (mean |A|, cross-checked against
   `advantages.group_advantages` in the tests), measures and corrects the sampler/trainer mismatch
-  (`offpolicy`), adds `record_metric`, skips a step with nothing to train on before its backward (so no
+  (`offpolicy`; where nothing is corrected, from the loss's own forward), adds `record_metric`, skips a step with nothing to train on before its backward (so no
   optimizer, DeepSpeed's included, moves a weight), and on CPU projects only completion positions through the
   LM head, a micro-batch's shared tokens through the trunk once (`shared_prefix`). Training, loss, KL and clipping are TRL's.
 - Updates per generation batch: `num_iterations` (PPO epochs) and `minibatches` (TRL's
@@ -107,12 +107,16 @@ class RCGRPOTrainerMixin(OffPolicyMixin):
             self._rc_skip = not processes.any_process(self._step_trains())
             self.record_metric("rc/step_skipped", float(self._rc_skip))
         if not self._rc_skip:
-            return super().training_step(model, prepared, num_items_in_batch)
-        self._step += 1  # TRL's bookkeeping of a step: its micro-step counter schedules the next generation
+            loss = super().training_step(model, prepared, num_items_in_batch)
+        else:
+            self._step += 1  # TRL's bookkeeping of a step: its micro-step counter schedules the next generation
+            if self._step % accum == 0:
+                self._metrics["train"]["step_time"].append(self._current_train_step_time)
+                self._current_train_step_time = 0.0
+            loss = torch.zeros((), device=self.args.device)
         if self._step % accum == 0:
-            self._metrics["train"]["step_time"].append(self._current_train_step_time)
-            self._current_train_step_time = 0.0
-        return torch.zeros((), device=self.args.device)
+            self._rc_flush()  # the mismatch the step's loss forwards measured (`offpolicy`)
+        return loss
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -147,13 +151,17 @@ class RCGRPOTrainerMixin(OffPolicyMixin):
             ref = inputs["ref_per_token_logps"].clone()
             inputs = {**inputs, "ref_per_token_logps": ref}
             self._rc_kl_pending = ref
+        self._rc_loss_inputs = inputs  # the next log-probs call is the loss's own forward of the policy
         try:
             return super()._compute_loss(model, inputs)
         finally:
-            self._rc_kl_pending = None
+            self._rc_kl_pending = self._rc_loss_inputs = None
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         out = self._rc_logps(*args, **kwargs)
+        loss_inputs, self._rc_loss_inputs = getattr(self, "_rc_loss_inputs", None), None
+        if loss_inputs is not None:  # the loss's own call: the mismatch from this forward (`offpolicy`)
+            self._rc_measure(out[0], loss_inputs)
         pending = getattr(self, "_rc_kl_pending", None)
         if pending is not None:  # the loss's own call: bound the reference against these log-probs
             self._rc_kl_pending = None

@@ -61,7 +61,9 @@ class RLRun(runs.RunSpec):
     plots: Path | None = None
     conditioning: str | None = None
     pool: Path | None = None
-    """The init's own samples of RL's prompts (sample_policy@pool-<init>), for `rl.pool_band`."""
+    """The init's own samples of RL's prompts (sample_policy@pool-sft, pool_rctp@<seed>), for `rl.pool_band`."""
+    grid_seed: int | None = None
+    """The grid seed the run belongs to (params `grid.seeds`; its MLflow tags), None outside a grid."""
 
     @property
     def mode(self) -> adv.Conditioning:
@@ -84,7 +86,8 @@ class RLRun(runs.RunSpec):
             raise InputError(f"--entries {self.entries}: not found (run `dvc repro prepare_data`)")
         read_split(self.split)
         if self.pool is not None and not Path(self.pool).is_file():
-            raise InputError(f"--pool {self.pool}: not found (run `dvc repro sample_policy@pool-{self.init}`)")
+            raise InputError(f"--pool {self.pool}: not found (run `dvc repro` of the init's pool stage: "
+                             f"sample_policy@pool-sft, pool_rctp@<seed>)")
 
 
 # ---------------------------------------------------------------- models
@@ -200,15 +203,20 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
 
 
 def build_probe(cfg: RLConfig, spec: RLRun, rollout: EngineRollout, entries: list, mode: str, levels):
-    """The run's fixed probe (`probe`), None when `probe_entries` is 0: K entries of the pool (drawn by a
-    seed every cell shares), conditioned as the cell evaluates (the highest token under `rc`/`fixed`)."""
+    """The run's fixed probe (`probe`), None when `probe_entries` is 0: K entries of the pool and
+    `probe_transfer_entries` of RL's side outside it (each drawn by a seed every cell of the grid seed shares),
+    conditioned as the cell evaluates (the highest token under `rc`/`fixed`)."""
     if cfg.probe_entries == 0:
         return None
     chosen = probe_ids([e.id for e in entries], cfg.probe_entries, cfg.seed)
-    by_id = {e.id: e for e in entries}
+    pool = {e.id for e in entries}
+    outside = [e for e in split_entries(spec.entries, spec.split, rl_side(spec.split), cfg.categories) if e.id not in pool]
+    by_id = {e.id: e for e in [*entries, *outside]}
+    chosen += probe_ids([e.id for e in outside], cfg.probe_transfer_entries, cfg.seed + 1)
     token = None if mode == "none" else adv.reward_levels(levels)[1]
     return runs.lazy_subclass(ProbeMixin, "transformers.TrainerCallback")(
-        spec.checkpoints, rollout, [by_id[i] for i in chosen], cfg.probe_samples, token, cfg.reward, cfg.max_steps)
+        spec.checkpoints, rollout, [by_id[i] for i in chosen], cfg.probe_samples, token, cfg.reward, cfg.max_steps,
+        n_pool=min(cfg.probe_entries, len(entries)))
 
 
 def _finish(trainer, cfg: RLConfig, rollout: EngineRollout, peft: bool) -> None:
