@@ -68,19 +68,6 @@ def test_report_rows_order_paper_column_and_outputs(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_writes_table_json_plot(tmp_path):
-    from typer.testing import CliRunner
-
-    d = _eval_dir(tmp_path, "base", {"base": 0.3, "long_context": 0.1})
-    out = tmp_path / "r"
-    res = CliRunner().invoke(report_stage.app, ["--eval", f"base={d}", "--table", str(out / "t.md"), "--json",
-                                          str(out / "r.json"), "--plot", str(out / "p.png"), "--no-track"])
-    assert res.exit_code == 0, res.output
-    data = json.loads((out / "r.json").read_text())
-    assert data["rows"]["base"]["categories"]["long_context"]["accuracy"] == pytest.approx(10.0)
-    assert (out / "p.png").stat().st_size > 1000
-
-
 def test_bad_inputs_are_clear(tmp_path):
     with pytest.raises(InputError, match="no per-entry results"):
         report.load_eval("x", tmp_path)

@@ -33,6 +33,9 @@ def test_pick_entries_seeded_in_file_order():
     assert pick_entries(train, cfg) == picked and pick_entries(train, SampleConfig(n_entries=5, seed=2)) != picked
     assert pick_entries(train, SampleConfig(n_entries=None, categories=("miss_func",))) == [
         e for e in train if e.category == "miss_func"]
+    rl = SampleConfig(n_entries=5, pool_entries=None, seed=1)  # RL's side: every prompt, whatever n_entries says
+    assert pick_entries(train, rl, "rl") == train and len(pick_entries(train, rl, "train")) == 5
+    assert len(pick_entries(train, SampleConfig(n_entries=None, pool_entries=7), "rl")) == 7
 
 
 def scripted(tok, entries, outcomes: dict[str, str], proto):

@@ -51,7 +51,11 @@ class SampleConfig:
     """Sampling, budgets and engine (`engine.decoding`; flat keys). Temperature > 0: on-policy samples
     (the paper's RCTP samples: 0.7)."""
     n_entries: int | None = 48
-    """Train entries sampled (a seeded sample of `categories`, in file order); null = every one."""
+    """Train entries sampled (`--side train`: the RCTP set's own pairs; a seeded sample of `categories`, in
+    file order); null = every one."""
+    pool_entries: int | None = 48
+    """RL-side entries sampled (`--side rl`: the prompts RL's pool is chosen from, `rl.pool_band`), drawn as
+    `n_entries`; null = every one."""
     categories: tuple[str, ...] | None = None
     """Categories drawn from; null = every category of the prepared entries."""
     samples_per_entry: int = 4
@@ -62,8 +66,9 @@ class SampleConfig:
     """Seeds the entry sample and every round's sampling."""
 
     def __post_init__(self) -> None:
-        if self.n_entries is not None and self.n_entries < 1:
-            raise ValueError("n_entries must be >= 1 or null")
+        for name in ("n_entries", "pool_entries"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 or null")
         if self.samples_per_entry < 1 or self.max_samples_per_entry < self.samples_per_entry:
             raise ValueError("need samples_per_entry >= 1 and max_samples_per_entry >= samples_per_entry")
         if self.decode.temperature <= 0:
@@ -73,12 +78,14 @@ class SampleConfig:
         check_categories(self.categories)
 
 
-def pick_entries(train: Sequence[Entry], cfg: SampleConfig) -> list[Entry]:
-    """A seeded sample of `n_entries` train entries of `cfg.categories`, kept in file order."""
+def pick_entries(train: Sequence[Entry], cfg: SampleConfig, side: str = "train") -> list[Entry]:
+    """A seeded sample of `n_entries` (side train) or `pool_entries` (side rl) entries of `cfg.categories`,
+    kept in file order."""
     pool = [e for e in train if cfg.categories is None or e.category in cfg.categories]
-    if cfg.n_entries is None or cfg.n_entries >= len(pool):
+    n = cfg.n_entries if side == "train" else cfg.pool_entries
+    if n is None or n >= len(pool):
         return pool
-    chosen = set(random.Random(f"{cfg.seed}:sample_policy").sample(range(len(pool)), cfg.n_entries))
+    chosen = set(random.Random(f"{cfg.seed}:sample_policy").sample(range(len(pool)), n))
     return [e for i, e in enumerate(pool) if i in chosen]
 
 

@@ -36,9 +36,9 @@ def _versus(vs: dict | None) -> tuple[str, str]:
     if not vs or not vs["n"]:
         return "", ""
     who = f" vs {row_name(vs['init'])}"
-    greedy = _ci(vs["diff"], vs["ci"], "+.1f") + f"{who} ({vs['up']} up, {vs['down']} down)"
+    greedy = _ci(vs["diff"], vs["ci"], "+.1f") + f"{who} ({vs['up']} up, {vs['down']} down, p = {vs['p']:.2g})"
     p = vs.get("pass1")
-    return greedy, (_ci(p["diff"], p["ci"], "+.1f") + who) if p else "n/a"
+    return greedy, (_ci(p["diff"], p["ci"], "+.1f") + f"{who} (p = {p['p']:.2g})") if p else "n/a"
 
 
 def _pct(c: dict | None) -> str:
@@ -148,7 +148,8 @@ NOTE = (
     "under the paper protocol) on the held-out entries, greedy; pass@1: the mean over entries of the share of "
     "the entry's answers sampled as RL samples them that succeed (the same row seeds in every model); "
     "intervals: 95 % Wilson score (greedy), 95 % bootstrap over entries (pass@1); differences: the same entries "
-    "paired, 95 % bootstrap over entries, with the entries only this row / only the other got right (up, down). The paper's numbers are Qwen2.5-7B-Instruct on BFCL v4 "
+    "paired; greedy: the entries only this row / only the other got right (up, down), exact McNemar p, Tango's "
+    "95 % score interval; pass@1: a t interval over entries, the sign-flip permutation p. The paper's numbers are Qwen2.5-7B-Instruct on BFCL v4 "
     "multi-turn (80 held-out entries): the shape of the result, not a target here. Probe: the run's fixed "
     "prompts x samples at the rollouts' temperature, the same seeds at every checkpoint and in every cell of an "
     "init, conditioned as the cell is evaluated; its change is paired over prompts. Zero-std: groups whose "

@@ -11,7 +11,7 @@ from pathlib import Path
 from rcgrpo_tasks.env.paper import NO_TOKEN, ROWS
 from rcgrpo_tasks.env.tasks import ALL_CATEGORIES, paper_overall, task_of_id
 from rcgrpo_tasks.ops.inputs import InputError, read_json, read_jsonl
-from rcgrpo_tasks.ops.stats import bootstrap_ci, mcnemar_exact, mean, paired_bootstrap_ci, wilson_ci
+from rcgrpo_tasks.ops.stats import bootstrap_ci, mcnemar_exact, mean, paired_binary, paired_mean, wilson_ci
 
 RESULT_FILES = ("results.jsonl",)  # the evaluate stage's per-entry file
 
@@ -188,23 +188,29 @@ def compared_with(label: str) -> str | None:
 
 def versus(res: EvalResult, init: EvalResult, seed: int = 0) -> dict:
     """Greedy accuracy (%) of a row minus the row it is compared with (`rctp-rc_grpo` vs `rctp`) on the entries
-    both evaluated, with a 95% paired bootstrap CI over entries, the entries each got right alone (`up`,
-    `down`), and the same difference in pass@1 (`pass1`; None where either row was not sampled)."""
+    both evaluated: the entries each got right alone (`up`, `down`), the exact McNemar p and Tango's 95 %
+    interval (`ops.stats.paired_binary`: never a point where 0-2 entries differ); and the same difference in
+    pass@1 (`pass1`; a t interval over entries and the sign-flip p, `ops.stats.paired_mean`; None where either
+    row was not sampled)."""
     mine = {e["entry_id"]: e for e in res.entries}
     theirs = {e["entry_id"]: e for e in init.entries}
     common = [i for i in mine if i in theirs]
+    greedy = paired_binary([mine[i]["correct"] for i in common], [theirs[i]["correct"] for i in common])
+    a, b = [mine[i]["pass1"] for i in common], [theirs[i]["pass1"] for i in common]
+    pass1 = None
+    if common and not any(math.isnan(v) for v in a + b):
+        r = paired_mean([x - y for x, y in zip(a, b)], seed=seed)
+        pass1 = {"diff": 100 * r["diff"], "ci": [100 * x for x in r["ci"]], "p": r["p"]}
+    return {"init": init.label, "n": len(common), "diff": 100 * greedy["diff"], "ci": [100 * x for x in greedy["ci"]],
+            "p": greedy["p"], "pass1": pass1, "up": greedy["only_first"], "down": greedy["only_second"]}
 
-    def paired(key: str) -> dict | None:
-        a, b = [mine[i][key] for i in common], [theirs[i][key] for i in common]
-        if any(math.isnan(v) for v in a + b):
-            return None
-        diff, lo, hi = paired_bootstrap_ci(a, b, seed=seed)
-        return {"diff": 100 * diff, "ci": [100 * lo, 100 * hi]}
 
-    greedy = paired("correct") or {"diff": float("nan"), "ci": [float("nan")] * 2}
-    return {"init": init.label, "n": len(common), **greedy, "pass1": paired("pass1"),
-            "up": sum(mine[i]["correct"] > theirs[i]["correct"] for i in common),
-            "down": sum(mine[i]["correct"] < theirs[i]["correct"] for i in common)}
+def paired_groups(first: list[dict], second: list[dict]) -> list[tuple[dict, dict]]:
+    """(second's group, first's group) of two runs from one init, paired by step and slot (the same entry and
+    seeds in both: `rollout.EngineRollout.group_specs`); pairs whose entries differ are left out."""
+    mine = {(g["step"], g["group"]): g for g in first}
+    return [(g, mine[(g["step"], g["group"])]) for g in second
+            if (g["step"], g["group"]) in mine and mine[(g["step"], g["group"])]["entry_id"] == g["entry_id"]]
 
 
 def rc_versus_grpo(rows: list[dict], groups: dict[str, list[dict]]) -> dict:
@@ -219,9 +225,7 @@ def rc_versus_grpo(rows: list[dict], groups: dict[str, list[dict]]) -> dict:
         rc, grpo = f"{init}-rc_grpo", f"{init}-grpo"
         if not groups.get(rc) or not groups.get(grpo):
             continue
-        mine = {(g["step"], g["group"]): g for g in groups[rc]}
-        pairs = [(g, mine[(g["step"], g["group"])]) for g in groups[grpo]
-                 if (g["step"], g["group"]) in mine and mine[(g["step"], g["group"])]["entry_id"] == g["entry_id"]]
+        pairs = paired_groups(groups[rc], groups[grpo])
         only_grpo = sum(a["flat"] is not None and b["flat"] is None for a, b in pairs)
         only_rc = sum(a["flat"] is None and b["flat"] is not None for a, b in pairs)
         both = sum(a["flat"] is not None and b["flat"] is not None for a, b in pairs)

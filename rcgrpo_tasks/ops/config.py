@@ -382,3 +382,8 @@ def as_dict(config: Any) -> dict:
         else:
             out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
     return out
+
+
+def seeded(base_seed: int, grid_seed: int | None) -> int:
+    """A seeded run's own seed: its section's seed + the grid seed (None: not a grid run, the section's)."""
+    return base_seed + (grid_seed or 0)

@@ -124,5 +124,12 @@ def tag_key(key: str) -> str:
     return re.sub(r"[^\w\-. :/]", "/", key)
 
 
+def grid_tags(model: str, seed: int | None) -> dict[str, str]:
+    """The tags the MLflow UI groups and compares a grid's runs by: `rcgrpo.cell` (the model or RL cell a run
+    trains or measures: sft, rctp, rctp-rc_grpo, ...) and `rcgrpo.seed` (its grid seed; absent for a model
+    every seed shares)."""
+    return {"rcgrpo.cell": model, **({"rcgrpo.seed": str(seed)} if seed is not None else {})}
+
+
 def set_tags(tags: Mapping[str, Any]) -> None:
     call("set_tags", mlflow_module().set_tags, {k: str(v) for k, v in tags.items()})

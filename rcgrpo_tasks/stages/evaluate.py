@@ -56,7 +56,7 @@ from rcgrpo_tasks.evaluation.heldout import (
     run_eval,
     write_outputs,
 )
-from rcgrpo_tasks.ops import tracking
+from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config
 from rcgrpo_tasks.ops.outputs import write_json, write_text
@@ -90,6 +90,8 @@ def main(
     name: str = typer.Option("", help="label in metrics/report (default: the output folder's name)."),
     margin: bool = typer.Option(True, help="--no-margin: skip the teacher-forced margin `evaluate.margin` asks for "
                                 "(where another stage measures it for the same model and entries)."),
+    grid_seed: int | None = typer.Option(None, help="The grid seed of the measured model (params `grid.seeds`; "
+                                         "MLflow tags rcgrpo.cell / rcgrpo.seed)."),
     pass1: bool = typer.Option(True, help="--no-pass1: greedy only, whatever `evaluate.pass_samples` says (the base "
                                "model answers in prose: its samples would cost minutes to score 0)."),
 ) -> None:
@@ -111,11 +113,12 @@ def main(
             reward_pair_ids(backend.tokenizer, (tokens[-1], tokens[0]))
     typer.echo(f"evaluate@{label}: decoding on {backend.describe().get('device', cfg.decode.backend)}")
     token = reward_token or None
-    settings = {"model": str(model), "adapter": adapter or None, "reward_token": token, "side": side, **as_dict(cfg),
+    settings = {"model": str(model), "adapter": adapter or None, "reward_token": token, "side": side,
+                "grid_seed": grid_seed, **as_dict(cfg),
                 "prompt": as_dict(prompt), "backend_info": backend.describe()}
     run_params = {k: v for k, v in settings.items() if k != "backend_info"}
     with tracking.published_run("evaluate", run_params, outputs=(out,),
-                                tags={"rcgrpo.eval_label": label}) as (_, staged):
+                                tags={"rcgrpo.eval_label": label, **tracking_log.grid_tags(label, grid_seed)}) as (_, staged):
         trajs, rows, summary = run_eval(cfg, prompt, backend, held_out, token, label, tokens, sampled)
         pair = (tokens[-1], tokens[0])
         if cfg.margin and margin and token and cfg.decode.backend == "hf" and has_tokens(backend.tokenizer, pair):

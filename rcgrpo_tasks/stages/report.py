@@ -1,31 +1,26 @@
-"""Stage `report`: the paper's comparison table from the evaluate stages, with bootstrap CIs and a plot.
+"""Stage `report`: what params `grid` ran, per seed and pooled over seeds, with the declared endpoints first.
 
-Reads one evaluation per model (`--eval LABEL=DIR`, the `evaluate` stage's output folder: its
-`metrics.json` and per-entry results JSONL) and, optionally, the RL runs' summaries
-(`--rl LABEL=results/rl/<run>/metrics.json`); without `--eval`, every model and RL cell params `grid` names
-(`evaluation.grid`: what dvc.yaml runs), from `--eval-root` and `--rl-root`. Rows, in the paper's order: base, SFT, RCTP, SFT+GRPO,
-SFT+RC-GRPO, RCTP+GRPO, RCTP+RC-GRPO (any subset; unknown labels are appended).
+Reads params `grid` (seeds, RL cells, models evaluated once) and `endpoints` (declared before the run), and the
+grid's outputs under the roots dvc.yaml names: `--eval-root` (LABEL/ for the models evaluated once,
+SEED/LABEL/ for each seed's RCTP model and RL cells: the evaluate stages' folders), `--rl-root`
+(SEED/CELL/metrics.json and steps.tsv), `--controllability-root` (SEED.json: the controllability stage on each
+seed's RCTP model) and `--agree-root` (SEED/trajectories.jsonl: its greedy arm).
 
-Per row: greedy accuracy (the evaluate stage's `valid`: paper reward under the paper protocol, which is the
-paper's Table 1 view; the official verdict under the official protocol) per category and overall, each
-with its 95% Wilson interval, and pass@1 (evaluate's sampled answers) with its bootstrap interval; the official BFCL verdict, mean partial credit and paper reward; for RL rows
-the fixed probe's curve (`train.rl.probe`) and the training diagnostics (zero-std groups, paired group by
-group between RC-GRPO and GRPO from one init); beside them the paper's Table 1 overall accuracy
-(Qwen2.5-7B-Instruct on GPU, 80 held-out entries) where the paper gives it, else `n/a`. With `--controllability
-LABEL=metrics/controllability.json` (the controllability stage, run on RCTP) the row also gets the token gap
-E[R|high] - E[R|low] sampled at the RL temperature and greedy, each with its 95% paired bootstrap CI, and the
-expected zero-variance share of G-sized groups under all-high vs mixed tokens. The paper's
-numbers are a reference for the shape of the result, not a target for a 135M CPU model.
-
-Stages that measure the same thing must agree: with `--agree LABEL=TRAJECTORIES` (evaluate@rctp beside the
-controllability stage's greedy arm) the two greedy answers are compared entry by entry
-(`evaluation.agreement`) and a disagreement fails the stage, naming the entries, before anything is written.
-
-Writes: `--table` (Markdown: three tables, `evaluation.report_tables`), `--json` (DVC metrics: every number
-above), `--plot` (PNG: accuracy per row with its interval), `--probe` (PNG: the probe curves of the six
-cells), `--mechanism` (PNG: per-step diagnostics), and logs them + metrics to MLflow.
-Run: `rcgrpo report --eval base=results/eval/base --eval rctp-rc_grpo=results/eval/rctp-rc_grpo ...
---table results/report/table.md --json results/report/report.json --plot results/report/accuracy.png`.
+The Markdown (`evaluation.seeded_tables`), in the order a reviewer reads it:
+1. RCTP's premise gate per seed (q and the sampled gap on the held-out entries): a missed gate is said first;
+2. the endpoints (`evaluation.endpoints`): estimate, interval, test, p and minimum detectable effect, and how
+   many comparisons are reported;
+3. the seeded models pooled over seeds (two-level bootstrap intervals: seeds, then entries) beside their
+   per-seed values and the paired difference to their init;
+4. learning where RL trains, per seed and cell: the pool, first vs last visit of its prompts, the probe's pool
+   half and its half outside the pool;
+5. each seed's own tables (`evaluation.report_tables`: greedy accuracy with Wilson intervals, pass@1, paired
+   differences, per category, RL diagnostics, the paper's Table 1 beside it).
+Stages that measure the same thing must agree: per seed, evaluate_rctp's greedy answers and the controllability
+stage's greedy arm are compared entry by entry (`evaluation.agreement`); a disagreement fails the stage, naming
+the entries, before anything is written.
+Writes: `--table` (Markdown), `--json` (DVC metrics: every number above), `--plot` (PNG: accuracy per row),
+`--probe` (PNG: the probe curves), `--mechanism` (PNG: per-step diagnostics), and logs them to MLflow.
 """
 
 from __future__ import annotations
@@ -37,91 +32,77 @@ import typer
 
 from rcgrpo_tasks.env.paper import PAPER_TABLE1_OVERALL, ROWS, row_name
 from rcgrpo_tasks.evaluation.agreement import cross_check
+from rcgrpo_tasks.evaluation.endpoints import EndpointsConfig
 from rcgrpo_tasks.evaluation.grid import GridConfig
-from rcgrpo_tasks.evaluation.report_tables import report_markdown
-from rcgrpo_tasks.evaluation.results_table import build_report, rc_versus_grpo
+from rcgrpo_tasks.evaluation.seeded import Roots, endpoint_results, load_seed, pooled_rows, premise
+from rcgrpo_tasks.evaluation.seeded_tables import seeded_markdown
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
-from rcgrpo_tasks.ops.config import load_config
-from rcgrpo_tasks.ops.inputs import InputError, read_json
+from rcgrpo_tasks.ops.config import as_dict, load_config
+from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import write_json, write_text
 from rcgrpo_tasks.ops.plots import accuracy_plot, probe_plot
 from rcgrpo_tasks.train.rl.diagnostics import plot_mechanism
-
-
-def _pairs(items: list[str], what: str) -> list[tuple[str, Path]]:
-    out = []
-    for item in items:
-        label, sep, p = item.partition("=")
-        if not sep or not label or not p:
-            raise InputError(f"{what} expects LABEL=PATH, got {item!r}")
-        out.append((label, Path(p)))
-    return out
-
 
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
 
 
 @app.command()
 def main(
-    eval_: list[str] = typer.Option([], "--eval", help="LABEL=DIR of an evaluate output (repeat); none: every "
-                                    "evaluation and RL cell of params `grid` (EVAL_ROOT/LABEL, RL_ROOT/CELL)."),
-    rl: list[str] = typer.Option([], "--rl", help="LABEL=metrics.json of an RL run (repeat)."),
-    params: Path = typer.Option(Path("params.yaml"), help="Params file (section `grid`, without --eval)."),
-    eval_root: Path = typer.Option(Path("results/eval"), help="Evaluate outputs: EVAL_ROOT/LABEL (without --eval)."),
-    rl_root: Path = typer.Option(Path("results/rl"), help="RL runs: RL_ROOT/CELL/metrics.json and steps.tsv "
-                                 "(without --eval)."),
-    controllability: list[str] = typer.Option([], "--controllability",
-                                              help="LABEL=metrics/controllability.json of a model (repeat)."),
-    agree: list[str] = typer.Option([], "--agree", help="LABEL=TRAJECTORIES: the evaluation LABEL's greedy answers "
-                                    "must be another stage's greedy-arm answers under its token (repeat)."),
-    table: Path = typer.Option(Path("results/report/table.md"), help="Output: Markdown table."),
+    params: Path = typer.Option(Path("params.yaml"), help="Params file (sections `grid`, `endpoints`)."),
+    eval_root: Path = typer.Option(Path("results/eval"), help="Evaluations: ROOT/LABEL, ROOT/SEED/LABEL."),
+    rl_root: Path = typer.Option(Path("results/rl"), help="RL runs: ROOT/SEED/CELL/metrics.json and steps.tsv."),
+    controllability_root: Path | None = typer.Option(None, help="Controllability metrics: ROOT/SEED.json."),
+    agree_root: Path | None = typer.Option(None, help="Controllability's rollouts: ROOT/SEED/trajectories.jsonl; "
+                                           "each seed's evaluate_rctp greedy answers must be their greedy arm's."),
+    table: Path = typer.Option(Path("results/report/table.md"), help="Output: Markdown tables."),
     json_out: Path = typer.Option(Path("results/report/report.json"), "--json", help="Output: metrics JSON."),
     plot_out: Path = typer.Option(Path("results/report/accuracy.png"), "--plot", help="Output: PNG plot."),
-    steps: list[str] = typer.Option([], "--steps", help="LABEL=plots/rl_<run>.tsv: per-step RL diagnostics (repeat)."),
     mechanism: Path | None = typer.Option(None, help="Output: PNG of the per-step mechanism, GRPO beside RC-GRPO."),
     probe: Path | None = typer.Option(None, help="Output: PNG of the RL cells' fixed-probe curves."),
     seed: int = typer.Option(0, help="Bootstrap seed."),
     track: bool = typer.Option(True, help="Log to MLflow."),
 ) -> None:
-    """Assemble the results table (with CIs and the paper's numbers) and plot."""
+    """Assemble the report over seeds: premise, endpoints, pooled and per-seed tables, plots."""
     with cli_errors():
-        if not eval_:  # what params `grid` runs: the report cannot list other models than the pipeline's
-            grid = load_config(GridConfig, params, "grid")
-            eval_ = [f"{label}={eval_root / label}" for label in grid.labels]
-            rl = [f"{cell}={rl_root / cell / 'metrics.json'}" for cell in grid.cells]
-            steps = [f"{cell}={rl_root / cell / 'steps.tsv'}" for cell in grid.cells]
-        step_files = dict(_pairs(steps, "--steps"))
-        missing = [str(p) for p in step_files.values() if not p.is_file()]
+        grid = load_config(GridConfig, params, "grid")
+        declared = load_config(EndpointsConfig, params, "endpoints")
+        roots = Roots(eval_root, rl_root, controllability_root)
+        seeds = [load_seed(grid, roots, s, seed) for s in grid.seeds]
+        steps = {f"{cell}@{s}": rl_root / str(s) / cell / "steps.tsv" for s in grid.seeds for cell in grid.cells}
+        missing = [str(p) for p in steps.values() if not p.is_file()]
         if missing:
-            raise InputError(f"--steps: not found: {missing} (run `dvc repro rl`)")
-        rows = build_report(_pairs(eval_, "--eval"), _pairs(rl, "--rl"), seed,
-                            _pairs(controllability, "--controllability"))
-        dirs = dict(_pairs(eval_, "--eval"))
-        checks = []
-        for label, other in _pairs(agree, "--agree"):
-            if label not in dirs:
-                raise InputError(f"--agree {label}: no --eval {label}=DIR to compare")
-            checks.append({"label": label, **cross_check(dirs[label], other)})
-        if mechanism is not None and not step_files:
-            raise InputError("--mechanism needs the runs' per-step TSVs (--steps LABEL=TSV)")
+            raise InputError(f"not found: {missing} (run `dvc repro`: the grid's rl stages)")
+        checks = {}
+        if agree_root is not None:
+            for s in grid.seeds:
+                checks[s] = [{"label": "rctp", **cross_check(eval_root / str(s) / "rctp",
+                                                             agree_root / str(s) / "trajectories.jsonl")}]
+        results = endpoint_results(declared, seeds, seed)
+    gates = premise(seeds)
+    pooled = pooled_rows(seeds, grid.seeded_labels, seed)
+    md = seeded_markdown(gates, results, pooled, seeds, declared.alpha, declared.power, checks)
+    rows = [{**r, "label": r["label"] if r.get("seed") is None else f"{r['label']}@{r['seed']}"}
+            for i, s in enumerate(seeds) for r in s.rows if i == 0 or r.get("seed") is not None]
     task = " / ".join(sorted({r["task"] for r in rows}))
-    contrast = rc_versus_grpo(rows, {label: read_json(p).get("groups") or [] for label, p in _pairs(rl, "--rl")})
-    md = report_markdown(rows, contrast, checks)
     outputs = (table, json_out, plot_out, mechanism, probe)
-    with tracking.published_run("report", {"eval": eval_, "rl": rl, "seed": seed}, outputs=outputs,
-                                track=track) as (_, staged):
+    with tracking.published_run("report", {"grid": as_dict(grid), "endpoints": as_dict(declared), "seed": seed},
+                                outputs=outputs, track=track) as (_, staged):
         files = [staged.file(table), staged.file(json_out), staged.file(plot_out)]
         write_text(files[0], md)
-        write_json(files[1], {"rows": {r["label"]: r for r in rows}, "rc_grpo_vs_grpo": contrast,
-                              "stage_agreement": checks, "paper_table1_overall": PAPER_TABLE1_OVERALL})
-        accuracy_plot(rows, files[2], dict(ROWS), title=f"BFCL v4 {task}, held-out split")
+        write_json(files[1], {"premise": gates, "endpoints": results, "pooled": pooled,
+                              "seeds": {str(s.seed): {"rows": {r["label"]: r for r in s.rows},
+                                                      "rc_grpo_vs_grpo": s.contrast} for s in seeds},
+                              "stage_agreement": {str(k): v for k, v in checks.items()},
+                              "paper_table1_overall": PAPER_TABLE1_OVERALL})
+        names = {f"{label}@{s}": f"{name} (seed {s})" for label, name in ROWS for s in grid.seeds} | dict(ROWS)
+        accuracy_plot(rows, files[2], names, title=f"BFCL v4 {task}, held-out split")
         if mechanism is not None:
             files.append(staged.file(mechanism))
-            plot_mechanism(step_files, files[-1], title=f"RC-GRPO mechanism per step (BFCL v4 {task})")
+            plot_mechanism(steps, files[-1], title=f"RC-GRPO mechanism per step (BFCL v4 {task})")
         if probe is not None:
             files.append(staged.file(probe))
-            probe_plot(rows, files[-1], dict(ROWS), title=f"RL on BFCL v4 {task}: the fixed probe's reward")
+            probe_plot(rows, files[-1], names, title=f"RL on BFCL v4 {task}: the fixed probe's reward (pool half)")
         if track:
             _log(rows, files)
     typer.echo(md)

@@ -50,12 +50,14 @@ Departures from the paper (docs/rl.md): tiny budgets on CPU (the paper: Qwen2.5-
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import typer
 
 from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.ops.cli import cli_errors
+from rcgrpo_tasks.ops.config import seeded
 from rcgrpo_tasks.train.common import processes, runs
 from rcgrpo_tasks.train.rl.config import check_world
 from rcgrpo_tasks.train.rl.run import load_rl_config, train_rl
@@ -77,8 +79,10 @@ def main(
     metrics: Path | None = typer.Option(None, help="Output: summary metrics JSON."),
     plots: Path | None = typer.Option(None, help="Output: per-step diagnostics TSV."),
     conditioning: str | None = typer.Option(None, help="Override: rc | fixed | none (default: from init x algo)."),
-    pool: str = typer.Option("", help="The init's samples of RL's prompts (sample_policy@pool-<init>) for "
-                                      "rl.pool_band; empty = none."),
+    pool: str = typer.Option("", help="The init's samples of RL's prompts (sample_policy@pool-sft, "
+                                      "pool_rctp@<seed>) for rl.pool_band; empty = none."),
+    grid_seed: int | None = typer.Option(None, help="The grid seed of this run (params `grid.seeds`): rl.seed + it "
+                                         "seeds the run; MLflow tags rcgrpo.cell / rcgrpo.seed."),
     params: Path = typer.Option(Path("params.yaml"), help="Params file (sections `rl`, `prompt`, `label_rewards`, "
                                                        "`compute`)."),
 ) -> None:
@@ -86,11 +90,12 @@ def main(
     options = dict(locals())  # this command's arguments, to run it again under a launch
     with cli_errors():
         cfg, protocol, levels = load_rl_config(params)
+        cfg = replace(cfg, seed=seeded(cfg.seed, grid_seed))
         compute = load_compute(params)
         device = runs.train_device(compute.device)  # a device this machine lacks fails here, before anything loads
         spec = RLRun(init=init, algo=algo, model_dir=model_dir, adapter_dir=adapter_dir, entries=entries,
                      split=split, out=out, checkpoints=checkpoints, metrics=metrics, plots=plots,
-                     conditioning=conditioning, pool=Path(pool) if pool else None)
+                     conditioning=conditioning, pool=Path(pool) if pool else None, grid_seed=grid_seed)
         spec.check()
         if processes.should_launch(compute):  # N processes: this command again, under accelerate launch
             check_world(cfg, compute.processes)  # whole groups per process, checked before anything starts

@@ -25,6 +25,7 @@ Run: `rcgrpo sample-policy --params params.yaml --model-dir models/base --adapte
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -41,7 +42,7 @@ from rcgrpo_tasks.env.prompt import GOAL_RESERVE, PromptConfig
 from rcgrpo_tasks.env.tasks import task_of_entries
 from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.cli import Progress, cli_errors
-from rcgrpo_tasks.ops.config import as_dict, load_config
+from rcgrpo_tasks.ops.config import as_dict, load_config, seeded
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import write_json
 
@@ -61,17 +62,20 @@ def main(
                                      "empty = none."),
     out: Path = typer.Option(Path("data/policy/trajectories.jsonl"), help="output: every rollout, trajectory JSONL."),
     metrics: Path = typer.Option(Path("metrics/sample_policy.json"), help="output: metrics JSON."),
+    grid_seed: int | None = typer.Option(None, help="The grid seed of this run (params `grid.seeds`; MLflow tags "
+                                         "rcgrpo.cell / rcgrpo.seed): sample_policy.seed + it seeds the sampling."),
 ) -> None:
     """Sample the SFT model on train entries until each has a success and a failure (capped)."""
     with cli_errors():
         cfg = load_config(SampleConfig, params, "sample_policy")
+        cfg = replace(cfg, seed=seeded(cfg.seed, grid_seed))
         prompt = load_config(PromptConfig, params, "prompt")
         gen = load_config(GenerateConfig, params, "generate_trajectories")
         if side not in ("train", "rl"):
             raise InputError(f"--side must be train or rl, got {side!r}")
         train = split_entries(entries, split, side)
         check_task(gen, prompt, task_of_entries(train))
-        chosen = pick_entries(train, cfg)
+        chosen = pick_entries(train, cfg, side)
         if not chosen:
             raise InputError(f"{split}: no {side} entries in categories {list(cfg.categories or [])} (empty: any)")
         cfg.decode.check_context(model_dir, f"{params}:sample_policy.max_new_tokens")
@@ -84,7 +88,9 @@ def main(
     origin = {"model": str(model_dir), "adapter": adapter_dir or None, "policy_backend": cfg.decode.backend,
               "side": side}
     run_params = {"sample_policy": as_dict(cfg), "prompt": as_dict(prompt), "reward": gen.reward, **origin}
-    with tracking.published_run("sample_policy", run_params, outputs=(out, metrics)) as (_, staged), cli_errors():
+    tags = tracking_log.grid_tags("rctp" if reward_token else "sft", grid_seed)
+    with tracking.published_run("sample_policy", run_params, outputs=(out, metrics), tags=tags) as (_, staged), \
+            cli_errors():
         bar = Progress(len(chosen) * cfg.max_samples_per_entry, "on-policy samples (at most)")
         try:
             rows, record = sample_policy(backend, chosen, cfg, prompt.protocol_config(cfg.decode.max_outputs), gen.reward,

@@ -37,6 +37,7 @@ tiny step budgets on CPU (`configs/paper.yaml` holds the paper's values).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -44,7 +45,7 @@ import typer
 from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.cli import cli_errors
-from rcgrpo_tasks.ops.config import load_config
+from rcgrpo_tasks.ops.config import load_config, seeded
 from rcgrpo_tasks.train.common import processes, runs
 from rcgrpo_tasks.train.sft.config import SftRun
 from rcgrpo_tasks.train.sft.run import load_sft_config, train_variant
@@ -64,14 +65,17 @@ def main(
     plots: Path | None = typer.Option(None, help="Output: per-step TSV (dvc plots)."),
     init_adapter: str = typer.Option("", help="sft@sft output to start from (params `init: sft`); empty = none."),
     entries: Path | None = typer.Option(None, help="Entries JSONL (prepare_data): the margin curve's held-out entries."),
-    split: Path | None = typer.Option(None, help="Split JSON (prepare_data): the margin curve's held-out side."),
+    split: Path | None = typer.Option(None, help="Split JSON (prepare_data): the margin curve's dev side."),
+    grid_seed: int | None = typer.Option(None, help="The grid seed of an RCTP run (params `grid.seeds`): the "
+                                         "variant's seed + it seeds the run; MLflow tags rcgrpo.cell / rcgrpo.seed."),
 ) -> None:
     """SFT / RCTP fine-tuning with TRL SFTTrainer + PEFT LoRA."""
     options = dict(locals())  # this command's arguments, to run it again under a launch
     spec = SftRun(variant, model_dir, data, out, checkpoints, metrics, plots,
-                  Path(init_adapter) if init_adapter else None, entries, split)
+                  Path(init_adapter) if init_adapter else None, entries, split, grid_seed)
     with cli_errors():
         cfg, tokens = load_sft_config(params, variant)
+        cfg = replace(cfg, seed=seeded(cfg.seed, grid_seed))
         prompt = load_config(PromptConfig, params, "prompt") if cfg.margin_every else None  # the margin curve's
         compute = load_compute(params)
         device = runs.train_device(compute.device)  # a device this machine lacks fails here, before anything loads

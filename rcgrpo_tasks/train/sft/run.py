@@ -18,7 +18,7 @@ from rcgrpo_tasks.data.labels import load_reward_tokens
 from rcgrpo_tasks.engine.compute import ComputeConfig
 from rcgrpo_tasks.engine.dtype import record, train_bf16
 from rcgrpo_tasks.env.prompt import PromptConfig
-from rcgrpo_tasks.ops import tracking
+from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config
 from rcgrpo_tasks.ops.outputs import write_json
 from rcgrpo_tasks.train.common import processes, runs
@@ -81,8 +81,8 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbac
         os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "true")
     stage = f"sft@{spec.variant}"
     main = state.is_main_process
-    with runs.stop_on_signal() as stop, runs.published(main, track, stage, params, {"sft.variant": spec.variant},
-                                                        spec.outputs) as (_, staged):
+    tags = {"sft.variant": spec.variant, **tracking_log.grid_tags(spec.variant, spec.grid_seed)}
+    with runs.stop_on_signal() as stop, runs.published(main, track, stage, params, tags, spec.outputs) as (_, staged):
         own = [runs.step_metrics("loss")] if track else []
         # one process only: the curve's forwards run on the main process, which under DDP / ZeRO-3 would
         # leave the others waiting in a collective

@@ -1,0 +1,122 @@
+"""The report's Markdown over seeds (`seeded`): RCTP's premise gate first, then the declared endpoints, the
+rows pooled over seeds, RL learning per seed and cell, controllability per seed, and each seed's own tables
+(`report_tables`). Nothing is printed as an interval that is not one: a missing value is `n/a`."""
+
+from __future__ import annotations
+
+import math
+
+from rcgrpo_tasks.env.paper import row_name
+from rcgrpo_tasks.evaluation.report_tables import agreement_lines, category_table, outcome_table, rl_table
+
+
+def _f(v, spec: str = ".3f") -> str:
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def _ci(v, ci, spec: str = "+.3f") -> str:
+    if v is None or not ci or any(x is None or (isinstance(x, float) and math.isnan(x)) for x in (v, *ci)):
+        return "n/a"
+    return f"{format(v, spec)} [{format(ci[0], spec)}, {format(ci[1], spec)}]"
+
+
+def premise_lines(gates: list[dict]) -> str:
+    """The run's first line: did every seed's RCTP model read its token as RC-GRPO needs?"""
+    if not gates:
+        return "**RCTP premise gate: not measured** (no controllability metrics).\n"
+    missed = [g for g in gates if not g["passed"]]
+    rule = f"q >= {gates[0]['min_q']} and the sampled gap's 95 % CI above 0, on the held-out entries"
+    if missed:
+        why = "; ".join(f"seed {g['seed']}: {g['why']}" for g in missed)
+        head = (f"**RCTP premise gate MISSED in {len(missed)} of {len(gates)} seeds ({rule}): {why}. Where the RCTP "
+                "model does not read its token, RC-GRPO's groups are GRPO's and this run does not test RC-GRPO.**\n")
+    else:
+        head = f"**RCTP premise gate passed in all {len(gates)} seeds** ({rule}).\n"
+    rows = "".join(f"| {g['seed']} | {_ci(g['q'], g.get('q_ci'), '.3f')} | {_f(g.get('high'))} | {_f(g.get('low'))} | "
+                   f"{_ci(g.get('gap'), g.get('gap_ci'))} | {'passed' if g['passed'] else 'missed'} |\n" for g in gates)
+    return (head + "\n| seed | q = P(low fails \\| high succeeds) [95% CI] | R\\|high | R\\|low | sampled gap [95% CI] "
+            "| gate |\n|---|---|---|---|---|---|\n" + rows)
+
+
+def _estimate(r: dict) -> str:
+    m = r["spec"]["measure"]
+    if m in ("pool_learning", "probe", "transfer"):
+        return f"{r['up']} up, {r['down']} down of {r['n']} prompts x seeds"
+    if m == "zero_variance":
+        return (f"{r['cell_share']:.3f} vs {r['versus_share']:.3f}: {_ci(r['diff'], r['ci'])} "
+                f"({r['only_first']} vs {r['only_second']} discordant of {r['n']} groups)")
+    scale = 100
+    return (f"{_ci(scale * r['diff'], [scale * x for x in r['ci']], '+.1f')} pts"
+            + (f" ({r['only_first']} up, {r['only_second']} down)" if m == "greedy" else "")
+            + (f"; per seed {', '.join(f'{scale * v:+.1f}' for v in r['per_seed'])}" if r.get("per_seed") else ""))
+
+
+def _mde(r: dict) -> str:
+    if r.get("mde") is None or (isinstance(r["mde"], float) and math.isnan(r["mde"])):
+        return "n/a"
+    scale = 1 if r["spec"]["measure"] == "zero_variance" else 100
+    return f"{scale * r['mde']:.{3 if scale == 1 else 1}f}{'' if scale == 1 else ' pts'}"
+
+
+def endpoints_table(results: list[dict], alpha: float, power: float, seeds: int) -> str:
+    """The declared endpoints, primary first, each with its estimate, test, p and MDE."""
+    n_primary = sum(r["rank"] == "primary" for r in results)
+    lines = [f"{len(results)} comparisons reported ({n_primary} primary, {len(results) - n_primary} secondary), "
+             f"declared in params `endpoints` before the run; over {seeds} seed(s); two-sided tests at alpha = "
+             f"{alpha}, no multiplicity correction (secondary endpoints are descriptive); MDE: the smallest "
+             f"effect this n detects with power {power}.\n",
+             "| rank | endpoint | estimate [95% CI] | test | p | MDE (power " + f"{power}) | units |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['rank']} | {r['name']} | {_estimate(r)} | {r['test']} | {_f(r['p'], '.3g')} | "
+                     f"{_mde(r)} | {r.get('unit', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def pooled_table(pooled: list[dict]) -> str:
+    """Seeded models averaged over seeds, with two-level bootstrap intervals and the per-seed values."""
+    lines = ["| model | greedy % [95% CI over seeds x entries] | per seed | pass@1 % [95% CI] | per seed | "
+             "greedy vs init, pts [95% CI] | pass@1 vs init, pts [95% CI] |", "|---|---|---|---|---|---|---|"]
+    for r in pooled:
+        cells = []
+        for key in ("correct", "pass1"):
+            v = r.get(key)
+            cells += [_ci(v["mean"], v["ci"], ".1f"), ", ".join(f"{x:.1f}" for x in v["per_seed"])] if v else ["n/a", ""]
+        vs = r.get("vs") or {}
+        for key in ("correct", "pass1"):
+            d = vs.get(key)
+            cells.append(f"{_ci(d['diff'], d['ci'], '+.1f')} vs {row_name(vs['init'])}" if d else "")
+        lines.append(f"| {row_name(r['label'])} ({r['seeds']} seeds) | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def learning_table(seeds: list) -> str:
+    """Per seed and RL cell: its pool, learning on it (first vs last visit), the probe's pool half and its
+    transfer half (prompts up / down, exact sign test)."""
+    lines = ["| seed | cell | pool (prompts, init's success) | pool learning: up / down (sign p) | probe, pool half: "
+             "change [95% CI], up / down (p) | probe, outside the pool: change, up / down (p) |",
+             "|---|---|---|---|---|---|"]
+    for s in seeds:
+        for cell, m in s.rl.items():
+            pool, learn, probe = m.get("pool") or {}, m.get("pool_learning") or {}, m.get("probe") or {}
+            cells = [f"{pool.get('size', 'n/a')}, {_f(pool.get('step0_success'))}" if pool else "n/a",
+                     f"{learn['up']} / {learn['down']} of {learn['prompts']} ({_f(learn['sign_p'], '.3g')})"
+                     if learn else "n/a"]
+            for part in (probe.get("change"), (probe.get("transfer") or {}).get("change")):
+                cells.append(f"{_ci(part['mean'], [part['ci_low'], part['ci_high']])}, {part['up']} / {part['down']} "
+                             f"({_f(part['sign_p'], '.3g')})" if part else "n/a")
+            lines.append(f"| {s.seed} | {row_name(cell)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def seeded_markdown(gates: list[dict], results: list[dict], pooled: list[dict], seeds: list, alpha: float,
+                    power: float, checks: dict[int, list[dict]], side: str = "held-out") -> str:
+    """The whole report: premise gate, endpoints, pooled rows, learning, then each seed's tables."""
+    parts = ["## RCTP's premise\n\n" + premise_lines(gates),
+             "## Endpoints\n\n" + endpoints_table(results, alpha, power, len(seeds)),
+             f"## Outcome pooled over seeds ({side} entries)\n\n" + pooled_table(pooled),
+             "## Learning where RL trains\n\n" + learning_table(seeds)]
+    for s in seeds:
+        parts.append(f"## Seed {s.seed}\n\n" + outcome_table(s.rows) + agreement_lines(checks.get(s.seed, []))
+                     + "\n### Per category\n\n" + category_table(s.rows) + "\n### RL\n\n" + rl_table(s.rows, s.contrast))
+    return "\n".join(parts)

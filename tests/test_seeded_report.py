@@ -1,0 +1,151 @@
+"""The report over seeds: RCTP's premise gate first, the declared endpoints with their exact tests (checked
+against the counts the synthetic grid was built with), the rows pooled over seeds, learning on the pool, each
+seed's tables, and a grid or endpoint that names what was not run failing with a clear message."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
+from rcgrpo_tasks.ops.stats import mcnemar_exact
+from rcgrpo_tasks.stages import report as report_stage
+
+N = 20
+CELLS = ("rctp-grpo", "rctp-rc_grpo")
+
+
+def _results(folder, correct: list[int], pass1: list[float]) -> None:
+    write_jsonl(folder / "results.jsonl", [
+        {"id": f"simple_python_{i}", "category": "simple_python", "valid": bool(c), "official_valid": bool(c),
+         "partial_credit": float(c), "paper_reward": float(c), "pass1": p} for i, (c, p) in enumerate(zip(correct, pass1))])
+
+
+def _steps(path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cols = ["step", "reward", "frac_zero_std", "adv_abs_mean", "adv_std", "controllability_gap"]
+    path.write_text("\t".join(cols) + "\n" + "".join(f"{s}\t0.5\t0.4\t0.3\t0.4\tnan\n" for s in (1, 2)))
+
+
+def _groups(flat_grpo: int, flat_rc: int, n: int = 30) -> tuple[list[dict], list[dict]]:
+    """n paired groups: GRPO's first `flat_grpo` flat, RC-GRPO's first `flat_rc`."""
+    def run(k):
+        return [{"step": g // 4, "group": g % 4, "entry_id": f"e{g}", "flat": "success" if g < k else None}
+                for g in range(n)]
+    return run(flat_grpo), run(flat_rc)
+
+
+def _probe(up: int, down: int) -> dict:
+    change = {"mean": (up - down) / 12, "ci_low": -0.1, "ci_high": 0.2, "prompts": 12, "up": up, "down": down,
+              "sign_p": mcnemar_exact(up, down)}
+    return {"entries": ["a"], "samples": 2, "steps": [0, 2], "reward": [0.4, 0.5], "change": change,
+            "per_entry": {}, "transfer": {"entries": ["b"], "change": {**change, "up": down, "down": up}, "reward": [0.4, 0.4],
+                                          "per_entry": {}}}
+
+
+def _grid(tmp_path, seeds=(0, 1), gate_q=(0.45, 0.2)):
+    """A two-seed grid's outputs: GRPO flat in 12 of 30 paired groups, RC-GRPO in 4 (every seed); RC-GRPO's
+    pass@1 +0.25 on the first 8 entries; pool learning 7 up / 1 down per cell and seed."""
+    root = tmp_path / "out"
+    params = {"grid": {"seeds": list(seeds), "rl": {"sft": [], "rctp": list(a.split("-")[1] for a in CELLS)},
+                       "evaluate": {"sft": {"model": "m", "adapter": "a", "dep": "a", "reward_token": "", "flags": ""}}},
+              "endpoints": {"alpha": 0.05, "power": 0.8,
+                            "primary": [{"measure": "zero_variance", "cell": "rctp-rc_grpo", "versus": "rctp-grpo"},
+                                        {"measure": "pass1", "cell": "rctp-rc_grpo", "versus": "rctp-grpo"}],
+                            "secondary": [{"measure": "greedy", "cell": "rctp-rc_grpo", "versus": "rctp-grpo"},
+                                          {"measure": "pool_learning", "cell": "rctp-grpo"},
+                                          {"measure": "transfer", "cell": "rctp-rc_grpo"}]}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    base = [i % 2 for i in range(N)]
+    _results(root / "eval" / "sft", base, [0.25] * N)
+    for s, q in zip(seeds, gate_q):
+        _results(root / "eval" / str(s) / "rctp", base, [0.25] * N)
+        _results(root / "eval" / str(s) / "rctp-grpo", base, [0.25] * N)
+        _results(root / "eval" / str(s) / "rctp-rc_grpo", [1 if i < 3 else c for i, c in enumerate(base)],
+                 [0.5 if i < 8 else 0.25 for i in range(N)])
+        grpo, rc = _groups(12, 4)
+        for cell, groups in zip(CELLS, (grpo, rc)):
+            metrics = {"groups": groups, "pool": {"ids": ["a"], "size": 17, "step0_success": 0.5},
+                       "pool_learning": {"prompts": 10, "up": 7, "down": 1, "ties": 2, "sign_p": mcnemar_exact(7, 1)},
+                       "probe": _probe(5, 1), "steps": 2}
+            write_json(root / "rl" / str(s) / cell / "metrics.json", metrics)
+            _steps(root / "rl" / str(s) / cell / "steps.tsv")
+        write_json(root / "ctl" / f"{s}.json", {
+            "premise_gate": {"min_q": 0.3, "q": q, "gap_ci_low": 0.01, "passed": q >= 0.3,
+                             "why": "met" if q >= 0.3 else f"q {q:.3f} < 0.3"},
+            "sampled": {"gap": 0.1, "gap_ci": [0.01, 0.2], "success_rate_high": 0.3, "success_rate_low": 0.2,
+                        "premise": {"q": q, "q_ci": [q - 0.1, q + 0.1]}}})
+    return tmp_path / "params.yaml", root
+
+
+def _run(params, root, *extra):
+    args = ["--params", str(params), "--eval-root", str(root / "eval"), "--rl-root", str(root / "rl"),
+            "--controllability-root", str(root / "ctl"), "--no-track", "--table", str(root / "t.md"),
+            "--json", str(root / "r.json"), "--plot", str(root / "a.png"), *extra]
+    return CliRunner().invoke(report_stage.app, args)
+
+
+def test_the_report_leads_with_the_premise_and_the_declared_endpoints(tmp_path):
+    params, root = _grid(tmp_path)
+    res = _run(params, root, "--probe", str(root / "p.png"), "--mechanism", str(root / "m.png"))
+    assert res.exit_code == 0, res.output
+    md = (root / "t.md").read_text()
+    assert md.index("premise gate MISSED in 1 of 2 seeds") < md.index("## Endpoints") < md.index("## Outcome pooled")
+    assert "seed 1: q 0.200 < 0.3" in md and "5 comparisons reported (2 primary, 3 secondary)" in md
+    data = json.loads((root / "r.json").read_text())
+    ends = {e["name"]: e for e in data["endpoints"]}
+    zero = ends["zero_variance: rctp-rc_grpo vs rctp-grpo"]  # 8 groups flat under GRPO only, per seed
+    assert (zero["only_first"], zero["only_second"], zero["n"]) == (0, 16, 60)
+    assert zero["p"] == pytest.approx(mcnemar_exact(0, 16)) and zero["ci"][1] < 0 < zero["mde"]
+    assert zero["cell_share"] == pytest.approx(4 / 30) and zero["versus_share"] == pytest.approx(12 / 30)
+    pass1 = ends["pass1: rctp-rc_grpo vs rctp-grpo"]
+    assert pass1["diff"] == pytest.approx(0.25 * 8 / N) and pass1["seeds"] == 2 and pass1["p"] < 0.05
+    greedy = ends["greedy: rctp-rc_grpo vs rctp-grpo"]
+    assert (greedy["only_first"], greedy["only_second"]) == (4, 0)  # entries 0 and 2 of each seed
+    learn = ends["pool_learning: rctp-grpo"]
+    assert (learn["up"], learn["down"]) == (14, 2) and learn["p"] == pytest.approx(mcnemar_exact(14, 2))
+    assert (ends["transfer: rctp-rc_grpo"]["up"], ends["transfer: rctp-rc_grpo"]["down"]) == (2, 10)
+    pooled = {r["label"]: r for r in data["pooled"]}
+    assert pooled["rctp-rc_grpo"]["pass1"]["mean"] == pytest.approx(100 * (0.25 + 0.25 * 8 / N))
+    assert pooled["rctp-rc_grpo"]["vs"]["init"] == "rctp" and pooled["rctp"]["vs"]["init"] == "sft"
+    assert "## Seed 0" in md and "## Seed 1" in md and "| 1 | RCTP+RC-GRPO | 17, 0.500 | 7 / 1 of 10" in md
+    assert set(data["seeds"]) == {"0", "1"} and "rctp-rc_grpo" in data["seeds"]["1"]["rows"]
+    assert all((root / f).stat().st_size > 1000 for f in ("a.png", "p.png", "m.png"))
+
+
+def test_a_run_whose_seeds_all_pass_the_gate_says_so(tmp_path):
+    params, root = _grid(tmp_path, gate_q=(0.45, 0.35))
+    assert _run(params, root).exit_code == 0
+    assert "premise gate passed in all 2 seeds" in (root / "t.md").read_text()
+
+
+def test_a_missing_seed_or_an_endpoint_on_an_unrun_cell_fails_clearly_and_writes_nothing(tmp_path):
+    params, root = _grid(tmp_path)
+    p = yaml.safe_load(params.read_text())
+    p["grid"]["seeds"] = [0, 1, 2]
+    params.write_text(yaml.safe_dump(p))
+    res = _run(params, root)
+    assert res.exit_code == 2 and "seed 2" in res.output and not (root / "t.md").exists()
+    p["grid"]["seeds"] = [0, 1]
+    p["endpoints"]["secondary"].append({"measure": "pass1", "cell": "sft-grpo", "versus": "sft"})
+    params.write_text(yaml.safe_dump(p))
+    res = _run(params, root)
+    assert res.exit_code == 2 and "sft-grpo" in res.output and not (root / "t.md").exists()
+
+
+@pytest.mark.parametrize("endpoints,needle", [
+    ({"alpha": 0.05, "power": 0.8, "primary": [], "secondary": []}, "primary"),
+    ({"alpha": 0.05, "power": 0.8, "primary": [{"measure": "pass1", "cell": "a"}], "secondary": []}, "versus"),
+    ({"alpha": 0.05, "power": 0.8, "primary": [{"measure": "accuracy", "cell": "a", "versus": "b"}],
+      "secondary": []}, "measure"),
+    ({"alpha": 0.7, "power": 0.8, "primary": [{"measure": "probe", "cell": "a"}], "secondary": []}, "alpha"),
+])
+def test_malformed_endpoints_fail_naming_the_field(endpoints, needle):
+    from rcgrpo_tasks.evaluation.endpoints import EndpointsConfig
+    from rcgrpo_tasks.ops.config import ConfigError, from_dict
+
+    with pytest.raises(ConfigError, match=needle):
+        from_dict(EndpointsConfig, endpoints, "params.yaml:endpoints")
