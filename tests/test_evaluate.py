@@ -27,6 +27,7 @@ evaluate:
   pass_samples: 2
 rl:
   temperature: 0.7
+  top_p: 1.0
 """
 
 

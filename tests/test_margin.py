@@ -1,4 +1,4 @@
-"""Does the model read its reward token: the teacher-forced margin (train.sft.margin), its arithmetic, its shared-
+"""Does the model read its reward token: the teacher-forced margin (data.margin), its arithmetic, its shared-
 prompt forward against a plain one, the token rows' distance, the paired (common random numbers) sampled arm
 of the controllability check, and the margin curve of an RCTP run started from the SFT model."""
 
@@ -10,11 +10,11 @@ import pytest
 from helpers import HIGH, LEVELS, LOW, chat, tiny_sft_config
 from test_evaluate import _invoke, make_workdir
 
+from rcgrpo_tasks.data import margin as mg
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.split import PrepareDataConfig, prepare
 from rcgrpo_tasks.ops.config import from_dict
 from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
-from rcgrpo_tasks.train.sft import margin as mg
 
 TOKENS = (HIGH, LOW)
 
@@ -151,15 +151,15 @@ def test_paired_sampled_arm_draws_the_same_seeds_under_both_tokens(equal_rows_di
     low are the same tokens, so every pair is identical and the gap is exactly 0."""
     from rcgrpo_tasks.engine.hf import HFBackend
     from rcgrpo_tasks.evaluation import controllability as ctl
-    from rcgrpo_tasks.train.rl.config import RLConfig
+    from rcgrpo_tasks.evaluation.heldout import RLSampling
 
     backend = HFBackend(equal_rows_dir, dtype="float32", device="cpu")
     cfg = from_dict(ctl.ControllabilityConfig, {"n_entries": 3, "samples_per_token": 2, "max_outputs": 1,
                                                 "max_new_tokens": 6, "margin_entries": 2, "n_bootstrap": 50,
                                                 "batch_rows": 8})
-    rl = from_dict(RLConfig, {"temperature": 1.0, "top_p": 1.0, "num_generations": 4, "p_high": 0.5})
     entries = _held_out(single_turn, 3)
-    metrics, trajs = ctl.measure(cfg, PromptConfig(system_prompt="bfcl"), LEVELS, backend, entries, rl, margin_entries=entries[:2])
+    metrics, trajs = ctl.measure(cfg, PromptConfig(system_prompt="bfcl"), LEVELS, backend, entries,
+                                 RLSampling(1.0, 1.0), ctl.RLGroups(4, 0.5), margin_entries=entries[:2])
     s = metrics["sampled"]
     assert s["pairs"] == 6 and s["identical_outputs"] == 6 and s["gap"] == 0.0
     assert metrics["greedy"]["identical_outputs"] == 3
