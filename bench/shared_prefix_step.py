@@ -45,7 +45,7 @@ def rl_arm(args, shared: bool, work: Path) -> dict:
     from rcgrpo_tasks.engine.compute import ComputeConfig
     from rcgrpo_tasks.env.prompt import PromptConfig
     from rcgrpo_tasks.ops.config import from_dict, read_sections
-    from rcgrpo_tasks.train.common import runs
+    from rcgrpo_tasks.ops.inputs import read_tsv
     from rcgrpo_tasks.train.rl import config as rl_config
     from rcgrpo_tasks.train.rl import run as rl_run
     from rcgrpo_tasks.train.rl import trainer as rl_trainer
@@ -76,7 +76,7 @@ def rl_arm(args, shared: bool, work: Path) -> dict:
                               checkpoints=work / f"ckpt-{name}", plots=work / f"{name}.tsv")
     rl_run.train_rl(cfg, prompt.protocol_config(cfg.decode.max_outputs), levels, spec, track=False,
                 compute=ComputeConfig(device="cpu"))
-    rows = runs.read_tsv(spec.plots)[1:]
+    rows = read_tsv(spec.plots)[1:]
     return {"step": [r["step_time"] for r in rows], "rollout": [r["rollout_s"] for r in rows],
             "train": [r["step_time"] - r["rollout_s"] for r in rows],
             "tokens": [r["model_tokens"] for r in rows]}

@@ -155,7 +155,7 @@ def sft_config(cfg, steps: int, dtype: str, batch: tuple[int, int] | None = None
 
 def rl_phase(params: Path, model: Path, entries: Path, split: Path, work: Path, compute) -> dict:
     """The rl stage's run (RC-GRPO from an RCTP init); per step after the first: whole, rollouts, training."""
-    from rcgrpo_tasks.train.common import runs
+    from rcgrpo_tasks.ops.inputs import read_tsv
     from rcgrpo_tasks.train.rl import run as rl_run
     from rcgrpo_tasks.train.rl import trainer as rl_trainer
 
@@ -164,7 +164,7 @@ def rl_phase(params: Path, model: Path, entries: Path, split: Path, work: Path, 
                               adapter_dir=None, entries=entries, split=split, out=work / "rl",
                               checkpoints=work / "ckpt-rl", plots=work / "rl.tsv")
     rl_run.train_rl(cfg, protocol, levels, spec, track=False, compute=compute)
-    rows = runs.read_tsv(spec.plots)[1:]
+    rows = read_tsv(spec.plots)[1:]
     return {"step": [r["step_time"] for r in rows], "rollout": [r["rollout_s"] for r in rows],
             "train": [r["step_time"] - r["rollout_s"] for r in rows],
             "groups": cfg.batch_size // cfg.num_generations, "G": cfg.num_generations, "beta": cfg.beta}

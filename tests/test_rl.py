@@ -24,6 +24,7 @@ from helpers import (
 
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.config import ConfigError, from_dict, load_config
+from rcgrpo_tasks.ops.inputs import read_tsv
 from rcgrpo_tasks.stages import rl as rl_stage
 from rcgrpo_tasks.train.common import checkpoints, runs
 from rcgrpo_tasks.train.rl import advantages as adv
@@ -107,7 +108,7 @@ def test_two_rl_steps_per_mode(rl_env, scripted_rewards, monkeypatch, init, algo
     expected = adv.group_advantages([t.score["paper_reward"] for t in last], cfg.num_generations)
     assert box["trainer"].last_advantages == pytest.approx(expected, abs=1e-4)
     # Diagnostics: TSV (dvc plots) + summary + MLflow, every step.
-    rows = runs.read_tsv(spec.plots)
+    rows = read_tsv(spec.plots)
     assert [r["step"] for r in rows] == [1, 2]
     for col in ("reward", "frac_zero_std", "adv_abs_mean", "adv_std", "kl", "clip_ratio", "model_tokens", "n_calls",
                 "env_errors", "rollout_tokens_per_s", "step_time", "reward_official", "reward_partial"):
@@ -194,7 +195,7 @@ def test_killed_run_resumes_from_last_checkpoint(rl_env, scripted_rewards):
     summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec)
     assert summary["resumed_from"].endswith("checkpoint-1")
     assert len(scripted_rewards) - n_before == 1  # only step 2 was rolled out again
-    assert [r["step"] for r in runs.read_tsv(spec.plots)] == [1, 2]
+    assert [r["step"] for r in read_tsv(spec.plots)] == [1, 2]
     state = json.loads((spec.checkpoints / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["global_step"] == 2 and spec.out.is_dir()
     # Other params: the stale checkpoints are discarded, training starts over.
@@ -502,7 +503,7 @@ def test_a_diverging_run_stops_names_the_step_and_rolls_back(rl_env, scripted_re
     event = summary["diverged"]
     assert event is not None and f"step {event['step']}: mean KL" in event["reason"], summary
     assert summary["steps"] == event["step"] < 8 and event["restored_step"] <= event["step"] - 2
-    rows = runs.read_tsv(spec.plots)
+    rows = read_tsv(spec.plots)
     assert rows[-1]["kl"] > 0.05 and all(r["kl"] <= 0.05 for r in rows[:-1])
     policy = _weights(spec.out)
     if event["restored_step"] == 0:  # rolled back to the init: the merged policy is the init model
@@ -535,7 +536,7 @@ def test_a_nonfinite_gradient_skips_its_update_and_the_run_goes_on(rl_env, scrip
     summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[PoisonStep()], compute=ComputeConfig(device="cpu"))
     assert summary.get("nonfinite_grad_steps") == [2] and summary["steps"] == 3 and summary["diverged"] is None
     assert all(torch.isfinite(w).all() for w in _weights(spec.out).values())
-    rows = runs.read_tsv(spec.plots)
+    rows = read_tsv(spec.plots)
     assert all(math.isfinite(r["loss"]) for r in rows)
 
 

@@ -38,6 +38,7 @@ import typer
 from rcgrpo_tasks.env.paper import PAPER_TABLE1_OVERALL, ROWS, row_name
 from rcgrpo_tasks.evaluation.agreement import cross_check
 from rcgrpo_tasks.evaluation.grid import GridConfig
+from rcgrpo_tasks.evaluation.mechanism import plot_mechanism
 from rcgrpo_tasks.evaluation.report_tables import report_markdown
 from rcgrpo_tasks.evaluation.results_table import build_report, rc_versus_grpo
 from rcgrpo_tasks.ops import tracking
@@ -46,7 +47,6 @@ from rcgrpo_tasks.ops.config import load_config
 from rcgrpo_tasks.ops.inputs import InputError, read_json
 from rcgrpo_tasks.ops.outputs import write_json, write_text
 from rcgrpo_tasks.ops.plots import accuracy_plot, probe_plot
-from rcgrpo_tasks.train.rl.diagnostics import plot_mechanism
 
 
 def _pairs(items: list[str], what: str) -> list[tuple[str, Path]]:

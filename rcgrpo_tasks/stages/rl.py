@@ -23,7 +23,7 @@ What it does (one run of the grid init x algo, e.g. `rl@rctp-rc_grpo`; the libra
    token, controllability gap, fraction of zero-std groups (tolerance 1e-6), mean |A| and std of A, KL,
    clip fraction, completion / call / step counts, environment errors, rollout tokens/s, step time. The
    metrics JSON states the mechanism's averages (zero-variance share, advantage spread, gap, reward) with
-   95 % bootstrap CIs over steps (`mechanism`); `train.rl.diagnostics.plot_mechanism` draws GRPO vs RC-GRPO.
+   95 % bootstrap CIs over steps (`mechanism`); `evaluation.mechanism.plot_mechanism` draws GRPO vs RC-GRPO.
 6. Checkpoints every `save_steps` into `--checkpoints` (a DVC `persist` output); a re-run with the same
    params, inputs and training code resumes from the last one (other runs' checkpoints are discarded).
    SIGTERM (dvc / Prefect cancel): one line on stderr; the current step is checkpointed (or, past

@@ -4,7 +4,6 @@
   the device, bf16 and micro-batch fitting in `placement`; both are re-exported here for the callers that
   still reach them through this module.
 - `dvc_hashes`, `LORA_TARGETS` / `lora_targets` (every projection of a Llama/Qwen block).
-- Plots: `write_tsv` / `read_tsv`, the `dvc plots` files (an empty cell = no value, NaN when read back).
 - `RunSpec`: what both stages' run specs share (output paths; writing and logging the result files).
 - `lazy_subclass(mixin, "trl.GRPOTrainer")`: a project subclass of a trainer or callback class that is
   imported on first use (trl / transformers are heavy; stage `--help` must not load them).
@@ -28,7 +27,7 @@ from typing import Any
 import yaml
 
 from rcgrpo_tasks.ops import procs, tracking, tracking_log
-from rcgrpo_tasks.ops.outputs import OutputError, OutputSet, disk_full, disk_full_error, write_json, write_text
+from rcgrpo_tasks.ops.outputs import OutputError, OutputSet, disk_full, disk_full_error, write_json, write_tsv
 from rcgrpo_tasks.train.common import processes
 from rcgrpo_tasks.train.common.checkpoints import FINGERPRINT_FILE as FINGERPRINT_FILE
 from rcgrpo_tasks.train.common.checkpoints import clear_checkpoints as clear_checkpoints
@@ -73,30 +72,6 @@ def lora_targets(modules: tuple[str, ...]) -> str | list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- results
-
-
-def format_cell(value: Any) -> str:
-    """A TSV cell: "" for no value (None, NaN), integral numbers exactly, other floats to 6 significant digits."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return ""
-    if isinstance(value, float):
-        return str(int(value)) if value.is_integer() else f"{value:.6g}"
-    return str(value)
-
-
-def write_tsv(path: Path, rows: list[dict], columns: tuple[str, ...]) -> None:
-    """The per-step plots file (`dvc plots`): a header of `columns`, one line per row (missing = empty)."""
-    lines = ["\t".join(columns)] + ["\t".join(format_cell(r.get(c)) for c in columns) for r in rows]
-    write_text(path, "\n".join(lines) + "\n")
-
-
-def read_tsv(path: Path) -> list[dict]:
-    """Rows of a `write_tsv` file as floats (empty cell -> NaN); [] when there is no file."""
-    if not Path(path).is_file():
-        return []
-    lines = Path(path).read_text().splitlines()
-    header = lines[0].split("\t") if lines else []
-    return [{k: (float(v) if v else float("nan")) for k, v in zip(header, ln.split("\t"))} for ln in lines[1:] if ln]
 
 
 class RunSpec:

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from rcgrpo_tasks.train.common.runs import read_tsv
+from rcgrpo_tasks.ops.inputs import read_tsv
 from rcgrpo_tasks.train.rl.diagnostics import STEP_MARKER
 
 

@@ -13,7 +13,7 @@ from rcgrpo_tasks.engine.dtype import record
 from rcgrpo_tasks.env.prompt import PromptConfig, ProtocolConfig
 from rcgrpo_tasks.ops import tracking_log
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config
-from rcgrpo_tasks.ops.inputs import read_jsonl
+from rcgrpo_tasks.ops.inputs import read_jsonl, read_tsv
 from rcgrpo_tasks.train.common import checkpoints, placement, processes, runs
 from rcgrpo_tasks.train.rl.config import RLConfig
 from rcgrpo_tasks.train.rl.diagnostics import PLOT_COLUMNS, group_flags, summarize
@@ -76,7 +76,7 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
             save_policy(trainer, cfg, spec, folder, provenance)
         if not main_proc:
             return {}
-        rows = [r for r in runs.read_tsv(spec.checkpoints / DIAGNOSTICS_FILE) if r["step"] <= trainer.state.global_step]
+        rows = [r for r in read_tsv(spec.checkpoints / DIAGNOSTICS_FILE) if r["step"] <= trainer.state.global_step]
         diverged = trainer.rc_guard.event if trainer.rc_guard is not None else None
         if diverged:
             print(f"{stage}: DIVERGED at {diverged['reason']}; stopped, policy rolled back to step "
