@@ -32,6 +32,7 @@ from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.config import from_dict
 from rcgrpo_tasks.train.common import runs
 from rcgrpo_tasks.train.rl import config as rl_config
+from rcgrpo_tasks.train.rl import pool as rl_pool
 from rcgrpo_tasks.train.rl import rollout_policy
 from rcgrpo_tasks.train.rl.trainer import load_init_model
 
@@ -103,7 +104,7 @@ def main() -> None:
     policy, tok = lora_policy(args.model, args.adapter, cfg, args.seed)
     # BFCL's classic system prompt (the prompt before params.yaml's `short`), paper protocol, compact docs
     proto = PromptConfig(system_prompt="bfcl").protocol_config(args.max_outputs)
-    entries = rl_config.train_entries(Path(args.entries_file), Path(args.split), cfg, proto, tok)
+    entries = rl_pool.train_entries(Path(args.entries_file), Path(args.split), cfg, proto, tok)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
     print(f"entries {[e.id for e in entries]}, G={args.g}, max_new_tokens={args.max_new_tokens}, "
           f"outputs<={args.max_outputs}, LoRA r={args.lora_r}, snapshot {snapshot_dtype}, "

@@ -283,6 +283,7 @@ def test_rl_pool_is_rl_prompts_in_the_inits_success_band(single_turn, tmp_path):
     from rcgrpo_tasks.data.onpolicy import sampled_success_rates
     from rcgrpo_tasks.ops.config import ConfigError
     from rcgrpo_tasks.train.rl import config as rl_config
+    from rcgrpo_tasks.train.rl import pool as rl_pool
 
     entries, split = single_turn
     rl, train = split["train"][:7], split["train"][7:]
@@ -297,7 +298,7 @@ def test_rl_pool_is_rl_prompts_in_the_inits_success_band(single_turn, tmp_path):
     def pick(**kw):
         cfg = from_dict(rl_config.RLConfig, {"num_generations": 2, "batch_size": 2, "micro_batch_size": 2,
                                         "max_entries": None, **kw})
-        return sorted(e.id for e in rl_config.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", cfg,
+        return sorted(e.id for e in rl_pool.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", cfg,
                                                          proto, success=rates))
 
     assert pick() == sorted(rl[1:4])  # the default band [0.25, 0.75]
@@ -305,21 +306,21 @@ def test_rl_pool_is_rl_prompts_in_the_inits_success_band(single_turn, tmp_path):
     assert set(with_solved) - set(rl[1:4]) <= {rl[0], rl[5]} and len(with_solved) == 4
     assert pick(pool_solved_share=0.6) == sorted(rl[:4] + [rl[5]])  # no more than there are
     assert pick(pool_band=None) == sorted(rl)  # every prompt of the side, sampled or not
-    assert rl_config.pool_ids({"a": 1.0, "b": 0.5}, (0.5, 1.0), 0.5, 0) == ["a", "b"]  # in the band: not an extra
+    assert rl_pool.pool_ids({"a": 1.0, "b": 0.5}, (0.5, 1.0), 0.5, 0) == ["a", "b"]  # in the band: not an extra
     cfg = from_dict(rl_config.RLConfig, {"num_generations": 2, "batch_size": 2, "micro_batch_size": 2})
     with pytest.raises(ConfigError, match="--pool"):
-        rl_config.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", cfg, proto)
+        rl_pool.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", cfg, proto)
     strict = from_dict(rl_config.RLConfig, {"num_generations": 2, "batch_size": 8, "micro_batch_size": 2,
                                        "max_entries": None})
     with pytest.raises(ConfigError, match="need at least 4"):
-        rl_config.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", strict, proto, success=rates)
+        rl_pool.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", strict, proto, success=rates)
     for bad in ({"pool_band": [0.8, 0.2]}, {"pool_band": [0.1, 1.5]}, {"pool_solved_share": 1.0}):
         with pytest.raises(ConfigError, match="pool_"):
             from_dict(rl_config.RLConfig, bad)
     with pytest.raises(ConfigError, match="rl.pool_band"):
         from_dict(rl_config.RLConfig, {"min_sampled_success": 0.25}, "p.yaml:rl")
     write_json(tmp_path / "split.json", {k: v for k, v in split.items() if k != "rl"})  # no rl side: train
-    assert rl_config.rl_side(tmp_path / "split.json") == "train"
+    assert rl_pool.rl_side(tmp_path / "split.json") == "train"
 
 
 def test_divergent_loss_keeps_only_what_follows_the_parting(tiny_model_dir):

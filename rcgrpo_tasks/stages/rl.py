@@ -7,7 +7,7 @@ What it does (one run of the grid init x algo, e.g. `rl@rctp-rc_grpo`; the libra
    to the RCTP model, as in the paper, not to the raw base.
 2. Trains with `GRPOTrainer(rollout_func=EngineRollout)`: the dataset rows are the ids of RL's pool (the
    split's `rl` side, prompts no fine-tuning stage saw, those whose success among the init's own samples
-   `--pool` lies in `rl.pool_band`: `train.rl.config.train_entries`); the
+   `--pool` lies in `rl.pool_band`: `train.rl.pool.train_entries`); the
    rollout function runs the project's rollout engine on the current policy (a merged bf16 copy
    refreshed every generation on CPU; TRL's vLLM engine on GPU); multi_turn: the environment executes the
    model's calls between model steps, environment tokens carry no loss; single_turn: one output per

@@ -3,7 +3,7 @@
 - Resume (fingerprints, the checkpoint a run resumes from, clearing them) lives in `train.common.checkpoints`,
   the device, bf16 and micro-batch fitting in `placement`; both are re-exported here for the callers that
   still reach them through this module.
-- `dvc_hashes`, `LORA_TARGETS` / `lora_targets` (every projection of a Llama/Qwen block).
+- `dvc_hashes`, `lora_targets` (PEFT's `target_modules` of a module list).
 - `RunSpec`: what both stages' run specs share (output paths; writing and logging the result files).
 - `lazy_subclass(mixin, "trl.GRPOTrainer")`: a project subclass of a trainer or callback class that is
   imported on first use (trl / transformers are heavy; stage `--help` must not load them).
@@ -42,9 +42,6 @@ from rcgrpo_tasks.train.common.placement import record_placement as record_place
 from rcgrpo_tasks.train.common.placement import resolve_bf16 as resolve_bf16
 from rcgrpo_tasks.train.common.placement import train_device as train_device
 from rcgrpo_tasks.train.common.placement import use_cpu as use_cpu
-
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""Every attention and MLP projection of a Llama / Qwen / SmolLM2 block."""
 
 
 def dvc_hashes(paths: list[Path], lock: Path = Path("dvc.lock")) -> dict[str, str]:

@@ -34,9 +34,10 @@ from rcgrpo_tasks.ops.outputs import atomic_dir, write_json
 from rcgrpo_tasks.train.common import runs
 from rcgrpo_tasks.train.common.adapters import expose_head_bias, token_indices
 from rcgrpo_tasks.train.rl import advantages as adv
-from rcgrpo_tasks.train.rl.config import RLConfig, check_deepspeed, check_reward, check_world, rl_side, train_entries
+from rcgrpo_tasks.train.rl.config import RLConfig, check_deepspeed, check_reward, check_world
 from rcgrpo_tasks.train.rl.diagnostics import STEP_MARKER, DiagnosticsMixin, diag_metrics
 from rcgrpo_tasks.train.rl.kl_guard import DivergenceGuardMixin, kl_bounds
+from rcgrpo_tasks.train.rl.pool import rl_side, train_entries
 from rcgrpo_tasks.train.rl.probe import ProbeMixin, probe_ids
 from rcgrpo_tasks.train.rl.rollout import EngineRollout
 from rcgrpo_tasks.train.rl.steps import RCGRPOTrainerMixin, grpo_args, reward_funcs
