@@ -30,7 +30,7 @@ from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.rollout import run_group
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.config import from_dict
-from rcgrpo_tasks.train.common import runs
+from rcgrpo_tasks.train.common.adapters import lora_targets
 from rcgrpo_tasks.train.rl import config as rl_config
 from rcgrpo_tasks.train.rl import pool as rl_pool
 from rcgrpo_tasks.train.rl import rollout_policy
@@ -45,7 +45,7 @@ def lora_policy(model_dir: str, adapter: str | None, cfg: rl_config.RLConfig, se
 
     model, tok = load_init_model(Path(model_dir), Path(adapter) if adapter else None, cfg.dtype)
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=runs.lora_targets(cfg.lora_target_modules), task_type="CAUSAL_LM")
+                      target_modules=lora_targets(cfg.lora_target_modules), task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, lora)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -26,7 +26,7 @@ from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.config import ConfigError, from_dict, load_config
 from rcgrpo_tasks.ops.inputs import read_tsv
 from rcgrpo_tasks.stages import rl as rl_stage
-from rcgrpo_tasks.train.common import checkpoints, runs
+from rcgrpo_tasks.train.common import callbacks, checkpoints
 from rcgrpo_tasks.train.rl import advantages as adv
 from rcgrpo_tasks.train.rl import config as rl_config
 from rcgrpo_tasks.train.rl import rollout_policy
@@ -244,7 +244,7 @@ def test_sigterm_checkpoints_the_step_and_the_rerun_replays_it(rl_env, scripted_
     root, model_dir = rl_env
     cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "save_steps": 2})
     spec = _spec(root, model_dir, "sigterm", "sft", "rc_grpo")
-    with pytest.raises(runs.Interrupted) as info:
+    with pytest.raises(callbacks.Interrupted) as info:
         rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[Term()])
     assert info.value.code == 143 and not spec.out.exists() and not spec.metrics.exists()
     assert sorted(p.name for p in spec.checkpoints.glob("checkpoint-*")) == ["checkpoint-1"]

@@ -27,7 +27,7 @@ What it does (one run of the grid init x algo, e.g. `rl@rctp-rc_grpo`; the libra
 6. Checkpoints every `save_steps` into `--checkpoints` (a DVC `persist` output); a re-run with the same
    params, inputs and training code resumes from the last one (other runs' checkpoints are discarded).
    SIGTERM (dvc / Prefect cancel): one line on stderr; the current step is checkpointed (or, past
-   `runs.STOP_GRACE_S`, the run stops at once), the MLflow run ends KILLED, nothing is published, exit 143.
+   `callbacks.STOP_GRACE_S`, the run stops at once), the MLflow run ends KILLED, nothing is published, exit 143.
 7. Placement: params `compute.device` (auto | cpu | cuda); one stderr line says where it trains, the
    metrics JSON and MLflow params carry `placement`; the rollout copy lives on the policy's device. A
    micro-batch that runs out of memory is halved and the accumulation doubled (same batch), with a warning.
@@ -56,7 +56,7 @@ import typer
 
 from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.ops.cli import cli_errors
-from rcgrpo_tasks.train.common import processes, runs
+from rcgrpo_tasks.train.common import placement, processes
 from rcgrpo_tasks.train.rl.config import check_world
 from rcgrpo_tasks.train.rl.run import load_rl_config, train_rl
 from rcgrpo_tasks.train.rl.trainer import RLRun
@@ -87,7 +87,7 @@ def main(
     with cli_errors():
         cfg, protocol, levels = load_rl_config(params)
         compute = load_compute(params)
-        device = runs.train_device(compute.device)  # a device this machine lacks fails here, before anything loads
+        device = placement.train_device(compute.device)  # a device this machine lacks fails here, before anything loads
         spec = RLRun(init=init, algo=algo, model_dir=model_dir, adapter_dir=adapter_dir, entries=entries,
                      split=split, out=out, checkpoints=checkpoints, metrics=metrics, plots=plots,
                      conditioning=conditioning, pool=Path(pool) if pool else None)

@@ -30,7 +30,7 @@ from rcgrpo_tasks.ops.config import ConfigError
 
 LAUNCH_GRACE_S = 60.0
 """How long a stopped launch may take to checkpoint its step and exit before it is killed (longer than
-`runs.STOP_GRACE_S`, the processes' own limit for finishing the step)."""
+`callbacks.STOP_GRACE_S`, the processes' own limit for finishing the step)."""
 
 
 def in_launch() -> bool:

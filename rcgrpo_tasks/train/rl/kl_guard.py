@@ -100,7 +100,7 @@ def drop_nonfinite_grads(optimizer) -> bool:
 
 
 class DivergenceGuardMixin:
-    """A `TrainerCallback` (`runs.lazy_subclass`) that checks every step row `tsv` holds (`divergence`), and on
+    """A `TrainerCallback` (`callbacks.lazy_subclass`) that checks every step row `tsv` holds (`divergence`), and on
     a divergence stops training and restores the last good checkpoint's trainable weights. `event`: None, or
     {step, reason, restored_step}. Before every optimizer step it drops a non-finite gradient
     (`drop_nonfinite_grads`, as Megatron and DeepSpeed skip such a step): the update is skipped, the weights

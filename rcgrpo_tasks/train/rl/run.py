@@ -15,6 +15,7 @@ from rcgrpo_tasks.ops import tracking_log
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config
 from rcgrpo_tasks.ops.inputs import read_jsonl, read_tsv
 from rcgrpo_tasks.train.common import checkpoints, placement, processes, runs
+from rcgrpo_tasks.train.common.callbacks import stop_on_signal
 from rcgrpo_tasks.train.rl.config import RLConfig
 from rcgrpo_tasks.train.rl.diagnostics import PLOT_COLUMNS, group_flags, summarize
 from rcgrpo_tasks.train.rl.probe import PROBE_FILE, probe_summary, read_points
@@ -51,7 +52,7 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
     params = {"rl": as_dict(cfg), "prompt": as_dict(protocol), "tokens": list(levels),
               "run": {**tags, "adapter": str(spec.adapter_dir)}, "compute": as_dict(compute)}
     stage = f"rl@{spec.name}"
-    with runs.stop_on_signal() as stop, runs.published(main_proc, track, stage, params, tags,
+    with stop_on_signal() as stop, runs.published(main_proc, track, stage, params, tags,
                                                         spec.outputs) as (_, staged):
 
         def attempt(micro: int, accum: int):

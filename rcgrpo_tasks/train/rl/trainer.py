@@ -12,8 +12,8 @@
   the trainer's `rc_guard` holds its event for `run.train_rl`.
 - Diagnostics: every step's row (`diagnostics.PLOT_COLUMNS`) goes to a resumable TSV in the checkpoint
   folder and, as `diag/<column>`, to MLflow (`diagnostics`).
-- Placement: `grpo_args` / `build_trainer` take the resolved device (`runs.train_device`) and a fitted
-  micro-batch (`runs.fit_micro_batch`); the checkpoint fingerprint keeps the requested one.
+- Placement: `grpo_args` / `build_trainer` take the resolved device (`placement.train_device`) and a fitted
+  micro-batch (`placement.fit_micro_batch`); the checkpoint fingerprint keeps the requested one.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from rcgrpo_tasks.env.prompt import ProtocolConfig
 from rcgrpo_tasks.ops.config import ConfigError, as_dict
 from rcgrpo_tasks.ops.inputs import InputError, read_jsonl
 from rcgrpo_tasks.ops.outputs import atomic_dir, write_json
-from rcgrpo_tasks.train.common import runs
-from rcgrpo_tasks.train.common.adapters import expose_head_bias, token_indices
+from rcgrpo_tasks.train.common import checkpoints, runs
+from rcgrpo_tasks.train.common.adapters import expose_head_bias, lora_targets, token_indices
+from rcgrpo_tasks.train.common.callbacks import lazy_subclass, step_metrics
 from rcgrpo_tasks.train.rl import advantages as adv
 from rcgrpo_tasks.train.rl.config import RLConfig, check_deepspeed, check_reward, check_world
 from rcgrpo_tasks.train.rl.diagnostics import STEP_MARKER, DiagnosticsMixin, diag_metrics
@@ -147,7 +148,7 @@ def rl_lora(cfg: RLConfig, model, tokenizer, levels: tuple[str, ...], mode: str)
 
     ids = [tokenizer.convert_tokens_to_ids(t) for t in levels] if mode != "none" else []
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=runs.lora_targets(cfg.lora_target_modules), task_type="CAUSAL_LM",
+                      target_modules=lora_targets(cfg.lora_target_modules), task_type="CAUSAL_LM",
                       trainable_token_indices=token_indices(model, ids) if ids else None)
 
 
@@ -170,24 +171,24 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     check_tokenizer_has_reward_tokens(tokenizer, mode, levels)
     success = sampled_success_rates(read_jsonl(spec.pool)) if spec.pool is not None else None
     entries = train_entries(spec.entries, spec.split, cfg, protocol, tokenizer, success)
-    fp = runs.fingerprint(cfg, protocol=as_dict(protocol), levels=list(levels), init=spec.init, algo=spec.algo,
+    fp = checkpoints.fingerprint(cfg, protocol=as_dict(protocol), levels=list(levels), init=spec.init, algo=spec.algo,
                           mode=mode, code=Path(__file__), step_code=Path(__file__).with_name("steps.py"),
                           entries=Path(spec.entries), split=Path(spec.split), model=Path(spec.model_dir),
                           adapter=spec.adapter_dir and Path(spec.adapter_dir))
-    resume = runs.resume_point(spec.checkpoints, fp, run=spec.name)
+    resume = checkpoints.resume_point(spec.checkpoints, fp, run=spec.name)
     rollout = EngineRollout(cfg, protocol, mode, levels, {e.id: e for e in entries}, tokenizer,
                             dynamic=spec.algo == "dynamic")
     # No PEFT under full fine-tuning: TRL builds its reference model from `config._name_or_path`, so that
     # path must BE the init.
     lora = None if cfg.full_finetune else rl_lora(cfg, model, tokenizer, levels, mode)
     model = _init_on_disk(model, tokenizer, spec, cfg.dtype) if cfg.full_finetune or cfg.use_vllm else model
-    diagnostics = runs.lazy_subclass(DiagnosticsMixin, "transformers.TrainerCallback")(spec.checkpoints / DIAGNOSTICS_FILE)
-    guard = runs.lazy_subclass(DivergenceGuardMixin, "transformers.TrainerCallback")(
+    diagnostics = lazy_subclass(DiagnosticsMixin, "transformers.TrainerCallback")(spec.checkpoints / DIAGNOSTICS_FILE)
+    guard = lazy_subclass(DivergenceGuardMixin, "transformers.TrainerCallback")(
         spec.checkpoints / DIAGNOSTICS_FILE, cfg.guard) if cfg.stop_on_divergence else None
     probe = build_probe(cfg, spec, rollout, entries, mode, levels)
-    own = [runs.step_metrics(STEP_MARKER, diag_metrics)] if track else []
+    own = [step_metrics(STEP_MARKER, diag_metrics)] if track else []
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is "experimental" in TRL 1.16
-    trainer = runs.lazy_subclass(RCGRPOTrainerMixin, "trl.GRPOTrainer")(
+    trainer = lazy_subclass(RCGRPOTrainerMixin, "trl.GRPOTrainer")(
         model=model, reward_funcs=reward_funcs(), args=grpo_args(fit, spec.checkpoints, grad_accum, device),
         train_dataset=Dataset.from_list([{"prompt": e.id} for e in entries]), processing_class=tokenizer,
         peft_config=lora, rollout_func=rollout,
@@ -208,7 +209,7 @@ def build_probe(cfg: RLConfig, spec: RLRun, rollout: EngineRollout, entries: lis
     chosen = probe_ids([e.id for e in entries], cfg.probe_entries, cfg.seed)
     by_id = {e.id: e for e in entries}
     token = None if mode == "none" else adv.reward_levels(levels)[1]
-    return runs.lazy_subclass(ProbeMixin, "transformers.TrainerCallback")(
+    return lazy_subclass(ProbeMixin, "transformers.TrainerCallback")(
         spec.checkpoints, rollout, [by_id[i] for i in chosen], cfg.probe_samples, token, cfg.reward, cfg.max_steps)
 
 

@@ -17,7 +17,7 @@ from rcgrpo_tasks.data.margin import REPLAY_OUTPUTS, contrast_set, teacher_force
 from rcgrpo_tasks.env.entries import split_entries, stratified
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops import tracking
-from rcgrpo_tasks.train.common.runs import lazy_subclass
+from rcgrpo_tasks.train.common.callbacks import lazy_subclass
 
 
 class MarginCurveMixin:

@@ -1,7 +1,7 @@
 """What the SFT / RCTP trainer adds to TRL's `SFTTrainer` (`RcgrpoSFTTrainerMixin`): trained tokens/s in the
 logs, the reward-token rows' own learning rate, the CPU loss over assistant positions only, the dataset's own
 order where it matters (`row_order: pairs`), small adapter saves. `trainer.build_trainer` builds it
-(`runs.lazy_subclass`: TRL is imported only then)."""
+(`callbacks.lazy_subclass`: TRL is imported only then)."""
 
 from __future__ import annotations
 

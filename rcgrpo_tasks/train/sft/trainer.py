@@ -21,8 +21,9 @@ from pathlib import Path
 from rcgrpo_tasks.data.chat import answer_goal_template, goal_place
 from rcgrpo_tasks.engine.models import load_trained
 from rcgrpo_tasks.ops.config import ConfigError
-from rcgrpo_tasks.train.common import runs
-from rcgrpo_tasks.train.common.adapters import add_special_tokens, expose_head_bias, token_indices
+from rcgrpo_tasks.train.common import checkpoints, placement
+from rcgrpo_tasks.train.common.adapters import add_special_tokens, expose_head_bias, lora_targets, token_indices
+from rcgrpo_tasks.train.common.callbacks import lazy_subclass
 from rcgrpo_tasks.train.sft.config import SftConfig, SftRun
 from rcgrpo_tasks.train.sft.rows import tokenize_rows
 from rcgrpo_tasks.train.sft.steps import RcgrpoSFTTrainerMixin
@@ -37,13 +38,13 @@ def lora_config(cfg: SftConfig, model, token_ids: list[int]):
     from peft import LoraConfig
 
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=runs.lora_targets(cfg.lora_target_modules),
+                      target_modules=lora_targets(cfg.lora_target_modules),
                       trainable_token_indices=token_indices(model, token_ids), task_type="CAUSAL_LM")
 
 
 def trainer_args(cfg: SftConfig, ckpt_dir: Path, bf16: bool, device=None):
     """TRL `SFTConfig` of a run: checkpoints under `ckpt_dir`, no reporting (MLflow goes through callbacks),
-    on `device` (`runs.train_device`; None = CUDA when available)."""
+    on `device` (`placement.train_device`; None = CUDA when available)."""
     from trl import SFTConfig
 
     return SFTConfig(
@@ -54,7 +55,7 @@ def trainer_args(cfg: SftConfig, ckpt_dir: Path, bf16: bool, device=None):
         seed=cfg.seed, data_seed=cfg.seed, bf16=bf16, gradient_checkpointing=cfg.gradient_checkpointing,
         max_length=None if cfg.padding_free else cfg.max_length, padding_free=cfg.padding_free,
         logging_steps=cfg.logging_steps, save_strategy="steps", save_steps=cfg.save_steps,
-        save_total_limit=cfg.save_total_limit, report_to=[], use_cpu=runs.use_cpu(device),
+        save_total_limit=cfg.save_total_limit, report_to=[], use_cpu=placement.use_cpu(device),
         deepspeed=cfg.deepspeed, disable_tqdm=True, dataloader_num_workers=0,
     )
 
@@ -82,7 +83,7 @@ def build_trainer(cfg: SftConfig, model_dir: Path, rows: list[dict], tokens: tup
     from datasets import Dataset
 
     # first: under ZeRO-3 the model loads sharded
-    args = trainer_args(cfg, ckpt_dir, runs.resolve_bf16(cfg.bf16, device), device)
+    args = trainer_args(cfg, ckpt_dir, placement.resolve_bf16(cfg.bf16, device), device)
     model, tokenizer = load_start(cfg, model_dir, init_adapter)
     levels = tuple(t for t in tokens if t not in cfg.extra_special_tokens)
     token_ids = add_special_tokens(tokenizer, model, tokens, cfg.seed, cfg.reward_token_init, levels)
@@ -93,7 +94,7 @@ def build_trainer(cfg: SftConfig, model_dir: Path, rows: list[dict], tokens: tup
         tokenizer.chat_template = answer_goal_template(tokenizer.chat_template)
     train_rows, stats = tokenize_rows(rows, tokenizer, cfg.max_length, cfg.max_examples, cfg.loss_on)
     peft_config = None if cfg.full_finetune else lora_config(cfg, model, token_ids)
-    trainer = runs.lazy_subclass(RcgrpoSFTTrainerMixin, "trl.SFTTrainer")(
+    trainer = lazy_subclass(RcgrpoSFTTrainerMixin, "trl.SFTTrainer")(
         model=model, args=args, processing_class=tokenizer,
         train_dataset=Dataset.from_list(train_rows), peft_config=peft_config, callbacks=callbacks or [])
     expose_head_bias(trainer.model)
@@ -106,6 +107,6 @@ def build_trainer(cfg: SftConfig, model_dir: Path, rows: list[dict], tokens: tup
 
 def fingerprint(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun) -> str:
     """Params + tokens + input contents + this training code: checkpoints resume only under the same one."""
-    return runs.fingerprint(cfg, tokens=tokens, variant=spec.variant, code=Path(__file__),
+    return checkpoints.fingerprint(cfg, tokens=tokens, variant=spec.variant, code=Path(__file__),
                             data=Path(spec.data), model=Path(spec.model_dir),
                             init=spec.init_adapter and Path(spec.init_adapter))
