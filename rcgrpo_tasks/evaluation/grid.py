@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-INITS = ("sft", "rctp")
-ALGOS = ("grpo", "rc_grpo", "dynamic")
+from rcgrpo_tasks.env.paper import ALGOS, INITS
+
 EVAL_KEYS = ("model", "adapter", "dep", "reward_token", "flags")
 HIGH = "<|high_reward|>"
 

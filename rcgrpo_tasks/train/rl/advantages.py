@@ -29,15 +29,12 @@ import random
 from collections.abc import Sequence
 from typing import Literal
 
+from rcgrpo_tasks.env.paper import ALGOS
 from rcgrpo_tasks.env.prompt import check_reward_tokens
 from rcgrpo_tasks.train.rl.config import TokenDraw
 
 Conditioning = Literal["rc", "fixed", "none"]
 CONDITIONING_MODES: tuple[str, ...] = ("rc", "fixed", "none")
-Algo = Literal["grpo", "rc_grpo", "dynamic"]
-ALGOS: tuple[str, ...] = ("grpo", "rc_grpo", "dynamic")
-"""The grid's RL algorithms: GRPO, RC-GRPO, and GRPO with DAPO's dynamic sampling (zero-variance groups
-dropped and refilled: `rollout.EngineRollout`)."""
 ZERO_STD_TOL = 1e-6
 """A group whose reward std is below this counts as zero-std (rewards are floats: never test `== 0`)."""
 ADV_EPS = 1e-4
