@@ -32,7 +32,7 @@ What it does (one run of the grid init x algo, e.g. `rl@rctp-rc_grpo`; the libra
    metrics JSON and MLflow params carry `placement`; the rollout copy lives on the policy's device. A
    micro-batch that runs out of memory is halved and the accumulation doubled (same batch), with a warning.
 8. Processes: params `compute.processes` N > 1 runs this command again under `accelerate launch` in N
-   processes (`train.common.processes`; docs/multi-gpu.md). Each decodes its own whole groups, seeded by their
+   processes (`train.common.distributed`; docs/multi-gpu.md). Each decodes its own whole groups, seeded by their
    place in the batch, so the run equals one process at N x the micro-batch; the main process alone
    writes outputs, MLflow and diagnostics, from every process's rollouts. Every rollout (entry, token,
    rewards, advantage) is logged to `rollouts.jsonl` in the checkpoint folder.
@@ -56,7 +56,7 @@ import typer
 
 from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.ops.cli import cli_errors
-from rcgrpo_tasks.train.common import placement, processes
+from rcgrpo_tasks.train.common import distributed, placement
 from rcgrpo_tasks.train.rl.config import check_world
 from rcgrpo_tasks.train.rl.run import load_rl_config, train_rl
 from rcgrpo_tasks.train.rl.trainer import RLRun
@@ -92,9 +92,9 @@ def main(
                      split=split, out=out, checkpoints=checkpoints, metrics=metrics, plots=plots,
                      conditioning=conditioning, pool=Path(pool) if pool else None)
         spec.check()
-        if processes.should_launch(compute):  # N processes: this command again, under accelerate launch
+        if distributed.should_launch(compute):  # N processes: this command again, under accelerate launch
             check_world(cfg, compute.processes)  # whole groups per process, checked before anything starts
-            raise typer.Exit(processes.relaunch(compute, device, "rl", options))
+            raise typer.Exit(distributed.relaunch(compute, device, "rl", options))
         summary = train_rl(cfg, protocol, levels, spec, compute=compute)
     typer.echo(json.dumps({k: summary.get(k) for k in ("steps", "mean_reward", "mean_frac_zero_std",
                                                           "mean_controllability_gap", "resumed_from")}))

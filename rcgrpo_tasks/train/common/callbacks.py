@@ -18,8 +18,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from rcgrpo_tasks.ops import procs, tracking_log
-from rcgrpo_tasks.train.common import processes
+from rcgrpo_tasks.ops import stops, tracking_log
+from rcgrpo_tasks.train.common import distributed
 
 
 @functools.cache
@@ -75,7 +75,7 @@ STOP_GRACE_S = 30.0
 stops at once and resumes from the last periodic checkpoint (`save_steps`)."""
 
 
-class Interrupted(procs.Terminated):
+class Interrupted(stops.Terminated):
     """A stop signal ended the run: exit status `code` = 128 + signal (143 for SIGTERM). A `Terminated`, so
     no `except Exception` swallows it, the MLflow run ends KILLED, nothing is published, and the `rcgrpo`
     entry point prints one line."""
@@ -112,7 +112,7 @@ class StopOnSignalMixin:
         self.training = False
 
     def on_step_end(self, args, state, control, **kwargs):
-        if processes.any_process(self.received is not None):
+        if distributed.any_process(self.received is not None):
             self.stopped = control.should_save = control.should_training_stop = True
 
     def check(self) -> None:

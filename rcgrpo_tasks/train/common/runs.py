@@ -5,7 +5,7 @@
   named by the output; `dvc_hashes`: DVC's md5 of the inputs, for the record.
 Elsewhere in `train.common`: resume (fingerprints, the checkpoint a run resumes from) in `checkpoints`, the
 device, bf16 and micro-batch fitting in `placement`, the Trainer callbacks and lazy subclasses in
-`callbacks`, training across processes in `processes`.
+`callbacks`, training across processes in `distributed`.
 """
 
 from __future__ import annotations

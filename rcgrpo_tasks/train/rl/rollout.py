@@ -34,7 +34,7 @@ from rcgrpo_tasks.engine.backend import stop_token_ids
 from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.env.prompt import ProtocolConfig
 from rcgrpo_tasks.env.rewards import REWARDS, reward_value
-from rcgrpo_tasks.train.common import processes
+from rcgrpo_tasks.train.common import distributed
 from rcgrpo_tasks.train.rl import advantages as adv
 from rcgrpo_tasks.train.rl.config import RLConfig
 from rcgrpo_tasks.train.rl.rollout_policy import policy_snapshot, rollout_dtype, trl_vllm_backend
@@ -61,7 +61,7 @@ class EngineRollout:
     each process decodes its own groups (no communication while decoding). A group's reward tokens and
     sampling seed depend on its index in the whole batch, never on the process decoding it, so N processes
     roll out exactly the groups one process would. Refill draws, the diagnostics and the price are
-    computed from every process's groups (`processes.gather`), identically on each."""
+    computed from every process's groups (`distributed.gather`), identically on each."""
 
     def __init__(self, cfg: RLConfig, protocol: ProtocolConfig, mode: adv.Conditioning, levels: tuple[str, ...],
                  entries: dict, tokenizer, dynamic: bool = False):
@@ -124,10 +124,10 @@ class EngineRollout:
         draws the same list and decodes its own slots); rounds go on while any process has a flat group.
         Returns {rounds, spread flags of every group this process generated}."""
         generated = list(spread)
-        used = {eid for part in processes.gather(ids) for eid in part}
+        used = {eid for part in distributed.gather(ids) for eid in part}
         rounds = 1
         while rounds < self.cfg.dynamic_max_rounds:
-            flat = [j for j, ok in enumerate(f for part in processes.gather(spread) for f in part) if not ok]
+            flat = [j for j, ok in enumerate(f for part in distributed.gather(spread) for f in part) if not ok]
             if not flat:
                 break
             rng = random.Random(adv.token_seed(self.cfg.seed, step, -1, call=rounds))
@@ -173,7 +173,7 @@ class EngineRollout:
         trajs = [t for grp in groups for t in grp]
         self.last, self.last_kept = trajs, kept
         mine = [rollout_record(t, step, first + i // g, kept[i // g]) for i, t in enumerate(trajs)]
-        parts = processes.gather((mine, elapsed, spread, kept, gen["generated"], self.generated_tokens))
+        parts = distributed.gather((mine, elapsed, spread, kept, gen["generated"], self.generated_tokens))
         self.records = [r for p in parts for r in p[0]]
         kept_all = [k for p in parts for k in p[3]]
         for name, value in self.metrics(self.records, max(p[1] for p in parts)).items():

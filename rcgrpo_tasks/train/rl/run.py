@@ -14,7 +14,7 @@ from rcgrpo_tasks.env.prompt import PromptConfig, ProtocolConfig
 from rcgrpo_tasks.ops import tracking_log
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config
 from rcgrpo_tasks.ops.inputs import read_jsonl, read_tsv
-from rcgrpo_tasks.train.common import checkpoints, placement, processes, runs
+from rcgrpo_tasks.train.common import checkpoints, distributed, placement, runs
 from rcgrpo_tasks.train.common.callbacks import stop_on_signal
 from rcgrpo_tasks.train.rl.config import RLConfig
 from rcgrpo_tasks.train.rl.diagnostics import PLOT_COLUMNS, group_flags, summarize
@@ -46,7 +46,7 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
     compute = compute or ComputeConfig()
     device = placement.train_device(compute.device)
     cfg = cfg.resolved(compute.cpu_bf16, device.type, spec.model_dir)  # THE dtype rule, once
-    main_proc = processes.process_state(device).is_main_process
+    main_proc = distributed.process_state(device).is_main_process
     track = track and main_proc
     tags = {"rl.init": spec.init, "rl.algo": spec.algo, "rl.conditioning": mode}
     params = {"rl": as_dict(cfg), "prompt": as_dict(protocol), "tokens": list(levels),

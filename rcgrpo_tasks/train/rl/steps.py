@@ -24,7 +24,7 @@ from rcgrpo_tasks.engine.models import last_positions
 from rcgrpo_tasks.engine.shared_prefix import target_hidden, trunk_and_head
 from rcgrpo_tasks.env.rewards import REWARDS
 from rcgrpo_tasks.ops.inputs import read_jsonl
-from rcgrpo_tasks.train.common import callbacks, placement, processes
+from rcgrpo_tasks.train.common import callbacks, distributed, placement
 from rcgrpo_tasks.train.rl import advantages as adv
 from rcgrpo_tasks.train.rl.config import RLConfig
 from rcgrpo_tasks.train.rl.kl_guard import bounded_reference
@@ -104,7 +104,7 @@ class RCGRPOTrainerMixin(OffPolicyMixin):
         self._current_train_step_time += time.perf_counter() - t0  # TRL's step_time includes generation
         accum = self.current_gradient_accumulation_steps
         if self._step % accum == 0:
-            self._rc_skip = not processes.any_process(self._step_trains())
+            self._rc_skip = not distributed.any_process(self._step_trains())
             self.record_metric("rc/step_skipped", float(self._rc_skip))
         if not self._rc_skip:
             return super().training_step(model, prepared, num_items_in_batch)

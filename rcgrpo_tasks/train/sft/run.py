@@ -21,7 +21,7 @@ from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config
 from rcgrpo_tasks.ops.outputs import write_json
-from rcgrpo_tasks.train.common import checkpoints, placement, processes, runs
+from rcgrpo_tasks.train.common import checkpoints, distributed, placement, runs
 from rcgrpo_tasks.train.common.adapters import log_model
 from rcgrpo_tasks.train.common.callbacks import step_metrics, stop_on_signal
 from rcgrpo_tasks.train.sft.config import SftConfig, SftRun
@@ -67,7 +67,7 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbac
     compute = compute or ComputeConfig()
     device = placement.train_device(compute.device)
     cfg = replace(cfg, bf16=train_bf16(cfg.bf16, device.type, compute.cpu_bf16, spec.model_dir))  # THE dtype rule
-    state = processes.process_state(device)
+    state = distributed.process_state(device)
     rows = ordered(load_rows(spec.data, tokens, cfg.require_reward_token), cfg.row_order, cfg.seed)
     n_rows = min(len(rows), cfg.max_examples or len(rows))
     if cfg.batch_size > n_rows:  # it would only grow padding until memory runs out
