@@ -17,7 +17,7 @@ import sys
 import time
 
 from rcgrpo_tasks.data.labels import load_reward_tokens
-from rcgrpo_tasks.engine.backends import load_backend
+from rcgrpo_tasks.engine.backend_registry import load_backend
 from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.env.entries import read_entries, select_entries, stratified
 from rcgrpo_tasks.env.prompt import PromptConfig

@@ -172,7 +172,7 @@ def rl_phase(params: Path, model: Path, entries: Path, split: Path, work: Path, 
 
 def evaluate_phase(params: Path, model: Path, entries: Path, split: Path, compute) -> dict:
     """The evaluate stage's decode of one batch of `evaluate.batch_rows` held-out entries, twice."""
-    from rcgrpo_tasks.engine.backends import load_backend
+    from rcgrpo_tasks.engine.backend_registry import load_backend
     from rcgrpo_tasks.env.entries import read_entries, select_entries, stratified
     from rcgrpo_tasks.env.prompt import PromptConfig
     from rcgrpo_tasks.evaluation.heldout import EvaluateConfig, run_eval

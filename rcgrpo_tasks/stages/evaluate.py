@@ -42,7 +42,7 @@ import typer
 from rcgrpo_tasks.data.labels import load_reward_tokens
 from rcgrpo_tasks.data.margin import REPLAY_OUTPUTS, has_tokens, read_token
 from rcgrpo_tasks.engine.backend import reward_pair_ids
-from rcgrpo_tasks.engine.backends import load_backend
+from rcgrpo_tasks.engine.backend_registry import load_backend
 from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.engine.dtype import record as record_dtype
 from rcgrpo_tasks.env.entries import read_entries, select_entries, stratified
