@@ -14,7 +14,7 @@ from helpers import HIGH, LEVELS, LOW
 
 from rcgrpo_tasks.env.multi_turn import entries as multi_turn
 from rcgrpo_tasks.evaluation import controllability as ctl
-from rcgrpo_tasks.evaluation.heldout import RLSampling
+from rcgrpo_tasks.evaluation.accuracy import RLSampling
 from rcgrpo_tasks.ops.config import ConfigError, from_dict, load_keys
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import write_json, write_jsonl

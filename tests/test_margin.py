@@ -151,7 +151,7 @@ def test_paired_sampled_arm_draws_the_same_seeds_under_both_tokens(equal_rows_di
     low are the same tokens, so every pair is identical and the gap is exactly 0."""
     from rcgrpo_tasks.engine.hf import HFBackend
     from rcgrpo_tasks.evaluation import controllability as ctl
-    from rcgrpo_tasks.evaluation.heldout import RLSampling
+    from rcgrpo_tasks.evaluation.accuracy import RLSampling
 
     backend = HFBackend(equal_rows_dir, dtype="float32", device="cpu")
     cfg = from_dict(ctl.ControllabilityConfig, {"n_entries": 3, "samples_per_token": 2, "max_outputs": 1,

@@ -51,6 +51,7 @@ from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.engine.dtype import decode_dtype, record
 from rcgrpo_tasks.engine.trajectory import as_stage_output, write_trajectories
 from rcgrpo_tasks.env.prompt import PromptConfig
+from rcgrpo_tasks.evaluation.accuracy import RLSampling
 from rcgrpo_tasks.evaluation.controllability import (
     ControllabilityConfig,
     RLGroups,
@@ -59,7 +60,6 @@ from rcgrpo_tasks.evaluation.controllability import (
     measure,
     rl_record,
 )
-from rcgrpo_tasks.evaluation.heldout import RLSampling
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config, load_keys

@@ -47,7 +47,7 @@ from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.engine.dtype import record as record_dtype
 from rcgrpo_tasks.env.entries import read_entries, select_entries, stratified
 from rcgrpo_tasks.env.prompt import PromptConfig
-from rcgrpo_tasks.evaluation.heldout import (
+from rcgrpo_tasks.evaluation.accuracy import (
     EvaluateConfig,
     RLSampling,
     check_side,

@@ -1,5 +1,6 @@
-"""Held-out evaluation: rollouts of one model on the held-out split (either task), scored, summarised with
-bootstrap CIs (the evaluate stage runs `run_eval`).
+"""A model's accuracy: its rollouts on one side of the split (either task; `check_side`: test, held out, what is
+reported, or dev, what designs are chosen on), scored, summarised with bootstrap CIs (the evaluate stage runs
+`run_eval`).
 
 Two measures per entry: the greedy answer (`valid`), and pass@1 estimated from `pass_samples` answers
 sampled as RL samples (`rl.temperature`, `rl.top_p`): the share of them that succeed. RL sharpens the
