@@ -15,7 +15,7 @@ consecutively (rollout `i` belongs to group `i // G`), exactly as TRL's `RepeatS
   *regardless of their reward tokens* -- which is exactly RC-GRPO's advantage: a group whose rollouts
   split by token (high succeeds, low fails) has reward variance, hence signal, where a uniformly
   conditioned group that always succeeds (or always fails) has none. The RL stage cross-checks this
-  function against the advantages TRL actually used (`steps.RCGRPOTrainerMixin`).
+  function against the advantages TRL actually used (`trainer_mixin.RCGRPOTrainerMixin`).
 - `trajectory_fields` splits one engine trajectory into what TRL's `rollout_func` returns: prompt ids
   (everything before the first model generation; it contains the rollout's own reward token), completion
   ids, `env_mask` (1 = model-generated, 0 = environment/template tokens, which carry no loss) and the

@@ -12,7 +12,7 @@
 - Dynamic sampling (algo `dynamic`, DAPO's): a group without reward spread is dropped and its slot refilled
   by a group of another train entry, for at most `dynamic_max_rounds` generation rounds; groups still
   without spread are not trained on (their `env_mask` is all 0: no loss, no KL term), and a step with none
-  left makes no update (`steps.RCGRPOTrainerMixin.training_step`). Departures from DAPO: the batch
+  left makes no update (`trainer_mixin.RCGRPOTrainerMixin.training_step`). Departures from DAPO: the batch
   keeps its size (TRL's layout), so an unfilled slot is masked rather than removed, and TRL's `grpo` loss
   still averages over every sequence of the batch, masked ones counting as 0.
 - The policy it samples from: a merged low-precision copy on the policy's own device, refreshed every
@@ -259,7 +259,7 @@ class EngineRollout:
 
 
 def rollout_record(t, step: int, group: int, kept: bool) -> dict:
-    """What the run logs of one rollout (`steps.ROLLOUTS_FILE`, diagnostics): step, the group's index
+    """What the run logs of one rollout (`trainer_mixin.ROLLOUTS_FILE`, diagnostics): step, the group's index
     in the step's batch, entry, reward token, every reward, model tokens, calls, steps, environment errors,
     termination, whether it was trained on, and a hash of its token ids (the same rollout on any process)."""
     return {"step": step, "group": group, "entry_id": t.entry_id, "reward_token": t.reward_token,

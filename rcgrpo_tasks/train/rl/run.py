@@ -19,8 +19,8 @@ from rcgrpo_tasks.train.common.callbacks import stop_on_signal
 from rcgrpo_tasks.train.rl.config import RLConfig
 from rcgrpo_tasks.train.rl.diagnostics import PLOT_COLUMNS, group_flags, summarize
 from rcgrpo_tasks.train.rl.probe import PROBE_FILE, probe_summary, read_points
-from rcgrpo_tasks.train.rl.steps import ROLLOUTS_FILE
 from rcgrpo_tasks.train.rl.trainer import DIAGNOSTICS_FILE, MODEL_META_FILE, RLRun, build_trainer, save_policy
+from rcgrpo_tasks.train.rl.trainer_mixin import ROLLOUTS_FILE
 
 
 def load_rl_config(params: str | Path) -> tuple[RLConfig, ProtocolConfig, tuple[str, ...]]:

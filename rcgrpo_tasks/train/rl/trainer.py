@@ -6,7 +6,7 @@
   TRL's reference model (built from the model's path) is the init too (`_init_on_disk`). Under LoRA the
   reward tokens' embedding rows (input and output) train too, as in RCTP (PEFT trainable tokens), unless
   the run conditions on no token.
-- `RCGRPOTrainer`: TRL's `GRPOTrainer` + `steps.RCGRPOTrainerMixin` (what it adds to TRL's step, its
+- `RCGRPOTrainer`: TRL's `GRPOTrainer` + `trainer_mixin.RCGRPOTrainerMixin` (what it adds to TRL's step, its
   `GRPOConfig` `grpo_args` and reward functions), the rollout function `rollout.EngineRollout`.
 - Divergence: `kl_guard.DivergenceGuardMixin` after the diagnostics callback (`rl.stop_on_divergence`);
   the trainer's `rc_guard` holds its event for `run.train_rl`.
@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 from dataclasses import dataclass, replace
@@ -41,7 +42,7 @@ from rcgrpo_tasks.train.rl.kl_guard import DivergenceGuardMixin, kl_bounds
 from rcgrpo_tasks.train.rl.pool import rl_side, train_entries
 from rcgrpo_tasks.train.rl.probe import ProbeMixin, probe_ids
 from rcgrpo_tasks.train.rl.rollout import EngineRollout
-from rcgrpo_tasks.train.rl.steps import RCGRPOTrainerMixin, grpo_args, reward_funcs
+from rcgrpo_tasks.train.rl.trainer_mixin import RCGRPOTrainerMixin, grpo_args, reward_funcs
 
 DIAGNOSTICS_FILE = "diagnostics.tsv"
 MODEL_META_FILE = "rcgrpo_model.json"
@@ -172,7 +173,7 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     success = sampled_success_rates(read_jsonl(spec.pool)) if spec.pool is not None else None
     entries = train_entries(spec.entries, spec.split, cfg, protocol, tokenizer, success)
     fp = checkpoints.fingerprint(cfg, protocol=as_dict(protocol), levels=list(levels), init=spec.init, algo=spec.algo,
-                          mode=mode, code=Path(__file__), step_code=Path(__file__).with_name("steps.py"),
+                          mode=mode, code=Path(__file__), step_code=Path(inspect.getfile(RCGRPOTrainerMixin)),
                           entries=Path(spec.entries), split=Path(spec.split), model=Path(spec.model_dir),
                           adapter=spec.adapter_dir and Path(spec.adapter_dir))
     resume = checkpoints.resume_point(spec.checkpoints, fp, run=spec.name)

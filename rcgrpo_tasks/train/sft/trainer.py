@@ -5,7 +5,7 @@
   SFT start already has them, at the mean) + LoRA whose `trainable_token_indices` train those rows
   (`lora_config`), TRL's `SFTConfig` (`trainer_args`), on the resolved device; the rows pre-tokenized with
   THE assistant-token mask (`rows.tokenize_rows`: SmolLM2's template has no `{% generation %}` markers, so
-  TRL gets `input_ids` + `assistant_masks`); the trainer class is `SFTTrainer` + `steps.RcgrpoSFTTrainerMixin`
+  TRL gets `input_ids` + `assistant_masks`); the trainer class is `SFTTrainer` + `trainer_mixin.RcgrpoSFTTrainerMixin`
   (tokens/s, the token rows' own learning rate `token_lr_multiplier`, the CPU loss over assistant positions
   only, the pairs' order, small saves).
 - `fingerprint`: what a checkpoint resumes under (params, tokens, inputs and this module's code).
@@ -26,7 +26,7 @@ from rcgrpo_tasks.train.common.adapters import add_special_tokens, expose_head_b
 from rcgrpo_tasks.train.common.callbacks import lazy_subclass
 from rcgrpo_tasks.train.sft.config import SftConfig, SftRun
 from rcgrpo_tasks.train.sft.rows import tokenize_rows
-from rcgrpo_tasks.train.sft.steps import RcgrpoSFTTrainerMixin
+from rcgrpo_tasks.train.sft.trainer_mixin import RcgrpoSFTTrainerMixin
 
 
 def lora_config(cfg: SftConfig, model, token_ids: list[int]):
