@@ -254,8 +254,9 @@ def test_pairs_share_a_micro_batch_in_the_trainer_s_own_dataloader(tiny_model_di
     rows = [dict(chat(i // 2, LEVELS[i % 2]), entry_id=f"e{i // 2}") for i in range(16)]
     for order, kept in (("pairs", True), ("balanced", False)):
         cfg = tiny_sft_config(max_steps=1, batch_size=2, row_order=order)
-        trainer, tok, _, _ = sft_trainer.build_trainer(cfg, tiny_model_dir, ordered(rows, order, 0), LEVELS,
-                                                    tmp_path / order)
+        trainer = sft_trainer.build_trainer(cfg, tiny_model_dir, ordered(rows, order, 0), LEVELS,
+                                            tmp_path / order)
+        tok = trainer.processing_class
         assert trainer.keep_order is kept
         batches = [[tok.decode(ids) for ids in b["input_ids"]] for b in trainer.get_train_dataloader()]
         same = [b[0].split("[Reward Goal")[0] == b[1].split("[Reward Goal")[0] for b in batches]

@@ -140,7 +140,7 @@ def test_env_tokens_carry_no_loss_and_cpu_logps_match_trl(rl_env):
 
     root, model_dir = rl_env
     cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",)})
-    trainer, _, _ = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "mask", "rctp", "rc_grpo"),
+    trainer = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "mask", "rctp", "rc_grpo"),
                                             track=False, device=torch.device("cpu"))  # the CPU fast path
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
@@ -279,7 +279,7 @@ def test_reference_is_the_init_model(rl_env):
     spec = rl_trainer.RLRun(**{**_spec(root, model_dir, "ref", "rctp", "grpo").__dict__, "adapter_dir": adapter_dir})
     for full in (False, True):
         cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "full_finetune": full})
-        trainer, _, _ = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, spec, track=False)
+        trainer = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, spec, track=False)
         assert on_test_device(trainer.accelerator.device)
         on_device = ids.to(trainer.accelerator.device)
         with torch.no_grad():
@@ -349,21 +349,19 @@ def test_cuda_without_cuda_fails_before_training(rl_env, tmp_path, monkeypatch):
 
 def test_fitted_micro_batch_keeps_the_generation_batch_and_the_run(rl_env):
     """What `fit_micro_batch` retries with: half the micro-batch, twice the accumulation, the same rollouts
-    per step, on the CPU asked for, and the same checkpoint fingerprint (it resumes the same run)."""
+    per step, on the CPU asked for (the run's fingerprint is `train_rl`'s, of the requested config: a fitted
+    micro-batch resumes the same run)."""
     import torch
 
     root, model_dir = rl_env
     cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",)})
     spec = _spec(root, model_dir, "fit", "rctp", "rc_grpo")
-    stamps = []
     for micro in (None, 1):
-        trainer, _, _ = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, spec, track=False,
-                                                   device=torch.device("cpu"), micro_batch=micro)
+        trainer = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, spec, track=False,
+                                           device=torch.device("cpu"), micro_batch=micro)
         args = trainer.args
-        stamps.append(json.loads((spec.checkpoints / checkpoints.FINGERPRINT_FILE).read_text())["fingerprint"])
         assert args.use_cpu and args.generation_batch_size == cfg.batch_size
         assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == ((2, 1) if micro is None else (1, 2))
-    assert stamps[0] == stamps[1]
 
 
 @pytest.mark.gpu
@@ -468,7 +466,7 @@ def test_one_far_off_token_cannot_dominate_the_kl_term(rl_env):
     out = {}
     for bound in (None, 10.0):
         cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "kl_token_max": bound})
-        trainer, _, _ = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "kl", "rctp", "rc_grpo"),
+        trainer = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "kl", "rctp", "rc_grpo"),
                                                    track=False, device=torch.device("cpu"))
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1

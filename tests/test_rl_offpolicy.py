@@ -81,7 +81,7 @@ def test_truncated_importance_weights_are_trls(rl_env):
 
     root, model_dir = rl_env
     cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",)})
-    trainer, _, _ = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "is", "rctp", "rc_grpo"),
+    trainer = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "is", "rctp", "rc_grpo"),
                                                track=False)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1

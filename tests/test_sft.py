@@ -121,8 +121,8 @@ def test_assistant_only_labels(datasets, tiny_model_dir, tmp_path):
     from rcgrpo_tasks.data.chat import assistant_token_mask
 
     rows = sft_rows.load_rows(datasets / "rctp.jsonl", LEVELS, True)
-    trainer, tok, _, stats = sft_trainer.build_trainer(tiny_sft_config(), tiny_model_dir, rows[:2], LEVELS, tmp_path / "ck")
-    ex = trainer.train_dataset[0]
+    trainer = sft_trainer.build_trainer(tiny_sft_config(), tiny_model_dir, rows[:2], LEVELS, tmp_path / "ck")
+    tok, stats, ex = trainer.processing_class, trainer.data_stats, trainer.train_dataset[0]
     ids, mask = assistant_token_mask(tok, rows[0]["messages"])
     assert ex["input_ids"] == ids
     learned = tok.decode([i for i, lab in zip(ex["input_ids"], ex["labels"]) if lab != -100])

@@ -1,8 +1,10 @@
 """One GRPO / RC-GRPO run end to end: the `rl` config, training (or resuming) on the chosen device with
-micro-batch fitting, the merged policy, per-step diagnostics and the summary (the rl stage runs `train_rl`)."""
+micro-batch fitting, the merged policy (`save_policy`), per-step diagnostics and the summary (the rl stage runs
+`train_rl`)."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -14,12 +16,13 @@ from rcgrpo_tasks.env.prompt import PromptConfig, ProtocolConfig
 from rcgrpo_tasks.ops import tracking_log
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config
 from rcgrpo_tasks.ops.inputs import read_jsonl, read_tsv
+from rcgrpo_tasks.ops.outputs import write_json
 from rcgrpo_tasks.train.common import checkpoints, distributed, placement, runs
 from rcgrpo_tasks.train.common.callbacks import stop_on_signal
 from rcgrpo_tasks.train.rl.config import RLConfig
 from rcgrpo_tasks.train.rl.diagnostics import PLOT_COLUMNS, group_flags, summarize
 from rcgrpo_tasks.train.rl.probe import PROBE_FILE, probe_summary, read_points
-from rcgrpo_tasks.train.rl.trainer import DIAGNOSTICS_FILE, MODEL_META_FILE, RLRun, build_trainer, save_policy
+from rcgrpo_tasks.train.rl.trainer import DIAGNOSTICS_FILE, MODEL_META_FILE, RLRun, build_trainer, fingerprint
 from rcgrpo_tasks.train.rl.trainer_mixin import ROLLOUTS_FILE
 
 
@@ -52,12 +55,14 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
     params = {"rl": as_dict(cfg), "prompt": as_dict(protocol), "tokens": list(levels),
               "run": {**tags, "adapter": str(spec.adapter_dir)}, "compute": as_dict(compute)}
     stage = f"rl@{spec.name}"
+    fp = fingerprint(cfg, protocol, levels, spec)  # the requested micro-batch: a fitted one resumes the same run
     with stop_on_signal() as stop, runs.published(main_proc, track, stage, params, tags,
                                                         spec.outputs) as (_, staged):
 
         def attempt(micro: int, accum: int):
-            trainer, resume, _ = build_trainer(cfg, protocol, levels, spec, [stop, *(callbacks or [])], track=track,
-                                               device=device, micro_batch=micro)
+            resume = checkpoints.resume_point(spec.checkpoints, fp, run=spec.name)
+            trainer = build_trainer(cfg, protocol, levels, spec, [stop, *(callbacks or [])], track=track,
+                                    device=device, micro_batch=micro)
             place = placement.record_placement(trainer, stage, device, track)
             t0 = time.perf_counter()
             with runs.disk_errors(spec.checkpoints):
@@ -110,3 +115,23 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
     if not cfg.keep_checkpoints:  # as sft: the folder (a DVC persist output) keeps its fingerprint, and the
         checkpoints.clear_checkpoints(spec.checkpoints, keep=(ROLLOUTS_FILE, PROBE_FILE))  # run's rollout log
     return summary
+
+
+def save_policy(trainer, cfg: RLConfig, spec: RLRun, folder: Path | None, provenance: dict) -> None:
+    """Write the policy into `folder`, the staged `spec.out` (main process; None on the others): init + RL
+    LoRA merged (+ `rl_adapter/`), or the full model, with the tokenizer and `provenance` (MODEL_META_FILE).
+    Every process must call it: under DeepSpeed ZeRO-3 `save_model` gathers the sharded weights."""
+    final = spec.checkpoints / "final"
+    if cfg.full_finetune:
+        trainer.save_model(str(final))
+    if not trainer.accelerator.is_main_process:
+        return
+    if cfg.full_finetune:
+        for f in final.iterdir():
+            shutil.move(str(f), folder / f.name)
+    else:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        model.save_pretrained(folder / "rl_adapter")
+        model.merge_and_unload().save_pretrained(folder)
+    trainer.processing_class.save_pretrained(folder)
+    write_json(folder / MODEL_META_FILE, provenance)

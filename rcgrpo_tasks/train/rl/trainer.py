@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from rcgrpo_tasks.env.entries import read_split, split_entries
 from rcgrpo_tasks.env.prompt import ProtocolConfig
 from rcgrpo_tasks.ops.config import ConfigError, as_dict
 from rcgrpo_tasks.ops.inputs import InputError, read_jsonl
-from rcgrpo_tasks.ops.outputs import atomic_dir, write_json
+from rcgrpo_tasks.ops.outputs import atomic_dir
 from rcgrpo_tasks.train.common import checkpoints, runs
 from rcgrpo_tasks.train.common.adapters import expose_head_bias, lora_targets, token_indices
 from rcgrpo_tasks.train.common.callbacks import lazy_subclass, step_metrics
@@ -155,7 +154,8 @@ def rl_lora(cfg: RLConfig, model, tokenizer, levels: tuple[str, ...], mode: str)
 
 def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], spec: RLRun,
                   callbacks: list | None = None, track: bool = True, device=None, micro_batch: int | None = None):
-    """(trainer, checkpoint to resume or None, rollout function) -- everything checked before training.
+    """The trainer (its rollout function `trainer.rollout_func`), everything checked before training. Where it
+    resumes is the caller's (`run.train_rl`, from `fingerprint`), as in SFT.
 
     `protocol`: the episode settings (params `prompt` + `cfg.decode.max_outputs`); `levels`: the reward tokens
     (label_rewards.tokens); `track`: step metrics to the active MLflow run; `device`: where it trains
@@ -172,11 +172,6 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     check_tokenizer_has_reward_tokens(tokenizer, mode, levels)
     success = sampled_success_rates(read_jsonl(spec.pool)) if spec.pool is not None else None
     entries = train_entries(spec.entries, spec.split, cfg, protocol, tokenizer, success)
-    fp = checkpoints.fingerprint(cfg, protocol=as_dict(protocol), levels=list(levels), init=spec.init, algo=spec.algo,
-                          mode=mode, code=Path(__file__), step_code=Path(inspect.getfile(RCGRPOTrainerMixin)),
-                          entries=Path(spec.entries), split=Path(spec.split), model=Path(spec.model_dir),
-                          adapter=spec.adapter_dir and Path(spec.adapter_dir))
-    resume = checkpoints.resume_point(spec.checkpoints, fp, run=spec.name)
     rollout = EngineRollout(cfg, protocol, mode, levels, {e.id: e for e in entries}, tokenizer,
                             dynamic=spec.algo == "dynamic")
     # No PEFT under full fine-tuning: TRL builds its reference model from `config._name_or_path`, so that
@@ -199,7 +194,17 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     if probe is not None:
         probe.trainer = trainer
     _finish(trainer, cfg, rollout, lora is not None)
-    return trainer, resume, rollout
+    return trainer
+
+
+def fingerprint(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], spec: RLRun) -> str:
+    """Params + protocol + tokens + the cell + input contents + this training code: checkpoints resume only
+    under the same one."""
+    return checkpoints.fingerprint(cfg, protocol=as_dict(protocol), levels=list(levels), init=spec.init,
+                                   algo=spec.algo, mode=spec.mode, code=Path(__file__),
+                                   step_code=Path(inspect.getfile(RCGRPOTrainerMixin)), entries=Path(spec.entries),
+                                   split=Path(spec.split), model=Path(spec.model_dir),
+                                   adapter=spec.adapter_dir and Path(spec.adapter_dir))
 
 
 def build_probe(cfg: RLConfig, spec: RLRun, rollout: EngineRollout, entries: list, mode: str, levels):
@@ -235,23 +240,3 @@ def _finish(trainer, cfg: RLConfig, rollout: EngineRollout, peft: bool) -> None:
         peft_model.peft_config["default"].base_model_name_or_path = None
         peft_model.get_base_model().name_or_path = ""  # PEFT refills the field from here on every save
         expose_head_bias(peft_model)  # TRL's fused LM head (GPU) reads lm_head.bias off the token wrapper
-
-
-def save_policy(trainer, cfg: RLConfig, spec: RLRun, folder: Path | None, provenance: dict) -> None:
-    """Write the policy into `folder`, the staged `spec.out` (main process; None on the others): init + RL
-    LoRA merged (+ `rl_adapter/`), or the full model, with the tokenizer and `provenance` (MODEL_META_FILE).
-    Every process must call it: under DeepSpeed ZeRO-3 `save_model` gathers the sharded weights."""
-    final = spec.checkpoints / "final"
-    if cfg.full_finetune:
-        trainer.save_model(str(final))
-    if not trainer.accelerator.is_main_process:
-        return
-    if cfg.full_finetune:
-        for f in final.iterdir():
-            shutil.move(str(f), folder / f.name)
-    else:
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        model.save_pretrained(folder / "rl_adapter")
-        model.merge_and_unload().save_pretrained(folder)
-    trainer.processing_class.save_pretrained(folder)
-    write_json(folder / MODEL_META_FILE, provenance)

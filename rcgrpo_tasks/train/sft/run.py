@@ -93,17 +93,18 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbac
 
         def attempt(micro: int, accum: int):
             resume = checkpoints.resume_point(spec.checkpoints, fp, variant=spec.variant)
-            built = build_trainer(replace(cfg, batch_size=micro, grad_accum=accum), spec.model_dir, rows, tokens,
-                                  spec.checkpoints, [*own, stop, *(callbacks or [])], device=device,
-                                  init_adapter=spec.init_adapter)
-            place = placement.record_placement(built[0], stage, device, track)
+            trainer = build_trainer(replace(cfg, batch_size=micro, grad_accum=accum), spec.model_dir, rows, tokens,
+                                    spec.checkpoints, [*own, stop, *(callbacks or [])], device=device,
+                                    init_adapter=spec.init_adapter)
+            place = placement.record_placement(trainer, stage, device, track)
             t0 = time.perf_counter()
             with runs.disk_errors(spec.checkpoints):
-                result = checkpoints.train_or_restore(built[0], resume)
-            return built, place, resume, result, time.perf_counter() - t0
+                result = checkpoints.train_or_restore(trainer, resume)
+            return trainer, place, resume, result, time.perf_counter() - t0
 
         run, micro, accum = placement.fit_micro_batch(attempt, cfg.batch_size, cfg.grad_accum, stage)
-        (trainer, tokenizer, token_ids, stats), place, resume, result, seconds = run
+        trainer, place, resume, result, seconds = run
+        tokenizer, token_ids, stats = trainer.processing_class, trainer.token_ids, trainer.data_stats
         stop.check()
         if not main:
             save_trained(trainer, spec.out, None, {}, merged=spec.merged(cfg))

@@ -77,8 +77,9 @@ def load_start(cfg: SftConfig, model_dir: Path, init_adapter: Path | None):
 
 def build_trainer(cfg: SftConfig, model_dir: Path, rows: list[dict], tokens: tuple[str, ...], ckpt_dir: Path,
                   callbacks: list | None = None, device=None, init_adapter: Path | None = None):
-    """(trainer, tokenizer, special-token ids, data stats): base (or merged SFT: `init_adapter`) + added
-    tokens + LoRA, ready to train on `device` (None = CUDA when available). The reward tokens are `tokens`
+    """The trainer: base (or merged SFT: `init_adapter`) + added tokens (`trainer.token_ids`) + LoRA, its rows
+    tokenized (`trainer.data_stats`), ready to train on `device` (None = CUDA when available); the tokenizer
+    is `trainer.processing_class`. Where it resumes is the caller's (`run.train_variant`), as in RL. The reward tokens are `tokens`
     minus `cfg.extra_special_tokens`, lowest first (`reward_token_init: apart` spreads them in that order)."""
     from datasets import Dataset
 
@@ -102,7 +103,8 @@ def build_trainer(cfg: SftConfig, model_dir: Path, rows: list[dict], tokens: tup
     trainer.shared_prefix = cfg.shared_prefix_min_tokens
     trainer.keep_order = cfg.row_order == "pairs"
     trainer.token_lr = (cfg.token_lr_multiplier, list(token_ids))
-    return trainer, tokenizer, token_ids, stats
+    trainer.token_ids, trainer.data_stats = tuple(token_ids), stats
+    return trainer
 
 
 def fingerprint(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun) -> str:

@@ -27,6 +27,10 @@ class RcgrpoSFTTrainerMixin:
     """The dataset's order is the training order (`row_order: pairs`); otherwise TRL's random sampler."""
     token_lr: tuple[float, list[int]] = (1.0, [])
     """(multiplier, token ids): the added tokens' rows train at multiplier x lr (`SftConfig.token_lr_multiplier`)."""
+    token_ids: tuple[int, ...] = ()
+    """The ids of the tokens the run added (`tokens` order; `trainer.build_trainer` sets them)."""
+    data_stats: dict | None = None
+    """What tokenizing the rows kept and dropped (`rows.tokenize_rows`; the run summary's `data`)."""
 
     def create_optimizer(self, model=None):
         fresh = self.optimizer is None
