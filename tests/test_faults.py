@@ -88,19 +88,6 @@ def test_a_stage_that_read_keys_of_a_section_is_blocked_by_those_keys_only(param
             _edit(params_file, "rl", "lr", 2.0)
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """A temp sqlite MLflow store (one per module: creating one costs seconds)."""
-    root = tmp_path_factory.mktemp("mlflow")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
-    mp.setenv("MLFLOW_ARTIFACT_ROOT", str(root / "artifacts"))
-    mp.setenv("MLFLOW_EXPERIMENT_NAME", "test-faults")
-    mp.delenv(tracking.PARENT_ENV, raising=False)
-    yield root
-    mp.undo()
-
-
 def test_a_tracked_stage_run_ends_failed_naming_the_changed_key(store, params_file, tmp_path):
     import mlflow
 
