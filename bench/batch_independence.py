@@ -1,6 +1,6 @@
 """Does `evaluate`'s greedy answer depend on how entries are batched? Side by side in one run, on a real model.
 
-Decodes the held-out and dev entries as the evaluate stage does (`evaluation.heldout.run_eval`, params
+Decodes the held-out and dev entries as the evaluate stage does (`evaluation.accuracy.run_eval`, params
 `evaluate` and `prompt`, greedy, one answer each) twice from ONE backend: one entry to a session
 (`batch_rows: 1`) and at the committed `evaluate.batch_rows`. Prints per side the entries whose answers
 differ (0 is the only good answer), the verdicts that differ, the largest log-prob gap between the two runs
@@ -17,12 +17,12 @@ import sys
 import time
 
 from rcgrpo_tasks.data.labels import load_reward_tokens
-from rcgrpo_tasks.engine.backends import load_backend
+from rcgrpo_tasks.engine.backend_registry import load_backend
 from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.env.entries import read_entries, select_entries, stratified
 from rcgrpo_tasks.env.prompt import PromptConfig
+from rcgrpo_tasks.evaluation.accuracy import EvaluateConfig, run_eval
 from rcgrpo_tasks.evaluation.agreement import answer
-from rcgrpo_tasks.evaluation.heldout import EvaluateConfig, run_eval
 from rcgrpo_tasks.ops.config import load_config
 
 

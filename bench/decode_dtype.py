@@ -5,7 +5,7 @@ sample_policy, generate_trajectories' policy rows, RL's rollout snapshot). A dec
 in bf16 (`bench/cpu_bf16.py`) while a stage is not: a stage's decoding is prefill plus short answers in
 batches. This bench decodes what two stages decode, from two backends of the same model and adapter, one
 float32 and one bfloat16, loaded once each; arms alternate per repetition (A B, B A, ...):
-- `greedy`: evaluate's shape (`evaluation.heldout.run_eval`, params `evaluate`): the first `--greedy`
+- `greedy`: evaluate's shape (`evaluation.accuracy.run_eval`, params `evaluate`): the first `--greedy`
   held-out entries, stratified as evaluate takes them, greedy, one answer each;
 - `sampled`: sample_policy's shape (`data.onpolicy.sample_policy`, params `sample_policy`): `--sampled`
   train entries x `samples_per_entry` at T=0.7, the same seeds in both arms (RL's rollouts are the same
@@ -29,7 +29,7 @@ from rcgrpo_tasks.data.onpolicy import SampleConfig, pick_entries, sample_policy
 from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.env.entries import read_entries, select_entries, split_entries, stratified
 from rcgrpo_tasks.env.prompt import PromptConfig
-from rcgrpo_tasks.evaluation.heldout import EvaluateConfig, run_eval
+from rcgrpo_tasks.evaluation.accuracy import EvaluateConfig, run_eval
 from rcgrpo_tasks.ops.config import load_config
 
 DTYPES = ("float32", "bfloat16")

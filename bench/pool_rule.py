@@ -4,7 +4,7 @@ Reads the controllability stage's trajectories run on the DEV side (`rcgrpo cont
 --trajectories F ...`: the RCTP init sampled `samples_per_token` times per dev entry under each token, at the
 RL temperature) and treats the dev entries as a stand-in for RL's prompts: each entry's success share under
 the high token is what `sample_policy@pool-rctp` measures on an RL prompt. Per candidate rule it prints, over
-the entries the rule keeps (`train.rl.config.pool_ids`, the same function RL runs):
+the entries the rule keeps (`train.rl.pool.pool_ids`, the same function RL runs):
 - the pool's share of the side and its mean step-0 success (all-high), the goal being 0.2-0.7;
 - the expected share of GRPO groups of G flat at success and at failure (all-high tokens), the goal for
   flat-at-success being at most 0.3;
@@ -23,7 +23,7 @@ import itertools
 
 from rcgrpo_tasks.engine.trajectory import read_trajectories
 from rcgrpo_tasks.evaluation.controllability import zero_variance_share
-from rcgrpo_tasks.train.rl.config import pool_ids
+from rcgrpo_tasks.train.rl.pool import pool_ids
 
 BANDS = ((0.0, 1.0), (0.25, 1.0), (0.25, 0.75), (0.34, 0.67), (0.1, 0.9))
 SHARES = (0.0, 0.15, 0.3)

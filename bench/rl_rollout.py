@@ -40,8 +40,10 @@ from rcgrpo_tasks.engine.rollout import run_group, run_seeded_groups
 from rcgrpo_tasks.env import tasks
 from rcgrpo_tasks.env.prompt import DEFAULT_REWARD_TOKENS, PromptConfig
 from rcgrpo_tasks.ops.config import from_dict
-from rcgrpo_tasks.train.common import adapters, runs
+from rcgrpo_tasks.train.common import adapters
+from rcgrpo_tasks.train.common.adapters import lora_targets
 from rcgrpo_tasks.train.rl import config as rl_config
+from rcgrpo_tasks.train.rl import pool as rl_pool
 from rcgrpo_tasks.train.rl import rollout as rl_rollout
 from rcgrpo_tasks.train.rl import rollout_policy
 from rcgrpo_tasks.train.rl.trainer import load_init_model
@@ -56,7 +58,7 @@ def lora_policy(model_dir: str, adapter: str | None, cfg: rl_config.RLConfig, mo
     model, tok = load_init_model(Path(model_dir), Path(adapter) if adapter else None, cfg.dtype)
     if mode != "none" and DEFAULT_REWARD_TOKENS[-1] not in tok.get_vocab():
         adapters.add_special_tokens(tok, model, DEFAULT_REWARD_TOKENS, seed, levels=DEFAULT_REWARD_TOKENS)
-    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=runs.lora_targets(cfg.lora_target_modules),
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=lora_targets(cfg.lora_target_modules),
                       task_type="CAUSAL_LM")
     policy = get_peft_model(model, lora)
     gen = torch.Generator().manual_seed(seed)
@@ -137,11 +139,11 @@ def main() -> None:
     proto = PromptConfig(system_prompt="bfcl").protocol_config(args.max_outputs)
     task = tasks.get_task(args.task)
     pool = task.load_entries(tuple(args.categories or task.default_categories))
-    pool.sort(key=lambda e: (rl_config.prompt_length(e, proto, tok), e.id))
+    pool.sort(key=lambda e: (rl_pool.prompt_length(e, proto, tok), e.id))
     entries = pool[: args.entries or args.groups]
     by_id = {e.id: e for e in entries}
     rollout = rl_rollout.EngineRollout(cfg, proto, args.mode, DEFAULT_REWARD_TOKENS, by_id, tok)
-    lengths = [rl_config.prompt_length(e, proto, tok) for e in entries]
+    lengths = [rl_pool.prompt_length(e, proto, tok) for e in entries]
     print(f"{args.task}: {args.groups} groups x G={args.g} from {len(entries)} entries (prompt tokens {min(lengths)}-{max(lengths)}), "
           f"mode {args.mode}, <= {args.max_outputs} outputs of <= {args.max_new_tokens} tokens, T={args.temperature}, "
           f"snapshot {dtype}, threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}")

@@ -30,8 +30,9 @@ from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.rollout import run_group
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.config import from_dict
-from rcgrpo_tasks.train.common import runs
+from rcgrpo_tasks.train.common.adapters import lora_targets
 from rcgrpo_tasks.train.rl import config as rl_config
+from rcgrpo_tasks.train.rl import pool as rl_pool
 from rcgrpo_tasks.train.rl import rollout_policy
 from rcgrpo_tasks.train.rl.trainer import load_init_model
 
@@ -44,7 +45,7 @@ def lora_policy(model_dir: str, adapter: str | None, cfg: rl_config.RLConfig, se
 
     model, tok = load_init_model(Path(model_dir), Path(adapter) if adapter else None, cfg.dtype)
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=runs.lora_targets(cfg.lora_target_modules), task_type="CAUSAL_LM")
+                      target_modules=lora_targets(cfg.lora_target_modules), task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, lora)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -103,7 +104,7 @@ def main() -> None:
     policy, tok = lora_policy(args.model, args.adapter, cfg, args.seed)
     # BFCL's classic system prompt (the prompt before params.yaml's `short`), paper protocol, compact docs
     proto = PromptConfig(system_prompt="bfcl").protocol_config(args.max_outputs)
-    entries = rl_config.train_entries(Path(args.entries_file), Path(args.split), cfg, proto, tok)
+    entries = rl_pool.train_entries(Path(args.entries_file), Path(args.split), cfg, proto, tok)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
     print(f"entries {[e.id for e in entries]}, G={args.g}, max_new_tokens={args.max_new_tokens}, "
           f"outputs<={args.max_outputs}, LoRA r={args.lora_r}, snapshot {snapshot_dtype}, "

@@ -72,6 +72,7 @@ def group_jobs(args, levels: tuple[str, ...]) -> tuple[list[tuple], object]:
     from rcgrpo_tasks.ops.config import from_dict
     from rcgrpo_tasks.train.rl import advantages as adv
     from rcgrpo_tasks.train.rl import config as rl_config
+    from rcgrpo_tasks.train.rl import pool as rl_pool
 
     cfg = from_dict(rl_config.RLConfig, {"num_generations": args.g, "batch_size": args.g * args.groups,
                                     "micro_batch_size": args.g, "max_entries": args.groups,
@@ -80,7 +81,7 @@ def group_jobs(args, levels: tuple[str, ...]) -> tuple[list[tuple], object]:
                                     "min_sampled_success": None})
     proto = PromptConfig(protocol=args.protocol, system_prompt="bfcl").protocol_config(args.max_outputs)
     tok = AutoTokenizer.from_pretrained(args.model_dir)
-    entries = rl_config.train_entries(Path(args.entries_file), Path(args.split), cfg, proto, tok)  # shortest prompts
+    entries = rl_pool.train_entries(Path(args.entries_file), Path(args.split), cfg, proto, tok)  # shortest prompts
     jobs = []
     for k, entry in enumerate(entries[: args.groups]):
         seed = args.seed * 1000 + k

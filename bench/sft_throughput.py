@@ -82,7 +82,8 @@ def make_trainer(kind: str, cfg, args, rows: list[dict], tokens: tuple[str, ...]
 
     timer = step_timer()
     if kind == "project":
-        trainer, _, _, stats = sft_trainer.build_trainer(cfg, args.model_dir, rows, tokens, out, [timer])
+        trainer = sft_trainer.build_trainer(cfg, args.model_dir, rows, tokens, out, [timer])
+        stats = trainer.data_stats
     else:
         tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
         model = AutoModelForCausalLM.from_pretrained(args.model_dir)

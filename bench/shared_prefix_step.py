@@ -9,7 +9,7 @@ run, at the CPU default's shapes.
   log-probs for the mismatch, the rollout snapshot). The first step of each run (warm-up) is left out.
   `--rl-plain before`: the plain arm also samples as the rl stage did before its rollouts were sped up (the
   live PEFT model, `rollout_dtype: live`, every row decoded to the last step): the whole change, one ratio.
-- margin: the teacher-forced margin's forwards (`train.sft.margin.sequence_logprobs`) on `--margin` held-out
+- margin: the teacher-forced margin's forwards (`data.margin.sequence_logprobs`) on `--margin` held-out
   entries' contrast sets (expert + near misses under both tokens), shared vs the padded forward of the same
   chunks, with the largest log-prob difference between the arms. `--margin-plain before`: the plain arm is
   the prefix tree of the chunks the margin cut before whole entries (2,048 tokens counted before sharing).
@@ -45,7 +45,7 @@ def rl_arm(args, shared: bool, work: Path) -> dict:
     from rcgrpo_tasks.engine.compute import ComputeConfig
     from rcgrpo_tasks.env.prompt import PromptConfig
     from rcgrpo_tasks.ops.config import from_dict, read_sections
-    from rcgrpo_tasks.train.common import runs
+    from rcgrpo_tasks.ops.inputs import read_tsv
     from rcgrpo_tasks.train.rl import config as rl_config
     from rcgrpo_tasks.train.rl import run as rl_run
     from rcgrpo_tasks.train.rl import trainer as rl_trainer
@@ -76,7 +76,7 @@ def rl_arm(args, shared: bool, work: Path) -> dict:
                               checkpoints=work / f"ckpt-{name}", plots=work / f"{name}.tsv")
     rl_run.train_rl(cfg, prompt.protocol_config(cfg.decode.max_outputs), levels, spec, track=False,
                 compute=ComputeConfig(device="cpu"))
-    rows = runs.read_tsv(spec.plots)[1:]
+    rows = read_tsv(spec.plots)[1:]
     return {"step": [r["step_time"] for r in rows], "rollout": [r["rollout_s"] for r in rows],
             "train": [r["step_time"] - r["rollout_s"] for r in rows],
             "tokens": [r["model_tokens"] for r in rows]}
@@ -137,16 +137,16 @@ def rctp_arm(args, shared: bool, work: Path) -> dict:
 
 
 def margin_arm(args, shared: bool, work: Path) -> dict:
-    """The teacher-forced margin's forwards (`train.sft.margin.sequence_logprobs`) on `--margin` held-out entries'
+    """The teacher-forced margin's forwards (`data.margin.sequence_logprobs`) on `--margin` held-out entries'
     contrast sets: shared prefix tree vs the padded forward of the same chunks; seconds per call (the first
     of `--steps + 1` calls left out) and the log-probs (compared across the arms by the parent)."""
     import time
 
+    from rcgrpo_tasks.data import margin as mg
     from rcgrpo_tasks.engine.models import load_trained
     from rcgrpo_tasks.env.entries import split_entries
     from rcgrpo_tasks.env.prompt import PromptConfig
     from rcgrpo_tasks.ops.config import from_dict, read_sections
-    from rcgrpo_tasks.train.sft import margin as mg
 
     params = read_sections(PARAMS, "prompt", "label_rewards")
     levels = tuple(params["label_rewards"]["tokens"])
@@ -165,7 +165,7 @@ def margin_arm(args, shared: bool, work: Path) -> dict:
 
 
 def _raw_chunks(items: list) -> list[list]:
-    """The margin's chunks before `train.sft.margin.margin_chunks`: consecutive sequences up to 2,048 tokens counted
+    """The margin's chunks before `data.margin.margin_chunks`: consecutive sequences up to 2,048 tokens counted
     before sharing, cut anywhere (an entry's prompt in two forwards)."""
     chunks, chunk = [], []
     for c in items:

@@ -11,7 +11,7 @@ Phases (each prints one line as it ends; `--out` gets them all as JSON):
   configs/gpu.yaml's `rl` shape (8 groups x G=5, <= 128 new tokens); per step from the run's diagnostics:
   the whole step (TRL's `step_time`), the rollouts (`rollout_s`) and the training part (the difference),
   the first step left out. The fixed probe is off (`probe_entries: 0`): it is not part of a step.
-- `evaluate`: the evaluate stage's decode (`heldout.run_eval`) of one batch of `evaluate.batch_rows`
+- `evaluate`: the evaluate stage's decode (`accuracy.run_eval`) of one batch of `evaluate.batch_rows`
   held-out entries (configs/gpu.yaml: 80, so all 60 single-turn ones; <= 256 new tokens: a random-init
   model decodes every row to the limit); the batch runs twice, the second is reported (the first: `cold_s`).
 - `sft-lora`: the same as `sft-full` with params.yaml's own `sft` section (LoRA r=16) at the same 16 chats.
@@ -155,7 +155,7 @@ def sft_config(cfg, steps: int, dtype: str, batch: tuple[int, int] | None = None
 
 def rl_phase(params: Path, model: Path, entries: Path, split: Path, work: Path, compute) -> dict:
     """The rl stage's run (RC-GRPO from an RCTP init); per step after the first: whole, rollouts, training."""
-    from rcgrpo_tasks.train.common import runs
+    from rcgrpo_tasks.ops.inputs import read_tsv
     from rcgrpo_tasks.train.rl import run as rl_run
     from rcgrpo_tasks.train.rl import trainer as rl_trainer
 
@@ -164,7 +164,7 @@ def rl_phase(params: Path, model: Path, entries: Path, split: Path, work: Path, 
                               adapter_dir=None, entries=entries, split=split, out=work / "rl",
                               checkpoints=work / "ckpt-rl", plots=work / "rl.tsv")
     rl_run.train_rl(cfg, protocol, levels, spec, track=False, compute=compute)
-    rows = runs.read_tsv(spec.plots)[1:]
+    rows = read_tsv(spec.plots)[1:]
     return {"step": [r["step_time"] for r in rows], "rollout": [r["rollout_s"] for r in rows],
             "train": [r["step_time"] - r["rollout_s"] for r in rows],
             "groups": cfg.batch_size // cfg.num_generations, "G": cfg.num_generations, "beta": cfg.beta}
@@ -172,10 +172,10 @@ def rl_phase(params: Path, model: Path, entries: Path, split: Path, work: Path, 
 
 def evaluate_phase(params: Path, model: Path, entries: Path, split: Path, compute) -> dict:
     """The evaluate stage's decode of one batch of `evaluate.batch_rows` held-out entries, twice."""
-    from rcgrpo_tasks.engine.backends import load_backend
+    from rcgrpo_tasks.engine.backend_registry import load_backend
     from rcgrpo_tasks.env.entries import read_entries, select_entries, stratified
     from rcgrpo_tasks.env.prompt import PromptConfig
-    from rcgrpo_tasks.evaluation.heldout import EvaluateConfig, run_eval
+    from rcgrpo_tasks.evaluation.accuracy import EvaluateConfig, run_eval
     from rcgrpo_tasks.ops.config import load_config
 
     cfg = load_config(EvaluateConfig, params, "evaluate")

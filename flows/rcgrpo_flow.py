@@ -51,7 +51,7 @@ import yaml
 from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run, task_run
 
-from rcgrpo_tasks.ops import config, pipeline, procs, tracking, tracking_log, tracking_store
+from rcgrpo_tasks.ops import config, pipeline, stops, tracking, tracking_log, tracking_store
 
 BIN = Path(sys.executable).parent
 SKIP_MARKERS = ("didn't change, skipping", "is cached - skipping run")
@@ -119,7 +119,7 @@ def stream(cmd: list[str], cwd: str | Path, env: dict[str, str], log, tail_lines
     timeout, SIGTERM, Ctrl-C) stops the whole group before it propagates: nothing is left running."""
     lines: queue.Queue = queue.Queue()
     tails = {"out": collections.deque(maxlen=tail_lines), "err": collections.deque(maxlen=tail_lines)}
-    proc = procs.start_group(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = stops.start_group(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              stdin=subprocess.DEVNULL, text=True, errors="replace")
 
     def pump(pipe, name: str) -> None:
@@ -143,8 +143,8 @@ def stream(cmd: list[str], cwd: str | Path, env: dict[str, str], log, tail_lines
             log(line)
         proc.wait()
     finally:
-        if proc.poll() is None or procs.group_alive(proc.pid):
-            procs.stop_group(proc, grace_s)
+        if proc.poll() is None or stops.group_alive(proc.pid):
+            stops.stop_group(proc, grace_s)
     return proc.returncode, "\n".join(tails["out"]), "\n".join(tails["err"])
 
 
@@ -166,7 +166,7 @@ def stage_env(parent_run_id: str | None) -> dict[str, str]:
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"  # stage cmds call `rcgrpo` from this venv
     env["PYTHONUNBUFFERED"] = "1"
     # DVC runs a stage as `$SHELL -c CMD`: bash execs the command, so the stage's parent is dvc and dies
-    # with it (ops.procs.die_with_parent); with sh (dash) in between it relies on the slower watch thread.
+    # with it (ops.stops.die_with_parent); with sh (dash) in between it relies on the slower watch thread.
     env["SHELL"] = shutil.which("bash") or env.get("SHELL", "/bin/sh")
     env.setdefault("TQDM_MININTERVAL", "15")  # progress bars become log lines: one per 15 s is plenty
     if parent_run_id:
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     # SIGTERM/SIGHUP unwind like Ctrl-C: the stage group is stopped (`stream`) and the interpreter exits
     # normally, so Prefect's atexit hook stops the temporary API server it started (none is left behind).
-    handlers = procs.raise_on_terminate()
+    handlers = stops.raise_on_terminate()
     try:
         result = rcgrpo(profile=a.profile, stages=a.stages, force=a.force, push=not a.no_push,
                         pull=not a.no_pull, repo_dir=a.repo_dir, transfer_retries=a.transfer_retries,
@@ -378,11 +378,11 @@ def main(argv: list[str] | None = None) -> int:
     except (config.ConfigError, tracking_store.TrackingError, StageFailed) as exc:  # already in the flow's logs
         print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2 if not isinstance(exc, StageFailed) else 1
-    except procs.Terminated as exc:
+    except stops.Terminated as exc:
         print(f"error: flow {exc}; stages stopped", file=sys.stderr)
         return 128 + exc.signum
     finally:
-        procs.restore(handlers)
+        stops.restore(handlers)
     print(json.dumps(result))
     return 0
 

@@ -12,7 +12,7 @@ import importlib
 import os
 import sys
 
-from rcgrpo_tasks.ops import procs, tracking_store
+from rcgrpo_tasks.ops import stops, tracking_store
 from rcgrpo_tasks.ops.outputs import OutputError
 
 # command -> (module, one-line summary). Keep in the order of the pipeline.
@@ -58,14 +58,14 @@ DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, e
 
 def guarded(name: str, run) -> int:
     """Run command `name` (`run()` returns its exit code) the way a pipeline stage must run: under DVC it
-    dies with `dvc repro` (ops.procs.die_with_parent: nothing is written after its parent is gone);
+    dies with `dvc repro` (ops.stops.die_with_parent: nothing is written after its parent is gone);
     SIGTERM/SIGHUP unwind it (temp outputs removed, MLflow run KILLED); a tracked command checks its
     tracking server first; a tracking failure, an output another process holds or cannot be written
     (`ops.outputs.OutputError`, `DISK_ERRNOS`) and a stop are one line on stderr, never a traceback (exit 2, or
     128 + signal for a stop)."""
     if os.environ.get("DVC_STAGE") or os.environ.get("RCGRPO_DIE_WITH_PARENT"):
-        procs.die_with_parent()
-    handlers = procs.raise_on_terminate()
+        stops.die_with_parent()
+    handlers = stops.raise_on_terminate()
     try:
         if name in TRACKED:
             tracking_store.preflight()
@@ -79,11 +79,11 @@ def guarded(name: str, run) -> int:
         print(f"error: rcgrpo {name}: {exc.strerror or exc}"
               f"{f': {exc.filename}' if exc.filename else ''}; nothing was published", file=sys.stderr)
         return 2
-    except procs.Terminated as exc:
+    except stops.Terminated as exc:
         print(f"error: rcgrpo {name} {exc}; stopped, no output published", file=sys.stderr)
         return 128 + exc.signum
     finally:
-        procs.restore(handlers)
+        stops.restore(handlers)
 
 
 HASH_SEED = "0"

@@ -66,10 +66,13 @@ def _smollm2_dir() -> Path:
 
 @pytest.fixture(autouse=True)
 def _params_read_afresh():
-    """Every test starts with no params sections remembered: a file another test read and then edited must
-    not fail this test's publication (`ops.config.check_params_unchanged`)."""
+    """Every test starts, and leaves, with no params sections remembered: a file another test read and then
+    edited must not fail this test's publication (`ops.config.check_params_unchanged`), nor a module fixture's
+    set up after it."""
     from rcgrpo_tasks.ops.config import forget_params
 
+    forget_params()
+    yield
     forget_params()
 
 
@@ -87,6 +90,22 @@ def _global_rngs_reseeded():
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)  # seeds every CUDA device too
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, request):
+    """A temp sqlite MLflow store, one per test module (creating one costs seconds), its experiment named after
+    the module (`test-tracking`); no parent run. Yields the store's folder."""
+    from rcgrpo_tasks.ops import tracking
+
+    root = tmp_path_factory.mktemp("mlflow")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
+    mp.setenv("MLFLOW_ARTIFACT_ROOT", str(root / "artifacts"))
+    mp.setenv("MLFLOW_EXPERIMENT_NAME", request.module.__name__.rpartition(".")[2].replace("_", "-"))
+    mp.delenv(tracking.PARENT_ENV, raising=False)
+    yield root
+    mp.undo()
 
 
 @pytest.fixture(scope="session")

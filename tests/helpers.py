@@ -137,8 +137,9 @@ def capture_trainer(monkeypatch) -> dict:
     real = rl_run.build_trainer
 
     def build(*a, **k):
-        box["trainer"], resume, box["rollout"] = real(*a, **k)
-        return box["trainer"], resume, box["rollout"]
+        box["trainer"] = real(*a, **k)
+        box["rollout"] = box["trainer"].rollout_func
+        return box["trainer"]
 
     monkeypatch.setattr(rl_run, "build_trainer", build)
     return box

@@ -45,7 +45,7 @@ def test_controllability_greedy_arm_equals_evaluates_greedy_answers(rl_env):
     from rcgrpo_tasks.env.prompt import PromptConfig
     from rcgrpo_tasks.env.single_turn import entries as single_turn
     from rcgrpo_tasks.evaluation import controllability as ctl
-    from rcgrpo_tasks.evaluation.heldout import EvaluateConfig, run_eval
+    from rcgrpo_tasks.evaluation.accuracy import EvaluateConfig, run_eval
     from rcgrpo_tasks.ops.config import from_dict
 
     _, model_dir = rl_env

@@ -130,3 +130,17 @@ def test_dvc_stages_list_every_library_folder_they_import():
         if need != listed:
             wrong[stage] = {"missing": sorted(need - listed), "not imported": sorted(listed - need)}
     assert not wrong, f"dvc.yaml code deps differ from the stage modules' imports: {wrong}"
+
+
+EVALUATION_STAGES = ("evaluate", "controllability", "report", "promote")
+
+
+@pytest.mark.parametrize("stage", EVALUATION_STAGES)
+def test_evaluation_stages_see_no_training_code(stage: str):
+    """A change to a trainer (its config included) never reruns an evaluation: the stages that evaluate a model
+    import no module of `train/`, directly or through others (the layers contract keeps `evaluation/` from it;
+    a stage module sits above both and could still import it)."""
+    graph = grimp.build_graph("rcgrpo_tasks")
+    seen = sorted(m for m in graph.find_upstream_modules(f"rcgrpo_tasks.stages.{stage}")
+                  if m.startswith("rcgrpo_tasks.train"))
+    assert not seen, f"stages/{stage}.py sees training code: {seen}"

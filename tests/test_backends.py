@@ -7,7 +7,7 @@ import json
 import pytest
 
 from rcgrpo_tasks.engine.backend import SamplingParams, ScriptedBackend
-from rcgrpo_tasks.engine.backends import load_backend
+from rcgrpo_tasks.engine.backend_registry import load_backend
 from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.models import ModelLoadError
 from rcgrpo_tasks.engine.prefix_layout import prefix_tree, walk

@@ -70,13 +70,19 @@ def _own_logprobs(model, ids: list[int], start: int, temperature: float = 0.0, t
     return [logp[j - 1, ids[j]].item() for j in range(start, len(ids))]
 
 
+def _gap(own: list[float], got: list[float]) -> float:
+    """The largest |own - got| over a row's decoded tokens. The row must have decoded tokens and carry one
+    log-prob for each: an empty or short output would otherwise compare as equal."""
+    assert own and len(own) == len(got), f"{len(got)} log-probs for {len(own)} decoded tokens"
+    return max(abs(a - b) for a, b in zip(own, got))
+
+
 def _worst(model, prompts: list[list[int]], outs, temperature: float = 0.0) -> float:
-    """The largest gap between a row's log-probs in the batch and in its own forward, over every row and token."""
-    worst = 0.0
-    for p, o in zip(prompts, outs):
-        own = _own_logprobs(model, p + o.token_ids, len(p), temperature)
-        worst = max([worst] + [abs(a - b) for a, b in zip(own, o.logprobs)])
-    return worst
+    """The largest gap between a row's log-probs in the batch and in its own forward, over every row and token
+    (every prompt must have its output)."""
+    assert prompts and len(outs) == len(prompts), f"{len(outs)} outputs for {len(prompts)} prompts"
+    return max(_gap(_own_logprobs(model, p + o.token_ids, len(p), temperature), o.logprobs)
+               for p, o in zip(prompts, outs))
 
 
 def _backend(tiny_model_dir, path: str) -> HFBackend:
@@ -144,10 +150,11 @@ def test_guided_rows_and_their_twins_decode_as_their_own_forwards(rl_env, tok):
     sampling = SamplingParams(temperature=1.0, max_new_tokens=16, seed=2, guidance=w, guidance_pair=pair)
     outs = b.session().generate(list(range(len(prompts))), prompts, sampling)
     swap = {pair[0]: pair[1], pair[1]: pair[0]}
+    assert prompts and len(outs) == len(prompts)
     for p, o in zip(prompts, outs):
         ids = p + o.token_ids
         own = _own_logprobs(b.model, ids, len(p), 1.0, twin=[swap.get(t, t) for t in ids], guidance=w)
-        assert max(abs(x - y) for x, y in zip(own, o.logprobs)) < TOL
+        assert _gap(own, o.logprobs) < TOL
 
 
 def test_the_check_sees_a_batch_that_drops_a_rows_own_keys(tiny_model_dir, tok, monkeypatch):
@@ -169,6 +176,15 @@ def test_the_check_sees_a_batch_that_drops_a_rows_own_keys(tiny_model_dir, tok, 
     monkeypatch.setattr(cls, "check_stored", lambda self, before=None: None)
     outs = b.session().generate(list(range(len(prompts))), prompts, SamplingParams(temperature=0.0, max_new_tokens=4))
     assert _worst(b.model, prompts, outs) > 100 * TOL
+
+
+def test_the_check_fails_on_empty_or_missing_outputs():
+    """No comparison passes for want of something to compare: no output, no token, a log-prob short."""
+    for own, got in (([], []), ([-1.0, -2.0], [-1.0])):
+        with pytest.raises(AssertionError):
+            _gap(own, got)
+    with pytest.raises(AssertionError):
+        _worst(None, [[1, 2, 3]], [])
 
 
 def test_a_cache_never_counts_columns_it_did_not_store():
@@ -211,9 +227,11 @@ def test_evaluate_rollouts_are_each_rows_own_on_real_entries(tiny_model_dir):
     proto = PromptConfig().protocol_config(1)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
     batched = run_rollouts(b, entries, 1, proto, greedy, batch_rows=16)
+    assert len(entries) == 16 and len(batched) == len(entries)
     lengths = [t.prompt_len for t in batched]
     assert max(lengths) - min(lengths) > 64
     for t in batched:
+        assert len(t.completion_mask) == len(t.logprobs) == len(t.token_ids) and any(t.completion_mask), t.entry_id
         with torch.no_grad():
             logits = b.model(torch.tensor([t.token_ids], device=b.model.device)).logits[0].float().cpu()
         logp = torch.log_softmax(logits, -1)
@@ -221,4 +239,4 @@ def test_evaluate_rollouts_are_each_rows_own_on_real_entries(tiny_model_dir):
             if m:
                 assert abs(logp[j - 1, t.token_ids[j]].item() - lp) < TOL, (t.entry_id, j)
     alone = run_rollouts(b, entries, 1, proto, greedy, batch_rows=1)
-    assert [t.token_ids for t in alone] == [t.token_ids for t in batched]
+    assert len(alone) == len(batched) and [t.token_ids for t in alone] == [t.token_ids for t in batched]

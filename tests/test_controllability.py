@@ -14,11 +14,11 @@ from helpers import HIGH, LEVELS, LOW
 
 from rcgrpo_tasks.env.multi_turn import entries as multi_turn
 from rcgrpo_tasks.evaluation import controllability as ctl
-from rcgrpo_tasks.ops.config import ConfigError, from_dict
+from rcgrpo_tasks.evaluation.accuracy import RLSampling
+from rcgrpo_tasks.ops.config import ConfigError, from_dict, load_keys
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
 from rcgrpo_tasks.stages import controllability as ctl_stage
-from rcgrpo_tasks.train.rl.config import RLConfig
 
 RL = {"temperature": 1.0, "top_p": 1.0, "num_generations": 4, "p_high": 0.5, "learning_rate": 1e-5}
 
@@ -87,12 +87,19 @@ def test_zero_variance_share_hand_built():
     assert lo == pytest.approx(-0.5) and hi == pytest.approx(0.0)
 
 
-def test_sampled_arm_takes_rl_sampling_and_refuses_its_own():
-    """The sampled arm samples at rl.temperature / rl.top_p; the section cannot set them (moved keys)."""
-    rl = from_dict(RLConfig, {**RL, "temperature": 0.7, "top_p": 0.9}, "p.yaml:rl")
+def test_sampled_arm_takes_rl_sampling_and_refuses_its_own(tmp_path):
+    """The sampled arm samples at rl.temperature / rl.top_p, read key by key from `rl` (its other keys left
+    aside); the section cannot set them (moved keys)."""
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump({"rl": {**RL, "temperature": 0.7, "top_p": 0.9}}))
+    rl, groups = load_keys(RLSampling, tmp_path / "p.yaml", "rl"), load_keys(ctl.RLGroups, tmp_path / "p.yaml", "rl")
     cfg = from_dict(ctl.ControllabilityConfig, {"max_new_tokens": 12}, "p.yaml:controllability").sampled_as(rl)
     assert (cfg.decode.temperature, cfg.decode.top_p, cfg.decode.max_new_tokens) == (0.7, 0.9, 12)
-    assert ctl.rl_record(rl) == {"temperature": 0.7, "top_p": 0.9, "num_generations": 4, "p_high": 0.5}
+    assert ctl.rl_record(rl, groups) == {"temperature": 0.7, "top_p": 0.9, "num_generations": 4, "p_high": 0.5}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump({"rl": {"temperature": 0.0, "top_p": 0.9}}))
+    with pytest.raises(ConfigError, match="temperature > 0"):
+        load_keys(RLSampling, tmp_path / "p.yaml", "rl")
+    with pytest.raises(ConfigError, match=r"rl: missing key\(s\) \['num_generations', 'p_high'\]"):
+        load_keys(ctl.RLGroups, tmp_path / "p.yaml", "rl")
     with pytest.raises(ConfigError, match=r"controllability.temperature: this key moved: rl.temperature"):
         from_dict(ctl.ControllabilityConfig, {"temperature": 1.0}, "p.yaml:controllability")
     with pytest.raises(ConfigError, match="batch_rows"):
@@ -135,8 +142,7 @@ def test_obedient_policy_has_full_gap(tok, protocol):
         return texts[step] if step < len(texts) else ""
 
     backend = ScriptedBackend(tok, policy)
-    rl = from_dict(RLConfig, {"temperature": 1.0, "top_p": 1.0, "num_generations": 4, "p_high": 0.5})
-    metrics, trajs = ctl.measure(cfg, prompt, LEVELS, backend, entries, rl)
+    metrics, trajs = ctl.measure(cfg, prompt, LEVELS, backend, entries, RLSampling(1.0, 1.0), ctl.RLGroups(4, 0.5))
     # greedy arm (1 per token) then the sampled arm (2 per token), each high first per entry
     assert [t.reward_token for t in trajs] == [HIGH, LOW] * 2 + [HIGH, HIGH, LOW, LOW] * 2
     assert [t.provenance["arm"] for t in trajs] == ["greedy"] * 4 + ["sampled"] * 8
@@ -258,7 +264,7 @@ def test_bad_params_and_missing_split(tmp_path):
     assert res.exit_code == 2 and "n_entries" in res.output
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {}, "prompt": {"system_prompt": "bfcl"}}))
     res = CliRunner().invoke(ctl_stage.app, ["--params", str(tmp_path / "params.yaml")])
-    assert res.exit_code == 2 and "missing section 'rl'" in res.output  # sampled as RL samples: rl required
+    assert res.exit_code == 2 and "rl: missing key(s) ['temperature', 'top_p']" in res.output  # sampled as RL samples
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {}, "prompt": {"system_prompt": "bfcl"}, "rl": RL}))
     res = CliRunner().invoke(ctl_stage.app, ["--params", str(tmp_path / "params.yaml"), "--split",
                                        str(tmp_path / "none.json"), "--entries", str(tmp_path / "e.jsonl")])

@@ -9,8 +9,8 @@ from helpers import REPO_ROOT
 from rcgrpo_tasks.data.dataset import GenerateConfig
 from rcgrpo_tasks.data.onpolicy import SampleConfig
 from rcgrpo_tasks.engine.decoding import MAX_NEW_TOKENS, DecodeConfig
+from rcgrpo_tasks.evaluation.accuracy import EvaluateConfig
 from rcgrpo_tasks.evaluation.controllability import ControllabilityConfig
-from rcgrpo_tasks.evaluation.heldout import EvaluateConfig
 from rcgrpo_tasks.ops import config
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, from_dict
 from rcgrpo_tasks.train.rl.config import RLConfig

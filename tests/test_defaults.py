@@ -19,9 +19,9 @@ from rcgrpo_tasks.engine.compute import ComputeConfig
 from rcgrpo_tasks.engine.source import PrepareModelConfig
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.split import PrepareDataConfig
+from rcgrpo_tasks.evaluation.accuracy import EvaluateConfig
 from rcgrpo_tasks.evaluation.controllability import ControllabilityConfig
 from rcgrpo_tasks.evaluation.grid import GridConfig
-from rcgrpo_tasks.evaluation.heldout import EvaluateConfig
 from rcgrpo_tasks.evaluation.promotion import PromoteConfig
 from rcgrpo_tasks.ops import config
 from rcgrpo_tasks.train.rl.config import RLConfig

@@ -1,4 +1,4 @@
-"""The dev sweep (ops.sweep runs it, evaluation.design judges it): its spec is checked before anything runs, candidates are params files the stages
+"""The dev sweep (sweep.run runs it, sweep.design judges it): its spec is checked before anything runs, candidates are params files the stages
 load, every evaluation reads the dev side, and the design table is built from the report stage's own JSON."""
 
 import json
@@ -12,9 +12,10 @@ import pytest
 import yaml
 from helpers import REPO_ROOT
 
-from rcgrpo_tasks.evaluation import design
-from rcgrpo_tasks.ops import pipeline, sweep
+from rcgrpo_tasks.ops import pipeline
 from rcgrpo_tasks.ops.config import ConfigError
+from rcgrpo_tasks.sweep import design
+from rcgrpo_tasks.sweep import run as sweep
 
 
 def _spec(tmp_path, body: dict):
@@ -57,7 +58,7 @@ def test_candidate_params_merge_common_then_own_and_refuse_unknown_sections(tmp_
         sweep.candidate_params(base, spec, "b", tmp_path)
 
 
-# The substitutions ops.sweep documents, per stage kind: (options whose value moves into the sweep's folder,
+# The substitutions sweep.run documents, per stage kind: (options whose value moves into the sweep's folder,
 # options dropped, arguments appended: the report's are its own `--eval`/`--rl` pairs, then `--no-track`).
 # Anything else in a sweep command must be dvc.yaml's, as planned.
 DOCUMENTED = {"rl": ({"--params", "--out", "--checkpoints", "--metrics", "--plots"}, set(), []),

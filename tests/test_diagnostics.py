@@ -7,7 +7,10 @@ import math
 
 import pytest
 
-from rcgrpo_tasks.train.common import runs
+from rcgrpo_tasks.data import rl_steps
+from rcgrpo_tasks.evaluation import mechanism
+from rcgrpo_tasks.ops.inputs import read_tsv
+from rcgrpo_tasks.ops.outputs import write_tsv
 from rcgrpo_tasks.train.rl import advantages as adv
 from rcgrpo_tasks.train.rl import diagnostics
 
@@ -24,7 +27,7 @@ RC = _rows([0.5, 0.0, 0.5, 0.25], [0.4, 0.8, 0.4, 0.6], [1.0, 0.5, 0.5, 1.0])
 
 
 def test_step_summary_means_and_cis():
-    grpo, rc = diagnostics.step_summary(GRPO), diagnostics.step_summary(RC)
+    grpo, rc = rl_steps.step_summary(GRPO), rl_steps.step_summary(RC)
     assert grpo["frac_zero_std"]["mean"] == pytest.approx(0.875) and rc["frac_zero_std"]["mean"] == pytest.approx(0.3125)
     for s in (grpo, rc):
         for col in ("frac_zero_std", "adv_abs_mean"):
@@ -35,8 +38,8 @@ def test_step_summary_means_and_cis():
     assert grpo["controllability_gap"] == {"mean": None, "ci_low": None, "ci_high": None, "steps": 0}
     assert rc["controllability_gap"]["mean"] == pytest.approx(0.75)
     assert rc["reward"] == {"mean": 0.25, "ci_low": 0.25, "ci_high": 0.25, "steps": 4}  # constant: no spread
-    assert diagnostics.step_summary(RC) == rc  # seeded: a rerun states the same CI
-    assert diagnostics.step_summary([{"step": 1}])["adv_std"]["steps"] == 0  # a column the TSV lacks
+    assert rl_steps.step_summary(RC) == rc  # seeded: a rerun states the same CI
+    assert rl_steps.step_summary([{"step": 1}])["adv_std"]["steps"] == 0  # a column the TSV lacks
 
 
 def test_rl_summary_states_the_mechanism_and_keeps_the_means():
@@ -44,7 +47,7 @@ def test_rl_summary_states_the_mechanism_and_keeps_the_means():
     out = diagnostics.summarize(rows)
     assert out["mean_frac_zero_std"] == pytest.approx(0.3125) and out["steps"] == 4  # the report reads these
     assert out["mechanism"]["frac_zero_std"]["mean"] == pytest.approx(out["mean_frac_zero_std"])
-    assert set(out["mechanism"]) == set(diagnostics.MECHANISM_COLUMNS)
+    assert set(out["mechanism"]) == set(rl_steps.MECHANISM_COLUMNS)
     assert {"adv_abs_mean", "adv_std", "frac_zero_std", "controllability_gap"} <= set(diagnostics.PLOT_COLUMNS)
 
 
@@ -60,21 +63,21 @@ def test_plot_mechanism_draws_grpo_and_rc_grpo_side_by_side(tmp_path):
     tsvs = {}
     for label, rows in (("rctp-grpo", GRPO), ("rctp-rc_grpo", RC), ("sft-grpo", GRPO)):
         tsvs[label] = tmp_path / f"rl_{label}.tsv"
-        runs.write_tsv(tsvs[label], rows, diagnostics.PLOT_COLUMNS)
+        write_tsv(tsvs[label], rows, diagnostics.PLOT_COLUMNS)
     tsvs["sft-rc_grpo"] = tmp_path / "never_written.tsv"  # a run without steps: an empty line, not a crash
-    assert diagnostics.run_groups(list(tsvs)) == {"rctp": ["rctp-grpo", "rctp-rc_grpo"],
+    assert mechanism.run_groups(list(tsvs)) == {"rctp": ["rctp-grpo", "rctp-rc_grpo"],
                                                    "sft": ["sft-grpo", "sft-rc_grpo"]}
-    out = diagnostics.plot_mechanism(tsvs, tmp_path / "plots" / "mechanism.png")
+    out = mechanism.plot_mechanism(tsvs, tmp_path / "plots" / "mechanism.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     assert not list(out.parent.glob(".*tmp*"))
 
-    fig = diagnostics.mechanism_figure({k: runs.read_tsv(v) for k, v in tsvs.items()})
+    fig = mechanism.mechanism_figure({k: read_tsv(v) for k, v in tsvs.items()})
     axes = fig.axes
-    assert len(axes) == 2 * len(diagnostics.MECHANISM_COLUMNS)  # rows = inits, columns = diagnostics
+    assert len(axes) == 2 * len(rl_steps.MECHANISM_COLUMNS)  # rows = inits, columns = diagnostics
     first = axes[0]  # rctp: zero-variance share, both runs on the same step axis
     assert "zero-variance" in first.get_title() and len(first.lines) == 2
     assert [list(line.get_xdata()) for line in first.lines] == [[1, 2, 3, 4], [1, 2, 3, 4]]
     labels = [t.get_text() for t in first.get_legend().get_texts()]
     assert labels[0].startswith("rctp-grpo: 0.875 [") and labels[1].startswith("rctp-rc_grpo: 0.312 [")
-    gap = axes[diagnostics.MECHANISM_COLUMNS.index("controllability_gap")]
+    gap = axes[rl_steps.MECHANISM_COLUMNS.index("controllability_gap")]
     assert [t.get_text() for t in gap.get_legend().get_texts()][0] == "rctp-grpo: n/a"

@@ -5,6 +5,8 @@ it has it; every stage records what it resolved."""
 from __future__ import annotations
 
 import json
+import math
+import types
 
 import pytest
 
@@ -59,10 +61,35 @@ def test_auto_measures_once_per_host_and_reads_the_cache(tmp_path, monkeypatch):
         rule._measured.cache_clear()
 
 
-def test_the_calibration_times_both_arms_at_the_stages_shapes():
-    """A real (tiny) calibration: positive speed-ups for decoding and training, and the shape it ran."""
+def test_a_speedup_is_the_ratio_of_the_arms_medians_over_alternating_runs(monkeypatch):
+    """The calibration's timing on a fake clock (each run of an arm advances it by that run's cost): one warm-up
+    each, then the arms alternate, and the speed-up is median(float32) / median(bf16), warm-ups left out."""
+    clock, calls = [0.0], []
+
+    def arm(name: str, costs: list[float]):
+        left = iter(costs)
+
+        def run():
+            calls.append(name)
+            clock[0] += next(left)
+        return run
+
+    monkeypatch.setattr(rule, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    got = rule._side_by_side(arm("fp32", [50.0, 3.0, 3.0, 5.0]), arm("bf16", [50.0, 1.0, 2.0, 1.0]), reps=3)
+    assert got == pytest.approx(3.0)  # median(3, 3, 5) / median(1, 2, 1)
+    assert calls == ["fp32", "bf16", "fp32", "bf16", "bf16", "fp32", "fp32", "bf16"]
+
+
+def test_the_calibration_leaves_the_stages_random_state_and_names_what_it_ran():
+    """A real (tiny) calibration: the random model and inputs are drawn off the global generator (a stage that
+    calibrates draws the same numbers afterwards), and the record names the shape and threads it ran."""
+    import torch
+
+    before = torch.get_rng_state()
     got = rule.calibrate((64, 128, 4, 2, 16), layers=1, rows=2, tokens=32, reps=1)
-    assert got["decode_speedup"] > 0 and got["train_speedup"] > 0 and got["shape"] == [64, 128, 4, 2, 16]
+    assert torch.equal(torch.get_rng_state(), before)
+    assert got["shape"] == [64, 128, 4, 2, 16] and got["threads"] == torch.get_num_threads()
+    assert all(math.isfinite(got[k]) and got[k] > 0 for k in ("decode_speedup", "train_speedup"))
 
 
 def test_stages_resolve_through_the_rule(tiny_model_dir):

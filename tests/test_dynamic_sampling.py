@@ -13,7 +13,7 @@ from helpers import HIGH, LEVELS, LOW, capture_trainer
 from test_rl import PROTOCOL, TEST_RL, _spec, _weights
 
 from rcgrpo_tasks.ops.config import from_dict
-from rcgrpo_tasks.train.common import runs
+from rcgrpo_tasks.ops.inputs import read_tsv
 from rcgrpo_tasks.train.rl import advantages as adv
 from rcgrpo_tasks.train.rl import config as rl_config
 from rcgrpo_tasks.train.rl import rollout as rl_rollout
@@ -167,5 +167,5 @@ def test_dynamic_trains_on_kept_groups_and_skips_a_step_with_none(rl_env, entry_
     assert any(not before[k].equal(after[k]) for k in before if k in after)
     rewards = [t.score["paper_reward"] for t in box["rollout"].last]
     assert box["trainer"].last_advantages == pytest.approx(adv.group_advantages(rewards, cfg.num_generations), abs=1e-4)
-    rows = runs.read_tsv(spread.plots)
+    rows = read_tsv(spread.plots)
     assert rows[0]["rollouts_generated"] == 2 and rows[0]["useful_groups"] == 1 and rows[0]["step_skipped"] == 0

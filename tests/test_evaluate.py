@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from rcgrpo_tasks.env.entries import stratified
 from rcgrpo_tasks.env.multi_turn import entries as multi_turn
-from rcgrpo_tasks.evaluation import heldout as evaluate
+from rcgrpo_tasks.evaluation import accuracy as evaluate
 from rcgrpo_tasks.ops.config import ConfigError, from_dict, load_config
 from rcgrpo_tasks.stages import evaluate as evaluate_stage
 
@@ -27,6 +27,7 @@ evaluate:
   pass_samples: 2
 rl:
   temperature: 0.7
+  top_p: 1.0
 """
 
 

@@ -4,6 +4,7 @@ stopped flow's record."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -18,7 +19,7 @@ from helpers import LEVELS, REPO_ROOT, chat, tiny_sft_config
 
 from rcgrpo_tasks.engine.decoding import PROMPT_FLOOR, DecodeConfig
 from rcgrpo_tasks.ops import tracking
-from rcgrpo_tasks.ops.config import ConfigError, ParamsChanged, load_config
+from rcgrpo_tasks.ops.config import ConfigError, ParamsChanged, load_config, load_keys
 from rcgrpo_tasks.ops.outputs import OutputError, write_jsonl
 from rcgrpo_tasks.train.common import checkpoints, runs
 from rcgrpo_tasks.train.sft import config as sft_config
@@ -71,17 +72,20 @@ def test_an_edit_to_a_section_the_stage_did_not_read_does_not_block_it(params_fi
             pass
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """A temp sqlite MLflow store (one per module: creating one costs seconds)."""
-    root = tmp_path_factory.mktemp("mlflow")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
-    mp.setenv("MLFLOW_ARTIFACT_ROOT", str(root / "artifacts"))
-    mp.setenv("MLFLOW_EXPERIMENT_NAME", "test-faults")
-    mp.delenv(tracking.PARENT_ENV, raising=False)
-    yield root
-    mp.undo()
+def test_a_stage_that_read_keys_of_a_section_is_blocked_by_those_keys_only(params_file, tmp_path):
+    """`load_keys` remembers each key it read: another key of the section may change, that one may not."""
+    @dataclasses.dataclass(frozen=True)
+    class Lr:
+        lr: float
+
+    assert load_keys(Lr, params_file, "rl").lr == 1.0
+    _edit(params_file, "rl", "other", 3)
+    out = tmp_path / "m.json"
+    with tracking.published_run("evaluate", outputs=(out,), track=False) as (_, staged):
+        staged.file(out).write_text("{}")
+    with pytest.raises(ParamsChanged, match=r"rl\.lr \(1\.0 -> 2\.0\)"):
+        with tracking.published_run("evaluate", outputs=(tmp_path / "n.json",), track=False):
+            _edit(params_file, "rl", "lr", 2.0)
 
 
 def test_a_tracked_stage_run_ends_failed_naming_the_changed_key(store, params_file, tmp_path):
@@ -110,6 +114,7 @@ def test_stage_code_reads_params_only_in_ways_that_are_checked():
 
 HOOK = '''\
 """`rcgrpo prepare-data` with params.yaml edited after the stage read it (when RCGRPO_TEST_EDIT is set)."""
+import dataclasses
 import os
 import sys
 from pathlib import Path

@@ -224,7 +224,7 @@ def test_profile_never_leaks_into_the_next_run(tmp_path, harness, env):
 def test_stage_timeout_stops_the_whole_group_and_ends_its_run_killed(tmp_path, harness, env):
     import time
 
-    from rcgrpo_tasks.ops import procs
+    from rcgrpo_tasks.ops import stops
 
     repo = make_repo(tmp_path, with_slow=True)
     t0 = time.monotonic()
@@ -233,10 +233,10 @@ def test_stage_timeout_stops_the_whole_group_and_ends_its_run_killed(tmp_path, h
     assert "timed out" in str(err.value).lower() and time.monotonic() - t0 < 90
     pid = int((repo / "slow.pid").read_text())
     deadline = time.monotonic() + 10
-    while procs.alive(pid) and time.monotonic() < deadline:
+    while stops.alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not procs.alive(pid), "the stage outlived its cancelled task"
-    assert not procs.group_alive(pid)  # nor did anything else of its process group
+    assert not stops.alive(pid), "the stage outlived its cancelled task"
+    assert not stops.group_alive(pid)  # nor did anything else of its process group
     assert not (repo / "out/slow.json").exists()
     _, runs = _runs()
     slow = [r for r in runs if r.info.run_name == "slow"][0]

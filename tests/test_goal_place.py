@@ -67,8 +67,8 @@ def test_rctp_with_answer_place_saves_the_template_and_trains_without_the_token_
     data = tmp_path / "rctp.jsonl"
     write_jsonl(data, [chat(i, HIGH if i % 2 else LOW) for i in range(8)])
     cfg = tiny_sft_config(reward_goal_place="answer", max_steps=1, require_reward_token=True)
-    trainer, tok, _, _ = sft_trainer.build_trainer(cfg, tiny_model_dir, sft_rows_of(data), LEVELS, tmp_path / "ck")
-    ex = trainer.train_dataset[0]
+    trainer = sft_trainer.build_trainer(cfg, tiny_model_dir, sft_rows_of(data), LEVELS, tmp_path / "ck")
+    tok, ex = trainer.processing_class, trainer.train_dataset[0]
     learned = tok.decode([i for i, lab in zip(ex["input_ids"], ex["labels"]) if lab != -100])
     assert learned == "[add(a=0, b=0)]<|im_end|>[done()]<|im_end|>"
     assert tok.convert_tokens_to_ids(LOW) in ex["input_ids"]

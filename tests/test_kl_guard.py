@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from rcgrpo_tasks.train.rl.kl_guard import GuardConfig, bounded_reference, divergence, kl_bounds, restore_step
+from rcgrpo_tasks.train.rl.config import GuardConfig
+from rcgrpo_tasks.train.rl.kl_guard import bounded_reference, divergence, kl_bounds, restore_step
 
 
 def k3(d: float) -> float:

@@ -1,4 +1,4 @@
-"""Does the model read its reward token: the teacher-forced margin (train.sft.margin), its arithmetic, its shared-
+"""Does the model read its reward token: the teacher-forced margin (data.margin), its arithmetic, its shared-
 prompt forward against a plain one, the token rows' distance, the paired (common random numbers) sampled arm
 of the controllability check, and the margin curve of an RCTP run started from the SFT model."""
 
@@ -10,11 +10,11 @@ import pytest
 from helpers import HIGH, LEVELS, LOW, chat, tiny_sft_config
 from test_evaluate import _invoke, make_workdir
 
+from rcgrpo_tasks.data import margin as mg
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.split import PrepareDataConfig, prepare
 from rcgrpo_tasks.ops.config import from_dict
 from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
-from rcgrpo_tasks.train.sft import margin as mg
 
 TOKENS = (HIGH, LOW)
 
@@ -151,15 +151,15 @@ def test_paired_sampled_arm_draws_the_same_seeds_under_both_tokens(equal_rows_di
     low are the same tokens, so every pair is identical and the gap is exactly 0."""
     from rcgrpo_tasks.engine.hf import HFBackend
     from rcgrpo_tasks.evaluation import controllability as ctl
-    from rcgrpo_tasks.train.rl.config import RLConfig
+    from rcgrpo_tasks.evaluation.accuracy import RLSampling
 
     backend = HFBackend(equal_rows_dir, dtype="float32", device="cpu")
     cfg = from_dict(ctl.ControllabilityConfig, {"n_entries": 3, "samples_per_token": 2, "max_outputs": 1,
                                                 "max_new_tokens": 6, "margin_entries": 2, "n_bootstrap": 50,
                                                 "batch_rows": 8})
-    rl = from_dict(RLConfig, {"temperature": 1.0, "top_p": 1.0, "num_generations": 4, "p_high": 0.5})
     entries = _held_out(single_turn, 3)
-    metrics, trajs = ctl.measure(cfg, PromptConfig(system_prompt="bfcl"), LEVELS, backend, entries, rl, margin_entries=entries[:2])
+    metrics, trajs = ctl.measure(cfg, PromptConfig(system_prompt="bfcl"), LEVELS, backend, entries,
+                                 RLSampling(1.0, 1.0), ctl.RLGroups(4, 0.5), margin_entries=entries[:2])
     s = metrics["sampled"]
     assert s["pairs"] == 6 and s["identical_outputs"] == 6 and s["gap"] == 0.0
     assert metrics["greedy"]["identical_outputs"] == 3
@@ -254,8 +254,9 @@ def test_pairs_share_a_micro_batch_in_the_trainer_s_own_dataloader(tiny_model_di
     rows = [dict(chat(i // 2, LEVELS[i % 2]), entry_id=f"e{i // 2}") for i in range(16)]
     for order, kept in (("pairs", True), ("balanced", False)):
         cfg = tiny_sft_config(max_steps=1, batch_size=2, row_order=order)
-        trainer, tok, _, _ = sft_trainer.build_trainer(cfg, tiny_model_dir, ordered(rows, order, 0), LEVELS,
-                                                    tmp_path / order)
+        trainer = sft_trainer.build_trainer(cfg, tiny_model_dir, ordered(rows, order, 0), LEVELS,
+                                            tmp_path / order)
+        tok = trainer.processing_class
         assert trainer.keep_order is kept
         batches = [[tok.decode(ids) for ids in b["input_ids"]] for b in trainer.get_train_dataloader()]
         same = [b[0].split("[Reward Goal")[0] == b[1].split("[Reward Goal")[0] for b in batches]
@@ -283,6 +284,7 @@ def test_rl_pool_is_rl_prompts_in_the_inits_success_band(single_turn, tmp_path):
     from rcgrpo_tasks.data.onpolicy import sampled_success_rates
     from rcgrpo_tasks.ops.config import ConfigError
     from rcgrpo_tasks.train.rl import config as rl_config
+    from rcgrpo_tasks.train.rl import pool as rl_pool
 
     entries, split = single_turn
     rl, train = split["train"][:7], split["train"][7:]
@@ -297,7 +299,7 @@ def test_rl_pool_is_rl_prompts_in_the_inits_success_band(single_turn, tmp_path):
     def pick(**kw):
         cfg = from_dict(rl_config.RLConfig, {"num_generations": 2, "batch_size": 2, "micro_batch_size": 2,
                                         "max_entries": None, **kw})
-        return sorted(e.id for e in rl_config.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", cfg,
+        return sorted(e.id for e in rl_pool.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", cfg,
                                                          proto, success=rates))
 
     assert pick() == sorted(rl[1:4])  # the default band [0.25, 0.75]
@@ -305,21 +307,21 @@ def test_rl_pool_is_rl_prompts_in_the_inits_success_band(single_turn, tmp_path):
     assert set(with_solved) - set(rl[1:4]) <= {rl[0], rl[5]} and len(with_solved) == 4
     assert pick(pool_solved_share=0.6) == sorted(rl[:4] + [rl[5]])  # no more than there are
     assert pick(pool_band=None) == sorted(rl)  # every prompt of the side, sampled or not
-    assert rl_config.pool_ids({"a": 1.0, "b": 0.5}, (0.5, 1.0), 0.5, 0) == ["a", "b"]  # in the band: not an extra
+    assert rl_pool.pool_ids({"a": 1.0, "b": 0.5}, (0.5, 1.0), 0.5, 0) == ["a", "b"]  # in the band: not an extra
     cfg = from_dict(rl_config.RLConfig, {"num_generations": 2, "batch_size": 2, "micro_batch_size": 2})
     with pytest.raises(ConfigError, match="--pool"):
-        rl_config.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", cfg, proto)
+        rl_pool.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", cfg, proto)
     strict = from_dict(rl_config.RLConfig, {"num_generations": 2, "batch_size": 8, "micro_batch_size": 2,
                                        "max_entries": None})
     with pytest.raises(ConfigError, match="need at least 4"):
-        rl_config.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", strict, proto, success=rates)
+        rl_pool.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", strict, proto, success=rates)
     for bad in ({"pool_band": [0.8, 0.2]}, {"pool_band": [0.1, 1.5]}, {"pool_solved_share": 1.0}):
         with pytest.raises(ConfigError, match="pool_"):
             from_dict(rl_config.RLConfig, bad)
     with pytest.raises(ConfigError, match="rl.pool_band"):
         from_dict(rl_config.RLConfig, {"min_sampled_success": 0.25}, "p.yaml:rl")
     write_json(tmp_path / "split.json", {k: v for k, v in split.items() if k != "rl"})  # no rl side: train
-    assert rl_config.rl_side(tmp_path / "split.json") == "train"
+    assert rl_pool.rl_side(tmp_path / "split.json") == "train"
 
 
 def test_divergent_loss_keeps_only_what_follows_the_parting(tiny_model_dir):

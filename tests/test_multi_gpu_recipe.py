@@ -136,14 +136,14 @@ def test_accelerate_config_loads_through_accelerate(name):
 def test_paper_launch_is_deepspeed_zero3_over_8_processes(paper, monkeypatch):
     import torch
 
-    from rcgrpo_tasks.train.common import processes
+    from rcgrpo_tasks.train.common import distributed
 
     monkeypatch.chdir(REPO_ROOT)  # the config paths are relative to the repo, as under `dvc repro`
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     compute = load_compute(paper)
     assert compute.processes == 8 and compute.accelerate_config == "configs/accelerate_zero3.yaml"
-    assert processes.should_launch(compute)
-    cmd = processes.launch_command(compute, torch.device("cuda"), ["rl", "--params", "params.yaml"])
+    assert distributed.should_launch(compute)
+    cmd = distributed.launch_command(compute, torch.device("cuda"), ["rl", "--params", "params.yaml"])
     args, env = _accelerate_launch(cmd[cmd.index("accelerate.commands.launch") + 1:], monkeypatch)
     assert args.use_deepspeed and not args.multi_gpu and args.num_processes == 8 and args.nproc_per_node == "8"
     assert args.module and args.training_script == "rcgrpo_tasks.cli" and args.training_script_args[0] == "rl"

@@ -1,4 +1,4 @@
-"""Training across processes (`compute.processes`, `train.common.processes`): the launcher's command line, groups
+"""Training across processes (`compute.processes`, `train.common.distributed`): the launcher's command line, groups
 seeded by their place in the batch whatever process decodes them, and the real thing: the `sft` and `rl`
 stage commands run under `accelerate launch` in two gloo processes on the CPU against one process at twice
 the micro-batch (the same rollouts, rewards, advantages, losses and weights), and a two-process RL run
@@ -22,9 +22,9 @@ from test_rl import PROTOCOL, TEST_RL
 
 from rcgrpo_tasks.engine.compute import ComputeConfig
 from rcgrpo_tasks.ops.config import ConfigError, from_dict
-from rcgrpo_tasks.ops.inputs import read_jsonl
+from rcgrpo_tasks.ops.inputs import read_jsonl, read_tsv
 from rcgrpo_tasks.ops.outputs import write_jsonl
-from rcgrpo_tasks.train.common import processes, runs
+from rcgrpo_tasks.train.common import distributed
 from rcgrpo_tasks.train.rl import config as rl_config
 from rcgrpo_tasks.train.rl import rollout as rl_rollout
 
@@ -35,10 +35,10 @@ HOOK = Path(__file__).parent / "multiproc"
 
 def test_a_stage_relaunches_only_with_several_processes_and_outside_a_launch(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    assert not processes.should_launch(ComputeConfig())
-    assert processes.should_launch(ComputeConfig(processes=2))
+    assert not distributed.should_launch(ComputeConfig())
+    assert distributed.should_launch(ComputeConfig(processes=2))
     monkeypatch.setenv("LOCAL_RANK", "1")  # inside torchrun / accelerate launch: never launch again
-    assert not processes.should_launch(ComputeConfig(processes=2))
+    assert not distributed.should_launch(ComputeConfig(processes=2))
     for bad in (0, True, "2"):
         with pytest.raises(ValueError, match="processes"):
             ComputeConfig(processes=bad)
@@ -48,26 +48,26 @@ def test_launch_command_reruns_the_same_stage_command(tmp_path):
     import torch
 
     options = {"init": "rctp", "algo": "rc_grpo", "adapter_dir": None, "out": Path("models/rl/x"), "params": "p.yaml"}
-    argv = ["rl", *processes.cli_options(options)]
+    argv = ["rl", *distributed.cli_options(options)]
     assert argv == ["rl", "--init", "rctp", "--algo", "rc_grpo", "--out", "models/rl/x", "--params", "p.yaml"]
-    cmd = processes.launch_command(ComputeConfig(processes=2), torch.device("cpu"), argv)
+    cmd = distributed.launch_command(ComputeConfig(processes=2), torch.device("cpu"), argv)
     assert cmd[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
     assert cmd[cmd.index("--num_processes") + 1] == "2" and "--multi_gpu" in cmd
     assert cmd[cmd.index("--num_cpu_threads_per_process") + 1] == str(max(1, (os.cpu_count() or 1) // 2))
     assert cmd[cmd.index("-m", 3):] == ["-m", "rcgrpo_tasks.cli", *argv]
     cfg = tmp_path / "ds.yaml"
     cfg.write_text("distributed_type: DEEPSPEED\n")
-    cmd = processes.launch_command(ComputeConfig(processes=8, accelerate_config=str(cfg)), torch.device("cuda"), argv)
+    cmd = distributed.launch_command(ComputeConfig(processes=8, accelerate_config=str(cfg)), torch.device("cuda"), argv)
     assert cmd[cmd.index("--config_file") + 1] == str(cfg) and "--multi_gpu" not in cmd
     assert "--num_cpu_threads_per_process" not in cmd
     with pytest.raises(ConfigError, match="accelerate_config"):
-        processes.launch_command(ComputeConfig(processes=2, accelerate_config=str(tmp_path / "no.yaml")),
+        distributed.launch_command(ComputeConfig(processes=2, accelerate_config=str(tmp_path / "no.yaml")),
                                  torch.device("cpu"), argv)
 
 
 def test_collectives_are_the_identity_in_one_process():
-    assert processes.gather({"a": 1}) == [{"a": 1}]
-    assert processes.any_process(True) and not processes.any_process(False)
+    assert distributed.gather({"a": 1}) == [{"a": 1}]
+    assert distributed.any_process(True) and not distributed.any_process(False)
 
 
 # ------------------------------------------------------------------ groups do not depend on the process
@@ -213,7 +213,7 @@ def test_rl_on_two_processes_equals_one_process_at_twice_the_micro_batch(rl_runs
     assert {r["reward_token"] for r in one} == {LOW, HIGH} and {r["rewards"]["paper_reward"] for r in one} == {0.0, 1.0}
     assert [r["advantage"] for r in one] == pytest.approx([r["advantage"] for r in two], abs=1e-5)
     assert any(abs(r["advantage"]) > 0.5 for r in one)
-    d1, d2 = runs.read_tsv(root / "res" / "one.tsv"), runs.read_tsv(root / "res" / "two.tsv")
+    d1, d2 = read_tsv(root / "res" / "one.tsv"), read_tsv(root / "res" / "two.tsv")
     assert [r["step"] for r in d1] == [r["step"] for r in d2] == [1, 2, 3]
     for col in ("reward", "reward_high", "reward_low", "frac_zero_std", "adv_abs_mean", "model_tokens",
                 "rollouts_generated", "useful_groups"):  # every process's rollouts, not the main one's share
@@ -239,7 +239,7 @@ def test_plain_grpo_on_two_processes_equals_one_process(rl_runs):
     assert [{k: r[k] for k in fields} for r in one] == [{k: r[k] for k in fields} for r in two]
     assert {r["reward_token"] for r in one} == {None}
     assert [r["advantage"] for r in one] == pytest.approx([r["advantage"] for r in two], abs=1e-5)
-    d1, d2 = runs.read_tsv(root / "res" / "grpo-one.tsv"), runs.read_tsv(root / "res" / "grpo-two.tsv")
+    d1, d2 = read_tsv(root / "res" / "grpo-one.tsv"), read_tsv(root / "res" / "grpo-two.tsv")
     assert [r["loss"] for r in d1] == pytest.approx([r["loss"] for r in d2], rel=1e-3, abs=1e-6)
     _close_weights(_safetensors(root / "out" / "grpo-one" / "model.safetensors"),
                    _safetensors(root / "out" / "grpo-two" / "model.safetensors"),
@@ -257,7 +257,7 @@ def test_dynamic_sampling_on_two_processes_refills_as_one_process_does(rl_runs):
     fields = ("step", "group", "entry_id", "reward_token", "rewards", "tokens_sha1", "trained")
     assert [{k: r[k] for k in fields} for r in one] == [{k: r[k] for k in fields} for r in two]
     assert [r["advantage"] for r in one] == pytest.approx([r["advantage"] for r in two], abs=1e-5)
-    d1, d2 = runs.read_tsv(root / "res" / "dyn-one.tsv"), runs.read_tsv(root / "res" / "dyn-two.tsv")
+    d1, d2 = read_tsv(root / "res" / "dyn-one.tsv"), read_tsv(root / "res" / "dyn-two.tsv")
     price = ("rollouts_generated", "rollouts_trained", "groups_dropped", "useful_groups", "gen_rounds",
              "gen_tokens_per_useful_group", "frac_zero_std_generated", "step_skipped")
     for col in price:
@@ -318,7 +318,7 @@ def test_sft_on_two_processes_equals_one_process_at_twice_the_micro_batch(tmp_pa
         t1 = time.perf_counter()
         _stage(tmp_path, argv("two"), params(2, 2), "two")
         t2 = time.perf_counter()
-    l1, l2 = runs.read_tsv(tmp_path / "one.tsv"), runs.read_tsv(tmp_path / "two.tsv")
+    l1, l2 = read_tsv(tmp_path / "one.tsv"), read_tsv(tmp_path / "two.tsv")
     assert [r["step"] for r in l1] == [r["step"] for r in l2] == [1, 2, 3]
     assert [r["loss"] for r in l1] == pytest.approx([r["loss"] for r in l2], rel=1e-4)
     assert l1[-1]["loss"] < l1[0]["loss"]

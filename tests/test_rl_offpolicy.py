@@ -13,7 +13,7 @@ from test_rl import PROTOCOL, TEST_RL, _spec
 from rcgrpo_tasks.engine.rollout import run_group
 from rcgrpo_tasks.env.multi_turn import entries as multi_turn
 from rcgrpo_tasks.ops.config import from_dict
-from rcgrpo_tasks.train.common import runs
+from rcgrpo_tasks.ops.inputs import read_tsv
 from rcgrpo_tasks.train.rl import config as rl_config
 from rcgrpo_tasks.train.rl import offpolicy
 from rcgrpo_tasks.train.rl import rollout as rl_rollout
@@ -81,7 +81,7 @@ def test_truncated_importance_weights_are_trls(rl_env):
 
     root, model_dir = rl_env
     cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",)})
-    trainer, _, _ = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "is", "rctp", "rc_grpo"),
+    trainer = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "is", "rctp", "rc_grpo"),
                                                track=False)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
@@ -131,7 +131,7 @@ def test_mismatch_is_logged_and_corrected_where_the_sampler_differs(rl_env, monk
     summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, track=False)
     trainer = box["trainer"]
     assert (trainer.rc_importance_cap is not None) == expect_on and trainer.args.vllm_importance_sampling_correction == expect_on
-    row = runs.read_tsv(spec.plots)[0]
+    row = read_tsv(spec.plots)[0]
     diff, worst, kl = row["logp_diff_mean"], row["logp_diff_max"], row["sampler_kl"]
     assert summary["mean_logp_diff_mean"] == pytest.approx(diff) and summary["max_logp_diff_max"] == pytest.approx(worst)
     if expect_on:
@@ -180,7 +180,7 @@ def test_several_updates_per_generation_let_the_clip_act(rl_env, monkeypatch, up
     spec = _spec(root, model_dir, f"clip-{name}", "rctp", "rc_grpo")
     summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, track=False)
     assert len(calls) == 1 and summary["steps"] == 2  # one generation served both steps
-    rows = runs.read_tsv(spec.plots)
+    rows = read_tsv(spec.plots)
     assert not math.isnan(rows[0]["reward"]) and math.isnan(rows[1]["reward"])  # step 2 generated nothing
     assert rows[0]["clip_ratio"] == 0.0 and rows[1]["clip_ratio"] > 0.0
     trainer = box["trainer"]

@@ -27,7 +27,7 @@ from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import write_jsonl
 from rcgrpo_tasks.stages import sft as sft_stage
-from rcgrpo_tasks.train.common import adapters, runs
+from rcgrpo_tasks.train.common import adapters, callbacks, checkpoints, runs
 from rcgrpo_tasks.train.sft import config as sft_config
 from rcgrpo_tasks.train.sft import rows as sft_rows
 from rcgrpo_tasks.train.sft import run as sft_run
@@ -121,8 +121,8 @@ def test_assistant_only_labels(datasets, tiny_model_dir, tmp_path):
     from rcgrpo_tasks.data.chat import assistant_token_mask
 
     rows = sft_rows.load_rows(datasets / "rctp.jsonl", LEVELS, True)
-    trainer, tok, _, stats = sft_trainer.build_trainer(tiny_sft_config(), tiny_model_dir, rows[:2], LEVELS, tmp_path / "ck")
-    ex = trainer.train_dataset[0]
+    trainer = sft_trainer.build_trainer(tiny_sft_config(), tiny_model_dir, rows[:2], LEVELS, tmp_path / "ck")
+    tok, stats, ex = trainer.processing_class, trainer.data_stats, trainer.train_dataset[0]
     ids, mask = assistant_token_mask(tok, rows[0]["messages"])
     assert ex["input_ids"] == ids
     learned = tok.decode([i for i, lab in zip(ex["input_ids"], ex["labels"]) if lab != -100])
@@ -194,7 +194,7 @@ def test_sigterm_checkpoints_the_current_step_and_exits_143(datasets, tiny_model
     before = signal.getsignal(signal.SIGTERM)
     s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
     cfg = tiny_sft_config(save_steps=4)
-    with pytest.raises(runs.Interrupted) as info:
+    with pytest.raises(callbacks.Interrupted) as info:
         sft_run.train_variant(cfg, LEVELS, s, callbacks=[Term()], track=False)
     assert info.value.code == 143 and signal.getsignal(signal.SIGTERM) is before
     assert not s.out.exists() and not s.metrics.exists() and not s.plots.exists()
@@ -218,10 +218,10 @@ def test_a_step_longer_than_the_grace_stops_at_once(datasets, tiny_model_dir, tm
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(5)  # the step "runs on" far past the grace
 
-    monkeypatch.setattr(runs, "STOP_GRACE_S", 0.2)
+    monkeypatch.setattr(callbacks, "STOP_GRACE_S", 0.2)
     s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
     t0 = time.perf_counter()
-    with pytest.raises(runs.Interrupted) as info:
+    with pytest.raises(callbacks.Interrupted) as info:
         sft_run.train_variant(tiny_sft_config(save_steps=2), LEVELS, s, callbacks=[SlowStep()], track=False)
     assert info.value.code == 143 and time.perf_counter() - t0 < 60
     assert "SIGTERM received: stopping after the current step" in capsys.readouterr().err
@@ -234,7 +234,7 @@ def test_sigterm_outside_the_training_loop_exits_at_once():
     import signal
     import time
 
-    with runs.stop_on_signal() as stop, pytest.raises(runs.Interrupted) as info:
+    with callbacks.stop_on_signal() as stop, pytest.raises(callbacks.Interrupted) as info:
         os.kill(os.getpid(), signal.SIGTERM)
         for _ in range(100):
             time.sleep(0.01)
@@ -255,11 +255,11 @@ def test_checkpoints_of_other_params_are_discarded(tmp_path):
     ck = tmp_path / "ck"
     _model_only_checkpoint(ck / "checkpoint-2")
     (ck / "checkpoint-3").mkdir()  # killed while being written: no trainer_state.json
-    assert runs.last_checkpoint(ck, "fp-a") is None  # no fingerprint file: not ours
+    assert checkpoints.last_checkpoint(ck, "fp-a") is None  # no fingerprint file: not ours
     _model_only_checkpoint(ck / "checkpoint-2")
     (ck / "checkpoint-3").mkdir()
-    assert runs.last_checkpoint(ck, "fp-a").endswith("checkpoint-2")
-    assert runs.last_checkpoint(ck, "fp-b") is None and not (ck / "checkpoint-2").exists()
+    assert checkpoints.last_checkpoint(ck, "fp-a").endswith("checkpoint-2")
+    assert checkpoints.last_checkpoint(ck, "fp-b") is None and not (ck / "checkpoint-2").exists()
 
 
 # ------------------------------------------------------------------------------------------ MLflow
@@ -281,7 +281,7 @@ def test_mlflow_run_logs_params_steps_and_loadable_model(datasets, tiny_model_di
     run = mlflow.search_runs(experiment_names=["test-sft"], output_format="list")[0]
     assert run.info.run_name == "sft@rctp" and run.info.status == "FINISHED"
     assert run.data.params["sft.learning_rate"] == "0.01"
-    assert run.data.params["inputs.data_md5"] == runs.file_md5(s.data)
+    assert run.data.params["inputs.data_md5"] == checkpoints.file_md5(s.data)
     assert on_test_device(run.data.params["placement.device"]) and run.data.params["compute.device"] == "auto"
     history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "loss")
     assert [m.step for m in history] == [1, 2, 3]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO_ROOT, free_port_base
 
-from rcgrpo_tasks.ops import procs
+from rcgrpo_tasks.ops import stops
 
 BIN = Path(sys.executable).parent
 SLEEPER = """
@@ -62,7 +62,7 @@ def _dvc_repo(root: Path) -> Path:
 @pytest.mark.parametrize("shell", ["bash", "sh"])
 def test_sigterm_to_dvc_repro_leaves_no_stage_behind(tmp_path, shell):
     """bash execs the stage (its parent is dvc: PR_SET_PDEATHSIG); sh (dash) stays in between and does
-    not die with dvc (the watch thread of ops.procs.die_with_parent covers it)."""
+    not die with dvc (the watch thread of ops.stops.die_with_parent covers it)."""
     if not shutil.which(shell):
         pytest.skip(f"no {shell}")
     repo = _dvc_repo(tmp_path)
@@ -74,10 +74,10 @@ def test_sigterm_to_dvc_repro_leaves_no_stage_behind(tmp_path, shell):
         stage = int((repo / "stage.pid").read_text())
         dvc.send_signal(signal.SIGTERM)  # dvc alone, not its group: as `kill <dvc pid>` does
         dvc.wait(timeout=30)
-        assert _wait(lambda: not procs.alive(stage), 15), "the stage outlived dvc repro"
+        assert _wait(lambda: not stops.alive(stage), 15), "the stage outlived dvc repro"
         assert not (repo / "out.txt").exists()
     finally:
-        procs.stop_group(dvc, grace_s=5)
+        stops.stop_group(dvc, grace_s=5)
 
 
 def test_stop_group_reaches_children_after_the_leader_exits(tmp_path):
@@ -90,12 +90,12 @@ def test_stop_group_reaches_children_after_the_leader_exits(tmp_path):
                           "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"])
         time.sleep(60)
     """)
-    proc = procs.start_group([sys.executable, "-c", script])
+    proc = stops.start_group([sys.executable, "-c", script])
     time.sleep(1.5)
-    assert procs.group_alive(proc.pid)
+    assert stops.group_alive(proc.pid)
     t0 = time.monotonic()
-    procs.stop_group(proc, grace_s=2)
-    assert not procs.group_alive(proc.pid) and time.monotonic() - t0 < 10
+    stops.stop_group(proc, grace_s=2)
+    assert not stops.group_alive(proc.pid) and time.monotonic() - t0 < 10
 
 
 # -- a real MLflow server lost mid-stage --------------------------------------------------------------------
@@ -123,7 +123,7 @@ sys.exit(guarded("evaluate", body))
 def _server(store: Path, port: int) -> subprocess.Popen:
     cmd = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
            "--backend-store-uri", f"sqlite:///{store}/mlflow.db", "--default-artifact-root", str(store / "art")]
-    proc = procs.start_group(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = stops.start_group(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     import urllib.request
 
     def up() -> bool:
@@ -134,7 +134,7 @@ def _server(store: Path, port: int) -> subprocess.Popen:
             return False
 
     if not _wait(up, 120, step=0.5):
-        procs.stop_group(proc)
+        stops.stop_group(proc)
         pytest.fail("mlflow server did not start")
     return proc
 
@@ -155,7 +155,7 @@ def test_server_lost_mid_stage_one_line_within_a_minute_no_running_run(tmp_path,
     try:
         run_id = stage.stdout.readline().strip()
         assert run_id, stage.stderr.read()
-        procs.stop_group(server, grace_s=10)
+        stops.stop_group(server, grace_s=10)
         t0 = time.monotonic()
         go.write_text("go")
         _, err = stage.communicate(timeout=120)
@@ -181,7 +181,7 @@ def test_server_lost_mid_stage_one_line_within_a_minute_no_running_run(tmp_path,
         exp = client.get_experiment_by_name("lost-server")
         assert not client.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'")
     finally:
-        procs.stop_group(server, grace_s=10)
+        stops.stop_group(server, grace_s=10)
 
 
 def test_unreachable_server_fails_a_tracked_command_in_seconds(monkeypatch):

@@ -18,17 +18,10 @@ class _Cfg:
     s3_secret_key: str = "should-not-appear"
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mlflow")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
-    mp.setenv("MLFLOW_ARTIFACT_ROOT", str(root / "artifacts"))
-    mp.setenv("MLFLOW_EXPERIMENT_NAME", "test-tracking")
-    mp.delenv(tracking.PARENT_ENV, raising=False)
-    mp.setenv("AWS_SECRET_ACCESS_KEY", "TESTSECRETVALUE123")
-    yield root
-    mp.undo()
+@pytest.fixture(autouse=True)
+def _a_secret_in_the_environment(monkeypatch):
+    """A credential the runs must never record (`test_stage_run_logs_params_metrics_artifacts_nested`)."""
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "TESTSECRETVALUE123")
 
 
 def _client():

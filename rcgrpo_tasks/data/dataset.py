@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from rcgrpo_tasks.engine.backends import load_backend
+from rcgrpo_tasks.engine.backend_registry import load_backend
 from rcgrpo_tasks.engine.compute import ComputeConfig
 from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.models import model_context

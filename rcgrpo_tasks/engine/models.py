@@ -1,4 +1,5 @@
-"""Loading models for decoding and training: folder checks, trained outputs (adapters, reward tokens).
+"""Loading models for decoding and training: folder checks, trained outputs (adapters, reward tokens), the
+projections a LoRA adapts (`LORA_TARGETS`).
 
 `load_trained` is THE loader of an sft-stage output (tokenizer with the reward tokens from the adapter
 folder, base embeddings grown to it, LoRA + trained reward-token rows restored); the engine's backends,
@@ -10,6 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from rcgrpo_tasks.ops.inputs import InputError, read_json
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every attention and MLP projection of a Llama / Qwen / SmolLM2 block (what a LoRA adapts by default)."""
 
 
 class ModelLoadError(ValueError):

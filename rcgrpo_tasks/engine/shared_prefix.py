@@ -1,5 +1,5 @@
 """Shared-prefix training forwards: a group's common tokens through the trunk once, the LM head on the
-positions that enter the loss only. RL's policy, reference and trainer log-probs (`train.rl.steps`) and the SFT /
+positions that enter the loss only. RL's policy, reference and trainer log-probs (`train.rl.trainer_mixin`) and the SFT /
 RCTP loss (`adapters.compact_head_loss`) go through `target_hidden`.
 
 Why by hand: Prefix Grouper (arXiv 2506.05433) and its ports (verl's `use_prefix_grouper`, unsloth's

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from rcgrpo_tasks.data.margin import REPLAY_OUTPUTS, read_token
 from rcgrpo_tasks.engine.backend import SamplingParams, reward_pair_ids
 from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.hf import HFBackend
@@ -17,12 +18,10 @@ from rcgrpo_tasks.engine.rollout import run_groups
 from rcgrpo_tasks.env.entries import check_categories, split_entries, stratified
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.tasks import task_of_entries
-from rcgrpo_tasks.evaluation.heldout import check_side
+from rcgrpo_tasks.evaluation.accuracy import RLSampling, check_side
 from rcgrpo_tasks.ops.config import flat_field
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.stats import check_n_boot, mcnemar_exact, mean, paired_bootstrap_ci
-from rcgrpo_tasks.train.rl.config import RLConfig
-from rcgrpo_tasks.train.sft.margin import REPLAY_OUTPUTS, read_token
 
 DECODE_KEYS = ("max_outputs", "max_new_tokens", "batch_rows", "dtype")
 
@@ -50,7 +49,7 @@ class ControllabilityConfig:
     n_bootstrap: int = 2000
     """Bootstrap resamples of every CI."""
     margin: bool = True
-    """Also the teacher-forced margin (`train.sft.margin`: forward passes only) and the reward-token rows'
+    """Also the teacher-forced margin (`data.margin`: forward passes only) and the reward-token rows'
     distance; the margin on `margin_entries` held-out entries."""
     margin_entries: int | None = None
     """Held-out entries of the margin (round-robin over `categories`); null = every held-out entry."""
@@ -78,16 +77,30 @@ class ControllabilityConfig:
             raise ValueError("batch_rows must be >= 2 (a row and its other-token twin)")
         check_n_boot(self.n_bootstrap)
 
-    def sampled_as(self, rl: RLConfig) -> ControllabilityConfig:
+    def sampled_as(self, rl: RLSampling) -> ControllabilityConfig:
         """This config with the sampled arm at `rl`'s temperature and top_p (the check mirrors RL)."""
-        return dataclasses.replace(self, decode=dataclasses.replace(
-            self.decode, temperature=rl.decode.temperature, top_p=rl.decode.top_p))
+        return dataclasses.replace(self, decode=rl.applied(self.decode))
 
 
-def rl_record(rl: RLConfig) -> dict:
+@dataclass(frozen=True)
+class RLGroups:
+    """RL's groups as the zero-variance shares assume them: params `rl`'s `num_generations` (G) and `p_high`,
+    read key by key (`ops.config.load_keys`), not through the RL trainer's config."""
+
+    num_generations: int
+    """G: rollouts per entry."""
+    p_high: float
+    """RC-GRPO: P(highest reward token) of a rollout's token."""
+
+    def __post_init__(self) -> None:
+        if self.num_generations < 2 or not 0.0 < self.p_high < 1.0:
+            raise ValueError("need num_generations >= 2 and 0 < p_high < 1")
+
+
+def rl_record(sampling: RLSampling, groups: RLGroups) -> dict:
     """The RL settings the check mirrors, as recorded beside its metrics."""
-    return {"temperature": rl.decode.temperature, "top_p": rl.decode.top_p,
-            "num_generations": rl.num_generations, "p_high": rl.p_high}
+    return {"temperature": sampling.temperature, "top_p": sampling.top_p,
+            "num_generations": groups.num_generations, "p_high": groups.p_high}
 
 
 def held_out_entries(entries_path: Path, split_path: Path, cfg: ControllabilityConfig,
@@ -102,7 +115,7 @@ def held_out_entries(entries_path: Path, split_path: Path, cfg: ControllabilityC
 
 
 def reading(cfg: ControllabilityConfig, backend, entries: list, prompt: PromptConfig, tokens: tuple[str, str]) -> dict:
-    """Does the model read its token, from forward passes (`train.sft.margin.read_token`) on `entries`, in float32
+    """Does the model read its token, from forward passes (`data.margin.read_token`) on `entries`, in float32
     whatever the decoding dtype (`HFBackend.exact_model`)."""
     return read_token(backend.exact_model(), backend.tokenizer, entries, prompt.protocol_config(REPLAY_OUTPUTS), tokens,
                       cfg.margin_kinds, cfg.seed, cfg.n_bootstrap, backend.max_positions)
@@ -248,10 +261,11 @@ def arm(cfg: ControllabilityConfig, backend, entries: list, proto, sampling: Sam
 
 
 def measure(cfg: ControllabilityConfig, prompt: PromptConfig, tokens: tuple[str, ...], backend, entries: list,
-            rl: RLConfig, provenance: dict | None = None, margin_entries: list | None = None) -> tuple[dict, list]:
-    """(metrics, trajectories): the sampled arm at the RL settings, the greedy arm, the zero-variance shares
-    of `rl.num_generations`-sized groups under `rl.p_high`; with `cfg.margin`, the teacher-forced margin on
-    `margin_entries` (default: `entries`) and the token rows' distance (`reading`)."""
+            rl: RLSampling, groups: RLGroups, provenance: dict | None = None,
+            margin_entries: list | None = None) -> tuple[dict, list]:
+    """(metrics, trajectories): the sampled arm at RL's sampling settings `rl`, the greedy arm, the
+    zero-variance shares of `groups.num_generations`-sized groups under `groups.p_high`; with `cfg.margin`, the
+    teacher-forced margin on `margin_entries` (default: `entries`) and the token rows' distance (`reading`)."""
     high, low = tokens[-1], tokens[0]
     cfg = cfg.sampled_as(rl)
     proto = prompt.protocol_config(cfg.decode.max_outputs)
@@ -278,7 +292,7 @@ def measure(cfg: ControllabilityConfig, prompt: PromptConfig, tokens: tuple[str,
     metrics["premise_gate"] = premise_gate(metrics["sampled"], cfg.premise_min_q)
     scores = [{"entry_id": t.entry_id, "reward_token": t.reward_token, **t.score} for t in s_trajs]
     _, _, rates_high, rates_low = per_entry(scores, high, low, "paper_reward")
-    metrics["zero_variance"] = zero_variance_stats(rates_high, rates_low, rl.num_generations, rl.p_high,
+    metrics["zero_variance"] = zero_variance_stats(rates_high, rates_low, groups.num_generations, groups.p_high,
                                                    cfg.n_bootstrap, cfg.seed)
     metrics["rollout_s"] = round(time.perf_counter() - t0, 2)
     if cfg.margin:

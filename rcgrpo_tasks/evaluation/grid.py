@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-INITS = ("sft", "rctp")
-ALGOS = ("grpo", "rc_grpo", "dynamic")
+from rcgrpo_tasks.env.paper import ALGOS, INITS
+
 EVAL_KEYS = ("model", "adapter", "dep", "reward_token", "flags")
 SEEDED_MODELS = ("rctp",)
 """Models below the RL cells that are trained once per grid seed (their evaluation label)."""

@@ -12,8 +12,8 @@ stages whose sections changed. A profile is always applied to the PRISTINE param
 wrote it, or its committed version once it was generated), never on top of another profile; `default`
 restores the pristine file; an unknown profile fails listing the valid ones and writes nothing.
 
-Read once, checked at publication: every section a stage reads (`load_config`, `read_sections`) is
-remembered as it was read, and `check_params_unchanged()` (run by `ops.tracking.published_run` before
+Read once, checked at publication: every section (`load_config`, `read_sections`) or key (`load_keys`) a stage
+reads is remembered as it was read, and `check_params_unchanged()` (run by `ops.tracking.published_run` before
 anything is published) fails when the file now says otherwise. DVC reads the params when it writes
 dvc.lock, after the command: results made with the old values would otherwise be recorded, and served
 from its run cache, under the new ones.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import types
 import typing
 from pathlib import Path
@@ -109,7 +110,9 @@ def changed_params() -> list[str]:
             continue
         shown = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
         for section, value in sections.items():
-            changed += [f"{shown}:{key}" for key in _changed_keys(value, now.get(section, ABSENT), section)]
+            here = functools.reduce(lambda d, k: d.get(k, ABSENT) if isinstance(d, dict) else ABSENT,
+                                    section.split("."), now)  # a section, or one key of it (`load_keys`)
+            changed += [f"{shown}:{key}" for key in _changed_keys(value, here, section)]
     return changed
 
 
@@ -367,6 +370,18 @@ def load_config(cls: type[T], params_path: str | Path, section: str) -> T:
     if section not in data:
         raise ConfigError(f"{params_path}: missing section {section!r}")
     return from_dict(cls, data[section] or {}, where=f"{params_path}:{section}")
+
+
+def load_keys(cls: type[T], params_path: str | Path, section: str) -> T:
+    """`cls` from the keys it declares of `section`, its other keys left aside (evaluate samples at `rl.temperature`
+    without the RL config class); every key must be there, and is remembered as read on its own."""
+    path, keys = Path(params_path), section_keys(cls)
+    data = read_params(path).get(section) or {}
+    missing = [k for k in keys if k not in data]
+    if missing:
+        raise ConfigError(f"{path}:{section}: missing key(s) {missing}")
+    _USED.setdefault(path.resolve(), {}).update({f"{section}.{k}": copy.deepcopy(data[k]) for k in keys})
+    return from_dict(cls, {k: data[k] for k in keys}, where=f"{path}:{section}")
 
 
 def as_dict(config: Any) -> dict:

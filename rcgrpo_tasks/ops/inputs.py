@@ -8,7 +8,7 @@ the column or byte on that line). Strict readers (`read_jsonl`, `read_jsonl_numb
 InputError on the first bad line, before the caller has written anything; lenient ones return
 `(rows, errors)` so a scorer can keep every good line. OS errors (missing file, permissions, a folder)
 become InputError naming the path. NaN/Infinity are accepted, as Python's own `json.dumps` writes them.
-Outputs are written by `ops.outputs`.
+`read_tsv`: a per-step plots file (`ops.outputs.write_tsv`). Outputs are written by `ops.outputs`.
 """
 
 from __future__ import annotations
@@ -135,3 +135,12 @@ def read_json(path: str | Path, max_bytes: int = MAX_JSON_BYTES, want: type | No
     if want is not None and not isinstance(value, want):
         raise InputError(f"{path}: expected a JSON {want.__name__}, got {type(value).__name__}")
     return value
+
+
+def read_tsv(path: str | Path) -> list[dict]:
+    """Rows of an `ops.outputs.write_tsv` file as floats (empty cell -> NaN); [] when there is no file."""
+    if not Path(path).is_file():
+        return []
+    lines = Path(path).read_text().splitlines()
+    header = lines[0].split("\t") if lines else []
+    return [{k: (float(v) if v else float("nan")) for k, v in zip(header, ln.split("\t"))} for ln in lines[1:] if ln]

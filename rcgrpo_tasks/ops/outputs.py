@@ -17,6 +17,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import re
 import resource
@@ -24,6 +25,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from rcgrpo_tasks.ops.inputs import InputError
 
@@ -359,3 +361,19 @@ def write_jsonl(path: str | Path, rows: Iterable[dict]) -> int:
             fh.write(json.dumps(row) + "\n")
             n += 1
     return n
+
+
+def format_cell(value: Any) -> str:
+    """A TSV cell: "" for no value (None, NaN), integral numbers exactly, other floats to 6 significant digits."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() else f"{value:.6g}"
+    return str(value)
+
+
+def write_tsv(path: Path, rows: list[dict], columns: tuple[str, ...]) -> None:
+    """A per-step plots file (`dvc plots`; read back by `ops.inputs.read_tsv`): a header of `columns`, one
+    line per row (missing = empty)."""
+    lines = ["\t".join(columns)] + ["\t".join(format_cell(r.get(c)) for c in columns) for r in rows]
+    write_text(path, "\n".join(lines) + "\n")

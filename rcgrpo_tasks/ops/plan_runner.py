@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rcgrpo_tasks.ops import procs
+from rcgrpo_tasks.ops import stops
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import atomic_path
 from rcgrpo_tasks.ops.pipeline import PlannedStage, decide
@@ -82,7 +82,7 @@ class StageJob:
         cmd = self.todo.pop(0)
         self.log.write(f"$ {cmd}\n")
         self.log.flush()
-        self.proc = procs.start_group(["bash", "-c", cmd], cwd=self.root, env=self.env, stdout=subprocess.PIPE,
+        self.proc = stops.start_group(["bash", "-c", cmd], cwd=self.root, env=self.env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1)
         self.reader = threading.Thread(target=self._pump, args=(self.proc,), daemon=True)
         self.reader.start()
@@ -112,7 +112,7 @@ class StageJob:
 
     def stop(self) -> None:
         """Stop the running command's whole group (SIGTERM, then SIGKILL)."""
-        procs.stop_group(self.proc)
+        stops.stop_group(self.proc)
         self.reader.join(timeout=5)
         self._end(None)
 
@@ -218,7 +218,7 @@ def run_plan(stages: list[PlannedStage], root: str | Path, logs: str | Path, bun
     not depend on each other). Side by side, stages share the host (on a GPU host: one device; the stages
     here place small models and size nothing by free memory). The bundle, if asked for, is rewritten after
     every stage and once more at the end, also after a failure or a stop (SIGTERM/SIGHUP: the running
-    stages' groups are stopped, recorded as `stopped`, then `procs.Terminated` propagates)."""
+    stages' groups are stopped, recorded as `stopped`, then `stops.Terminated` propagates)."""
     if jobs < 1:
         raise InputError(f"jobs must be >= 1, got {jobs}")
     root, logs = Path(root), Path(logs)
@@ -272,7 +272,7 @@ def run_plan(stages: list[PlannedStage], root: str | Path, logs: str | Path, bun
             refresh()
         return failed
 
-    handlers = procs.raise_on_terminate()
+    handlers = stops.raise_on_terminate()
     failed = False
     try:
         while pending or running:
@@ -288,14 +288,14 @@ def run_plan(stages: list[PlannedStage], root: str | Path, logs: str | Path, bun
                 time.sleep(POLL_S)
             elif pending:  # cannot happen with a plan in topological order
                 raise InputError(f"stages wait on stages that never ran: {[s.name for s, _ in pending]}")
-    except procs.Terminated:
+    except stops.Terminated:
         for name, job in running.items():
             job.stop()
             started = record.stages[name]
             record.stages[name] = StageRun("stopped", started.reason, round(job.wall_s, 1), None, started.log)
         raise
     finally:
-        procs.restore(handlers)
+        stops.restore(handlers)
         refresh()
     return record
 

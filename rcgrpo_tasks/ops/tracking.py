@@ -13,7 +13,7 @@ Never hangs, never silent:
   (they are atomic) and the `rcgrpo` entry point prints one line and exits 2. Its run is ended FAILED
   with the error as the `rcgrpo.error` tag with short timeouts and no retries; if the server is still
   gone, the run is left to the reaper below.
-- No run stays RUNNING: SIGTERM/SIGHUP/Ctrl-C end a stage's run KILLED (ops.procs raises Terminated);
+- No run stays RUNNING: SIGTERM/SIGHUP/Ctrl-C end a stage's run KILLED (ops.stops raises Terminated);
   an error ends it FAILED with `rcgrpo.error`; an atexit hook ends a run the process forgot FAILED; and
   every run carries `rcgrpo.owner` = host:pid:start, so `reap_orphans()` (run at each stage start and at
   the end of a flow) ends KILLED any RUNNING run whose process is gone (SIGKILL, OOM, tracking lost).
@@ -30,7 +30,7 @@ import subprocess
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from rcgrpo_tasks.ops import procs
+from rcgrpo_tasks.ops import stops
 from rcgrpo_tasks.ops.config import check_params_unchanged
 from rcgrpo_tasks.ops.outputs import OutputSet, atomic_outputs, claim_outputs
 from rcgrpo_tasks.ops.tracking_log import flatten as flatten
@@ -61,7 +61,7 @@ def git_commit() -> str:
 
 def owner() -> str:
     """`host:pid:start` of this process: lets a later process tell whether a RUNNING run's owner died."""
-    return f"{socket.gethostname()}:{os.getpid()}:{procs.proc_start_time(os.getpid()) or ''}"
+    return f"{socket.gethostname()}:{os.getpid()}:{stops.proc_start_time(os.getpid()) or ''}"
 
 
 def run_tags(stage: str, tags: Mapping[str, Any] | None = None) -> dict[str, str]:
@@ -142,14 +142,14 @@ def stage_run(stage: str, config: Any = None, tags: Mapping[str, Any] | None = N
                nested=active is not None, parent_run_id=parent, tags=all_tags)
     run_id = run.info.run_id
     _OPEN_RUNS.append(run_id)
-    handlers = procs.raise_on_terminate()
+    handlers = stops.raise_on_terminate()
     try:
         params = safe_params(config)
         if params:
             call("log_params", mlflow.log_params, params)
         yield run
     except BaseException as exc:
-        killed = isinstance(exc, (KeyboardInterrupt, procs.Terminated))
+        killed = isinstance(exc, (KeyboardInterrupt, stops.Terminated))
         _end(run_id, "KILLED" if killed else "FAILED", describe_error(exc))
         if run_id in _OPEN_RUNS:  # only now: if _end was cut short, the atexit hook ends the run
             _OPEN_RUNS.remove(run_id)
@@ -157,7 +157,7 @@ def stage_run(stage: str, config: Any = None, tags: Mapping[str, Any] | None = N
     else:
         _finish(run_id)
     finally:
-        procs.restore(handlers)
+        stops.restore(handlers)
 
 
 def _finish(run_id: str) -> None:
@@ -205,7 +205,7 @@ def reap_orphans(exp_id: str | None = None, parent_run_id: str | None = None) ->
                 who = run.data.tags.get(OWNER_TAG, "")
                 h, _, rest = who.partition(":")
                 pid, _, start = rest.partition(":")
-                orphan = h == host and pid.isdigit() and not procs.alive(int(pid), start or None)
+                orphan = h == host and pid.isdigit() and not stops.alive(int(pid), start or None)
                 child = parent_run_id and run.data.tags.get("mlflow.parentRunId") == parent_run_id
                 if (orphan or child) and run.info.run_id not in _OPEN_RUNS:
                     note = "its process ended without closing it (killed, or tracking lost)"

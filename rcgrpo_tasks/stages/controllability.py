@@ -9,7 +9,7 @@ have reward variance. This stage measures it on held-out entries, in one run, tw
   assistant messages under both tokens (the token then changes nothing);
 - the sampled arm uses common random numbers: the i-th rollout of an entry draws the same row seed under
   both tokens, so the gap is paired rollout by rollout and identical pairs are counted as in greedy;
-- `margin` (forward passes only, `train.sft.margin`): the teacher-forced margin [lp(expert|high) -
+- `margin` (forward passes only, `data.margin`): the teacher-forced margin [lp(expert|high) -
   lp(expert|low)] - [lp(near miss|high) - lp(near miss|low)] per near-miss kind and overall with 95 %
   bootstrap CIs over `margin_entries` held-out entries (default: all), 0 for a model that ignores its token;
   and `token_rows`: the distance between the two reward tokens' embedding rows and its ratio to the median
@@ -51,8 +51,10 @@ from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.engine.dtype import decode_dtype, record
 from rcgrpo_tasks.engine.trajectory import as_stage_output, write_trajectories
 from rcgrpo_tasks.env.prompt import PromptConfig
+from rcgrpo_tasks.evaluation.accuracy import RLSampling
 from rcgrpo_tasks.evaluation.controllability import (
     ControllabilityConfig,
+    RLGroups,
     held_out_entries,
     load_policy,
     measure,
@@ -60,9 +62,8 @@ from rcgrpo_tasks.evaluation.controllability import (
 )
 from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.cli import cli_errors
-from rcgrpo_tasks.ops.config import as_dict, load_config
+from rcgrpo_tasks.ops.config import as_dict, load_config, load_keys
 from rcgrpo_tasks.ops.outputs import write_json
-from rcgrpo_tasks.train.rl.config import RLConfig
 
 
 def _numbers(record: dict) -> dict:
@@ -97,7 +98,8 @@ def main(
         cfg = load_config(ControllabilityConfig, params, "controllability")
         prompt = load_config(PromptConfig, params, "prompt")
         tokens = load_reward_tokens(params)
-        rl = load_config(RLConfig, params, "rl")  # the sampled arm samples as RL does
+        rl = load_keys(RLSampling, params, "rl")  # the sampled arm samples as RL does
+        groups = load_keys(RLGroups, params, "rl")  # the zero-variance shares assume RL's groups
         picked = held_out_entries(entries, split, cfg, side=side)
         margin_set = held_out_entries(entries, split, cfg, cfg.margin_entries, side) if cfg.margin else None
         cfg.decode.check_context(model_dir, f"{params}:controllability.max_new_tokens")
@@ -105,11 +107,11 @@ def main(
         dtype = decode_dtype(cfg.decode.dtype, compute.resolve().type, compute.cpu_bf16, model_dir)  # THE rule
         backend = load_policy(model_dir, adapter_dir, dtype, (tokens[-1], tokens[0]), compute.device)  # before MLflow
     typer.echo(f"controllability: decoding on {backend.describe().get('device')}")
-    run_params = {"controllability": as_dict(cfg), "prompt": as_dict(prompt), "rl": rl_record(rl),
+    run_params = {"controllability": as_dict(cfg), "prompt": as_dict(prompt), "rl": rl_record(rl, groups),
                   "adapter": str(adapter_dir), "tokens": list(tokens), "side": side}
     with tracking.published_run("controllability", run_params, outputs=(metrics, trajectories),
                                 tags=tracking_log.grid_tags("rctp", grid_seed)) as (_, staged):
-        result, trajs = measure(cfg, prompt, tokens, backend, picked, rl,
+        result, trajs = measure(cfg, prompt, tokens, backend, picked, rl, groups,
                                 {"model": str(model_dir), "adapter": str(adapter_dir)}, margin_set)
         result["grid_seed"] = grid_seed
         result["side"], result["dtype"] = side, record(compute.cpu_bf16, compute.resolve().type, dtype)

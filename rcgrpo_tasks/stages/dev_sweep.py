@@ -2,7 +2,7 @@
 
 Runs every candidate of the spec (params overrides) through the pipeline's own stage commands, as DVC
 resolves dvc.yaml here (or as `--plan`, the plan `rcgrpo plan` wrote, has them: a host without DVC), with
-only the candidate's params file and output folders substituted (`ops.sweep` lists the substitutions): the
+only the candidate's params file and output folders substituted (`sweep.run` lists the substitutions): the
 `rl` stage for each of its cells (from the pipeline's init models and RL pools: the stages that make them
 run first, and a missing one is named), the `evaluate` stage on the DEV side, the `report` stage for each
 candidate's tables; then writes the design table (`<out>/design.md`, `design.json`: dev accuracy vs init
@@ -10,7 +10,7 @@ paired over dev entries, the fixed probe's change, zero-variance groups of RC-GR
 group, wall seconds). The plan runner runs them (`ops.plan_runner`, as `rcgrpo run-plan`): `--jobs N`
 stages side by side (a GPU holds several), one log per stage in `<out>/logs`, `--bundle` (a .tar.gz of
 the results, no models) rewritten after every stage; a failed chain does not stop the others. Library:
-`ops.sweep` (running) and `evaluation.design` (judging). The held-out side is never read: the design chosen
+`sweep.run` (running) and `sweep.design` (judging). The held-out side is never read: the design chosen
 here is reported on it by the pipeline. docs/rl.md "Chosen on dev".
 
 `--pool DIR --pool DIR ...` runs nothing: it pools finished sweeps of the same spec (replicates) into one
@@ -24,11 +24,11 @@ from pathlib import Path
 
 import typer
 
-from rcgrpo_tasks.evaluation.design import design_markdown, design_rows, pooled_markdown, pooled_rows
 from rcgrpo_tasks.ops import pipeline
 from rcgrpo_tasks.ops.cli import cli_errors, fail
 from rcgrpo_tasks.ops.outputs import write_json, write_text
-from rcgrpo_tasks.ops.sweep import read_spec, run_sweep, write_sweep_bundle
+from rcgrpo_tasks.sweep.design import design_markdown, design_rows, pooled_markdown, pooled_rows
+from rcgrpo_tasks.sweep.run import read_spec, run_sweep, write_sweep_bundle
 
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
 

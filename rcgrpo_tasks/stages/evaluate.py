@@ -19,7 +19,7 @@ a tracking failure fails the stage (and, the output being atomic, leaves nothing
 
 Does the model still read its token (`evaluate.margin`, reward-conditioned evaluations of a model with both
 reward tokens): `metrics.json` also holds the teacher-forced margin on the evaluated entries and the
-reward-token rows' distance (`train.sft.margin.read_token`, forward passes only, in float32 whatever the decoding
+reward-token rows' distance (`data.margin.read_token`, forward passes only, in float32 whatever the decoding
 dtype: `HFBackend.exact_model`): RL rewards the low token for success too and can erode what RCTP taught.
 
 Reward-token guidance (`evaluate.guidance` > 0, beyond the paper): reward-conditioned evaluations decode
@@ -40,14 +40,16 @@ from pathlib import Path
 import typer
 
 from rcgrpo_tasks.data.labels import load_reward_tokens
+from rcgrpo_tasks.data.margin import REPLAY_OUTPUTS, has_tokens, read_token
 from rcgrpo_tasks.engine.backend import reward_pair_ids
-from rcgrpo_tasks.engine.backends import load_backend
+from rcgrpo_tasks.engine.backend_registry import load_backend
 from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.engine.dtype import record as record_dtype
 from rcgrpo_tasks.env.entries import read_entries, select_entries, stratified
 from rcgrpo_tasks.env.prompt import PromptConfig
-from rcgrpo_tasks.evaluation.heldout import (
+from rcgrpo_tasks.evaluation.accuracy import (
     EvaluateConfig,
+    RLSampling,
     check_side,
     flat_metrics,
     guidance_of,
@@ -58,10 +60,8 @@ from rcgrpo_tasks.evaluation.heldout import (
 )
 from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.cli import cli_errors
-from rcgrpo_tasks.ops.config import as_dict, load_config
+from rcgrpo_tasks.ops.config import as_dict, load_config, load_keys
 from rcgrpo_tasks.ops.outputs import write_json, write_text
-from rcgrpo_tasks.train.rl.config import RLConfig
-from rcgrpo_tasks.train.sft.margin import REPLAY_OUTPUTS, has_tokens, read_token
 
 
 def _log(folder: Path, rows: list[dict], summary: dict, official: dict | None) -> None:
@@ -101,7 +101,7 @@ def main(
         cfg = load_config(EvaluateConfig, params, "evaluate")
         cfg.decode.check_context(model, f"{params}:evaluate.max_new_tokens")
         # pass@1 samples as RL does: its temperature and top_p
-        sampled = pass_sampling(cfg, load_config(RLConfig, params, "rl")) if cfg.pass_samples and pass1 else None
+        sampled = pass_sampling(cfg, load_keys(RLSampling, params, "rl")) if cfg.pass_samples and pass1 else None
         prompt = load_config(PromptConfig, params, "prompt")
         tokens = load_reward_tokens(params)
         pool = read_entries(entries)

@@ -34,6 +34,7 @@ from rcgrpo_tasks.env.paper import PAPER_TABLE1_OVERALL, ROWS, row_name
 from rcgrpo_tasks.evaluation.agreement import cross_check
 from rcgrpo_tasks.evaluation.endpoints import EndpointsConfig
 from rcgrpo_tasks.evaluation.grid import GridConfig
+from rcgrpo_tasks.evaluation.mechanism import plot_mechanism
 from rcgrpo_tasks.evaluation.seeded import Roots, endpoint_results, load_seed, pooled_rows, premise
 from rcgrpo_tasks.evaluation.seeded_tables import seeded_markdown
 from rcgrpo_tasks.ops import tracking
@@ -42,7 +43,6 @@ from rcgrpo_tasks.ops.config import as_dict, load_config
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import write_json, write_text
 from rcgrpo_tasks.ops.plots import accuracy_plot, probe_plot
-from rcgrpo_tasks.train.rl.diagnostics import plot_mechanism
 
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
 

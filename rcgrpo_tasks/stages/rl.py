@@ -7,7 +7,7 @@ What it does (one run of the grid init x algo, e.g. `rl@rctp-rc_grpo`; the libra
    to the RCTP model, as in the paper, not to the raw base.
 2. Trains with `GRPOTrainer(rollout_func=EngineRollout)`: the dataset rows are the ids of RL's pool (the
    split's `rl` side, prompts no fine-tuning stage saw, those whose success among the init's own samples
-   `--pool` lies in `rl.pool_band`: `train.rl.config.train_entries`); the
+   `--pool` lies in `rl.pool_band`: `train.rl.pool.train_entries`); the
    rollout function runs the project's rollout engine on the current policy (a merged bf16 copy
    refreshed every generation on CPU; TRL's vLLM engine on GPU); multi_turn: the environment executes the
    model's calls between model steps, environment tokens carry no loss; single_turn: one output per
@@ -23,16 +23,16 @@ What it does (one run of the grid init x algo, e.g. `rl@rctp-rc_grpo`; the libra
    token, controllability gap, fraction of zero-std groups (tolerance 1e-6), mean |A| and std of A, KL,
    clip fraction, completion / call / step counts, environment errors, rollout tokens/s, step time. The
    metrics JSON states the mechanism's averages (zero-variance share, advantage spread, gap, reward) with
-   95 % bootstrap CIs over steps (`mechanism`); `train.rl.diagnostics.plot_mechanism` draws GRPO vs RC-GRPO.
+   95 % bootstrap CIs over steps (`mechanism`); `evaluation.mechanism.plot_mechanism` draws GRPO vs RC-GRPO.
 6. Checkpoints every `save_steps` into `--checkpoints` (a DVC `persist` output); a re-run with the same
    params, inputs and training code resumes from the last one (other runs' checkpoints are discarded).
    SIGTERM (dvc / Prefect cancel): one line on stderr; the current step is checkpointed (or, past
-   `runs.STOP_GRACE_S`, the run stops at once), the MLflow run ends KILLED, nothing is published, exit 143.
+   `callbacks.STOP_GRACE_S`, the run stops at once), the MLflow run ends KILLED, nothing is published, exit 143.
 7. Placement: params `compute.device` (auto | cpu | cuda); one stderr line says where it trains, the
    metrics JSON and MLflow params carry `placement`; the rollout copy lives on the policy's device. A
    micro-batch that runs out of memory is halved and the accumulation doubled (same batch), with a warning.
 8. Processes: params `compute.processes` N > 1 runs this command again under `accelerate launch` in N
-   processes (`train.common.processes`; docs/multi-gpu.md). Each decodes its own whole groups, seeded by their
+   processes (`train.common.distributed`; docs/multi-gpu.md). Each decodes its own whole groups, seeded by their
    place in the batch, so the run equals one process at N x the micro-batch; the main process alone
    writes outputs, MLflow and diagnostics, from every process's rollouts. Every rollout (entry, token,
    rewards, advantage) is logged to `rollouts.jsonl` in the checkpoint folder.
@@ -58,7 +58,7 @@ import typer
 from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import seeded
-from rcgrpo_tasks.train.common import processes, runs
+from rcgrpo_tasks.train.common import distributed, placement
 from rcgrpo_tasks.train.rl.config import check_world
 from rcgrpo_tasks.train.rl.run import load_rl_config, train_rl
 from rcgrpo_tasks.train.rl.trainer import RLRun
@@ -92,14 +92,14 @@ def main(
         cfg, protocol, levels = load_rl_config(params)
         cfg = replace(cfg, seed=seeded(cfg.seed, grid_seed))
         compute = load_compute(params)
-        device = runs.train_device(compute.device)  # a device this machine lacks fails here, before anything loads
+        device = placement.train_device(compute.device)  # a device this machine lacks fails here, before anything loads
         spec = RLRun(init=init, algo=algo, model_dir=model_dir, adapter_dir=adapter_dir, entries=entries,
                      split=split, out=out, checkpoints=checkpoints, metrics=metrics, plots=plots,
                      conditioning=conditioning, pool=Path(pool) if pool else None, grid_seed=grid_seed)
         spec.check()
-        if processes.should_launch(compute):  # N processes: this command again, under accelerate launch
+        if distributed.should_launch(compute):  # N processes: this command again, under accelerate launch
             check_world(cfg, compute.processes)  # whole groups per process, checked before anything starts
-            raise typer.Exit(processes.relaunch(compute, device, "rl", options))
+            raise typer.Exit(distributed.relaunch(compute, device, "rl", options))
         summary = train_rl(cfg, protocol, levels, spec, compute=compute)
     typer.echo(json.dumps({k: summary.get(k) for k in ("steps", "mean_reward", "mean_frac_zero_std",
                                                           "mean_controllability_gap", "resumed_from")}))

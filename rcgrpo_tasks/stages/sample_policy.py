@@ -32,7 +32,7 @@ import typer
 
 from rcgrpo_tasks.data.dataset import GenerateConfig, check_task
 from rcgrpo_tasks.data.onpolicy import SampleConfig, pick_entries, sample_policy
-from rcgrpo_tasks.engine.backends import load_backend
+from rcgrpo_tasks.engine.backend_registry import load_backend
 from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.engine.dtype import record as record_dtype
 from rcgrpo_tasks.engine.models import model_context

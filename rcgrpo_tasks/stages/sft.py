@@ -12,8 +12,8 @@ Writes: `--out` (atomically): a standard PEFT adapter folder + the extended toke
 `dvc plots`); `--checkpoints` (periodic Trainer checkpoints, a DVC `persist` output: a killed run re-run
 with the same params, inputs and training code resumes from the last complete one; others discard them).
 Processes: params `compute.processes` N > 1 runs this command again under `accelerate launch` in N processes
-(`train.common.processes`; docs/multi-gpu.md): micro-batch `batch_size` per process, the main process alone writes.
-SIGTERM (dvc / Prefect cancel): one line on stderr; the current step is checkpointed (or, past `runs.STOP_GRACE_S`,
+(`train.common.distributed`; docs/multi-gpu.md): micro-batch `batch_size` per process, the main process alone writes.
+SIGTERM (dvc / Prefect cancel): one line on stderr; the current step is checkpointed (or, past `callbacks.STOP_GRACE_S`,
 the run stops at once), the MLflow run ends KILLED, nothing is published, exit 143.
 MLflow (via `tracking`): params (config, data/model hashes), step metrics (loss, lr, grad norm, tokens/s),
 system metrics, the final adapter (`mlflow.transformers`, base = the local model folder).
@@ -46,7 +46,7 @@ from rcgrpo_tasks.engine.compute import load_compute
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import load_config, seeded
-from rcgrpo_tasks.train.common import processes, runs
+from rcgrpo_tasks.train.common import distributed, placement
 from rcgrpo_tasks.train.sft.config import SftRun
 from rcgrpo_tasks.train.sft.run import load_sft_config, train_variant
 
@@ -78,11 +78,11 @@ def main(
         cfg = replace(cfg, seed=seeded(cfg.seed, grid_seed))
         prompt = load_config(PromptConfig, params, "prompt") if cfg.margin_every else None  # the margin curve's
         compute = load_compute(params)
-        device = runs.train_device(compute.device)  # a device this machine lacks fails here, before anything loads
+        device = placement.train_device(compute.device)  # a device this machine lacks fails here, before anything loads
         spec.check()
         spec.check_against(cfg)
-        if processes.should_launch(compute):  # N processes: this command again, under accelerate launch
-            raise typer.Exit(processes.relaunch(compute, device, "sft", options))
+        if distributed.should_launch(compute):  # N processes: this command again, under accelerate launch
+            raise typer.Exit(distributed.relaunch(compute, device, "sft", options))
         summary = train_variant(cfg, tokens, spec, compute=compute, prompt=prompt)
     if summary:
         typer.echo(json.dumps({k: summary.get(k) for k in ("variant", "steps", "loss_first", "loss_last",

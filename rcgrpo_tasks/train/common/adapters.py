@@ -10,7 +10,8 @@ Shared by the sft stage (training), controllability / RL / evaluate (loading) an
   for an adapter logged to MLflow.
 - `small_adapter_saves`: adapters without PEFT's copy of the resized embedding matrices (the trained rows
   are in the adapter as trainable tokens); `log_model`: the adapter as an `mlflow.transformers` model.
-- `compact_head_loss`, `expose_head_bias`: the CPU loss path and a PEFT/TRL compatibility shim.
+- `compact_head_loss`, `expose_head_bias`: the CPU loss path and a PEFT/TRL compatibility shim;
+  `lora_targets`: PEFT's `target_modules` of a module list.
 Heavy imports (torch, transformers, peft, mlflow) happen inside the functions.
 """
 
@@ -26,6 +27,14 @@ from rcgrpo_tasks.engine.shared_prefix import target_hidden, trunk_and_head
 from rcgrpo_tasks.ops.tracking_store import TrackingError
 
 REWARD_TOKEN_INITS = ("mean_resizing", "apart", "words")
+
+
+def lora_targets(modules: tuple[str, ...]) -> str | list[str]:
+    """PEFT `target_modules`: the module names, or PEFT's "all-linear" for `("all-linear",)`."""
+    return "all-linear" if tuple(modules) == ("all-linear",) else list(modules)
+
+
+# ---------------------------------------------------------------------------------------------- results
 
 
 def add_special_tokens(tokenizer, model, tokens: tuple[str, ...], seed: int = 0, init: str = "mean_resizing",

@@ -240,7 +240,7 @@ def resume_point(ckpt_dir: Path, fp: str, **stamp: Any) -> str | None:
     passed over are reported by the main process (stderr, MLflow tags: `report`)."""
     from accelerate import PartialState
 
-    state = PartialState()  # created by `processes.process_state` at the start of the run
+    state = PartialState()  # created by `distributed.process_state` at the start of the run
     if state.is_main_process:
         _claim(Path(ckpt_dir), fp, **stamp)
     state.wait_for_everyone()

@@ -1,51 +1,23 @@
-"""The training-run helpers the sft and rl stages share (one copy each).
+"""A training run's outputs and record, as the sft and rl stages share them (one copy each).
 
-- Resume (fingerprints, the checkpoint a run resumes from, clearing them) lives in `train.common.checkpoints`,
-  the device, bf16 and micro-batch fitting in `placement`; both are re-exported here for the callers that
-  still reach them through this module.
-- `dvc_hashes`, `LORA_TARGETS` / `lora_targets` (every projection of a Llama/Qwen block).
-- Plots: `write_tsv` / `read_tsv`, the `dvc plots` files (an empty cell = no value, NaN when read back).
 - `RunSpec`: what both stages' run specs share (output paths; writing and logging the result files).
-- `lazy_subclass(mixin, "trl.GRPOTrainer")`: a project subclass of a trainer or callback class that is
-  imported on first use (trl / transformers are heavy; stage `--help` must not load them).
-- Callbacks: `step_metrics` (per-step metrics to MLflow, replaying the steps logged before a resume) and
-  `stop_on_signal` (SIGTERM from dvc / Prefect: checkpoint the current step, stop, exit 143).
+- `published`: the run's MLflow record and staged outputs on the main process; `disk_errors`: a full disk
+  named by the output; `dvc_hashes`: DVC's md5 of the inputs, for the record.
+Elsewhere in `train.common`: resume (fingerprints, the checkpoint a run resumes from) in `checkpoints`, the
+device, bf16 and micro-batch fitting in `placement`, the Trainer callbacks and lazy subclasses in
+`callbacks`, training across processes in `distributed`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib
-import math
-import signal
-import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import yaml
 
-from rcgrpo_tasks.ops import procs, tracking, tracking_log
-from rcgrpo_tasks.ops.outputs import OutputError, OutputSet, disk_full, disk_full_error, write_json, write_text
-from rcgrpo_tasks.train.common import processes
-from rcgrpo_tasks.train.common.checkpoints import FINGERPRINT_FILE as FINGERPRINT_FILE
-from rcgrpo_tasks.train.common.checkpoints import clear_checkpoints as clear_checkpoints
-from rcgrpo_tasks.train.common.checkpoints import dir_fingerprint as dir_fingerprint
-from rcgrpo_tasks.train.common.checkpoints import file_md5 as file_md5
-from rcgrpo_tasks.train.common.checkpoints import fingerprint as fingerprint
-from rcgrpo_tasks.train.common.checkpoints import last_checkpoint as last_checkpoint
-from rcgrpo_tasks.train.common.checkpoints import resume_point as resume_point
-from rcgrpo_tasks.train.common.checkpoints import train_or_restore as train_or_restore
-from rcgrpo_tasks.train.common.placement import fit_micro_batch as fit_micro_batch
-from rcgrpo_tasks.train.common.placement import record_placement as record_placement
-from rcgrpo_tasks.train.common.placement import resolve_bf16 as resolve_bf16
-from rcgrpo_tasks.train.common.placement import train_device as train_device
-from rcgrpo_tasks.train.common.placement import use_cpu as use_cpu
-
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""Every attention and MLP projection of a Llama / Qwen / SmolLM2 block."""
+from rcgrpo_tasks.ops import tracking, tracking_log
+from rcgrpo_tasks.ops.outputs import OutputError, OutputSet, disk_full, disk_full_error, write_json, write_tsv
 
 
 def dvc_hashes(paths: list[Path], lock: Path = Path("dvc.lock")) -> dict[str, str]:
@@ -65,38 +37,6 @@ def dvc_hashes(paths: list[Path], lock: Path = Path("dvc.lock")) -> dict[str, st
                 found[str(p)] = f"{key}:{outs[key]}"
                 break
     return found
-
-
-def lora_targets(modules: tuple[str, ...]) -> str | list[str]:
-    """PEFT `target_modules`: the module names, or PEFT's "all-linear" for `("all-linear",)`."""
-    return "all-linear" if tuple(modules) == ("all-linear",) else list(modules)
-
-
-# ---------------------------------------------------------------------------------------------- results
-
-
-def format_cell(value: Any) -> str:
-    """A TSV cell: "" for no value (None, NaN), integral numbers exactly, other floats to 6 significant digits."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return ""
-    if isinstance(value, float):
-        return str(int(value)) if value.is_integer() else f"{value:.6g}"
-    return str(value)
-
-
-def write_tsv(path: Path, rows: list[dict], columns: tuple[str, ...]) -> None:
-    """The per-step plots file (`dvc plots`): a header of `columns`, one line per row (missing = empty)."""
-    lines = ["\t".join(columns)] + ["\t".join(format_cell(r.get(c)) for c in columns) for r in rows]
-    write_text(path, "\n".join(lines) + "\n")
-
-
-def read_tsv(path: Path) -> list[dict]:
-    """Rows of a `write_tsv` file as floats (empty cell -> NaN); [] when there is no file."""
-    if not Path(path).is_file():
-        return []
-    lines = Path(path).read_text().splitlines()
-    header = lines[0].split("\t") if lines else []
-    return [{k: (float(v) if v else float("nan")) for k, v in zip(header, ln.split("\t"))} for ln in lines[1:] if ln]
 
 
 class RunSpec:
@@ -149,124 +89,3 @@ def published(main: bool, track: bool, stage: str, params: dict, tags: dict, out
         return
     with tracking.published_run(stage, params, outputs=outputs, tags=tags, track=track) as pair:
         yield pair
-
-
-# ---------------------------------------------------------------------------------------------- classes
-
-
-@functools.cache
-def lazy_subclass(mixin: type, base: str) -> type:
-    """`class Name(mixin, Base)` for `base` = "module.Class", imported here on first use; one class per pair.
-
-    The mixin's methods override the base's and reach it through `super()`; the class is named after the
-    mixin without its `Mixin` suffix."""
-    module, _, name = base.rpartition(".")
-    parent = getattr(importlib.import_module(module), name)
-    cls_name = mixin.__name__.removesuffix("Mixin")
-    return type(cls_name, (mixin, parent), {"__module__": mixin.__module__, "__qualname__": cls_name,
-                                            "__doc__": mixin.__doc__})
-
-
-def _numbers(logs: dict) -> dict:
-    return {k: v for k, v in logs.items() if k != "step" and isinstance(v, (int, float))
-            and not isinstance(v, bool) and math.isfinite(v)}
-
-
-class StepMetricsMixin:
-    """Per-step metrics to MLflow: at every log whose values include `marker`, each finite number logged
-    plus `derived(logs, step)`. A resumed run first replays the steps logged before the interruption (the
-    Trainer state's log history), so the MLflow run holds the whole curve under the same names."""
-
-    def __init__(self, marker: str = "loss", derived: Callable[[dict, int], dict] | None = None):
-        self.marker, self.derived = marker, derived
-
-    def _log(self, logs: dict, step: int) -> None:
-        tracking_log.log_metrics({**_numbers(logs), **(self.derived(logs, step) if self.derived else {})}, step=step)
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        for entry in state.log_history:
-            if self.marker in entry and "step" in entry:
-                self._log(entry, entry["step"])
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and self.marker in logs:
-            self._log(logs, state.global_step)
-
-
-def step_metrics(marker: str = "loss", derived: Callable[[dict, int], dict] | None = None):
-    """A Trainer callback logging step metrics to MLflow (`StepMetricsMixin`); add it on the main process
-    of a tracked run only."""
-    return lazy_subclass(StepMetricsMixin, "transformers.TrainerCallback")(marker, derived)
-
-
-# ---------------------------------------------------------------------------------------------- signals
-
-
-STOP_GRACE_S = 30.0
-"""After a stop signal, how long the current optimizer step may run on to end on a checkpoint; past it the run
-stops at once and resumes from the last periodic checkpoint (`save_steps`)."""
-
-
-class Interrupted(procs.Terminated):
-    """A stop signal ended the run: exit status `code` = 128 + signal (143 for SIGTERM). A `Terminated`, so
-    no `except Exception` swallows it, the MLflow run ends KILLED, nothing is published, and the `rcgrpo`
-    entry point prints one line."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.code = 128 + signum
-
-
-class StopOnSignalMixin:
-    """Stop signal during training: finish the optimizer step, save a checkpoint of it, stop; `check()`
-    (after `train()`) then raises `Interrupted`. Outside the training loop, or on a second signal,
-    `Interrupted` is raised at once. The checkpoint is the resume point of the re-run."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self.stopped = False
-        self.training = False
-
-    def handle(self, signum, frame) -> None:
-        if self.received is not None or not self.training:
-            raise Interrupted(self.received or signum)
-        self.received = signum
-        print(f"{signal.Signals(signum).name} received: stopping after the current step (checkpointed), or in "
-              f"{STOP_GRACE_S:.0f} s from the last checkpoint", file=sys.stderr, flush=True)
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGALRM, self.handle)  # the grace ran out: the second-signal path
-            signal.setitimer(signal.ITIMER_REAL, STOP_GRACE_S)
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.training = True
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.training = False
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if processes.any_process(self.received is not None):
-            self.stopped = control.should_save = control.should_training_stop = True
-
-    def check(self) -> None:
-        """Raise `Interrupted` if a signal stopped training (on any process)."""
-        if self.stopped:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            raise Interrupted(self.received or signal.SIGTERM)
-
-
-@contextlib.contextmanager
-def stop_on_signal(signals: tuple[int, ...] = (signal.SIGTERM,)) -> Iterator[Any]:
-    """A `StopOnSignalMixin` Trainer callback with its handler installed for `signals` (main thread only;
-    elsewhere Python cannot install handlers and the default action stays); the old handlers come back on exit."""
-    callback = lazy_subclass(StopOnSignalMixin, "transformers.TrainerCallback")()
-    installed = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, callback.handle) for s in signals} if installed else {}
-    alarm = signal.getsignal(signal.SIGALRM) if installed else None
-    try:
-        yield callback
-    finally:
-        if installed:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, alarm)
-        for s, handler in previous.items():
-            signal.signal(s, handler)

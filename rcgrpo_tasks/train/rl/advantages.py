@@ -15,7 +15,7 @@ consecutively (rollout `i` belongs to group `i // G`), exactly as TRL's `RepeatS
   *regardless of their reward tokens* -- which is exactly RC-GRPO's advantage: a group whose rollouts
   split by token (high succeeds, low fails) has reward variance, hence signal, where a uniformly
   conditioned group that always succeeds (or always fails) has none. The RL stage cross-checks this
-  function against the advantages TRL actually used (`steps.RCGRPOTrainerMixin`).
+  function against the advantages TRL actually used (`trainer_mixin.RCGRPOTrainerMixin`).
 - `trajectory_fields` splits one engine trajectory into what TRL's `rollout_func` returns: prompt ids
   (everything before the first model generation; it contains the rollout's own reward token), completion
   ids, `env_mask` (1 = model-generated, 0 = environment/template tokens, which carry no loss) and the
@@ -29,15 +29,12 @@ import random
 from collections.abc import Sequence
 from typing import Literal
 
+from rcgrpo_tasks.env.paper import ALGOS
 from rcgrpo_tasks.env.prompt import check_reward_tokens
+from rcgrpo_tasks.train.rl.config import TokenDraw
 
 Conditioning = Literal["rc", "fixed", "none"]
 CONDITIONING_MODES: tuple[str, ...] = ("rc", "fixed", "none")
-Algo = Literal["grpo", "rc_grpo", "dynamic"]
-ALGOS: tuple[str, ...] = ("grpo", "rc_grpo", "dynamic")
-"""The grid's RL algorithms: GRPO, RC-GRPO, and GRPO with DAPO's dynamic sampling (zero-variance groups
-dropped and refilled: `rollout.EngineRollout`)."""
-TokenDraw = Literal["iid", "stratified"]
 ZERO_STD_TOL = 1e-6
 """A group whose reward std is below this counts as zero-std (rewards are floats: never test `== 0`)."""
 ADV_EPS = 1e-4

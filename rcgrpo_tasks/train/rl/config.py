@@ -1,34 +1,41 @@
-"""GRPO / RC-GRPO settings and the entries a run samples from.
+"""GRPO / RC-GRPO settings: what a run is configured with, checked before anything loads. A leaf of `train`:
+it imports no training code (`lint-imports`), so what reads a setting does not see the trainer.
 
-- `RLConfig` (params.yaml `rl`) and `check_world` (groups must not straddle processes).
-- `train_entries`: the entries a run samples from: RL's own side of the split, its pool chosen by the init's
-  success on each prompt (`pool_ids`; `env.entries`, the one reader of the split).
-- `check_reward`: `rl.reward` must be defined for the entries under `prompt.protocol`; `check_deepspeed`:
-  ZeRO-3 and LoRA reward-token rows do not mix.
-The rollout function TRL calls (`EngineRollout`) is in `rollout.py`, the trainer (`RCGRPOTrainer`,
-`build_trainer`) in `trainer.py`, one run end to end (`train_rl`) in `run.py`.
+- `RLConfig` (params.yaml `rl`), `GuardConfig` (the divergence check's thresholds), `TokenDraw`.
+- `check_world`: groups must not straddle processes; `check_reward`: `rl.reward` must be defined for the
+  entries under `prompt.protocol`; `check_deepspeed`: ZeRO-3 and LoRA reward-token rows do not mix.
+The entries a run samples from are chosen in `pool.py`, the rollout function TRL calls (`EngineRollout`) is in
+`rollout.py`, the trainer (`RCGRPOTrainer`, `build_trainer`) in `trainer.py`, one run end to end (`train_rl`) in
+`run.py`.
 """
 
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar, Literal
 
 from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.dtype import decode_dtype, train_bf16
-from rcgrpo_tasks.env.entries import read_split, split_entries
+from rcgrpo_tasks.engine.models import LORA_TARGETS
 from rcgrpo_tasks.env.prompt import ProtocolConfig
 from rcgrpo_tasks.env.rewards import Reward
 from rcgrpo_tasks.env.tasks import task_of
 from rcgrpo_tasks.ops.config import ConfigError, flat_field
-from rcgrpo_tasks.train.common import runs
-from rcgrpo_tasks.train.rl import advantages as adv
-from rcgrpo_tasks.train.rl.kl_guard import GuardConfig
 
 DECODE_KEYS = ("temperature", "top_p", "max_outputs", "max_new_tokens")
+TokenDraw = Literal["iid", "stratified"]
+"""RC-GRPO's draw of each rollout's reward token (`advantages.draw_tokens`)."""
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """The divergence check's thresholds (params `rl`: `divergence_*`; `kl_guard.divergence`)."""
+
+    max_kl: float | None = 1.0
+    window: int = 3
+    min_reward: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -76,7 +83,7 @@ class RLConfig:
     """TRL loss aggregation; `grpo` = per-sequence token mean, then batch mean (the GRPO paper's)."""
     p_high: float = 0.5
     """RC-GRPO: P(highest reward token) of each rollout's token. Paper: 0.5."""
-    token_draw: adv.TokenDraw = "iid"
+    token_draw: TokenDraw = "iid"
     """RC-GRPO: `iid` (the paper: each rollout draws its own token) or `stratified` (every group holds both
     tokens, each rollout still high with probability p_high: `advantages.stratified_count`)."""
     dynamic_max_rounds: int = 2
@@ -132,7 +139,7 @@ class RLConfig:
     """LoRA alpha."""
     lora_dropout: float = 0.0
     """LoRA dropout (0: rollouts and training see the same policy)."""
-    lora_target_modules: tuple[str, ...] = runs.LORA_TARGETS
+    lora_target_modules: tuple[str, ...] = LORA_TARGETS
     """Modules the RL LoRA adapts (or ("all-linear",))."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype the merged init weights are held in (LoRA weights stay float32)."""
@@ -226,7 +233,7 @@ class RLConfig:
 
     @property
     def guard(self) -> GuardConfig:
-        """The divergence check's thresholds (`kl_guard.GuardConfig`)."""
+        """The divergence check's thresholds (`GuardConfig`)."""
         return GuardConfig(self.divergence_kl, self.divergence_window, self.divergence_min_reward)
 
     @property
@@ -246,48 +253,6 @@ def check_world(cfg: RLConfig, world_size: int) -> int:
         raise ConfigError(f"rl: batch_size {cfg.batch_size} must split into {world_size} process(es) of whole "
                           f"groups (G={cfg.num_generations}) and micro-batches ({cfg.micro_batch_size})")
     return per_proc // cfg.micro_batch_size
-
-
-def pool_ids(success: dict[str, float], band: tuple[float, float] | None, solved_share: float,
-             seed: int) -> list[str]:
-    """RL's pool from each sampled prompt's success share (`onpolicy.sampled_success_rates`), sorted: those in
-    `band` (every one when None), and always-solved ones (share 1.0, outside the band) drawn by `seed` up to
-    `solved_share` of the pool (rounded down)."""
-    if band is None:
-        return sorted(success)
-    lo, hi = band
-    inside = sorted(e for e, p in success.items() if lo <= p <= hi)
-    solved = sorted(e for e, p in success.items() if p == 1.0 and not lo <= p <= hi)
-    extra = min(len(solved), int(solved_share * len(inside) / (1.0 - solved_share)))
-    return sorted(inside + random.Random(f"{seed}:pool").sample(solved, extra))
-
-
-def train_entries(entries_path: Path, split_path: Path, cfg: RLConfig, protocol: ProtocolConfig,
-                  tokenizer=None, success: dict[str, float] | None = None) -> list:
-    """RL's entries: the split's `rl` side (the `train` side where the split has none), of `cfg.categories`;
-    with `pool_band`, the prompts `pool_ids` keeps from `success` (the init's samples; a prompt never sampled
-    is left out); with `max_entries`, those with the shortest prompts, counted in `tokenizer` tokens, else
-    characters. Too few for one generation batch is a ConfigError."""
-    side = rl_side(split_path)
-    entries = split_entries(entries_path, split_path, side, cfg.categories)
-    if cfg.pool_band is not None:
-        if success is None:
-            raise ConfigError("rl.pool_band needs the init's samples of RL's prompts (--pool)")
-        keep = set(pool_ids({e.id: success[e.id] for e in entries if e.id in success}, cfg.pool_band,
-                            cfg.pool_solved_share, cfg.seed))
-        entries = [e for e in entries if e.id in keep]
-    if cfg.max_entries is not None:
-        entries.sort(key=lambda e: (prompt_length(e, protocol, tokenizer), e.id))
-        entries = entries[: cfg.max_entries]
-    if len(entries) < cfg.entries_per_generation:
-        raise ConfigError(f"{split_path}: {len(entries)} {side} entries in {cfg.categories} (pool_band "
-                          f"{cfg.pool_band}), need at least {cfg.entries_per_generation} per generation batch")
-    return entries
-
-
-def rl_side(split_path: Path) -> str:
-    """The split side RL samples: `rl` (its own prompts), or `train` where the split has none."""
-    return "rl" if read_split(split_path)["rl"] else "train"
 
 
 def check_deepspeed(cfg: RLConfig, mode: str) -> None:
@@ -315,9 +280,3 @@ def check_reward(cfg: RLConfig, protocol: ProtocolConfig, entries) -> None:
             raise ConfigError(f"rl.reward: {cfg.reward} is not defined for {task.name} entries under "
                               f"prompt.protocol: {protocol.protocol} (every reward would be 0: RL a KL-only "
                               f"no-op); use rl.reward: paper_reward, or prompt.protocol: official")
-
-
-def prompt_length(entry, protocol: ProtocolConfig, tokenizer=None) -> int:
-    """Length of an entry's initial messages: `tokenizer` tokens, else characters."""
-    text = "".join(m["content"] for m in task_of(entry).initial_messages(entry, protocol))
-    return len(tokenizer(text)["input_ids"]) if tokenizer is not None else len(text)

@@ -1,4 +1,4 @@
-"""The RC-GRPO mechanism per step: GRPO vs RC-GRPO from the same init on one step axis.
+"""The RC-GRPO mechanism per step: each optimizer step as a row of the rl stage's plots TSV, and the run summary.
 
 RC-GRPO's premise: rollouts drawn with mixed reward tokens split into successes and failures, so fewer
 groups have zero reward variance (no learning signal) than under GRPO. The rl stage logs, every step,
@@ -10,13 +10,8 @@ under GRPO's `fixed` / `none` conditioning) in its plots TSV (`PLOT_COLUMNS`).
 - `diagnostics_row` / `diag_metrics` / `DiagnosticsMixin`: TRL's averaged log of each optimizer step as a
   row of the plots TSV (resumable, in the checkpoint folder) and as MLflow metrics `diag/<column>`;
   `summarize`: the run summary (the metrics JSON the report reads).
-- `step_summary(rows)`: mean of each of those columns over the steps where it is defined, with a 95 %
-  percentile-bootstrap CI over steps (`ops.stats.bootstrap_ci`). Steps of one run are not independent
-  (the policy drifts, entries repeat), so the CI describes the spread of the logged steps, not a
-  population; compare runs by their curves as well.
-- `plot_mechanism(tsvs, out)`: a PNG with one row of panels per init and one panel per column, each run
-  (GRPO, RC-GRPO) a line over steps, its mean and CI in the legend. Runs are labelled `<init>-<algo>`
-  (the grid's names, e.g. `rctp-grpo`); runs sharing an init share a row.
+- The summary's `mechanism` and `price`: `data.rl_steps.step_summary` (means with bootstrap CIs over steps);
+  the report draws the mechanism columns (`evaluation.mechanism.plot_mechanism`).
 """
 
 from __future__ import annotations
@@ -25,16 +20,12 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from rcgrpo_tasks.ops.plots import save_png
-from rcgrpo_tasks.ops.stats import bootstrap_ci, mcnemar_exact
-from rcgrpo_tasks.train.common.runs import read_tsv, write_tsv
+from rcgrpo_tasks.data.rl_steps import finite, step_summary
+from rcgrpo_tasks.ops.inputs import read_tsv
+from rcgrpo_tasks.ops.outputs import write_tsv
+from rcgrpo_tasks.ops.stats import mcnemar_exact
 from rcgrpo_tasks.train.rl.advantages import ZERO_STD_TOL, group_stats
 
-MECHANISM_COLUMNS = ("frac_zero_std", "adv_abs_mean", "adv_std", "controllability_gap", "reward")
-"""Per-step columns that show the mechanism, in plotting order."""
-TITLES = {"frac_zero_std": "zero-variance groups (share)", "adv_abs_mean": "advantage spread: mean |A|",
-          "adv_std": "advantage spread: std A", "controllability_gap": "gap: R(high) - R(low)",
-          "reward": "mean reward"}
 STEP_MARKER = "loss"
 """A key of every optimizer step's TRL log (and of no other log): a step's row is written on it."""
 PLOT_COLUMNS = (
@@ -95,7 +86,7 @@ def summarize(rows: list[dict]) -> dict:
     for col in PLOT_COLUMNS[1:]:
         vals = [r[col] for r in rows if col in r and not math.isnan(r[col])]
         out[f"mean_{col}"] = sum(vals) / len(vals) if vals else None
-    rewards = _finite([r.get("reward", float("nan")) for r in rows])  # steps that generated
+    rewards = finite([r.get("reward", float("nan")) for r in rows])  # steps that generated
     out["last_reward"] = rewards[-1] if rewards else None
     for col in ("rollouts_generated", "rollouts_trained", "groups_dropped", "useful_groups", "step_skipped"):
         vals = [r[col] for r in rows if not math.isnan(r.get(col, float("nan")))]
@@ -160,75 +151,3 @@ def pool_learning(records: Sequence[Mapping], reward: str, token: str | None = N
     return {"prompts": n, "up": up, "down": down, "ties": n - up - down, "sign_p": mcnemar_exact(up, down),
             "first_mean": sum(firsts) / n if n else float("nan"), "last_mean": sum(lasts) / n if n else float("nan"),
             "token": token}
-
-
-def _finite(values: Sequence[float]) -> list[float]:
-    return [float(v) for v in values if v is not None and not math.isnan(float(v))]
-
-
-def column_summary(values: Sequence[float], seed: int = 0) -> dict:
-    """{mean, ci_low, ci_high, steps} of the finite `values` (one per step); None fields when there are none."""
-    xs = _finite(values)
-    if not xs:
-        return {"mean": None, "ci_low": None, "ci_high": None, "steps": 0}
-    lo, hi = bootstrap_ci(xs, seed=seed)
-    return {"mean": sum(xs) / len(xs), "ci_low": lo, "ci_high": hi, "steps": len(xs)}
-
-
-def step_summary(rows: Sequence[Mapping], columns: Sequence[str] = MECHANISM_COLUMNS, seed: int = 0) -> dict:
-    """{column: column_summary} over the step rows of one run (a missing column counts as undefined)."""
-    return {c: column_summary([r.get(c, float("nan")) for r in rows], seed) for c in columns}
-
-
-def run_groups(labels: Sequence[str]) -> dict[str, list[str]]:
-    """Labels `<init>-<algo>` grouped by init, in first-seen order ({"rctp": ["rctp-grpo", "rctp-rc_grpo"]});
-    a label without `-` is its own group."""
-    groups: dict[str, list[str]] = {}
-    for label in labels:
-        groups.setdefault(label.split("-", 1)[0] if "-" in label else label, []).append(label)
-    return groups
-
-
-def _legend(label: str, stats: dict) -> str:
-    if stats["mean"] is None:
-        return f"{label}: n/a"
-    return f"{label}: {stats['mean']:.3g} [{stats['ci_low']:.3g}, {stats['ci_high']:.3g}]"
-
-
-def mechanism_figure(runs: Mapping[str, Sequence[Mapping]], columns: Sequence[str] = MECHANISM_COLUMNS,
-                     title: str = "RC-GRPO mechanism per step"):
-    """The matplotlib figure of `runs` ({label: step rows}): rows = inits, columns = `columns`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = run_groups(list(runs))
-    fig, axes = plt.subplots(len(groups), len(columns), figsize=(3.6 * len(columns), 2.9 * len(groups)),
-                             squeeze=False)
-    for i, (init, labels) in enumerate(groups.items()):
-        for j, col in enumerate(columns):
-            ax = axes[i][j]
-            for label in labels:
-                rows = runs[label]
-                steps = [r.get("step", k + 1) for k, r in enumerate(rows)]
-                ys = [r.get(col, float("nan")) for r in rows]
-                ax.plot(steps, ys, marker="o", markersize=3, label=_legend(label, column_summary(ys)))
-            ax.set_title(f"{init}: {TITLES.get(col, col)}", fontsize=9)
-            ax.set_xlabel("step", fontsize=8)
-            ax.tick_params(labelsize=7)
-            ax.legend(fontsize=7, title="mean [95% CI]", title_fontsize=7)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    return fig
-
-
-def plot_mechanism(tsvs: Mapping[str, str | Path], out: str | Path, columns: Sequence[str] = MECHANISM_COLUMNS,
-                   title: str = "RC-GRPO mechanism per step") -> Path:
-    """Write the PNG of `mechanism_figure` for the rl plots TSVs `tsvs` ({"rctp-grpo": path, ...}) to
-    `out`, atomically; returns `out`. A missing or empty TSV is drawn as an empty line (its run never logged
-    a step)."""
-    fig = mechanism_figure({label: read_tsv(Path(path)) for label, path in tsvs.items()}, columns, title)
-    out = Path(out)
-    save_png(fig, out, dpi=110)
-    return out

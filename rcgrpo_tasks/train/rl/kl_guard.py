@@ -9,7 +9,7 @@ rolled back to its last good checkpoint.
   bounds TRL's k3 exactly, outside a per-token KL of `kl_token_max` whose gradient is bounded by
   exp(hi) - 1 (~ kl_token_max + hi) and still pulls the token back toward the reference (verl's gives up on
   it). The logged KL is the bounded one.
-- `divergence`: a pure check of the step rows (`diagnostics.PLOT_COLUMNS`) against `GuardConfig`: a
+- `divergence`: a pure check of the step rows (`diagnostics.PLOT_COLUMNS`) against `config.GuardConfig`: a
   non-finite loss, a mean KL above `max_kl`, or the reward collapsing to 0 for `window` steps after a
   window with mean >= `min_reward`. `DivergenceGuardMixin` (a `TrainerCallback`) runs it after every
   logged step, stops training, and restores the trainable weights of the last checkpoint BEFORE the step
@@ -21,10 +21,10 @@ rolled back to its last good checkpoint.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
-from rcgrpo_tasks.train.common.runs import read_tsv
+from rcgrpo_tasks.ops.inputs import read_tsv
+from rcgrpo_tasks.train.rl.config import GuardConfig
 from rcgrpo_tasks.train.rl.diagnostics import STEP_MARKER
 
 
@@ -51,15 +51,6 @@ def bounded_reference(ref_logps, policy_logps, lo: float, hi: float):
 
     pol = policy_logps.detach()
     return pol + torch.clamp(ref_logps - pol, min=lo, max=hi)
-
-
-@dataclass(frozen=True)
-class GuardConfig:
-    """The divergence check's thresholds (params `rl`: `divergence_*`)."""
-
-    max_kl: float | None = 1.0
-    window: int = 3
-    min_reward: float = 0.25
 
 
 def divergence(rows: list[dict], cfg: GuardConfig) -> str | None:
@@ -109,7 +100,7 @@ def drop_nonfinite_grads(optimizer) -> bool:
 
 
 class DivergenceGuardMixin:
-    """A `TrainerCallback` (`runs.lazy_subclass`) that checks every step row `tsv` holds (`divergence`), and on
+    """A `TrainerCallback` (`callbacks.lazy_subclass`) that checks every step row `tsv` holds (`divergence`), and on
     a divergence stops training and restores the last good checkpoint's trainable weights. `event`: None, or
     {step, reason, restored_step}. Before every optimizer step it drops a non-finite gradient
     (`drop_nonfinite_grads`, as Megatron and DeepSpeed skip such a step): the update is skipped, the weights

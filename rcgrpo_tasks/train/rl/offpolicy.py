@@ -10,7 +10,7 @@ this for its own vLLM path only; the engine's rollouts return their sampled log-
   `rc/logp_diff_max`, `rc/sampler_kl`), and the importance weights' mean, min and capped share.
 - `truncated_is_weights`: TRL's token weights min(exp(log pi_trainer - log pi_sampler), cap), 1 outside the
   loss mask and where the sampler gave no log-prob (NaN).
-- `OffPolicyMixin` (of `steps.RCGRPOTrainerMixin`): takes the trainer's log-probs of the batch once at
+- `OffPolicyMixin` (of `trainer_mixin.RCGRPOTrainerMixin`): takes the trainer's log-probs of the batch once at
   generation time (TRL's own `old_per_token_logps` where TRL takes them, i.e. when updates and generations
   are misaligned; else, where the weights are needed, one no-grad forward), logs the mismatch, and where
   `rc_importance_cap` is set weights each token's policy loss by its weight. Where nothing is corrected and

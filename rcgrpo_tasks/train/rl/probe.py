@@ -13,7 +13,7 @@ init probes the same prompts with the same seeds, and step 0 is the same policy 
 
 - `probe_ids`: the K entries; `probe_specs`: the engine groups (entry, S tokens, sampling with its fixed
   seed); `score_probe`: per entry, the mean reward of its S samples.
-- `ProbeMixin` (a `TrainerCallback`, `runs.lazy_subclass`): scores the probe at the run's start (step 0),
+- `ProbeMixin` (a `TrainerCallback`, `callbacks.lazy_subclass`): scores the probe at the run's start (step 0),
   at `max_steps // 2` and at the end, on the same engine backend the rollouts use (the refreshed snapshot,
   the live model or vLLM; a run stopped early: at its last step), and appends each point to `PROBE_FILE` in
   the checkpoint folder (a resumed run keeps the points it has). `probe_summary`: the run's curve, the

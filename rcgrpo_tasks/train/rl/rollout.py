@@ -12,7 +12,7 @@
 - Dynamic sampling (algo `dynamic`, DAPO's): a group without reward spread is dropped and its slot refilled
   by a group of another train entry, for at most `dynamic_max_rounds` generation rounds; groups still
   without spread are not trained on (their `env_mask` is all 0: no loss, no KL term), and a step with none
-  left makes no update (`steps.RCGRPOTrainerMixin.training_step`). Departures from DAPO: the batch
+  left makes no update (`trainer_mixin.RCGRPOTrainerMixin.training_step`). Departures from DAPO: the batch
   keeps its size (TRL's layout), so an unfilled slot is masked rather than removed, and TRL's `grpo` loss
   still averages over every sequence of the batch, masked ones counting as 0.
 - The policy it samples from: a merged low-precision copy on the policy's own device, refreshed every
@@ -34,7 +34,7 @@ from rcgrpo_tasks.engine.backend import stop_token_ids
 from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.env.prompt import ProtocolConfig
 from rcgrpo_tasks.env.rewards import REWARDS, reward_value
-from rcgrpo_tasks.train.common import processes
+from rcgrpo_tasks.train.common import distributed
 from rcgrpo_tasks.train.rl import advantages as adv
 from rcgrpo_tasks.train.rl.config import RLConfig
 from rcgrpo_tasks.train.rl.rollout_policy import policy_snapshot, rollout_dtype, trl_vllm_backend
@@ -61,7 +61,7 @@ class EngineRollout:
     each process decodes its own groups (no communication while decoding). A group's reward tokens and
     sampling seed depend on its index in the whole batch, never on the process decoding it, so N processes
     roll out exactly the groups one process would. Refill draws, the diagnostics and the price are
-    computed from every process's groups (`processes.gather`), identically on each."""
+    computed from every process's groups (`distributed.gather`), identically on each."""
 
     def __init__(self, cfg: RLConfig, protocol: ProtocolConfig, mode: adv.Conditioning, levels: tuple[str, ...],
                  entries: dict, tokenizer, dynamic: bool = False):
@@ -124,10 +124,10 @@ class EngineRollout:
         draws the same list and decodes its own slots); rounds go on while any process has a flat group.
         Returns {rounds, spread flags of every group this process generated}."""
         generated = list(spread)
-        used = {eid for part in processes.gather(ids) for eid in part}
+        used = {eid for part in distributed.gather(ids) for eid in part}
         rounds = 1
         while rounds < self.cfg.dynamic_max_rounds:
-            flat = [j for j, ok in enumerate(f for part in processes.gather(spread) for f in part) if not ok]
+            flat = [j for j, ok in enumerate(f for part in distributed.gather(spread) for f in part) if not ok]
             if not flat:
                 break
             rng = random.Random(adv.token_seed(self.cfg.seed, step, -1, call=rounds))
@@ -173,7 +173,7 @@ class EngineRollout:
         trajs = [t for grp in groups for t in grp]
         self.last, self.last_kept = trajs, kept
         mine = [rollout_record(t, step, first + i // g, kept[i // g]) for i, t in enumerate(trajs)]
-        parts = processes.gather((mine, elapsed, spread, kept, gen["generated"], self.generated_tokens))
+        parts = distributed.gather((mine, elapsed, spread, kept, gen["generated"], self.generated_tokens))
         self.records = [r for p in parts for r in p[0]]
         kept_all = [k for p in parts for k in p[3]]
         for name, value in self.metrics(self.records, max(p[1] for p in parts)).items():
@@ -259,7 +259,7 @@ class EngineRollout:
 
 
 def rollout_record(t, step: int, group: int, kept: bool) -> dict:
-    """What the run logs of one rollout (`steps.ROLLOUTS_FILE`, diagnostics): step, the group's index
+    """What the run logs of one rollout (`trainer_mixin.ROLLOUTS_FILE`, diagnostics): step, the group's index
     in the step's batch, entry, reward token, every reward, model tokens, calls, steps, environment errors,
     termination, whether it was trained on, and a hash of its token ids (the same rollout on any process)."""
     return {"step": step, "group": group, "entry_id": t.entry_id, "reward_token": t.reward_token,

@@ -1,8 +1,10 @@
 """One GRPO / RC-GRPO run end to end: the `rl` config, training (or resuming) on the chosen device with
-micro-batch fitting, the merged policy, per-step diagnostics and the summary (the rl stage runs `train_rl`)."""
+micro-batch fitting, the merged policy (`save_policy`), per-step diagnostics and the summary (the rl stage runs
+`train_rl`)."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -14,14 +16,16 @@ from rcgrpo_tasks.engine.dtype import record
 from rcgrpo_tasks.env.prompt import PromptConfig, ProtocolConfig
 from rcgrpo_tasks.ops import tracking_log
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config
-from rcgrpo_tasks.ops.inputs import read_jsonl
-from rcgrpo_tasks.train.common import checkpoints, placement, processes, runs
+from rcgrpo_tasks.ops.inputs import read_jsonl, read_tsv
+from rcgrpo_tasks.ops.outputs import write_json
+from rcgrpo_tasks.train.common import checkpoints, distributed, placement, runs
+from rcgrpo_tasks.train.common.callbacks import stop_on_signal
 from rcgrpo_tasks.train.rl import advantages as adv
 from rcgrpo_tasks.train.rl.config import RLConfig
 from rcgrpo_tasks.train.rl.diagnostics import PLOT_COLUMNS, group_flags, pool_learning, summarize
 from rcgrpo_tasks.train.rl.probe import PROBE_FILE, probe_summary, read_points
-from rcgrpo_tasks.train.rl.steps import ROLLOUTS_FILE
-from rcgrpo_tasks.train.rl.trainer import DIAGNOSTICS_FILE, MODEL_META_FILE, RLRun, build_trainer, save_policy
+from rcgrpo_tasks.train.rl.trainer import DIAGNOSTICS_FILE, MODEL_META_FILE, RLRun, build_trainer, fingerprint
+from rcgrpo_tasks.train.rl.trainer_mixin import ROLLOUTS_FILE
 
 
 def load_rl_config(params: str | Path) -> tuple[RLConfig, ProtocolConfig, tuple[str, ...]]:
@@ -56,27 +60,29 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
     compute = compute or ComputeConfig()
     device = placement.train_device(compute.device)
     cfg = cfg.resolved(compute.cpu_bf16, device.type, spec.model_dir)  # THE dtype rule, once
-    main_proc = processes.process_state(device).is_main_process
+    main_proc = distributed.process_state(device).is_main_process
     track = track and main_proc
     tags = {"rl.init": spec.init, "rl.algo": spec.algo, "rl.conditioning": mode,
             **tracking_log.grid_tags(spec.name, spec.grid_seed)}
     params = {"rl": as_dict(cfg), "prompt": as_dict(protocol), "tokens": list(levels),
               "run": {**tags, "adapter": str(spec.adapter_dir)}, "compute": as_dict(compute)}
     stage = f"rl@{spec.name}"
-    with runs.stop_on_signal() as stop, runs.published(main_proc, track, stage, params, tags,
+    fp = fingerprint(cfg, protocol, levels, spec)  # the requested micro-batch: a fitted one resumes the same run
+    with stop_on_signal() as stop, runs.published(main_proc, track, stage, params, tags,
                                                         spec.outputs) as (_, staged):
 
         def attempt(micro: int, accum: int):
-            trainer, resume, rollout = build_trainer(cfg, protocol, levels, spec, [stop, *(callbacks or [])],
-                                                     track=track, device=device, micro_batch=micro)
+            resume = checkpoints.resume_point(spec.checkpoints, fp, run=spec.name)
+            trainer = build_trainer(cfg, protocol, levels, spec, [stop, *(callbacks or [])], track=track,
+                                    device=device, micro_batch=micro)
             place = placement.record_placement(trainer, stage, device, track)
             t0 = time.perf_counter()
             with runs.disk_errors(spec.checkpoints):
-                return trainer, resume, place, checkpoints.train_or_restore(trainer, resume), t0, rollout
+                return trainer, resume, place, checkpoints.train_or_restore(trainer, resume), t0
 
         grad_accum = cfg.batch_size // cfg.micro_batch_size  # fit_micro_batch's bookkeeping; TRL's comes from check_world
         run, micro, _ = placement.fit_micro_batch(attempt, cfg.micro_batch_size, grad_accum, stage)
-        trainer, resume, place, result, t0, rollout = run
+        trainer, resume, place, result, t0 = run
         stop.check()
         folder = staged.dir(spec.out) if main_proc else None
         provenance = {
@@ -88,7 +94,7 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
             save_policy(trainer, cfg, spec, folder, provenance)
         if not main_proc:
             return {}
-        rows = [r for r in runs.read_tsv(spec.checkpoints / DIAGNOSTICS_FILE) if r["step"] <= trainer.state.global_step]
+        rows = [r for r in read_tsv(spec.checkpoints / DIAGNOSTICS_FILE) if r["step"] <= trainer.state.global_step]
         diverged = trainer.rc_guard.event if trainer.rc_guard is not None else None
         if diverged:
             print(f"{stage}: DIVERGED at {diverged['reason']}; stopped, policy rolled back to step "
@@ -100,7 +106,7 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
         high = adv.reward_levels(levels)[1] if mode == "rc" else None  # RC-GRPO: the half it is evaluated on
         summary = {**summarize(rows), "init": spec.init, "algo": spec.algo, "conditioning": mode,
                    "diverged": diverged, "probe": probe_summary(points), "groups": groups,
-                   "pool": pool_record(list(rollout.entries), spec.pool),
+                   "pool": pool_record(list(trainer.rollout_func.entries), spec.pool),
                    "pool_learning": pool_learning(records, cfg.reward, high),
                    "resumed_from": resume, "train_s": time.perf_counter() - t0,
                    "train_loss": result.training_loss, "placement": place, "micro_batch": micro,
@@ -124,3 +130,23 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
     if not cfg.keep_checkpoints:  # as sft: the folder (a DVC persist output) keeps its fingerprint, and the
         checkpoints.clear_checkpoints(spec.checkpoints, keep=(ROLLOUTS_FILE, PROBE_FILE))  # run's rollout log
     return summary
+
+
+def save_policy(trainer, cfg: RLConfig, spec: RLRun, folder: Path | None, provenance: dict) -> None:
+    """Write the policy into `folder`, the staged `spec.out` (main process; None on the others): init + RL
+    LoRA merged (+ `rl_adapter/`), or the full model, with the tokenizer and `provenance` (MODEL_META_FILE).
+    Every process must call it: under DeepSpeed ZeRO-3 `save_model` gathers the sharded weights."""
+    final = spec.checkpoints / "final"
+    if cfg.full_finetune:
+        trainer.save_model(str(final))
+    if not trainer.accelerator.is_main_process:
+        return
+    if cfg.full_finetune:
+        for f in final.iterdir():
+            shutil.move(str(f), folder / f.name)
+    else:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        model.save_pretrained(folder / "rl_adapter")
+        model.merge_and_unload().save_pretrained(folder)
+    trainer.processing_class.save_pretrained(folder)
+    write_json(folder / MODEL_META_FILE, provenance)

@@ -6,20 +6,20 @@
   TRL's reference model (built from the model's path) is the init too (`_init_on_disk`). Under LoRA the
   reward tokens' embedding rows (input and output) train too, as in RCTP (PEFT trainable tokens), unless
   the run conditions on no token.
-- `RCGRPOTrainer`: TRL's `GRPOTrainer` + `steps.RCGRPOTrainerMixin` (what it adds to TRL's step, its
+- `RCGRPOTrainer`: TRL's `GRPOTrainer` + `trainer_mixin.RCGRPOTrainerMixin` (what it adds to TRL's step, its
   `GRPOConfig` `grpo_args` and reward functions), the rollout function `rollout.EngineRollout`.
 - Divergence: `kl_guard.DivergenceGuardMixin` after the diagnostics callback (`rl.stop_on_divergence`);
   the trainer's `rc_guard` holds its event for `run.train_rl`.
 - Diagnostics: every step's row (`diagnostics.PLOT_COLUMNS`) goes to a resumable TSV in the checkpoint
   folder and, as `diag/<column>`, to MLflow (`diagnostics`).
-- Placement: `grpo_args` / `build_trainer` take the resolved device (`runs.train_device`) and a fitted
-  micro-batch (`runs.fit_micro_batch`); the checkpoint fingerprint keeps the requested one.
+- Placement: `grpo_args` / `build_trainer` take the resolved device (`placement.train_device`) and a fitted
+  micro-batch (`placement.fit_micro_batch`); the checkpoint fingerprint keeps the requested one.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
-import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -30,16 +30,18 @@ from rcgrpo_tasks.env.entries import read_split, split_entries
 from rcgrpo_tasks.env.prompt import ProtocolConfig
 from rcgrpo_tasks.ops.config import ConfigError, as_dict
 from rcgrpo_tasks.ops.inputs import InputError, read_jsonl
-from rcgrpo_tasks.ops.outputs import atomic_dir, write_json
-from rcgrpo_tasks.train.common import runs
-from rcgrpo_tasks.train.common.adapters import expose_head_bias, token_indices
+from rcgrpo_tasks.ops.outputs import atomic_dir
+from rcgrpo_tasks.train.common import checkpoints, runs
+from rcgrpo_tasks.train.common.adapters import expose_head_bias, lora_targets, token_indices
+from rcgrpo_tasks.train.common.callbacks import lazy_subclass, step_metrics
 from rcgrpo_tasks.train.rl import advantages as adv
-from rcgrpo_tasks.train.rl.config import RLConfig, check_deepspeed, check_reward, check_world, rl_side, train_entries
+from rcgrpo_tasks.train.rl.config import RLConfig, check_deepspeed, check_reward, check_world
 from rcgrpo_tasks.train.rl.diagnostics import STEP_MARKER, DiagnosticsMixin, diag_metrics
 from rcgrpo_tasks.train.rl.kl_guard import DivergenceGuardMixin, kl_bounds
+from rcgrpo_tasks.train.rl.pool import rl_side, train_entries
 from rcgrpo_tasks.train.rl.probe import ProbeMixin, probe_ids
 from rcgrpo_tasks.train.rl.rollout import EngineRollout
-from rcgrpo_tasks.train.rl.steps import RCGRPOTrainerMixin, grpo_args, reward_funcs
+from rcgrpo_tasks.train.rl.trainer_mixin import RCGRPOTrainerMixin, grpo_args, reward_funcs
 
 DIAGNOSTICS_FILE = "diagnostics.tsv"
 MODEL_META_FILE = "rcgrpo_model.json"
@@ -149,13 +151,14 @@ def rl_lora(cfg: RLConfig, model, tokenizer, levels: tuple[str, ...], mode: str)
 
     ids = [tokenizer.convert_tokens_to_ids(t) for t in levels] if mode != "none" else []
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=runs.lora_targets(cfg.lora_target_modules), task_type="CAUSAL_LM",
+                      target_modules=lora_targets(cfg.lora_target_modules), task_type="CAUSAL_LM",
                       trainable_token_indices=token_indices(model, ids) if ids else None)
 
 
 def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], spec: RLRun,
                   callbacks: list | None = None, track: bool = True, device=None, micro_batch: int | None = None):
-    """(trainer, checkpoint to resume or None, rollout function) -- everything checked before training.
+    """The trainer (its rollout function `trainer.rollout_func`), everything checked before training. Where it
+    resumes is the caller's (`run.train_rl`, from `fingerprint`), as in SFT.
 
     `protocol`: the episode settings (params `prompt` + `cfg.decode.max_outputs`); `levels`: the reward tokens
     (label_rewards.tokens); `track`: step metrics to the active MLflow run; `device`: where it trains
@@ -172,24 +175,19 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     check_tokenizer_has_reward_tokens(tokenizer, mode, levels)
     success = sampled_success_rates(read_jsonl(spec.pool)) if spec.pool is not None else None
     entries = train_entries(spec.entries, spec.split, cfg, protocol, tokenizer, success)
-    fp = runs.fingerprint(cfg, protocol=as_dict(protocol), levels=list(levels), init=spec.init, algo=spec.algo,
-                          mode=mode, code=Path(__file__), step_code=Path(__file__).with_name("steps.py"),
-                          entries=Path(spec.entries), split=Path(spec.split), model=Path(spec.model_dir),
-                          adapter=spec.adapter_dir and Path(spec.adapter_dir))
-    resume = runs.resume_point(spec.checkpoints, fp, run=spec.name)
     rollout = EngineRollout(cfg, protocol, mode, levels, {e.id: e for e in entries}, tokenizer,
                             dynamic=spec.algo == "dynamic")
     # No PEFT under full fine-tuning: TRL builds its reference model from `config._name_or_path`, so that
     # path must BE the init.
     lora = None if cfg.full_finetune else rl_lora(cfg, model, tokenizer, levels, mode)
     model = _init_on_disk(model, tokenizer, spec, cfg.dtype) if cfg.full_finetune or cfg.use_vllm else model
-    diagnostics = runs.lazy_subclass(DiagnosticsMixin, "transformers.TrainerCallback")(spec.checkpoints / DIAGNOSTICS_FILE)
-    guard = runs.lazy_subclass(DivergenceGuardMixin, "transformers.TrainerCallback")(
+    diagnostics = lazy_subclass(DiagnosticsMixin, "transformers.TrainerCallback")(spec.checkpoints / DIAGNOSTICS_FILE)
+    guard = lazy_subclass(DivergenceGuardMixin, "transformers.TrainerCallback")(
         spec.checkpoints / DIAGNOSTICS_FILE, cfg.guard) if cfg.stop_on_divergence else None
     probe = build_probe(cfg, spec, rollout, entries, mode, levels)
-    own = [runs.step_metrics(STEP_MARKER, diag_metrics)] if track else []
+    own = [step_metrics(STEP_MARKER, diag_metrics)] if track else []
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is "experimental" in TRL 1.16
-    trainer = runs.lazy_subclass(RCGRPOTrainerMixin, "trl.GRPOTrainer")(
+    trainer = lazy_subclass(RCGRPOTrainerMixin, "trl.GRPOTrainer")(
         model=model, reward_funcs=reward_funcs(), args=grpo_args(fit, spec.checkpoints, grad_accum, device),
         train_dataset=Dataset.from_list([{"prompt": e.id} for e in entries]), processing_class=tokenizer,
         peft_config=lora, rollout_func=rollout,
@@ -199,7 +197,17 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     if probe is not None:
         probe.trainer = trainer
     _finish(trainer, cfg, rollout, lora is not None)
-    return trainer, resume, rollout
+    return trainer
+
+
+def fingerprint(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], spec: RLRun) -> str:
+    """Params + protocol + tokens + the cell + input contents + this training code: checkpoints resume only
+    under the same one."""
+    return checkpoints.fingerprint(cfg, protocol=as_dict(protocol), levels=list(levels), init=spec.init,
+                                   algo=spec.algo, mode=spec.mode, code=Path(__file__),
+                                   step_code=Path(inspect.getfile(RCGRPOTrainerMixin)), entries=Path(spec.entries),
+                                   split=Path(spec.split), model=Path(spec.model_dir),
+                                   adapter=spec.adapter_dir and Path(spec.adapter_dir))
 
 
 def build_probe(cfg: RLConfig, spec: RLRun, rollout: EngineRollout, entries: list, mode: str, levels):
@@ -214,7 +222,7 @@ def build_probe(cfg: RLConfig, spec: RLRun, rollout: EngineRollout, entries: lis
     by_id = {e.id: e for e in [*entries, *outside]}
     chosen += probe_ids([e.id for e in outside], cfg.probe_transfer_entries, cfg.seed + 1)
     token = None if mode == "none" else adv.reward_levels(levels)[1]
-    return runs.lazy_subclass(ProbeMixin, "transformers.TrainerCallback")(
+    return lazy_subclass(ProbeMixin, "transformers.TrainerCallback")(
         spec.checkpoints, rollout, [by_id[i] for i in chosen], cfg.probe_samples, token, cfg.reward, cfg.max_steps,
         n_pool=min(cfg.probe_entries, len(entries)))
 
@@ -240,23 +248,3 @@ def _finish(trainer, cfg: RLConfig, rollout: EngineRollout, peft: bool) -> None:
         peft_model.peft_config["default"].base_model_name_or_path = None
         peft_model.get_base_model().name_or_path = ""  # PEFT refills the field from here on every save
         expose_head_bias(peft_model)  # TRL's fused LM head (GPU) reads lm_head.bias off the token wrapper
-
-
-def save_policy(trainer, cfg: RLConfig, spec: RLRun, folder: Path | None, provenance: dict) -> None:
-    """Write the policy into `folder`, the staged `spec.out` (main process; None on the others): init + RL
-    LoRA merged (+ `rl_adapter/`), or the full model, with the tokenizer and `provenance` (MODEL_META_FILE).
-    Every process must call it: under DeepSpeed ZeRO-3 `save_model` gathers the sharded weights."""
-    final = spec.checkpoints / "final"
-    if cfg.full_finetune:
-        trainer.save_model(str(final))
-    if not trainer.accelerator.is_main_process:
-        return
-    if cfg.full_finetune:
-        for f in final.iterdir():
-            shutil.move(str(f), folder / f.name)
-    else:
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        model.save_pretrained(folder / "rl_adapter")
-        model.merge_and_unload().save_pretrained(folder)
-    trainer.processing_class.save_pretrained(folder)
-    write_json(folder / MODEL_META_FILE, provenance)

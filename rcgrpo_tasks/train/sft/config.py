@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from rcgrpo_tasks.data.chat import GOAL_PLACES
+from rcgrpo_tasks.engine.models import LORA_TARGETS
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, from_dict
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.train.common import runs
@@ -66,7 +67,7 @@ class SftConfig:
     """LoRA scaling numerator (scale = alpha / r)."""
     lora_dropout: float = 0.05
     """Dropout on the LoRA input."""
-    lora_target_modules: tuple[str, ...] = runs.LORA_TARGETS
+    lora_target_modules: tuple[str, ...] = LORA_TARGETS
     """Module names that get LoRA (or ("all-linear",))."""
     extra_special_tokens: tuple[str, ...] = ()
     """Special tokens added besides the reward tokens of `label_rewards.tokens`."""

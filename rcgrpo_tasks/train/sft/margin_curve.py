@@ -13,11 +13,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from rcgrpo_tasks.data.margin import REPLAY_OUTPUTS, contrast_set, teacher_forced_margin, token_row_distance
 from rcgrpo_tasks.env.entries import split_entries, stratified
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops import tracking
-from rcgrpo_tasks.train.common.runs import lazy_subclass
-from rcgrpo_tasks.train.sft.margin import REPLAY_OUTPUTS, contrast_set, teacher_forced_margin, token_row_distance
+from rcgrpo_tasks.train.common.callbacks import lazy_subclass
 
 
 class MarginCurveMixin:

@@ -21,8 +21,9 @@ from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config
 from rcgrpo_tasks.ops.outputs import write_json
-from rcgrpo_tasks.train.common import processes, runs
+from rcgrpo_tasks.train.common import checkpoints, distributed, placement, runs
 from rcgrpo_tasks.train.common.adapters import log_model
+from rcgrpo_tasks.train.common.callbacks import step_metrics, stop_on_signal
 from rcgrpo_tasks.train.sft.config import SftConfig, SftRun
 from rcgrpo_tasks.train.sft.margin_curve import margin_curve
 from rcgrpo_tasks.train.sft.rows import load_rows, ordered
@@ -60,20 +61,20 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbac
     `track`: an MLflow run (main process only). Under `accelerate launch` every rank trains; only the main
     one touches the checkpoint folder's bookkeeping, MLflow and the outputs. `compute`: where it trains
     (params `compute`; default `auto`); a micro-batch that runs out of memory is halved, the gradient
-    accumulation doubled (`runs.fit_micro_batch`). `prompt`: how the margin curve renders its entries."""
+    accumulation doubled (`placement.fit_micro_batch`). `prompt`: how the margin curve renders its entries."""
     spec.check()
     spec.check_against(cfg)
     compute = compute or ComputeConfig()
-    device = runs.train_device(compute.device)
+    device = placement.train_device(compute.device)
     cfg = replace(cfg, bf16=train_bf16(cfg.bf16, device.type, compute.cpu_bf16, spec.model_dir))  # THE dtype rule
-    state = processes.process_state(device)
+    state = distributed.process_state(device)
     rows = ordered(load_rows(spec.data, tokens, cfg.require_reward_token), cfg.row_order, cfg.seed)
     n_rows = min(len(rows), cfg.max_examples or len(rows))
     if cfg.batch_size > n_rows:  # it would only grow padding until memory runs out
         raise ConfigError(f"sft.batch_size {cfg.batch_size} exceeds the {n_rows} row(s) trained from {spec.data}")
     fp = fingerprint(cfg, tokens, spec)  # the requested micro-batch: a fitted one resumes the same run
     track = track and state.is_main_process  # MLflow, outputs and bookkeeping: main process only
-    hashes = {"data_md5": runs.file_md5(spec.data), "model_fingerprint": runs.dir_fingerprint(spec.model_dir)[:16],
+    hashes = {"data_md5": checkpoints.file_md5(spec.data), "model_fingerprint": checkpoints.dir_fingerprint(spec.model_dir)[:16],
               **{f"dvc:{k}": v for k, v in runs.dvc_hashes([spec.data, spec.model_dir]).items()}}
     params = {"sft": as_dict(cfg), "variant": spec.variant, "tokens": list(tokens), "inputs": hashes,
               "compute": as_dict(compute)}
@@ -82,8 +83,8 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbac
     stage = f"sft@{spec.variant}"
     main = state.is_main_process
     tags = {"sft.variant": spec.variant, **tracking_log.grid_tags(spec.variant, spec.grid_seed)}
-    with runs.stop_on_signal() as stop, runs.published(main, track, stage, params, tags, spec.outputs) as (_, staged):
-        own = [runs.step_metrics("loss")] if track else []
+    with stop_on_signal() as stop, runs.published(main, track, stage, params, tags, spec.outputs) as (_, staged):
+        own = [step_metrics("loss")] if track else []
         # one process only: the curve's forwards run on the main process, which under DDP / ZeRO-3 would
         # leave the others waiting in a collective
         alone = state.num_processes == 1 and not cfg.deepspeed
@@ -91,18 +92,19 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbac
         own += [curve_cb] if curve_cb is not None else []
 
         def attempt(micro: int, accum: int):
-            resume = runs.resume_point(spec.checkpoints, fp, variant=spec.variant)
-            built = build_trainer(replace(cfg, batch_size=micro, grad_accum=accum), spec.model_dir, rows, tokens,
-                                  spec.checkpoints, [*own, stop, *(callbacks or [])], device=device,
-                                  init_adapter=spec.init_adapter)
-            place = runs.record_placement(built[0], stage, device, track)
+            resume = checkpoints.resume_point(spec.checkpoints, fp, variant=spec.variant)
+            trainer = build_trainer(replace(cfg, batch_size=micro, grad_accum=accum), spec.model_dir, rows, tokens,
+                                    spec.checkpoints, [*own, stop, *(callbacks or [])], device=device,
+                                    init_adapter=spec.init_adapter)
+            place = placement.record_placement(trainer, stage, device, track)
             t0 = time.perf_counter()
             with runs.disk_errors(spec.checkpoints):
-                result = runs.train_or_restore(built[0], resume)
-            return built, place, resume, result, time.perf_counter() - t0
+                result = checkpoints.train_or_restore(trainer, resume)
+            return trainer, place, resume, result, time.perf_counter() - t0
 
-        run, micro, accum = runs.fit_micro_batch(attempt, cfg.batch_size, cfg.grad_accum, stage)
-        (trainer, tokenizer, token_ids, stats), place, resume, result, seconds = run
+        run, micro, accum = placement.fit_micro_batch(attempt, cfg.batch_size, cfg.grad_accum, stage)
+        trainer, place, resume, result, seconds = run
+        tokenizer, token_ids, stats = trainer.processing_class, trainer.token_ids, trainer.data_stats
         stop.check()
         if not main:
             save_trained(trainer, spec.out, None, {}, merged=spec.merged(cfg))
@@ -127,7 +129,7 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbac
         if track:
             _log_outputs(trainer, tokenizer, spec, summary, cfg, staged, folder)
     if not cfg.keep_checkpoints:  # the folder (a DVC persist output) stays, with its fingerprint only
-        runs.clear_checkpoints(spec.checkpoints)
+        checkpoints.clear_checkpoints(spec.checkpoints)
     return summary
 
 

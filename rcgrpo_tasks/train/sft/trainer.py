@@ -5,7 +5,7 @@
   SFT start already has them, at the mean) + LoRA whose `trainable_token_indices` train those rows
   (`lora_config`), TRL's `SFTConfig` (`trainer_args`), on the resolved device; the rows pre-tokenized with
   THE assistant-token mask (`rows.tokenize_rows`: SmolLM2's template has no `{% generation %}` markers, so
-  TRL gets `input_ids` + `assistant_masks`); the trainer class is `SFTTrainer` + `steps.RcgrpoSFTTrainerMixin`
+  TRL gets `input_ids` + `assistant_masks`); the trainer class is `SFTTrainer` + `trainer_mixin.RcgrpoSFTTrainerMixin`
   (tokens/s, the token rows' own learning rate `token_lr_multiplier`, the CPU loss over assistant positions
   only, the pairs' order, small saves).
 - `fingerprint`: what a checkpoint resumes under (params, tokens, inputs and this module's code).
@@ -21,12 +21,13 @@ from pathlib import Path
 from rcgrpo_tasks.data.chat import answer_goal_template, goal_place
 from rcgrpo_tasks.engine.models import load_trained
 from rcgrpo_tasks.ops.config import ConfigError
-from rcgrpo_tasks.train.common import runs
-from rcgrpo_tasks.train.common.adapters import add_special_tokens, expose_head_bias, token_indices
+from rcgrpo_tasks.train.common import checkpoints, placement
+from rcgrpo_tasks.train.common.adapters import add_special_tokens, expose_head_bias, lora_targets, token_indices
+from rcgrpo_tasks.train.common.callbacks import lazy_subclass
 from rcgrpo_tasks.train.sft.config import SftConfig, SftRun
 from rcgrpo_tasks.train.sft.objective import rctp_objective
 from rcgrpo_tasks.train.sft.rows import tokenize_rows
-from rcgrpo_tasks.train.sft.steps import RcgrpoSFTTrainerMixin
+from rcgrpo_tasks.train.sft.trainer_mixin import RcgrpoSFTTrainerMixin
 
 
 def lora_config(cfg: SftConfig, model, token_ids: list[int]):
@@ -38,13 +39,13 @@ def lora_config(cfg: SftConfig, model, token_ids: list[int]):
     from peft import LoraConfig
 
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=runs.lora_targets(cfg.lora_target_modules),
+                      target_modules=lora_targets(cfg.lora_target_modules),
                       trainable_token_indices=token_indices(model, token_ids), task_type="CAUSAL_LM")
 
 
 def trainer_args(cfg: SftConfig, ckpt_dir: Path, bf16: bool, device=None):
     """TRL `SFTConfig` of a run: checkpoints under `ckpt_dir`, no reporting (MLflow goes through callbacks),
-    on `device` (`runs.train_device`; None = CUDA when available)."""
+    on `device` (`placement.train_device`; None = CUDA when available)."""
     from trl import SFTConfig
 
     return SFTConfig(
@@ -55,7 +56,7 @@ def trainer_args(cfg: SftConfig, ckpt_dir: Path, bf16: bool, device=None):
         seed=cfg.seed, data_seed=cfg.seed, bf16=bf16, gradient_checkpointing=cfg.gradient_checkpointing,
         max_length=None if cfg.padding_free else cfg.max_length, padding_free=cfg.padding_free,
         logging_steps=cfg.logging_steps, save_strategy="steps", save_steps=cfg.save_steps,
-        save_total_limit=cfg.save_total_limit, report_to=[], use_cpu=runs.use_cpu(device),
+        save_total_limit=cfg.save_total_limit, report_to=[], use_cpu=placement.use_cpu(device),
         deepspeed=cfg.deepspeed, disable_tqdm=True, dataloader_num_workers=0,
     )
 
@@ -77,13 +78,14 @@ def load_start(cfg: SftConfig, model_dir: Path, init_adapter: Path | None):
 
 def build_trainer(cfg: SftConfig, model_dir: Path, rows: list[dict], tokens: tuple[str, ...], ckpt_dir: Path,
                   callbacks: list | None = None, device=None, init_adapter: Path | None = None):
-    """(trainer, tokenizer, special-token ids, data stats): base (or merged SFT: `init_adapter`) + added
-    tokens + LoRA, ready to train on `device` (None = CUDA when available). The reward tokens are `tokens`
+    """The trainer: base (or merged SFT: `init_adapter`) + added tokens (`trainer.token_ids`) + LoRA, its rows
+    tokenized (`trainer.data_stats`), ready to train on `device` (None = CUDA when available); the tokenizer
+    is `trainer.processing_class`. Where it resumes is the caller's (`run.train_variant`), as in RL. The reward tokens are `tokens`
     minus `cfg.extra_special_tokens`, lowest first (`reward_token_init: apart` spreads them in that order)."""
     from datasets import Dataset
 
     # first: under ZeRO-3 the model loads sharded
-    args = trainer_args(cfg, ckpt_dir, runs.resolve_bf16(cfg.bf16, device), device)
+    args = trainer_args(cfg, ckpt_dir, placement.resolve_bf16(cfg.bf16, device), device)
     model, tokenizer = load_start(cfg, model_dir, init_adapter)
     levels = tuple(t for t in tokens if t not in cfg.extra_special_tokens)
     token_ids = add_special_tokens(tokenizer, model, tokens, cfg.seed, cfg.reward_token_init, levels)
@@ -94,7 +96,7 @@ def build_trainer(cfg: SftConfig, model_dir: Path, rows: list[dict], tokens: tup
         tokenizer.chat_template = answer_goal_template(tokenizer.chat_template)
     train_rows, stats = tokenize_rows(rows, tokenizer, cfg.max_length, cfg.max_examples, cfg.loss_on)
     peft_config = None if cfg.full_finetune else lora_config(cfg, model, token_ids)
-    trainer = runs.lazy_subclass(RcgrpoSFTTrainerMixin, "trl.SFTTrainer")(
+    trainer = lazy_subclass(RcgrpoSFTTrainerMixin, "trl.SFTTrainer")(
         model=model, args=args, processing_class=tokenizer,
         train_dataset=Dataset.from_list(train_rows), peft_config=peft_config, callbacks=callbacks or [])
     expose_head_bias(trainer.model)
@@ -106,11 +108,12 @@ def build_trainer(cfg: SftConfig, model_dir: Path, rows: list[dict], tokens: tup
         trainer.objective = rctp_objective(ids_of[levels[-1]], ids_of[levels[0]], cfg.first_token_weight,
                                            cfg.unlikelihood, trainer._metrics["train"])
     trainer.token_lr = (cfg.token_lr_multiplier, list(token_ids))
-    return trainer, tokenizer, token_ids, stats
+    trainer.token_ids, trainer.data_stats = tuple(token_ids), stats
+    return trainer
 
 
 def fingerprint(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun) -> str:
     """Params + tokens + input contents + this training code: checkpoints resume only under the same one."""
-    return runs.fingerprint(cfg, tokens=tokens, variant=spec.variant, code=Path(__file__),
+    return checkpoints.fingerprint(cfg, tokens=tokens, variant=spec.variant, code=Path(__file__),
                             data=Path(spec.data), model=Path(spec.model_dir),
                             init=spec.init_adapter and Path(spec.init_adapter))

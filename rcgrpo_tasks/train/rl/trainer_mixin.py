@@ -24,7 +24,7 @@ from rcgrpo_tasks.engine.models import last_positions
 from rcgrpo_tasks.engine.shared_prefix import target_hidden, trunk_and_head
 from rcgrpo_tasks.env.rewards import REWARDS
 from rcgrpo_tasks.ops.inputs import read_jsonl
-from rcgrpo_tasks.train.common import processes, runs
+from rcgrpo_tasks.train.common import callbacks, distributed, placement
 from rcgrpo_tasks.train.rl import advantages as adv
 from rcgrpo_tasks.train.rl.config import RLConfig
 from rcgrpo_tasks.train.rl.kl_guard import bounded_reference
@@ -71,7 +71,7 @@ class RCGRPOTrainerMixin(OffPolicyMixin):
 
     def _get_train_sampler(self, dataset=None):
         base = super()._get_train_sampler(dataset)
-        return runs.lazy_subclass(EpochSeededSamplerMixin, "trl.trainer.utils.RepeatSampler")(
+        return callbacks.lazy_subclass(EpochSeededSamplerMixin, "trl.trainer.utils.RepeatSampler")(
             base.data_source, base.mini_repeat_count, base.batch_size, base.repeat_count, base.shuffle, base.seed)
 
     def record_metric(self, name: str, value: float) -> None:
@@ -104,7 +104,7 @@ class RCGRPOTrainerMixin(OffPolicyMixin):
         self._current_train_step_time += time.perf_counter() - t0  # TRL's step_time includes generation
         accum = self.current_gradient_accumulation_steps
         if self._step % accum == 0:
-            self._rc_skip = not processes.any_process(self._step_trains())
+            self._rc_skip = not distributed.any_process(self._step_trains())
             self.record_metric("rc/step_skipped", float(self._rc_skip))
         if not self._rc_skip:
             loss = super().training_step(model, prepared, num_items_in_batch)
@@ -241,13 +241,13 @@ def correct_mismatch(cfg: RLConfig, device_type: str, autocast: bool) -> bool:
 
 def grpo_args(cfg: RLConfig, ckpt_dir: Path, grad_accum: int, device=None):
     """TRL `GRPOConfig` of a run: checkpoints under `ckpt_dir`, no reporting (MLflow goes through callbacks),
-    on `device` (`runs.train_device`; None = CUDA when available). `minibatches` optimizer steps per
+    on `device` (`placement.train_device`; None = CUDA when available). `minibatches` optimizer steps per
     generation batch; TRL's importance sampling (its vLLM path) as `correct_mismatch` says, token-truncated
     at `importance_sampling_cap` (the engine path reads the same fields: `build_trainer`)."""
     import torch
     from trl import GRPOConfig
 
-    bf16 = runs.resolve_bf16(cfg.bf16, device)
+    bf16 = placement.resolve_bf16(cfg.bf16, device)
     device_type = device.type if device is not None else "cuda" if torch.cuda.is_available() else "cpu"
     weights = [1.0 if name == cfg.reward else 0.0 for name in REWARDS]
     kwargs = dict(
@@ -261,7 +261,7 @@ def grpo_args(cfg: RLConfig, ckpt_dir: Path, grad_accum: int, device=None):
         gradient_checkpointing=cfg.gradient_checkpointing, logging_steps=1, save_strategy="steps",
         save_steps=cfg.save_steps, save_total_limit=cfg.save_total_limit, report_to=[], seed=cfg.seed,
         data_seed=cfg.seed, remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True,
-        bf16=bf16, use_cpu=runs.use_cpu(device), deepspeed=cfg.deepspeed, use_vllm=cfg.use_vllm,
+        bf16=bf16, use_cpu=placement.use_cpu(device), deepspeed=cfg.deepspeed, use_vllm=cfg.use_vllm,
         vllm_mode=cfg.vllm_mode, vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
         vllm_importance_sampling_correction=correct_mismatch(cfg, device_type, bf16),
         vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=cfg.importance_sampling_cap,

@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from rcgrpo_tasks.engine.compute import ComputeConfig
-from rcgrpo_tasks.ops import procs
+from rcgrpo_tasks.ops import stops
 from rcgrpo_tasks.ops.config import ConfigError
 
 LAUNCH_GRACE_S = 60.0
 """How long a stopped launch may take to checkpoint its step and exit before it is killed (longer than
-`runs.STOP_GRACE_S`, the processes' own limit for finishing the step)."""
+`callbacks.STOP_GRACE_S`, the processes' own limit for finishing the step)."""
 
 
 def in_launch() -> bool:
@@ -82,15 +82,15 @@ def launch_command(compute: ComputeConfig, device, argv: list[str]) -> list[str]
 def relaunch(compute: ComputeConfig, device, command: str, options: dict[str, Any]) -> int:
     """Run stage `command` with `options` (its parsed CLI options) in `compute.processes` processes and
     return the launch's exit code (0 when every process succeeded). A stop signal is passed on once and
-    re-raised here (`procs.Terminated`) when the launch is gone."""
+    re-raised here (`stops.Terminated`) when the launch is gone."""
     cmd = launch_command(compute, device, [command, *cli_options(options)])
     print(f"rcgrpo {command}: {compute.processes} processes under accelerate launch "
           f"({compute.accelerate_config or 'data parallel'}, {device.type})", file=sys.stderr, flush=True)
-    proc = procs.start_group(cmd, die_with_us=True, env={**os.environ, "RCGRPO_DIE_WITH_PARENT": "1"})
+    proc = stops.start_group(cmd, die_with_us=True, env={**os.environ, "RCGRPO_DIE_WITH_PARENT": "1"})
     try:
         code = proc.wait()
     except BaseException:  # Terminated, KeyboardInterrupt: stop the launch before unwinding
-        procs.stop_group(proc, LAUNCH_GRACE_S, leader_first=True)
+        stops.stop_group(proc, LAUNCH_GRACE_S, leader_first=True)
         raise
     if code:
         print(f"error: rcgrpo {command}: the launch of {compute.processes} processes exited with code {code}",

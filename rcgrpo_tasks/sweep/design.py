@@ -1,4 +1,4 @@
-"""Judging a dev sweep (`ops.sweep` ran it): the design table and replicates pooled, on dev entries only.
+"""Judging a dev sweep (`sweep.run` ran it): the design table and replicates pooled, on dev entries only.
 
 - `design_rows`: one row per (candidate, cell) from the candidate's `report.json` (the report stage's own:
   dev accuracy vs the init paired over entries, the fixed probe's change, zero-variance groups of RC-GRPO vs
@@ -14,7 +14,7 @@ from pathlib import Path
 from rcgrpo_tasks.evaluation.results_table import load_eval
 from rcgrpo_tasks.ops.inputs import read_json
 from rcgrpo_tasks.ops.stats import paired_bootstrap_ci
-from rcgrpo_tasks.ops.sweep import Spec
+from rcgrpo_tasks.sweep.run import Spec
 
 
 def design_rows(out: Path, spec: Spec) -> list[dict]:

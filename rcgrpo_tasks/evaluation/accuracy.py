@@ -1,5 +1,6 @@
-"""Held-out evaluation: rollouts of one model on the held-out split (either task), scored, summarised with
-bootstrap CIs (the evaluate stage runs `run_eval`).
+"""A model's accuracy: its rollouts on one side of the split (either task; `check_side`: test, held out, what is
+reported, or dev, what designs are chosen on), scored, summarised with bootstrap CIs (the evaluate stage runs
+`run_eval`).
 
 Two measures per entry: the greedy answer (`valid`), and pass@1 estimated from `pass_samples` answers
 sampled as RL samples (`rl.temperature`, `rl.top_p`): the share of them that succeed. RL sharpens the
@@ -29,7 +30,27 @@ from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import write_jsonl, write_text
 from rcgrpo_tasks.ops.plots import accuracy_plot
 from rcgrpo_tasks.ops.stats import bootstrap_ci, check_n_boot
-from rcgrpo_tasks.train.rl.config import RLConfig
+
+
+@dataclass(frozen=True)
+class RLSampling:
+    """How RL samples its rollouts: params `rl`'s `temperature` and `top_p`, read key by key
+    (`ops.config.load_keys`), not through the RL trainer's config; pass@1 and controllability's sampled arm
+    sample as RL does."""
+
+    temperature: float
+    """RL's sampling temperature (> 0: RL samples)."""
+    top_p: float
+    """RL's nucleus sampling."""
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError("need temperature > 0 (rollouts are sampled)")
+        self.applied(DecodeConfig())  # THE decoding bounds (`engine.decoding`)
+
+    def applied(self, decode: DecodeConfig) -> DecodeConfig:
+        """`decode` at RL's temperature and top_p."""
+        return dataclasses.replace(decode, temperature=self.temperature, top_p=self.top_p)
 
 
 @dataclass(frozen=True)
@@ -52,7 +73,7 @@ class EvaluateConfig:
     """Bootstrap resamples of every CI."""
     margin: bool = True
     """Reward-conditioned evaluations (a `--reward-token`, hf backend): also the teacher-forced margin on the
-    evaluated entries and the reward-token rows' distance (`train.sft.margin.read_token`, forward passes only), so
+    evaluated entries and the reward-token rows' distance (`data.margin.read_token`, forward passes only), so
     every RCTP-based model, RL policies included, shows whether it still reads its token (RL rewards the low
     token for success too, which can erode it)."""
     guidance: float = 0.0
@@ -134,12 +155,12 @@ def guidance_of(cfg: EvaluateConfig, reward_token: str | None) -> float:
     return cfg.guidance if reward_token else 0.0
 
 
-def pass_sampling(cfg: EvaluateConfig, rl: RLConfig) -> SamplingParams | None:
+def pass_sampling(cfg: EvaluateConfig, rl: RLSampling) -> SamplingParams | None:
     """How pass@1's answers are sampled: as RL samples (`rl`'s temperature and top_p), with evaluate's budgets
     and seed; None when `pass_samples` is 0."""
     if not cfg.pass_samples:
         return None
-    return dataclasses.replace(cfg.decode, temperature=rl.decode.temperature, top_p=rl.decode.top_p).sampling(cfg.seed)
+    return rl.applied(cfg.decode).sampling(cfg.seed)
 
 
 def _rollouts(cfg: EvaluateConfig, backend, entries: list[Entry], k: int, proto, sampling: SamplingParams,

@@ -31,7 +31,7 @@ Every other argument is the planned one. No sweep stage may read an output of a 
 those the cells start from (`check_reads`), and those must exist before it starts (`missing_inputs`). `plan_runner.run_plan` runs the plan (`jobs` side by
 side, one log per stage, the bundle; `keep_going`: one candidate's failure does not stop the others);
 `chain_timings` turns its record into `<out>/timings.json` (per chain: rl + evaluate). Judging them is
-`evaluation.design` (the design table, pooled replicates). Nothing here reads the held-out side.
+`sweep.design` (the design table, pooled replicates). Nothing here reads the held-out side.
 
 Why no sweep library: DVC's experiments queue runs `dvc exp run`, which needs DVC and a git workspace a GPU
 host has not; the plan runner already runs the pipeline's commands there.
@@ -46,13 +46,12 @@ from pathlib import Path
 
 import yaml
 
+from rcgrpo_tasks.env.paper import ALGOS, INITS
 from rcgrpo_tasks.ops.config import ConfigError, deep_merge, read_params
 from rcgrpo_tasks.ops.outputs import write_json, write_text
 from rcgrpo_tasks.ops.pipeline import PlannedStage, Substitution, select, variant, write_plan
 from rcgrpo_tasks.ops.plan_runner import RunRecord, StageRun, bundle_members, run_plan, write_bundle
 
-INITS = ("sft", "rctp")
-ALGOS = ("grpo", "rc_grpo", "dynamic")
 RESERVED = frozenset({"init", "logs"})
 """Folders of `<out>` that are the sweep's own, not a candidate's."""
 
@@ -186,7 +185,7 @@ def check_reads(plan: list[PlannedStage], planned: list[PlannedStage], cells: tu
     for stage, token, _, who, given in _reads(plan, planned, cells):
         if not given:
             raise ConfigError(f"sweep stage {stage.name}: {token!r} names what pipeline stage {who} makes, "
-                              "which the sweep neither runs nor moves (ops.sweep substitutes each stage's "
+                              "which the sweep neither runs nor moves (sweep.run substitutes each stage's "
                               "options: add this one there)")
 
 
@@ -201,7 +200,7 @@ def missing_inputs(plan: list[PlannedStage], planned: list[PlannedStage], cells:
 
 
 def chain_timings(record: RunRecord, plan: list[PlannedStage]) -> dict[str, dict]:
-    """{chain: {status, seconds}} as `evaluation.design` reads `<out>/timings.json`: a chain is a cell's
+    """{chain: {status, seconds}} as `sweep.design` reads `<out>/timings.json`: a chain is a cell's
     rl + evaluate (`<candidate>/<cell>`), an init's evaluation (`init/<init>`) or a report
     (`<candidate>/report`); `ok` when all its stages ran, else the first failure, stop or `not run`."""
     chains: dict[str, list[StageRun]] = {}

@@ -20,12 +20,9 @@ tenth of a nat on a 135M model (a sampled gap has SE ~0.09 at 16 entries x 3 sam
 - `margin_stats`: per kind and overall (per entry: the mean over its kinds), the mean with its 95 %
   percentile-bootstrap CI over entries and the share of entries above 0.
 Beyond the paper: the paper shows controllability by sampling only.
-Why here, in the SFT wing of `train`: it is a measurement of a trained model, not training data (so not
-`data/`), and it lives beside its readers: the RCTP margin curve while RCTP-FT trains
-(`train.sft.margin_curve`) and evaluation after it (`evaluation.controllability`, the evaluate stage). Of
-their layers, `train` is the lowest every reader may import (evaluation imports train, never the reverse);
-within it, the wing of its training-time reader: RL never reads it, so it is not in `train.common`, and the
-rl stage does not rerun when it changes.
+Why here, in `data/`: it is read by both training (the RCTP margin curve while RCTP-FT trains,
+`train.sft.margin_curve`) and evaluation after it (`evaluation.controllability`, the evaluate stage), which are
+siblings that never import each other, so it sits in the layer right below both.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the SFT / RCTP trainer adds to TRL's `SFTTrainer` (`RcgrpoSFTTrainerMixin`): trained tokens/s in the
 logs, the reward-token rows' own learning rate, the CPU loss over assistant positions only, the dataset's own
 order where it matters (`row_order: pairs`), small adapter saves. `trainer.build_trainer` builds it
-(`runs.lazy_subclass`: TRL is imported only then)."""
+(`callbacks.lazy_subclass`: TRL is imported only then)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ class RcgrpoSFTTrainerMixin:
     """`objective.rctp_objective`'s hook (first-token weight, unlikelihood), or None: the plain NLL."""
     token_lr: tuple[float, list[int]] = (1.0, [])
     """(multiplier, token ids): the added tokens' rows train at multiplier x lr (`SftConfig.token_lr_multiplier`)."""
+    token_ids: tuple[int, ...] = ()
+    """The ids of the tokens the run added (`tokens` order; `trainer.build_trainer` sets them)."""
+    data_stats: dict | None = None
+    """What tokenizing the rows kept and dropped (`rows.tokenize_rows`; the run summary's `data`)."""
 
     def create_optimizer(self, model=None):
         fresh = self.optimizer is None

@@ -1,0 +1,40 @@
+"""An RL run's per-step rows as their readers see them: the columns that show the RC-GRPO mechanism and their
+per-run summaries. Written by the rl stage (`train.rl.diagnostics`: the plots TSV and the run summary), drawn
+by the report (`evaluation.mechanism`); here, below both, because training and evaluation read them.
+
+- `MECHANISM_COLUMNS`: the share of zero-variance groups, the advantage spread, the controllability gap and
+  the reward, in plotting order.
+- `step_summary(rows)`: mean of each of those columns over the steps where it is defined, with a 95 %
+  percentile-bootstrap CI over steps (`ops.stats.bootstrap_ci`). Steps of one run are not independent
+  (the policy drifts, entries repeat), so the CI describes the spread of the logged steps, not a
+  population; compare runs by their curves as well.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from rcgrpo_tasks.ops.stats import bootstrap_ci
+
+MECHANISM_COLUMNS = ("frac_zero_std", "adv_abs_mean", "adv_std", "controllability_gap", "reward")
+"""Per-step columns that show the mechanism, in plotting order."""
+
+
+def finite(values: Sequence[float]) -> list[float]:
+    """The values that are numbers (no None, no NaN), as floats."""
+    return [float(v) for v in values if v is not None and not math.isnan(float(v))]
+
+
+def column_summary(values: Sequence[float], seed: int = 0) -> dict:
+    """{mean, ci_low, ci_high, steps} of the finite `values` (one per step); None fields when there are none."""
+    xs = finite(values)
+    if not xs:
+        return {"mean": None, "ci_low": None, "ci_high": None, "steps": 0}
+    lo, hi = bootstrap_ci(xs, seed=seed)
+    return {"mean": sum(xs) / len(xs), "ci_low": lo, "ci_high": hi, "steps": len(xs)}
+
+
+def step_summary(rows: Sequence[Mapping], columns: Sequence[str] = MECHANISM_COLUMNS, seed: int = 0) -> dict:
+    """{column: column_summary} over the step rows of one run (a missing column counts as undefined)."""
+    return {c: column_summary([r.get(c, float("nan")) for r in rows], seed) for c in columns}
