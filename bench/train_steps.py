@@ -18,7 +18,7 @@ Phases (each prints one line as it ends; `--out` gets them all as JSON):
 
 Entries: the prepare_data stage's code with params.yaml's `prepare_data` (the single-turn task) into a temp
 folder (bfcl-eval ships them; no data/ needed). Every stage reads one temp params file: params.yaml (as
-written by hand) + configs/gpu.yaml (`ops.config.apply_profile`), params.yaml's `prepare_data` and `prompt`
+written by hand) + configs/gpu.yaml (`ops.profiles.apply_profile`), params.yaml's `prepare_data` and `prompt`
 kept, `compute.device` = `--device` (the stages place models from it: CUDA asked for where there is none
 fails, never a CPU fallback). `--dtype float32` turns bf16 autocast off and rolls out / decodes in float32;
 `bfloat16` keeps the profile's (fp32 master weights, bf16 autocast, bf16 rollouts and decoding).
@@ -62,7 +62,7 @@ DTYPES = {"float32": {"sft": {"bf16": False}, "rl": {"bf16": False, "rollout_dty
 def bench_params(work: Path, device: str, dtype: str, tiny: bool, steps: int) -> tuple[Path, dict]:
     """(the params file every phase reads, params.yaml's own `sft` section): the gpu profile over the
     pristine params.yaml, its `prepare_data` and `prompt` kept, the device, dtype, sizes and step count set."""
-    from rcgrpo_tasks.ops.config import apply_profile, pristine_params
+    from rcgrpo_tasks.ops.profiles import apply_profile, pristine_params
 
     pristine = yaml.safe_load(pristine_params(REPO / "params.yaml")[0])
     merged = apply_profile(None, PROFILE, work / "profile.yaml", root=REPO)

@@ -51,7 +51,7 @@ import yaml
 from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run, task_run
 
-from rcgrpo_tasks.ops import config, pipeline, stops, tracking, tracking_log, tracking_store
+from rcgrpo_tasks.ops import config, pipeline, profiles, stops, tracking, tracking_log, tracking_store
 
 BIN = Path(sys.executable).parent
 SKIP_MARKERS = ("didn't change, skipping", "is cached - skipping run")
@@ -206,7 +206,7 @@ def apply_profile(repo_dir: str, profile: str) -> dict[str, str]:
     """Write params.yaml = pristine params + `profile` (`rcgrpo params --profile`), so DVC sees exactly
     which sections changed and reruns those stages. Returns what the parent run records."""
     params = Path(repo_dir) / "params.yaml"
-    merged = config.apply_profile(None, profile, params)
+    merged = profiles.apply_profile(None, profile, params)
     digest = tracking_log.params_hash(merged)
     get_run_logger().info("profile %r applied to %s from the pristine params (params sha256 %s)",
                           profile, params, digest)

@@ -46,8 +46,9 @@ from flows.rcgrpo_flow import (  # noqa: E402
     stage_env,
 )
 from rcgrpo_tasks.ops import tracking, tracking_store  # noqa: E402
-from rcgrpo_tasks.ops.config import GENERATED, read_params  # noqa: E402
+from rcgrpo_tasks.ops.config import read_params  # noqa: E402
 from rcgrpo_tasks.ops.outputs import atomic_dir, write_json, write_text  # noqa: E402
+from rcgrpo_tasks.ops.profiles import GENERATED  # noqa: E402
 
 PIPELINE = "retrain/dvc.yaml"
 TEMPLATE = "flows/retrain.dvc.yaml"

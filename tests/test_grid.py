@@ -8,8 +8,9 @@ import yaml
 from helpers import REPO_ROOT, copy_tree
 
 from rcgrpo_tasks.evaluation.grid import GridConfig
-from rcgrpo_tasks.ops.config import ConfigError, apply_profile, from_dict, load_config
+from rcgrpo_tasks.ops.config import ConfigError, from_dict, load_config
 from rcgrpo_tasks.ops.pipeline import dvc_stages
+from rcgrpo_tasks.ops.profiles import apply_profile
 
 SEEDED = ("rctp", "pool_rctp", "controllability", "evaluate_rctp")
 

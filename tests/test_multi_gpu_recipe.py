@@ -18,7 +18,8 @@ import yaml
 from helpers import REPO_ROOT
 
 from rcgrpo_tasks.engine.compute import ComputeConfig, load_compute
-from rcgrpo_tasks.ops.config import ConfigError, apply_profile, load_config
+from rcgrpo_tasks.ops.config import ConfigError, load_config
+from rcgrpo_tasks.ops.profiles import apply_profile
 from rcgrpo_tasks.train.rl.config import RLConfig, check_world
 from rcgrpo_tasks.train.sft.run import load_sft_config
 

@@ -14,7 +14,6 @@ from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import write_jsonl
 from rcgrpo_tasks.ops.plots import accuracy_figure, accuracy_plot, probe_plot
 from rcgrpo_tasks.ops.stats import bootstrap_ci, paired_bootstrap_ci
-from rcgrpo_tasks.stages import report as report_stage
 
 
 def _eval_dir(tmp_path, label, acc_by_cat, n=20, seed=0):

@@ -69,7 +69,7 @@ stages:
 def test_next_round_resumes_an_undecided_round_and_shifts_seeds(tmp_path):
     import yaml
 
-    from rcgrpo_tasks.ops.config import current_profile
+    from rcgrpo_tasks.ops.profiles import current_profile
 
     assert rf.next_round({}, 3) == {"round": 1, "champion_version": 3, "decided": False, "resumed": False}
     assert rf.next_round({"round": 4, "decided": True}, 5)["round"] == 5

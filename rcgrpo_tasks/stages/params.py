@@ -1,5 +1,5 @@
 """`rcgrpo params --profile NAME`: write a profile (configs/<name>.yaml) over the pristine params into
-params.yaml, so DVC reruns exactly the stages whose sections changed (`ops.config.apply_profile`)."""
+params.yaml, so DVC reruns exactly the stages whose sections changed (`ops.profiles.apply_profile`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import typer
 
-from rcgrpo_tasks.ops.config import ConfigError, apply_profile
+from rcgrpo_tasks.ops.config import ConfigError
+from rcgrpo_tasks.ops.profiles import apply_profile
 
 app = typer.Typer(add_completion=False, help="Materialize a profile overlay into a params file.")
 

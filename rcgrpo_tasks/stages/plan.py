@@ -17,8 +17,8 @@ import typer
 
 from rcgrpo_tasks.ops import pipeline
 from rcgrpo_tasks.ops.cli import cli_errors
-from rcgrpo_tasks.ops.config import current_profile
 from rcgrpo_tasks.ops.outputs import atomic_outputs
+from rcgrpo_tasks.ops.profiles import current_profile
 
 app = typer.Typer(add_completion=False, help="Write the DVC pipeline as a plan that runs without DVC.")
 
