@@ -82,11 +82,11 @@ test-all: venv
 # Speed goals, each measured side by side in one run (docs/engine.md, training.md, rl.md); the benches read
 # the pipeline's base model, datasets and RCTP adapter, so the stages up to sft run first.
 bench: venv
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro sft
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro sft rctp
 	$(BIN)/python bench/score_speed.py
 	$(BIN)/python bench/rollout_throughput.py --model models/base
 	$(BIN)/python bench/sft_throughput.py --model-dir models/base --data data/datasets/rctp.jsonl
-	$(BIN)/python bench/rl_snapshot.py --model models/base --adapter models/sft/rctp
+	$(BIN)/python bench/rl_snapshot.py --model models/base --adapter models/rctp/0
 
 # Local stack without Docker (SeaweedFS S3, MLflow, Prefect server + a process worker) on loopback,
 # see docs/operations.md;

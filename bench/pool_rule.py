@@ -3,7 +3,7 @@
 Reads the controllability stage's trajectories run on the DEV side (`rcgrpo controllability --side dev
 --trajectories F ...`: the RCTP init sampled `samples_per_token` times per dev entry under each token, at the
 RL temperature) and treats the dev entries as a stand-in for RL's prompts: each entry's success share under
-the high token is what `sample_policy@pool-rctp` measures on an RL prompt. Per candidate rule it prints, over
+the high token is what `pool_rctp@<seed>` measures on an RL prompt. Per candidate rule it prints, over
 the entries the rule keeps (`train.rl.pool.pool_ids`, the same function RL runs):
 - the pool's share of the side and its mean step-0 success (all-high), the goal being 0.2-0.7;
 - the expected share of GRPO groups of G flat at success and at failure (all-high tokens), the goal for

@@ -1,7 +1,7 @@
 """RCTP designs on dev, over seeds: does the RCTP model read its reward token as RC-GRPO needs (q), and at what
 cost to its success under `<|high_reward|>`?
 
-Each (design, seed) is the pipeline's own `sft@rctp` run (`rcgrpo sft --variant rctp`) with params overrides
+Each (design, seed) is the pipeline's own `rctp@<seed>` run (`rcgrpo sft --variant rctp`) with params overrides
 of the `sft.variants.rctp` section and `seed` set, followed by the pipeline's own controllability check
 (`rcgrpo controllability --side dev`: the sampled arm at the RL temperature, paired rollouts) on the dev entries
 (designs are chosen on dev; `--side test` only re-measures a chosen one), on the outputs `dvc repro

@@ -2,13 +2,13 @@
 
 For every low-token row of an RCTP set (`data/datasets/rctp.jsonl` or a `--data` file), the log-probability
 of the row's first answer token with the reward goal it was trained under (low) and with the goal swapped
-to the high token, under a model folder (an sft@rctp output: `--model`). A model that reads its token puts
+to the high token, under a model folder (an rctp@<seed> output: `--model`). A model that reads its token puts
 several nats more on its low answers under low; one that learned only the low side's marginal puts the same
 under both. Prints one JSON line: rows, mean lp under low, mean (low - high) and its range, per failure
 source (the base model's prose answers, whose trajectory ids carry `.policy.`, and the other failures).
 Forward passes only. Measured: docs/rl.md, "The low side and the token's form".
 
-Run: `python bench/rctp_first_token.py --model models/sft/rctp [--data data/datasets/rctp.jsonl]
+Run: `python bench/rctp_first_token.py --model models/rctp/0 [--data data/datasets/rctp.jsonl]
 [--tokens "<|low_reward|>" "<|high_reward|>"] [--limit 40]`
 """
 

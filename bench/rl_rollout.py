@@ -102,7 +102,7 @@ def run_arm(name: str, rollout: rl_rollout.EngineRollout, policy, state: dict, d
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="models/base")
-    ap.add_argument("--adapter", default=None, help="init adapter (models/sft/rctp); default: the base model")
+    ap.add_argument("--adapter", default=None, help="init adapter (models/rctp/0); default: the base model")
     ap.add_argument("--task", default="multi_turn", choices=list(tasks.TASK_NAMES))
     ap.add_argument("--categories", nargs="+", default=None, help="default: the task's default categories")
     ap.add_argument("--groups", type=int, default=8, help="groups per step and process (gpu profile: 40 / 5 = 8)")

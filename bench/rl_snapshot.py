@@ -13,7 +13,7 @@ The LoRA B matrices are perturbed so the deltas are non-zero (a fresh LoRA is th
 per round (live, snapshot, live, ...) so machine load hits both alike. Prints model tokens/s (wall-clock
 and per CPU-second) and seconds per rollout phase of each arm, and their ratios.
 
-Run: `python bench/rl_snapshot.py --model models/base [--adapter models/sft/rctp --entries 2 --g 4
+Run: `python bench/rl_snapshot.py --model models/base [--adapter models/rctp/0 --entries 2 --g 4
 --max-new-tokens 32 --max-outputs 2 --rounds 3]`
 """
 
@@ -79,7 +79,7 @@ def run_arm(name: str, policy, tok, state: dict, entries, g: int, proto, samplin
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="models/base")
-    ap.add_argument("--adapter", default=None, help="init adapter (models/sft/rctp); default: the base model")
+    ap.add_argument("--adapter", default=None, help="init adapter (models/rctp/0); default: the base model")
     ap.add_argument("--entries-file", default="data/entries.jsonl")
     ap.add_argument("--split", default="data/split.json")
     ap.add_argument("--entries", type=int, default=2, help="train entries with the shortest prompts (one group each)")

@@ -18,7 +18,7 @@ model tokens/s and rollouts/s (B also per process: its groups, busy seconds, tok
 the machine used meanwhile (/proc/stat: a shared host's load hits a lock-step 2-thread process harder than
 two 1-thread ones, so quote quiet runs), and the ratio B/A.
 
-Run: `python bench/rollout_processes.py [--model-dir models/base --adapter-dir models/sft/rctp --groups 4
+Run: `python bench/rollout_processes.py [--model-dir models/base --adapter-dir models/rctp/0 --groups 4
 --g 4 --max-outputs 2 --max-new-tokens 32 --temperature 1.0 --dtype float32 --procs 2 --rounds 1]`;
 `--smoke`: a random 2-layer, 64-wide model with SmolLM2's tokenizer, built in a temp dir (checks the
 script in seconds; its numbers mean nothing).
@@ -208,7 +208,7 @@ def first_difference(a: list[list[int]], b: list[list[int]], g: int) -> str | No
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", default="models/base")
-    ap.add_argument("--adapter-dir", default=None, help="init adapter (models/sft/rctp); default: the base model")
+    ap.add_argument("--adapter-dir", default=None, help="init adapter (models/rctp/0); default: the base model")
     ap.add_argument("--entries-file", default="data/entries.jsonl")
     ap.add_argument("--split", default="data/split.json")
     ap.add_argument("--groups", type=int, default=4, help="K: GRPO groups (train entries with the shortest prompts)")

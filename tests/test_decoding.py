@@ -11,7 +11,7 @@ from rcgrpo_tasks.data.onpolicy import SampleConfig
 from rcgrpo_tasks.engine.decoding import MAX_NEW_TOKENS, DecodeConfig
 from rcgrpo_tasks.evaluation.accuracy import EvaluateConfig
 from rcgrpo_tasks.evaluation.controllability import ControllabilityConfig
-from rcgrpo_tasks.ops import config
+from rcgrpo_tasks.ops import config, profiles
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, from_dict
 from rcgrpo_tasks.train.rl.config import RLConfig
 
@@ -54,11 +54,11 @@ def test_absurd_values_fail_before_any_work_naming_the_field(section, key, value
         from_dict(DECODING[section], {key: value}, f"params.yaml:{section}")
 
 
-@pytest.mark.parametrize("profile", config.profile_names(REPO_ROOT, set(config.read_params(REPO_ROOT / "params.yaml"))))
+@pytest.mark.parametrize("profile", profiles.profile_names(REPO_ROOT, set(config.read_params(REPO_ROOT / "params.yaml"))))
 def test_every_profile_loads_into_every_decoding_stage(profile, tmp_path):
     """A profile that still uses a moved or misspelt key fails here, not minutes into a run."""
     out = tmp_path / "params.yaml"
-    overlay = profile if profile == config.DEFAULT_PROFILE else str(REPO_ROOT / "configs" / f"{profile}.yaml")
-    merged = config.apply_profile(REPO_ROOT / "params.yaml", overlay, out)
+    overlay = profile if profile == profiles.DEFAULT_PROFILE else str(REPO_ROOT / "configs" / f"{profile}.yaml")
+    merged = profiles.apply_profile(REPO_ROOT / "params.yaml", overlay, out)
     for section, cls in DECODING.items():
         from_dict(cls, merged[section], f"{profile}:{section}")

@@ -21,9 +21,10 @@ from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.split import PrepareDataConfig
 from rcgrpo_tasks.evaluation.accuracy import EvaluateConfig
 from rcgrpo_tasks.evaluation.controllability import ControllabilityConfig
+from rcgrpo_tasks.evaluation.endpoints import EndpointsConfig
 from rcgrpo_tasks.evaluation.grid import GridConfig
 from rcgrpo_tasks.evaluation.promotion import PromoteConfig
-from rcgrpo_tasks.ops import config
+from rcgrpo_tasks.ops import config, profiles
 from rcgrpo_tasks.train.rl.config import RLConfig
 from rcgrpo_tasks.train.sft.config import SftConfig
 
@@ -32,7 +33,7 @@ SECTIONS = {
     "prepare_model": PrepareModelConfig, "evaluate": EvaluateConfig, "generate_trajectories": GenerateConfig,
     "validate_trajectories": ValidateConfig, "label_rewards": LabelConfig, "sft": SftConfig,
     "controllability": ControllabilityConfig, "sample_policy": SampleConfig, "rl": RLConfig,
-    "promote": PromoteConfig, "grid": GridConfig,
+    "promote": PromoteConfig, "grid": GridConfig, "endpoints": EndpointsConfig,
 }
 """params.yaml section -> the config dataclass its stage loads it into."""
 
@@ -47,7 +48,7 @@ def _plain(value):
 
 
 def _pristine() -> dict:
-    text, origin = config.pristine_params(REPO_ROOT / "params.yaml")
+    text, origin = profiles.pristine_params(REPO_ROOT / "params.yaml")
     params = yaml.safe_load(text)
     assert isinstance(params, dict), f"{origin}: not a mapping"
     return params
@@ -67,6 +68,8 @@ def _differences(params: dict) -> dict[str, tuple]:
     section's mapping values, e.g. `sft.variants.rctp.init`, on its own)."""
     out: dict[str, tuple] = {}
     for section, cls in SECTIONS.items():
+        if section in ("grid", "endpoints"):  # no defaults: params.yaml alone says what runs and what is judged
+            continue
         defaults = config.as_dict(cls())
         for key, value in (params.get(section) or {}).items():
             _compare(value, defaults.get(key, config.ABSENT), f"{section}.{key}", out)
@@ -101,10 +104,10 @@ def test_every_profile_and_documented_layering_loads_into_every_stage_config():
     from rcgrpo_tasks.ops.config import deep_merge
 
     base = _pristine()
-    names = [n for n in config.profile_names(REPO_ROOT, set(base)) if n != config.DEFAULT_PROFILE]
+    names = [n for n in profiles.profile_names(REPO_ROOT, set(base)) if n != profiles.DEFAULT_PROFILE]
     for profile in [*names, *LAYERINGS]:
         merged = base
-        for layer in config.profile_layers(profile):
+        for layer in profiles.profile_layers(profile):
             merged = deep_merge(merged, yaml.safe_load((REPO_ROOT / "configs" / f"{layer}.yaml").read_text()))
         for section, cls in SECTIONS.items():
             cfg = config.from_dict(cls, merged[section], f"{profile}:{section}")

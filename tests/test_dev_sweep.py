@@ -64,8 +64,11 @@ def test_candidate_params_merge_common_then_own_and_refuse_unknown_sections(tmp_
 DOCUMENTED = {"rl": ({"--params", "--out", "--checkpoints", "--metrics", "--plots"}, set(), []),
               "evaluate": ({"--params", "--out", "--model"}, set(), ["--side", "dev"]),
               "report": ({"--params", "--table", "--json", "--plot"},
-                         {"--eval", "--rl", "--eval-root", "--rl-root", "--steps", "--controllability", "--agree",
-                          "--mechanism", "--probe"}, ["--no-track"])}
+                         {"--eval-root", "--rl-root", "--controllability-root", "--agree-root", "--mechanism",
+                          "--probe"}, ["--no-track"])}
+KIND = {"rl_sft": "rl", "rl_rctp": "rl", "evaluate": "evaluate", "evaluate_rctp": "evaluate",
+        "evaluate_rl_sft": "evaluate", "evaluate_rl_rctp": "evaluate", "report": "report"}
+"""dvc.yaml's stage definitions -> the substitution kind the sweep applies to them."""
 
 
 def _pairs(argv: list[str]) -> list[tuple[str, str | None]]:
@@ -95,17 +98,20 @@ def test_the_sweep_runs_dvc_yamls_commands_with_only_the_documented_substitution
     with only the documented options moved into the sweep's folder, dropped or appended: an option added to
     dvc.yaml reaches the sweep, and a sweep cannot train, score or tabulate otherwise than the pipeline."""
     planned = {s.name: s for s in pipeline.dvc_stages(REPO_ROOT, with_status=False)}
-    cells = tuple(n.partition("@")[2] for n in planned if n.startswith("rl@"))
+    cells = tuple(f"{n.partition('@')[0][3:]}-{n.partition('-')[2]}" for n in planned
+                  if n.startswith("rl_") and n.partition("@")[2].startswith("0-"))
     inits = sorted({c.partition("-")[0] for c in cells})
     spec = sweep.Spec(cells, {}, {"a": {}, "b": {}})
     out = tmp_path / "sw"
     plan = sweep.sweep_plan(list(planned.values()), spec, ["a", "b"], out)
-    assert sorted(s.name for s in plan) == sorted([f"init/evaluate@{i}" for i in inits] + ["a/report", "b/report"]
-                                                  + [f"{n}/{k}@{c}" for n in "ab" for c in cells
-                                                     for k in ("rl", "evaluate")])
+    assert cells and sorted(s.name for s in plan) == sorted(
+        [f"init/evaluate@{i}" for i in inits] + ["a/report", "b/report"]
+        + [f"{n}/{k}@{c}" for n in "ab" for c in cells for k in ("rl", "evaluate")])
+    base_of = {f"init/evaluate@{i}": spec.init_stage(i) for i in inits} | {"report": "report"}
+    base_of |= {f"{k}@{c}": spec.stages(c)[k == "evaluate"] for c in cells for k in ("rl", "evaluate")}
     for stage in plan:
-        base = planned[stage.name.rpartition("/")[2]]
-        moved, dropped, add = DOCUMENTED[base.name.partition("@")[0]]
+        base = planned[base_of.get(stage.name) or base_of[stage.name.partition("/")[2]]]
+        moved, dropped, add = DOCUMENTED[KIND[base.name.partition("@")[0]]]
         mine, theirs = shlex.split(stage.cmds[0]), shlex.split(base.cmds[0])
         assert mine[:2] == theirs[:2] and mine[len(mine) - len(add):] == add, stage.name
         pairs = _pairs(mine[2:len(mine) - len(add)])
@@ -124,12 +130,12 @@ def test_an_input_the_sweep_does_not_make_fails_the_plan_naming_it(tmp_path):
     """A new option of dvc.yaml's report naming a pipeline result the sweep neither runs nor moves (here the
     controllability stage's) stops the sweep before it starts, instead of reading the pipeline's file."""
     planned = pipeline.dvc_stages(REPO_ROOT, with_status=False)
-    planned = [replace(s, cmds=(s.cmds[0] + " --extra rctp=metrics/controllability.json",)) if s.name == "report"
+    planned = [replace(s, cmds=(s.cmds[0] + " --extra rctp=metrics/controllability/0.json",)) if s.name == "report"
                else s for s in planned]
     spec = sweep.Spec(("rctp-grpo",), {}, {"a": {}})
     with pytest.raises(ConfigError, match="a/report.*controllability"):
         sweep.sweep_plan(planned, spec, ["a"], tmp_path / "sw")
-    with pytest.raises(ConfigError, match="no stage rl@rctp-ppo"):
+    with pytest.raises(ConfigError, match="no stage rl_rctp@0-ppo"):
         sweep.sweep_plan(planned, sweep.Spec(("rctp-ppo",), {}, {"a": {}}), ["a"], tmp_path / "sw")
 
 
@@ -229,21 +235,21 @@ def _fake_pipeline(root: Path) -> list[pipeline.PlannedStage]:
     def stage(name, args, outs=(), records=(), upstream=()):
         return pipeline.PlannedStage(name, (f"{run} {args}",), tuple(upstream), tuple(outs), tuple(records))
 
-    return [stage("sft@rctp", "sft --params params.yaml --out models/sft/rctp", ["models/sft/rctp"]),
-            stage("rl@rctp-grpo", "rl --params params.yaml --adapter-dir models/sft/rctp --out models/rl/rctp-grpo "
-                  "--checkpoints checkpoints/rl/rctp-grpo --metrics results/rl/rctp-grpo/metrics.json --plots "
-                  "results/rl/rctp-grpo/steps.tsv", ["models/rl/rctp-grpo"],
-                  ["results/rl/rctp-grpo/metrics.json", "results/rl/rctp-grpo/steps.tsv"], ["sft@rctp"]),
-            stage("evaluate@rctp", "evaluate --params params.yaml --model models/sft/rctp --out results/eval/rctp",
-                  ["results/eval/rctp/results.jsonl"], upstream=["sft@rctp"]),
-            stage("evaluate@rctp-grpo", "evaluate --params params.yaml --model models/rl/rctp-grpo --out "
-                  "results/eval/rctp-grpo", ["results/eval/rctp-grpo/results.jsonl"], upstream=["rl@rctp-grpo"]),
-            stage("controllability", "controllability --out metrics/c.json", records=["metrics/c.json"]),
+    return [stage("rctp@0", "sft --params params.yaml --out models/rctp/0", ["models/rctp/0"]),
+            stage("rl_rctp@0-grpo", "rl --params params.yaml --adapter-dir models/rctp/0 --out models/rl/0/rctp-grpo "
+                  "--checkpoints checkpoints/rl/0/rctp-grpo --metrics results/rl/0/rctp-grpo/metrics.json --plots "
+                  "results/rl/0/rctp-grpo/steps.tsv", ["models/rl/0/rctp-grpo"],
+                  ["results/rl/0/rctp-grpo/metrics.json", "results/rl/0/rctp-grpo/steps.tsv"], ["rctp@0"]),
+            stage("evaluate_rctp@0", "evaluate --params params.yaml --model models/rctp/0 --out results/eval/0/rctp",
+                  ["results/eval/0/rctp/results.jsonl"], upstream=["rctp@0"]),
+            stage("evaluate_rl_rctp@0-grpo", "evaluate --params params.yaml --model models/rl/0/rctp-grpo --out "
+                  "results/eval/0/rctp-grpo", ["results/eval/0/rctp-grpo/results.jsonl"], upstream=["rl_rctp@0-grpo"]),
+            stage("controllability@0", "controllability --out metrics/c/0.json", records=["metrics/c/0.json"]),
             stage("report", "report --params params.yaml --eval-root results/eval --rl-root results/rl "
-                  "--controllability rctp=metrics/c.json --table results/t.md --json results/report.json --plot "
+                  "--controllability-root metrics/c --table results/t.md --json results/report.json --plot "
                   "results/a.png --mechanism results/m.png", [],
                   ["results/t.md", "results/report.json", "results/a.png", "results/m.png"],
-                  ["evaluate@rctp", "evaluate@rctp-grpo", "controllability"])]
+                  ["evaluate_rctp@0", "evaluate_rl_rctp@0-grpo", "controllability@0"])]
 
 
 def test_the_plan_runner_runs_the_sweep_and_a_failed_candidate_stops_only_itself(tmp_path):
@@ -255,10 +261,10 @@ def test_the_plan_runner_runs_the_sweep_and_a_failed_candidate_stops_only_itself
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"rl": {"fail": False}}))
     out = tmp_path / "sw"
-    with pytest.raises(ConfigError, match=r"models/sft/rctp.*dvc repro sft@rctp"):  # the init it starts from
+    with pytest.raises(ConfigError, match=r"models/rctp/0.*dvc repro rctp@0"):  # the init it starts from
         sweep.run_sweep(spec, out, params, planned, root=tmp_path)
     assert not out.exists()
-    (tmp_path / "models" / "sft" / "rctp").mkdir(parents=True)
+    (tmp_path / "models" / "rctp" / "0").mkdir(parents=True)
     run = sweep.run_sweep(spec, out, params, planned, jobs=2, bundle=tmp_path / "b.tar.gz", root=tmp_path)
     assert {k: v["status"] for k, v in json.loads((out / "timings.json").read_text()).items()} == {
         "init/rctp": "ok", "good/rctp-grpo": "ok", "good/report": "ok", "bad/rctp-grpo": "failed (exit 3)",
@@ -268,7 +274,7 @@ def test_the_plan_runner_runs_the_sweep_and_a_failed_candidate_stops_only_itself
     assert set(json.loads((out / "good" / "report.json").read_text())["rows"]) == {"rctp", "rctp-grpo"}
     assert json.loads((out / "good" / "rctp-grpo" / "eval" / "results.jsonl").read_text())["model"] == str(
         out / "good" / "rctp-grpo" / "model")
-    assert [p.name for p in (tmp_path / "models").iterdir()] == ["sft"]
+    assert [p.name for p in (tmp_path / "models").iterdir()] == ["rctp"]
     assert not any((tmp_path / p).exists() for p in ("results", "metrics", "checkpoints"))
     with tarfile.open(sweep.write_sweep_bundle(run, tmp_path / "b.tar.gz")) as tar:
         names = set(tar.getnames())

@@ -82,7 +82,7 @@ def test_label_rows_sft_successes_only_rctp_all_rows():
     assert [(r["trajectory_id"], r["reward_token"]) for r in data["rctp"]] == [
         ("a", "<|high_reward|>"), ("b", "<|low_reward|>"), ("c", "<|low_reward|>")]
     for r in data["rctp"]:
-        assert set(r) == {"messages", "trajectory_id", "entry_id", "reward_token", "reward"}
+        assert set(r) == {"messages", "trajectory_id", "entry_id", "reward_token", "reward", "kind"}
         first = next(m for m in r["messages"] if m["role"] == "user")["content"]
         assert first.count("[Reward Goal:") == 1 and first.endswith(format_reward_goal(r["reward_token"]))
     # 3 levels on partial credit: the paper protocol uses the per-turn script's partial credit (0.75): the

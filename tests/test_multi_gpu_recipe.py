@@ -202,7 +202,7 @@ def test_documented_vllm_server_split(tmp_path):
         gpus = env["CUDA_VISIBLE_DEVICES"].split(",")
         assert served.tensor_parallel_size * served.data_parallel_size == len(gpus)
         assert served.port == rl.extra["vllm_server_port"] and served.max_model_len == rl.extra["vllm_max_model_length"]
-        assert re.fullmatch(r"models/sft/(sft|rctp)", served.model)  # an init of the RL grid
+        assert re.fullmatch(r"models/sft/sft|models/rctp/\d+", served.model)  # an init of the RL grid
         serving |= set(gpus)
     training = [env["CUDA_VISIBLE_DEVICES"].split(",") for env, _ in _doc_commands("dvc repro") if env]
     assert training and all(len(g) == compute.processes and not set(g) & serving for g in training)
@@ -214,7 +214,7 @@ def test_documented_vllm_server_split(tmp_path):
 def test_documented_multi_node_launch(paper, monkeypatch):
     monkeypatch.chdir(REPO_ROOT)
     rl = load_config(RLConfig, paper, "rl")
-    stage_cmd = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]["rl"]["do"]["cmd"]
+    stage_cmd = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]["rl_rctp"]["cmd"]
     ranks = {}
     for _, argv in _doc_commands("accelerate launch"):
         args, env = _accelerate_launch(argv, monkeypatch)
@@ -225,8 +225,8 @@ def test_documented_multi_node_launch(paper, monkeypatch):
         assert check_world(rl, args.num_processes) == 10
         # The module command is the rl stage's own command from dvc.yaml for that cell.
         assert args.module and args.training_script == "rcgrpo_tasks.cli"
-        init, algo = _option(argv, "--init"), _option(argv, "--algo")
-        cell = stage_cmd.replace("${item.init}", init).replace("${item.algo}", algo).replace("${key}", f"{init}-{algo}")
+        assert _option(argv, "--init") == "rctp"
+        cell = stage_cmd.replace("${item.algo}", _option(argv, "--algo")).replace("${item.seed}", _option(argv, "--grid-seed"))
         expected = shlex.split(cell)
         assert expected[0] == "rcgrpo" and args.training_script_args == expected[1:]
     assert sorted(ranks) == [0, 1]

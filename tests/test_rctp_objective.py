@@ -92,7 +92,8 @@ def test_trainer_loss_is_the_weighted_nll_plus_the_unlikelihood(tiny_model_dir, 
 
     rows = ordered(_pairs(2, 2), "stratified", 0)
     cfg = tiny_sft_config(max_steps=1, batch_size=2, row_order="stratified", first_token_weight=4.0, unlikelihood=1.0)
-    trainer, tok, ids, _ = sft_trainer.build_trainer(cfg, tiny_model_dir, rows, LEVELS, tmp_path / "ck")
+    trainer = sft_trainer.build_trainer(cfg, tiny_model_dir, rows, LEVELS, tmp_path / "ck")
+    ids = [trainer.processing_class.convert_tokens_to_ids(t) for t in LEVELS]
     batch = next(iter(trainer.get_train_dataloader()))
     trainer.model.train()
     loss = trainer.compute_loss(trainer.model, batch)

@@ -167,7 +167,9 @@ def test_rl_rows_are_compared_with_their_init_on_the_same_entries(tmp_path):
     assert "vs_init" not in rows["rctp"]  # no SFT row to compare RCTP with here
     v = rows["rctp-rc_grpo"]["vs_init"]
     assert v["init"] == "rctp" and v["n"] == 6 and v["diff"] == pytest.approx(50.0)
-    assert 0 < v["ci"][0] <= 50.0 <= v["ci"][1]
+    # 3 entries up, none down: the exact McNemar p is 0.25 and Tango's interval includes 0 (a percentile
+    # bootstrap of these 6 entries never goes below 0)
+    assert v["p"] == pytest.approx(0.25) and v["ci"][0] < 0 < 50.0 < v["ci"][1] and (v["up"], v["down"]) == (3, 0)
     assert "| +50.0 [" in report_tables.outcome_table(list(rows.values()))
 
 
@@ -217,7 +219,7 @@ def test_rctp_is_compared_with_sft_on_the_same_entries(tmp_path):
     rows = {r["label"]: r for r in report.build_report(evals, [])}
     v = rows["rctp"]["vs_init"]
     assert v["init"] == "sft" and v["n"] == 4 and v["diff"] == pytest.approx(-25.0) and "vs_init" not in rows["sft"]
-    assert "vs SFT (0 up, 1 down) |" in report_tables.outcome_table(list(rows.values()))
+    assert "vs SFT (0 up, 1 down, p = 1) |" in report_tables.outcome_table(list(rows.values()))
 
 
 def test_pass_at_1_rows_and_paired_differences(tmp_path):

@@ -3,9 +3,10 @@ repo, with the conftest's 2-layer random-init model as `prepare_model.source` (t
 take CI past its time; the model's size is all that differs). A random model never succeeds, so the numbers
 are zeros: what is checked is that the stages run, in order, on either task, and say which task they ran.
 
-Each task runs the chain to its RC-GRPO cell's evaluation plus the controllability check (13 of the 23
-stages: data, GX gate, labels, both fine-tunes, on-policy samples and RL's pool, rl@rctp-rc_grpo, evaluate; each
-stage a process that imports torch, TRL and PEFT), which holds every task-specific path. CI runs the default
+Each task runs the smoke grid (grid seed 0, the two RCTP cells) to the report: data, GX gate, labels, SFT and
+RCTP, on-policy samples and RL's pool, the controllability check, both RL cells, every evaluation and the
+report over seeds with its endpoints (19 stages, each a process that imports torch, TRL and PEFT), which
+holds every task-specific path. CI runs the default
 task's chain (single_turn), then `rcgrpo dev-sweep` on its outputs (rl, evaluate on dev, report); the
 multi-turn chain is the same stages on the other task's package and runs under `slow` (`make test-all`): at
 ~4 min of a core each, both chains in CI would not fit its time on a 2-core host without AVX-512. conftest
@@ -27,10 +28,11 @@ import yaml
 from helpers import copy_tree
 
 BIN = Path(sys.executable).parent
-TARGETS = ("controllability", "evaluate@rctp-rc_grpo")
+TARGETS = ("report",)
 CHAIN = ("prepare_data", "prepare_model", "generate_trajectories", "validate_trajectories", "label_rewards@sft",
-         "sft@sft", "sample_policy@rctp", "label_rewards@rctp", "sft@rctp", "sample_policy@pool-rctp", "controllability",
-         "rl@rctp-rc_grpo", "evaluate@rctp-rc_grpo")
+         "sft", "sample_policy@rctp", "label_rewards@rctp", "rctp@0", "pool_rctp@0", "controllability@0",
+         "rl_rctp@0-grpo", "rl_rctp@0-rc_grpo", "evaluate@base", "evaluate@sft", "evaluate_rctp@0",
+         "evaluate_rl_rctp@0-grpo", "evaluate_rl_rctp@0-rc_grpo", "report")
 
 
 PROFILES = {"single_turn": "smoke", "multi_turn": "multi-turn+smoke"}
@@ -97,7 +99,10 @@ def _check(repo: Path, stdout: str, task: str) -> None:
     assert len(set(ran)) == len(ran), ran
     assert json.loads((repo / "metrics" / "prepare_data.json").read_text())["task"] == task
     assert set(CHAIN) == set(ran), ran
-    metrics = json.loads((repo / "results" / "eval" / "rctp-rc_grpo" / "metrics.json").read_text())
-    assert metrics["task"] == task, metrics
-    rl = json.loads((repo / "results" / "rl" / "rctp-rc_grpo" / "metrics.json").read_text())
-    assert rl["steps"] >= 1, rl
+    metrics = json.loads((repo / "results" / "eval" / "0" / "rctp-rc_grpo" / "metrics.json").read_text())
+    assert metrics["task"] == task and metrics["settings"]["grid_seed"] == 0, metrics
+    rl = json.loads((repo / "results" / "rl" / "0" / "rctp-rc_grpo" / "metrics.json").read_text())
+    assert rl["steps"] >= 1 and rl["pool"]["size"] >= 1 and rl["pool_learning"]["prompts"] >= 0, rl
+    report = json.loads((repo / "results" / "report" / "report.json").read_text())
+    assert [e["rank"] for e in report["endpoints"]][:2] == ["primary", "primary"] and report["premise"], report
+    assert "## Endpoints" in (repo / "results" / "report" / "table.md").read_text()

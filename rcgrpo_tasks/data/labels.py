@@ -92,7 +92,7 @@ def label_rows(rows: list[dict], cfg: LabelConfig, reward_fn: str) -> dict[str, 
         messages = strip_reward_goal(row["messages"], row.get("reward_token"))
         token = token_for(signal_of(row, cfg, reward_fn), cfg, success=reward == 1.0)
         base = {"trajectory_id": row["trajectory_id"], "entry_id": row["entry_id"], "reward": reward,
-                "kind": row["provenance"]["kind"]}
+                "kind": row["provenance"].get("kind")}
         out["rctp"].append({"messages": with_reward_goal(messages, token), **base, "reward_token": token})
         if reward == 1.0:
             out["sft"].append({"messages": messages, **base, "reward_token": None})

@@ -1,6 +1,6 @@
 """Two stages that decode the same model greedily on the same entries under the same token must give the same
 answers: the report compares them entry by entry (controllability's greedy arm under the high token beside
-`evaluate@rctp`) and fails on a disagreement.
+`evaluate_rctp@<seed>`) and fails on a disagreement.
 
 They batch differently (controllability decodes each entry beside its other-token twin, evaluate 16 entries
 to a session), so they agree only if decoding does not depend on how rows are batched; a cache that lost a

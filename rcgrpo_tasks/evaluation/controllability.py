@@ -226,7 +226,7 @@ def identical_outputs(trajs: list, high: str, low: str) -> int:
 
 def load_policy(model_dir: Path, adapter_dir: Path | None, dtype: str, tokens: tuple[str, ...], device: str = "auto"):
     """HF backend over the trained model on `device`, loaded exactly as `evaluate` loads it (`HFBackend`:
-    adapter merged in float32, then cast to `dtype`), so the gap is measured on the model evaluate@rctp scores."""
+    adapter merged in float32, then cast to `dtype`), so the gap is measured on the model evaluate_rctp scores."""
     backend = HFBackend(model_dir, adapter_dir, dtype=dtype, device=device)
     for t in tokens:
         if len(backend.tokenizer(t, add_special_tokens=False)["input_ids"]) != 1:

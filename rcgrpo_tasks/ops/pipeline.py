@@ -41,7 +41,7 @@ PLAN_FORMAT = 1
 
 @dataclass(frozen=True)
 class PlannedStage:
-    """One expanded `dvc.yaml` stage (`evaluate@rctp`, `rl@rctp-rc_grpo`, ...)."""
+    """One expanded `dvc.yaml` stage (`evaluate_rctp@0`, `rl_rctp@0-rc_grpo`, ...)."""
 
     name: str
     cmds: tuple[str, ...]

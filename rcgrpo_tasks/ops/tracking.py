@@ -3,7 +3,7 @@ the run lifecycle; `ops.tracking_store` is the store (where, the experiment, bou
 `ops.tracking_log` the logging calls into a run (params, metrics, artifacts, tags).
 
 - `stage_run(stage, config, variant=...)` opens a run named `<stage>@<variant>` (the variant defaults to
-  the DVC foreach key of `$DVC_STAGE`, e.g. `evaluate@rctp-rc_grpo`), nested under the flow's parent run
+  the DVC foreach key of `$DVC_STAGE`, e.g. `evaluate_rl_rctp@0-rc_grpo`), nested under the flow's parent run
   when `RCGRPO_PARENT_RUN_ID` is set, logging the config as flattened params plus git/DVC tags;
   `published_run` ties a stage's outputs to its run (both or neither).
 

@@ -33,8 +33,8 @@ Reads: `--model-dir` + `--adapter-dir` (an sft-stage output, loaded by `HFBacken
 `--entries` and `--split` (prepare_data; the `test` side, `--side dev` for design choices), params
 `controllability`, `prompt`, `label_rewards.tokens` and `rl.temperature` / `rl.top_p` / `rl.num_generations` / `rl.p_high`.
 Writes: `--metrics` (JSON, also to MLflow), `--trajectories` (JSONL of both arms, optional).
-Run: `rcgrpo controllability --model-dir models/base --adapter-dir models/sft/rctp --entries
-data/entries.jsonl --split data/split.json --metrics metrics/controllability.json`.
+Run: `rcgrpo controllability --model-dir models/base --adapter-dir models/rctp/0 --entries
+data/entries.jsonl --split data/split.json --metrics metrics/controllability/0.json`.
 Departure from the paper: the paper reports the gap as motivation on its own model and data; the
 embedded default rolls a handful of entries on CPU, so its CIs are wide.
 """
@@ -83,11 +83,11 @@ app = typer.Typer(add_completion=False)
 @app.command()
 def main(
     model_dir: Path = typer.Option(Path("models/base"), help="Base model folder (prepare_model)."),
-    adapter_dir: Path | None = typer.Option(None, help="sft-stage output (e.g. models/sft/rctp)."),
+    adapter_dir: Path | None = typer.Option(None, help="sft-stage output (e.g. models/rctp/0)."),
     entries: Path = typer.Option(Path("data/entries.jsonl"), help="Entries JSONL (prepare_data)."),
     split: Path = typer.Option(Path("data/split.json"), help="Split JSON (prepare_data)."),
     side: str = typer.Option("test", help="test (held out: what is reported) | dev (what designs are chosen on)."),
-    metrics: Path = typer.Option(Path("metrics/controllability.json"), help="Output: metrics JSON."),
+    metrics: Path = typer.Option(Path("metrics/controllability/0.json"), help="Output: metrics JSON."),
     trajectories: Path | None = typer.Option(None, help="Output: the rollouts of both arms as trajectory JSONL."),
     params: Path = typer.Option(Path("params.yaml"), help="Params (sections `controllability`, `label_rewards`, `rl`)."),
     grid_seed: int | None = typer.Option(None, help="The grid seed of the measured model (params `grid.seeds`; "

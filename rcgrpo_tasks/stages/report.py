@@ -30,21 +30,76 @@ from pathlib import Path
 
 import typer
 
-from rcgrpo_tasks.env.paper import PAPER_TABLE1_OVERALL, ROWS, row_name
+from rcgrpo_tasks.env.paper import PAPER_TABLE1_OVERALL, row_name
 from rcgrpo_tasks.evaluation.agreement import cross_check
 from rcgrpo_tasks.evaluation.endpoints import EndpointsConfig
 from rcgrpo_tasks.evaluation.grid import GridConfig
 from rcgrpo_tasks.evaluation.mechanism import plot_mechanism
+from rcgrpo_tasks.evaluation.report_tables import report_markdown
+from rcgrpo_tasks.evaluation.results_table import build_report, rc_versus_grpo
 from rcgrpo_tasks.evaluation.seeded import Roots, endpoint_results, load_seed, pooled_rows, premise
 from rcgrpo_tasks.evaluation.seeded_tables import seeded_markdown
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
-from rcgrpo_tasks.ops.config import as_dict, load_config
-from rcgrpo_tasks.ops.inputs import InputError
+from rcgrpo_tasks.ops.config import load_config
+from rcgrpo_tasks.ops.inputs import InputError, read_json
 from rcgrpo_tasks.ops.outputs import write_json, write_text
 from rcgrpo_tasks.ops.plots import accuracy_plot, probe_plot
 
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
+
+
+def _pairs(items: list[str], what: str) -> list[tuple[str, Path]]:
+    out = []
+    for item in items:
+        label, sep, p = item.partition("=")
+        if not sep or not label or not p:
+            raise InputError(f"{what} expects LABEL=PATH, got {item!r}")
+        out.append((label, Path(p)))
+    return out
+
+
+def grid_report(params: Path, eval_root: Path, rl_root: Path, ctl_root: Path | None, agree_root: Path | None,
+                seed: int) -> tuple[str, dict, list[dict], dict[str, Path]]:
+    """(Markdown, JSON, plot rows, per-step TSVs) of what params `grid` ran, over its seeds."""
+    grid = load_config(GridConfig, params, "grid")
+    declared = load_config(EndpointsConfig, params, "endpoints")
+    seeds = [load_seed(grid, Roots(eval_root, rl_root, ctl_root), s, seed) for s in grid.seeds]
+    steps = {f"{cell}@{s}": rl_root / str(s) / cell / "steps.tsv" for s in grid.seeds for cell in grid.cells}
+    missing = [str(p) for p in steps.values() if not p.is_file()]
+    if missing:
+        raise InputError(f"not found: {missing} (run `dvc repro`: the grid's rl stages)")
+    checks = {}
+    if agree_root is not None:
+        for s in grid.seeds:
+            checks[s] = [{"label": "rctp", **cross_check(eval_root / str(s) / "rctp",
+                                                         agree_root / str(s) / "trajectories.jsonl")}]
+    results = endpoint_results(declared, seeds, seed)
+    gates, pooled = premise(seeds), pooled_rows(seeds, grid.seeded_labels, seed)
+    md = seeded_markdown(gates, results, pooled, seeds, declared.alpha, declared.power, checks)
+    data = {"premise": gates, "endpoints": results, "pooled": pooled,
+            "seeds": {str(s.seed): {"rows": {r["label"]: r for r in s.rows}, "rc_grpo_vs_grpo": s.contrast}
+                      for s in seeds},
+            "stage_agreement": {str(k): v for k, v in checks.items()}}
+    rows = [{**r, "label": r["label"] if r.get("seed") is None else f"{r['label']}@{r['seed']}"}
+            for i, s in enumerate(seeds) for r in s.rows if i == 0 or r.get("seed") is not None]
+    return md, data, rows, steps
+
+
+def explicit_report(eval_: list[str], rl: list[str], agree: list[str], seed: int
+                    ) -> tuple[str, dict, list[dict], dict[str, Path]]:
+    """(Markdown, JSON, plot rows, no TSVs) of the evaluations and RL runs named one by one (`--eval`, `--rl`):
+    one set of models, no seeds or endpoints (the dev sweep's per-candidate tables)."""
+    dirs = dict(_pairs(eval_, "--eval"))
+    rows = build_report(list(dirs.items()), _pairs(rl, "--rl"), seed)
+    checks = []
+    for label, other in _pairs(agree, "--agree"):
+        if label not in dirs:
+            raise InputError(f"--agree {label}: no --eval {label}=DIR to compare")
+        checks.append({"label": label, **cross_check(dirs[label], other)})
+    contrast = rc_versus_grpo(rows, {label: read_json(p).get("groups") or [] for label, p in _pairs(rl, "--rl")})
+    return (report_markdown(rows, contrast, checks),
+            {"rows": {r["label"]: r for r in rows}, "rc_grpo_vs_grpo": contrast, "stage_agreement": checks}, rows, {})
 
 
 @app.command()
@@ -55,6 +110,11 @@ def main(
     controllability_root: Path | None = typer.Option(None, help="Controllability metrics: ROOT/SEED.json."),
     agree_root: Path | None = typer.Option(None, help="Controllability's rollouts: ROOT/SEED/trajectories.jsonl; "
                                            "each seed's evaluate_rctp greedy answers must be their greedy arm's."),
+    eval_: list[str] = typer.Option([], "--eval", help="LABEL=DIR of an evaluate output (repeat): a report of "
+                                    "these models alone, without params `grid` (the dev sweep's)."),
+    rl: list[str] = typer.Option([], "--rl", help="With --eval: LABEL=metrics.json of an RL run (repeat)."),
+    agree: list[str] = typer.Option([], "--agree", help="With --eval: LABEL=TRAJECTORIES another stage's greedy arm "
+                                    "must equal (repeat)."),
     table: Path = typer.Option(Path("results/report/table.md"), help="Output: Markdown tables."),
     json_out: Path = typer.Option(Path("results/report/report.json"), "--json", help="Output: metrics JSON."),
     plot_out: Path = typer.Option(Path("results/report/accuracy.png"), "--plot", help="Output: PNG plot."),
@@ -65,37 +125,20 @@ def main(
 ) -> None:
     """Assemble the report over seeds: premise, endpoints, pooled and per-seed tables, plots."""
     with cli_errors():
-        grid = load_config(GridConfig, params, "grid")
-        declared = load_config(EndpointsConfig, params, "endpoints")
-        roots = Roots(eval_root, rl_root, controllability_root)
-        seeds = [load_seed(grid, roots, s, seed) for s in grid.seeds]
-        steps = {f"{cell}@{s}": rl_root / str(s) / cell / "steps.tsv" for s in grid.seeds for cell in grid.cells}
-        missing = [str(p) for p in steps.values() if not p.is_file()]
-        if missing:
-            raise InputError(f"not found: {missing} (run `dvc repro`: the grid's rl stages)")
-        checks = {}
-        if agree_root is not None:
-            for s in grid.seeds:
-                checks[s] = [{"label": "rctp", **cross_check(eval_root / str(s) / "rctp",
-                                                             agree_root / str(s) / "trajectories.jsonl")}]
-        results = endpoint_results(declared, seeds, seed)
-    gates = premise(seeds)
-    pooled = pooled_rows(seeds, grid.seeded_labels, seed)
-    md = seeded_markdown(gates, results, pooled, seeds, declared.alpha, declared.power, checks)
-    rows = [{**r, "label": r["label"] if r.get("seed") is None else f"{r['label']}@{r['seed']}"}
-            for i, s in enumerate(seeds) for r in s.rows if i == 0 or r.get("seed") is not None]
+        if eval_:
+            md, data, rows, steps = explicit_report(eval_, rl, agree, seed)
+        else:
+            md, data, rows, steps = grid_report(params, eval_root, rl_root, controllability_root, agree_root, seed)
+        if mechanism is not None and not steps:
+            raise InputError("--mechanism needs the RL runs' per-step TSVs (the grid's report, without --eval)")
     task = " / ".join(sorted({r["task"] for r in rows}))
     outputs = (table, json_out, plot_out, mechanism, probe)
-    with tracking.published_run("report", {"grid": as_dict(grid), "endpoints": as_dict(declared), "seed": seed},
+    with tracking.published_run("report", {"params": str(params), "eval": eval_, "rl": rl, "seed": seed},
                                 outputs=outputs, track=track) as (_, staged):
         files = [staged.file(table), staged.file(json_out), staged.file(plot_out)]
         write_text(files[0], md)
-        write_json(files[1], {"premise": gates, "endpoints": results, "pooled": pooled,
-                              "seeds": {str(s.seed): {"rows": {r["label"]: r for r in s.rows},
-                                                      "rc_grpo_vs_grpo": s.contrast} for s in seeds},
-                              "stage_agreement": {str(k): v for k, v in checks.items()},
-                              "paper_table1_overall": PAPER_TABLE1_OVERALL})
-        names = {f"{label}@{s}": f"{name} (seed {s})" for label, name in ROWS for s in grid.seeds} | dict(ROWS)
+        write_json(files[1], {**data, "paper_table1_overall": PAPER_TABLE1_OVERALL})
+        names = {r["label"]: _display(r["label"]) for r in rows}
         accuracy_plot(rows, files[2], names, title=f"BFCL v4 {task}, held-out split")
         if mechanism is not None:
             files.append(staged.file(mechanism))
@@ -106,6 +149,12 @@ def main(
         if track:
             _log(rows, files)
     typer.echo(md)
+
+
+def _display(label: str) -> str:
+    """A row's name in the plots: `rctp-grpo@1` -> `RCTP+GRPO (seed 1)`."""
+    model, _, seed = label.partition("@")
+    return row_name(model) + (f" (seed {seed})" if seed else "")
 
 
 def _log(rows: list[dict], files: list[Path]) -> None:

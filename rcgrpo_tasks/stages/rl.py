@@ -1,6 +1,6 @@
 """Stage `rl`: GRPO / RC-GRPO on TRL's `GRPOTrainer`, rolling out BFCL episodes of the pipeline's task.
 
-What it does (one run of the grid init x algo, e.g. `rl@rctp-rc_grpo`; the library is `train/rl/`:
+What it does (one run of the grid init x algo, e.g. `rl_rctp@0-rc_grpo`; the library is `train/rl/`:
 `run.py` one run end to end, `config.py`, `trainer.py`, ...; the method docs/rl.md):
 1. Loads the init model: base + the SFT/RCTP adapter (`load_trained`), MERGED into the base weights, and
    hands TRL a fresh LoRA: TRL's reference (adapter disabled) is exactly the init, so the KL term anchors
@@ -41,8 +41,8 @@ Reads: params sections `rl`, `prompt` (the episode prompt every stage shares; `r
 output budget), `compute` and `label_rewards.tokens`; `--model-dir`, `--adapter-dir`, `--entries`, `--split`.
 Writes: `--out` (merged policy: HF model folder + tokenizer + `rl_adapter/` + `rcgrpo_model.json`,
 atomically), `--metrics` (summary JSON), `--plots` (per-step TSV).
-Run: `rcgrpo rl --init rctp --algo rc_grpo --model-dir models/base --adapter-dir models/sft/rctp
---entries data/entries.jsonl --split data/split.json --out models/rl/rctp-rc_grpo ...`.
+Run: `rcgrpo rl --init rctp --algo rc_grpo --model-dir models/base --adapter-dir models/rctp/0
+--grid-seed 0 --entries data/entries.jsonl --split data/split.json --out models/rl/0/rctp-rc_grpo ...`.
 Departures from the paper (docs/rl.md): tiny budgets on CPU (the paper: Qwen2.5-7B, G=5, batch 256,
 400 steps -> `configs/paper.yaml`); LoRA on the merged init instead of full fine-tuning.
 """

@@ -1,7 +1,8 @@
 """sft stage: SFT (experts only) and RCTP-FT (reward-token-labelled mixed data) with TRL + PEFT LoRA.
 
-One definition, two runs (`dvc.yaml` foreach `sft@sft`, `sft@rctp`): `--variant` picks the overrides in
-`params.yaml:sft.variants` (the paper: 2 epochs SFT, 5 epochs RCTP).
+One command, two kinds of run (`dvc.yaml`: `sft`, and `rctp@<seed>` once per grid seed): `--variant` picks the
+overrides in `params.yaml:sft.variants` (the paper: 2 epochs SFT, 5 epochs RCTP); `--grid-seed` adds the grid
+seed to the variant's seed and tags the MLflow run.
 Reads: `--model-dir` (base model folder, `prepare_model`), `--data` (a `label_rewards` chat dataset:
 rows `{"messages", "trajectory_id", "entry_id", "reward_token", "reward"}`), `params.yaml` sections `sft`,
 `label_rewards` (its `tokens` are the reward tokens) and `compute` (`device`: auto | cpu | cuda; it logs
@@ -24,11 +25,12 @@ added as special tokens, the embeddings resized, their rows trained through PEFT
 (saved in the adapter, ~KBs); CPU speed knobs compared by bench/sft_throughput.py.
 Consumers load a trained model with `rcgrpo_tasks.engine.models.load_trained(model_dir, adapter_dir)`
 (tokenizer from the adapter folder, base embeddings resized to it, then `PeftModel.from_pretrained`).
-Run: `rcgrpo sft --variant rctp --model-dir models/base --data data/datasets/rctp.jsonl --out
-models/sft/rctp --checkpoints checkpoints/sft/rctp --metrics metrics/sft_rctp.json --plots plots/sft_rctp.tsv`.
+Run: `rcgrpo sft --variant rctp --grid-seed 0 --model-dir models/base --data data/datasets/rctp.jsonl
+--init-adapter models/sft/sft --out models/rctp/0 --checkpoints checkpoints/rctp/0 --metrics metrics/rctp/0.json
+--plots plots/rctp/0.tsv`.
 RCTP from the SFT model (`init: sft`, `--init-adapter models/sft/sft`): the SFT adapter merged into the
 base, then a fresh LoRA and the reward-token rows; the output is the merged model folder. `margin_every`:
-the teacher-forced margin on held-out entries (`--entries`, `--split`) along training (metrics JSON
+the teacher-forced margin on dev entries (`--entries`, `--split`) along training (metrics JSON
 `margin_curve`, MLflow `margin`).
 Departures from the paper: LoRA (+ trainable reward-token rows) instead of full fine-tuning by default,
 tiny step budgets on CPU (`configs/paper.yaml` holds the paper's values).

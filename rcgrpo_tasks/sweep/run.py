@@ -3,6 +3,7 @@
 A sweep spec (YAML, e.g. `configs/sweeps/rl-dev.yaml`):
 
     cells: [rctp-grpo, rctp-rc_grpo]      # RL cells of the pipeline (params `grid.rl`)
+    seed: 0                               # the grid seed whose init models the cells start from (default 0)
     common: {evaluate: {margin: false}}   # overrides every candidate gets
     candidates:
       default: {}
@@ -14,17 +15,17 @@ stages themselves (unknown keys fail before anything runs). The sweep is a plan 
 `pipeline.variant`s of the pipeline's planned stages (dvc.yaml as DVC resolves it: `rcgrpo plan`), each the
 planned command with only these substitutions (`rl_args`, `evaluate_args`, `report_args`, `report_add`):
 
-- per candidate and cell, `rl@<cell>`: `--params` the candidate's file; `--out`, `--checkpoints`,
+- per candidate and cell, the cell's rl stage (`rl_<init>@<seed>-<algo>`): `--params` the candidate's file; `--out`, `--checkpoints`,
   `--metrics`, `--plots` in `<out>/<candidate>/<cell>/` (`model`, `checkpoints`, `rl.json`, `rl.tsv`); it
   trains from the pipeline's init model and RL pool, as planned;
-- then `evaluate@<cell>`: `--params` the candidate's file, `--model` that cell's model, `--out`
+- then its evaluation (`evaluate_rl_<init>@<seed>-<algo>`): `--params` the candidate's file, `--model` that cell's model, `--out`
   `<out>/<candidate>/<cell>/eval`, and `--side dev` appended;
-- each init once, `evaluate@<init>`: `--params` `<out>/init/params.yaml` (params + `common`), `--out`
+- each init once (`evaluate@sft`, `evaluate_rctp@<seed>`): `--params` `<out>/init/params.yaml` (params + `common`), `--out`
   `<out>/init/<init>`, `--side dev`;
 - per candidate, `report`: `--params` the candidate's file; `--table`, `--json`, `--plot` in
   `<out>/<candidate>/` (`table.md`, `report.json`, `accuracy.png`); what it reads (`--eval-root`,
-  `--rl-root`, or `--eval`, `--rl`) and the inputs and plots the sweep does not make (`--controllability`,
-  `--agree`, `--steps`, `--mechanism`, `--probe`) dropped; appended: `--eval` for each init and cell
+  `--rl-root`) and the inputs and plots the sweep does not make (`--controllability-root`, `--agree-root`,
+  `--mechanism`, `--probe`) dropped; appended: `--eval` for each init and cell
   (the folders above), `--rl` for each cell (its `rl.json`), `--no-track`.
 
 Every other argument is the planned one. No sweep stage may read an output of a pipeline stage other than
@@ -61,6 +62,17 @@ class Spec:
     cells: tuple[str, ...]
     common: dict
     candidates: dict[str, dict]
+    seed: int = 0
+    """The grid seed whose RCTP model and pool the cells start from (its stages must be in the plan)."""
+
+    def stages(self, cell: str) -> tuple[str, str]:
+        """(rl stage, evaluate stage) of `cell` in the pipeline (dvc.yaml's names for the grid seed)."""
+        init, _, algo = cell.partition("-")
+        return f"rl_{init}@{self.seed}-{algo}", f"evaluate_rl_{init}@{self.seed}-{algo}"
+
+    def init_stage(self, init: str) -> str:
+        """The pipeline stage that evaluates an init: the shared SFT model's, or the seed's RCTP model's."""
+        return "evaluate@sft" if init == "sft" else f"evaluate_rctp@{self.seed}"
 
 
 def read_spec(path: Path) -> Spec:
@@ -79,10 +91,13 @@ def read_spec(path: Path) -> Spec:
             raise ConfigError(f"{path}: candidates.{name}: a folder-safe name and a mapping of overrides")
         if str(name) in RESERVED:
             raise ConfigError(f"{path}: candidates.{name}: the sweep's own folder; name it otherwise")
-    unknown = sorted(set(raw) - {"cells", "common", "candidates"})
+    unknown = sorted(set(raw) - {"cells", "common", "candidates", "seed"})
     if unknown:
-        raise ConfigError(f"{path}: unknown key(s) {unknown}; expected cells, common, candidates")
-    return Spec(cells, raw.get("common") or {}, {str(k): v or {} for k, v in candidates.items()})
+        raise ConfigError(f"{path}: unknown key(s) {unknown}; expected cells, common, candidates, seed")
+    seed = raw.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ConfigError(f"{path}: seed must be a grid seed (an integer >= 0), got {seed!r}")
+    return Spec(cells, raw.get("common") or {}, {str(k): v or {} for k, v in candidates.items()}, seed)
 
 
 def candidate_params(base: dict, spec: Spec, name: str, where: Path) -> dict:
@@ -109,8 +124,7 @@ EVALUATE_ADD = ("--side", "dev")
 """What the sweep appends to evaluate: it judges on the dev side, never on the held-out one."""
 
 
-REPORT_DROPS = ("--eval", "--rl", "--eval-root", "--rl-root", "--steps", "--controllability", "--agree",
-                "--mechanism", "--probe")
+REPORT_DROPS = ("--eval-root", "--rl-root", "--controllability-root", "--agree-root", "--mechanism", "--probe")
 """The report's options a sweep drops: what it reads of the pipeline (the sweep appends its own `--eval` and
 `--rl`), the inputs the sweep does not make, the plots it does not need to judge."""
 
@@ -145,19 +159,20 @@ def sweep_plan(planned: list[PlannedStage], spec: Spec, names: list[str], out: P
     by_name = {s.name: s for s in planned}
     inits = sorted({c.partition("-")[0] for c in spec.cells})
     init_dir = out / "init"
-    plan = [variant(_planned(by_name, f"evaluate@{i}"), f"init/evaluate@{i}",
+    plan = [variant(_planned(by_name, spec.init_stage(i)), f"init/evaluate@{i}",
                     evaluate_args(init_dir / "params.yaml", init_dir / i), EVALUATE_ADD) for i in inits]
     for name in names:
         params, folder = out / name / "params.yaml", out / name
         for cell in spec.cells:
-            rl = variant(_planned(by_name, f"rl@{cell}"), f"{name}/rl@{cell}", rl_args(params, folder / cell))
-            plan += [rl, variant(_planned(by_name, f"evaluate@{cell}"), f"{name}/evaluate@{cell}",
+            rl_stage, eval_stage = spec.stages(cell)
+            rl = variant(_planned(by_name, rl_stage), f"{name}/rl@{cell}", rl_args(params, folder / cell))
+            plan += [rl, variant(_planned(by_name, eval_stage), f"{name}/evaluate@{cell}",
                                  evaluate_args(params, folder / cell / "eval", folder / cell / "model"),
                                  EVALUATE_ADD, [rl.name])]
         ups = [f"init/evaluate@{i}" for i in inits] + [f"{name}/{k}@{c}" for c in spec.cells for k in ("rl", "evaluate")]
         plan.append(variant(_planned(by_name, "report"), f"{name}/report", report_args(params, folder),
                             report_add(folder, spec.cells, init_dir, inits), ups))
-    check_reads(plan, planned, spec.cells)
+    check_reads(plan, planned, spec)
     return plan
 
 
@@ -165,10 +180,10 @@ def _overlap(a: str, b: str) -> bool:
     return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
 
 
-def _reads(plan: list[PlannedStage], planned: list[PlannedStage], cells: tuple[str, ...]) -> Iterator[tuple]:
+def _reads(plan: list[PlannedStage], planned: list[PlannedStage], spec: Spec) -> Iterator[tuple]:
     """(sweep stage, argument, the path it names, the pipeline stage that makes it, whether the cells start
     from that stage) for every argument of the sweep's commands that names a pipeline output."""
-    rls = {f"rl@{c}" for c in cells}
+    rls = {spec.stages(c)[0] for c in spec.cells}
     given = set(select({s.name: s.upstream for s in planned}, sorted(rls))) - rls
     made = [(p, s.name) for s in planned for p in (*s.outs, *s.records)]
     for stage in plan:
@@ -177,23 +192,23 @@ def _reads(plan: list[PlannedStage], planned: list[PlannedStage], cells: tuple[s
                 yield from ((stage, token, path, who, who in given) for p, who in made if _overlap(path, p))
 
 
-def check_reads(plan: list[PlannedStage], planned: list[PlannedStage], cells: tuple[str, ...]) -> None:
+def check_reads(plan: list[PlannedStage], planned: list[PlannedStage], spec: Spec) -> None:
     """No argument of a sweep stage names an output of a pipeline stage the cells do not start from (the
     cells' own rl stages and everything after them): a sweep reads the pipeline's data and inits, and
     otherwise only what it made. An option dvc.yaml adds to a stage fails here until the sweep substitutes
     or drops it."""
-    for stage, token, _, who, given in _reads(plan, planned, cells):
+    for stage, token, _, who, given in _reads(plan, planned, spec):
         if not given:
             raise ConfigError(f"sweep stage {stage.name}: {token!r} names what pipeline stage {who} makes, "
                               "which the sweep neither runs nor moves (sweep.run substitutes each stage's "
                               "options: add this one there)")
 
 
-def missing_inputs(plan: list[PlannedStage], planned: list[PlannedStage], cells: tuple[str, ...],
+def missing_inputs(plan: list[PlannedStage], planned: list[PlannedStage], spec: Spec,
                    root: Path) -> dict[str, list[str]]:
     """{pipeline stage: the paths it makes that the sweep reads and `root` lacks}: what to run first."""
     missing: dict[str, list[str]] = {}
-    for _, _, path, who, _ in _reads(plan, planned, cells):
+    for _, _, path, who, _ in _reads(plan, planned, spec):
         if not (root / path).exists() and path not in missing.get(who, []):
             missing.setdefault(who, []).append(path)
     return missing
@@ -265,7 +280,7 @@ def run_sweep(spec_path: Path, out: Path, params_path: Path, planned: list[Plann
         raise ConfigError(f"--out {out}: must lie inside the project {root} (the bundle keeps paths relative "
                           "to it)") from None
     plan = sweep_plan(planned, spec, names, out)
-    missing = missing_inputs(plan, planned, spec.cells, Path(root))
+    missing = missing_inputs(plan, planned, spec, Path(root))
     if missing:
         raise ConfigError(f"not found: {sorted(p for paths in missing.values() for p in paths)}: run the stages "
                           f"the sweep starts from first (`dvc repro {' '.join(missing)}`; without DVC: "
