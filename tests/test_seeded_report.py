@@ -81,10 +81,10 @@ def _grid(tmp_path, seeds=(0, 1), gate_q=(0.45, 0.2)):
     return tmp_path / "params.yaml", root
 
 
-def _run(params, root, *extra):
+def _run(params, root, *extra, track: bool = False):
     args = ["--params", str(params), "--eval-root", str(root / "eval"), "--rl-root", str(root / "rl"),
-            "--controllability-root", str(root / "ctl"), "--no-track", "--table", str(root / "t.md"),
-            "--json", str(root / "r.json"), "--plot", str(root / "a.png"), *extra]
+            "--controllability-root", str(root / "ctl"), "--table", str(root / "t.md"),
+            "--json", str(root / "r.json"), "--plot", str(root / "a.png"), *extra, *([] if track else ["--no-track"])]
     return CliRunner().invoke(report_stage.app, args)
 
 
@@ -116,10 +116,16 @@ def test_the_report_leads_with_the_premise_and_the_declared_endpoints(tmp_path):
     assert all((root / f).stat().st_size > 1000 for f in ("a.png", "p.png", "m.png"))
 
 
-def test_a_run_whose_seeds_all_pass_the_gate_says_so(tmp_path):
+def test_a_run_whose_seeds_all_pass_the_gate_says_so_and_its_run_is_tracked(tmp_path, store):
+    """Tracked: every seeded row's metrics reach MLflow under names it accepts (`rctp@1` has no `@` there)."""
+    import mlflow
+
     params, root = _grid(tmp_path, gate_q=(0.45, 0.35))
-    assert _run(params, root).exit_code == 0
+    res = _run(params, root, track=True)
+    assert res.exit_code == 0, res.output
     assert "premise gate passed in all 2 seeds" in (root / "t.md").read_text()
+    (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list")
+    assert run.data.metrics["rctp-rc_grpo/seed1/overall_acc"] == pytest.approx(60.0)
 
 
 def test_a_missing_seed_or_an_endpoint_on_an_unrun_cell_fails_clearly_and_writes_nothing(tmp_path):

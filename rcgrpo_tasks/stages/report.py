@@ -160,12 +160,13 @@ def _display(label: str) -> str:
 def _log(rows: list[dict], files: list[Path]) -> None:
     metrics = {}
     for r in rows:
-        metrics[f"{r['label']}/overall_acc"] = r["overall"]["accuracy"]
+        key = r["label"].replace("@", "/seed")  # MLflow names: no `@`
+        metrics[f"{key}/overall_acc"] = r["overall"]["accuracy"]
         for cat, c in r["categories"].items():
-            metrics[f"{r['label']}/{cat}_acc"] = c["accuracy"]
+            metrics[f"{key}/{cat}_acc"] = c["accuracy"]
         change = (r.get("rl_probe") or {}).get("change") or {}
         if change.get("mean") is not None:
-            metrics[f"{r['label']}/rl_probe_change"] = change["mean"]
+            metrics[f"{key}/rl_probe_change"] = change["mean"]
     tracking.log_metrics({k: v for k, v in metrics.items() if not math.isnan(v)})
     tracking.log_table([{"model": row_name(r["label"]), "task": r["task"], "n": r["n"],
                          "overall_acc": r["overall"]["accuracy"], "ci_lo": r["overall"]["ci"][0],
