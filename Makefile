@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv pipeline test test-all lint bench stack-up stack-down clean-venv vllm-venv test-vllm gpu-dryrun
+.PHONY: venv pipeline study test test-all lint bench stack-up stack-down clean-venv vllm-venv test-vllm gpu-dryrun
 
 venv: $(STAMP)
 
@@ -61,6 +61,24 @@ test-vllm: vllm-venv
 
 pipeline: venv
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
+
+# The study (configs/study.yaml; docs/rl.md "The study"): the pipeline on the study profile, its stages two side
+# by side on one CPU thread each (`rcgrpo run-plan --jobs 2`: on a 2-core host two 1-thread stages outrun one
+# 2-thread stage), each stage's wall time in $(STUDY)/timings.json; `dvc commit` records the outputs in dvc.lock;
+# the report, the per-seed RL, controllability and evaluation metrics are copied to $(STUDY). A stopped run
+# resumes where it stopped (`make study` again: finished stages are skipped, RL resumes from its checkpoint).
+STUDY ?= results/study
+study: venv
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo params --profile study
+	mkdir -p $(STUDY)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo plan --out $(STUDY)/plan.json
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo run-plan --plan $(STUDY)/plan.json --jobs 2 --logs logs/study \
+		--bundle $(STUDY)/bundle.tar.gz
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc commit -f -q
+	tar -xzf $(STUDY)/bundle.tar.gz -C $(STUDY) timings.json && rm $(STUDY)/bundle.tar.gz
+	cp params.yaml results/report/table.md results/report/report.json results/report/*.png $(STUDY)/
+	rm -rf $(STUDY)/rl $(STUDY)/controllability && cp -r results/rl $(STUDY)/rl && cp -r metrics/controllability $(STUDY)/controllability
+	mkdir -p $(STUDY)/eval && cd results/eval && find . -name metrics.json -exec cp --parents {} $(CURDIR)/$(STUDY)/eval/ \;
 
 # pytest-xdist: whole modules per worker (module fixtures stay shared), at most 4 workers (memory), handed
 # out in collection order, where tests/conftest.py puts the one-test smoke pipeline first: it runs on one core

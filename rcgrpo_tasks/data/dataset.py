@@ -39,7 +39,7 @@ FAILURE_SOURCES: tuple[str, ...] = ("policy", *ALL_PERTURBATIONS)
 
 
 def _default_mix() -> dict[str, float]:
-    return {"policy": 0.1, "wrong_arg_value": 0.3,
+    return {"policy": 0.2, "wrong_arg_value": 0.3,
             **{k: 0.15 for k in ("missing_param", "wrong_function", "extra_call", "dropped_call")}}
 
 
@@ -77,7 +77,7 @@ class GenerateConfig:
     """Optional PEFT adapter folder on top of the policy model."""
     policy_reward_token: str | None = None
     """Reward token to condition the policy on (for an RCTP policy); null = no reward goal."""
-    policy_entries: int = 32
+    policy_entries: int = 64
     """Train entries the policy is sampled on (seeded sample); 0 disables policy samples."""
     policy_samples: int = 1
     """Samples per policy entry (one shared-prefix group)."""

@@ -26,7 +26,8 @@ from rcgrpo_tasks.train.sft.rows import LOSS_ON, ORDERS
 VARIANTS: dict[str, dict] = {
     "sft": {"num_epochs": 2},
     "rctp": {"num_epochs": 5, "require_reward_token": True, "init": "sft", "token_lr_multiplier": 10.0,
-             "row_order": "pairs", "margin_every": 4, "reward_goal_place": "answer", "max_steps": 24},
+             "row_order": "stratified", "first_token_weight": 4.0, "unlikelihood": 1.0, "margin_every": 4,
+             "reward_goal_place": "answer", "max_steps": 36},
 }
 """The two runs of one definition (dvc.yaml foreach): `sft` = experts only (the paper's SFT baseline),
 `rctp` = mixed data with reward goals (RCTP-FT from the SFT model; docs/rl.md "RC-GRPO's premise")."""
