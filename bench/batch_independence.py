@@ -6,7 +6,7 @@ Decodes the held-out and dev entries as the evaluate stage does (`evaluation.acc
 differ (0 is the only good answer), the verdicts that differ, the largest log-prob gap between the two runs
 over the tokens both share, each run's accuracy and wall seconds. Exit status 1 when any answer differs.
 Run: `python bench/batch_independence.py [--model models/base --adapter models/sft/sft --reward-token ''
---sides test dev --threads 2]`; the runs: docs/measured.md, "Batch independence".
+--sides test dev --threads 2]`; the runs: docs/log.md, "Batch independence".
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ compute in bf16 (what params `compute.cpu_bf16: auto` measures in short: `engine
 Repetitions alternate the arms (A B, B A, ...); medians. Ratios > 1: bf16 is faster.
 
 Run: `python bench/cpu_bf16.py [--model models/base --rows 4 --tokens 256 --reps 5 --threads 2]`. The
-measured runs: docs/measured.md, "CPU bf16".
+measured runs: docs/log.md, "CPU bf16".
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ float32 and one bfloat16, loaded once each; arms alternate per repetition (A B, 
   train entries x `samples_per_entry` at T=0.7, the same seeds in both arms (RL's rollouts are the same
   shape: groups of 4 sampled answers of <= 64 tokens to ~250-token prompts).
 Prints per repetition the wall seconds of each arm, the bf16 / float32 speed ratio (> 1: bf16 is faster),
-and how many greedy verdicts agree. The runs: docs/measured.md, "CPU bf16".
+and how many greedy verdicts agree. The runs: docs/log.md, "CPU bf16".
 Run: `python bench/decode_dtype.py [--model models/base --adapter models/sft/sft --greedy 30 --sampled 16
 --reps 2 --threads 2]` (the dtype of each arm is set here: `compute.cpu_bf16` plays no part).
 """

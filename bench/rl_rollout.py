@@ -22,7 +22,7 @@ moves less with the other jobs) and the ratios, and how many rollouts are token-
 (fp32: all but a rare rounding tie; bf16: batched matmuls may round differently).
 
 What it measures: docs/engine.md, "One session per RL step" and "Ended rows leave the batch"; the runs:
-docs/measured.md, "Engine".
+docs/log.md, "Engine".
 Run: `python bench/rl_rollout.py [--arms per-group,session --model models/base --adapter ... --groups 8 --g 5
 --max-new-tokens 32 --max-outputs 2 --reps 3 --dtype auto --threads N]`.
 """

@@ -20,7 +20,7 @@ Each arm runs in its own process (peak RSS per arm, `ru_maxrss` of the child), a
 (A B, B A, ...). Prints every arm's seconds, the medians and the ratios plain / shared.
 
 Run: `python bench/shared_prefix_step.py [--model models/base --adapter models/sft/sft --steps 5 --reps 2
---threads 2 --pairs data/datasets/rctp.jsonl --margin 16 --kinds rl,rctp,margin]` (float32: `RCGRPO_CPU_BF16=0`). The measured runs: docs/measured.md, "Shared prefix".
+--threads 2 --pairs data/datasets/rctp.jsonl --margin 16 --kinds rl,rctp,margin]` (float32: `RCGRPO_CPU_BF16=0`). The measured runs: docs/log.md, "Shared prefix".
 """
 
 from __future__ import annotations

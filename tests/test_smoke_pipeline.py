@@ -12,7 +12,7 @@ multi-turn chain is the same stages on the other task's package and runs under `
 ~4 min of a core each, both chains in CI would not fit its time on a 2-core host without AVX-512. conftest
 hands this module out first, so the chain runs on one core beside the rest of the suite. The rest of the grid
 is the same code on other inputs, and the report is tested on built inputs (test_report.py). The whole
-pipeline on the real model: `dvc repro` of the default (docs/measured.md "Pipeline runs").
+pipeline on the real model: `dvc repro` of the default (docs/log.md "Pipeline runs").
 """
 
 from __future__ import annotations

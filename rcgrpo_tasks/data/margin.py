@@ -110,7 +110,7 @@ MARGIN_CHUNK_TOKENS = 1024
 """Tokens one margin forward packs (after sharing: its prefix tree's), whole entries' contrast sets; an entry
 larger than this is one forward of its own. Whole entries so that an entry's prompt runs once (its twelve
 sequences split across two forwards ran it twice); ~1k because the dense mask grows with its square while
-the trunk's tokens barely fall beyond it (docs/measured.md, "Shared prefix")."""
+the trunk's tokens barely fall beyond it (docs/log.md, "Shared prefix")."""
 
 
 def sequence_logprobs(model, items: list[Contrast], shared: bool = True) -> list[float]:

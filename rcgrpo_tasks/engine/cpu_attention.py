@@ -1,7 +1,7 @@
 """`rcgrpo_cpu`: the attention of CPU models the `hf` backend decodes with (and of RL rollout snapshots).
 
 - Prefill: torch's sdpa with `enable_gqa`. transformers' sdpa copies K/V once per query head whenever there
-  is a mask, as a padded batch has (measured: docs/measured.md, "Engine").
+  is a mask, as a padded batch has (measured: docs/log.md, "Engine").
 - One-token decode: a GQA-packed matmul + softmax (CPU sdpa with a padding mask is slower in bf16).
 - A cache with shared prefixes (`prefix_layout.SharedPrefixes`, passed as the `rcgrpo_shared` keyword), prefill and
   decode: each block's prefix is read once for all the rows that share it (their queries stacked into one

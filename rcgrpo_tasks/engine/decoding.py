@@ -49,7 +49,7 @@ class DecodeConfig:
     """Tokens per model output (one step of an episode)."""
     backend: Literal["hf", "vllm"] = "hf"
     """Inference engine: `hf` (the project's transformers decoder) or `vllm` (vLLM: the `[gpu]` extra on CUDA, the
-    CPU vLLM environment `make vllm-venv` on a CPU); docs/engine.md "vLLM" has the choice, docs/measured.md
+    CPU vLLM environment `make vllm-venv` on a CPU); docs/engine.md "vLLM" has the choice, docs/log.md
     the measurements."""
     dtype: Literal["float32", "bfloat16", "auto"] = "auto"
     """Weights dtype; `auto` = THE dtype rule (`engine.dtype`: bf16 on a GPU with bf16, on a CPU as params

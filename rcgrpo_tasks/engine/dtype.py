@@ -9,7 +9,7 @@ DVC reruns them when it changes) decides the CPU:
 - `auto`: what this host measured, once (`calibrate`: a decode step and a forward + backward at the stages'
   own shapes, float32 beside bf16), cached per CPU model, flags, torch version, threads and model shape
   (`cache_file`). Two CPUs with the same flags measured opposite ways (bf16 faster on one, slower on the
-  other: docs/measured.md, "CPU bf16"), hence a measurement and not a flag.
+  other: docs/log.md, "CPU bf16"), hence a measurement and not a flag.
 On CUDA `auto` / `null` mean bf16 where the GPU has it, whatever `cpu_bf16` says. A dtype a stage names
 explicitly (`dtype: float32`, `bf16: true`) is never overridden. Every stage records the outcome in its
 metrics (`record`).

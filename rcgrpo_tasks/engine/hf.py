@@ -188,7 +188,7 @@ class HFSession(CacheLayout, Session):
     def _runner(self, d: DecodeState, sampling: SamplingParams):
         """`step(t)`: attention over the whole capacity (masked columns add exactly 0): on CPU eagerly, since
         attending a column slice of the buffers makes CPU's bf16 matmul copy every row's cache at every
-        step (measured: docs/measured.md, "Engine"); on CUDA a captured graph of
+        step (measured: docs/log.md, "Engine"); on CUDA a captured graph of
         `_step`, captured after one eager step (the warm-up) and replayed. Eager CUDA reads the columns in use."""
         st, path = self.st, decode_path(self.st.mask.device.type, self.b.cuda_graphs)
         if path == CPU:
@@ -287,7 +287,7 @@ class HFBackend(Backend):
         """This backend's model in float32, for what is measured from forward passes (the teacher-forced
         margin): the model itself where its weights are float32 and no autocast runs, else the same folders
         loaded again in float32 on the same device, merged as here. bf16 moves a sequence's summed log-prob by
-        as much as the margin it would measure, and on the CPU measured it was slower too (docs/measured.md)."""
+        as much as the margin it would measure, and on the CPU measured it was slower too (docs/log.md)."""
         import torch
 
         if next(self.model.parameters()).dtype == torch.float32 and not self.autocast:

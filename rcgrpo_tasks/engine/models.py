@@ -89,7 +89,7 @@ def last_positions(n: int, width: int, device):
     """`logits_to_keep` for the last `n` of `width` positions, as an index tensor rather than the int `n`.
 
     transformers slices the hidden states `[:, -n:, :]` for an int: a non-contiguous view on which torch's
-    CPU `linear` broadcasts the LM head's weight to every row and copies it (measured: docs/measured.md,
+    CPU `linear` broadcasts the LM head's weight to every row and copies it (measured: docs/log.md,
     "Engine"). An index tensor gathers a contiguous copy of the positions instead. Decode steps (`width` 1) keep
     the int: their slice is contiguous already.
     """

@@ -10,7 +10,7 @@ would make (Gumbel-max trick). What this buys:
   batch, or in one half of a batch split after an out-of-memory error (up to float rounding of the logits);
 - no generator state: a CUDA graph can capture the whole decode step, and CPU and CUDA draw the same noise.
 The per-vocabulary hash is 32-bit, in place, because it runs over rows x vocabulary at every step
-(docs/measured.md, "Engine", has its cost). Inverse-CDF sampling
+(docs/log.md, "Engine", has its cost). Inverse-CDF sampling
 (one uniform per row) would cost less still, but it makes the token depend on the rounding of every logit
 before it in vocabulary order: on bf16 vs float32 logits of the same text it changed 31 % of the tokens,
 Gumbel-max 2.4 % (and 0.6 % vs 0 % under a 1e-6 relative perturbation), so batch invariance would be lost.

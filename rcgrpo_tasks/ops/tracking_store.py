@@ -10,7 +10,7 @@ them): where it is, its experiment, and every call to it bounded and one line on
   tracked command does any work: one line, exit 2.
 - Every HTTP call is bounded: unless already set, `MLFLOW_HTTP_REQUEST_TIMEOUT`=10 s,
   `..._MAX_RETRIES`=3, `..._BACKOFF_FACTOR`=1, `..._BACKOFF_JITTER`=0 (MLflow's own defaults: 120 s and
-  7 retries with a factor 2, i.e. minutes per call; measured: docs/measured.md, "Tracking"). `call` turns
+  7 retries with a factor 2, i.e. minutes per call; measured: docs/log.md, "Tracking"). `call` turns
   any failure into a one-line TrackingError. MLflow is imported lazily (its import is slow).
 """
 

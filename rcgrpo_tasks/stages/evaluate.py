@@ -30,7 +30,7 @@ gold calls the model made (multiset, arguments bound to parameter names) — the
 boundaries, so per-turn credit is undefined there.
 Budget (`params.yaml:evaluate`): greedy, a stratified `limit` of the held-out entries, `max_outputs` of
 `max_new_tokens`, `batch_rows` rows decoded together, entries sharing a system prompt batched so it is
-prefilled once, bf16 where the CPU has it (costs per model: docs/measured.md).
+prefilled once, bf16 where the CPU has it (costs per model: docs/log.md).
 """
 
 from __future__ import annotations

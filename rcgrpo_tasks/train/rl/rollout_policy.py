@@ -22,7 +22,7 @@ def rollout_dtype(setting: str, device_type: str):
     resolves it first: `RLConfig.resolved`): on a CPU a merged copy, in THE dtype rule's dtype (`engine.dtype`;
     float32 by default: the same
     numbers as the trainer up to merge rounding, at about twice the live PEFT model's decode speed:
-    docs/measured.md, "Engine"); on a GPU the live model."""
+    docs/log.md, "Engine"); on a GPU the live model."""
     import torch
 
     if setting == "auto":
