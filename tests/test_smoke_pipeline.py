@@ -3,16 +3,15 @@ repo, with the conftest's 2-layer random-init model as `prepare_model.source` (t
 take CI past its time; the model's size is all that differs). A random model never succeeds, so the numbers
 are zeros: what is checked is that the stages run, in order, on either task, and say which task they ran.
 
-Each task runs the smoke grid (grid seed 0, the two RCTP cells) to the report: data, GX gate, labels, SFT and
-RCTP, on-policy samples and RL's pool, the controllability check, both RL cells, every evaluation and the
-report over seeds with its endpoints (19 stages, each a process that imports torch, TRL and PEFT), which
-holds every task-specific path. CI runs the default
-task's chain (single_turn), then `rcgrpo dev-sweep` on its outputs (rl, evaluate on dev, report); the
-multi-turn chain is the same stages on the other task's package and runs under `slow` (`make test-all`): at
-~4 min of a core each, both chains in CI would not fit its time on a 2-core host without AVX-512. conftest
-hands this module out first, so the chain runs on one core beside the rest of the suite. The rest of the grid
-is the same code on other inputs, and the report is tested on built inputs (test_report.py). The whole
-pipeline on the real model: `dvc repro` of the default (docs/log.md "Pipeline runs").
+The default task (single_turn, `make test`) runs the chain to its RC-GRPO cell's evaluation and the
+controllability check (13 stages: data, GX gate, labels, SFT and RCTP, on-policy samples and RL's pool, the
+check, rl_rctp@0-rc_grpo, its evaluation; each a process that imports torch, TRL and PEFT), which holds every
+task-specific path, then `rcgrpo dev-sweep` on its outputs (rl, evaluate on dev, report). The paper's task
+(multi_turn, `slow`: `make test-all`, which CI runs) runs the whole smoke grid (grid seed 0, the two RCTP
+cells) to the report over seeds with its endpoints (19 stages). conftest hands this module out first, so a
+chain runs on one core beside the rest of the suite. The report is also tested on built inputs
+(test_seeded_report.py). The whole pipeline on the real model: `dvc repro` of the default (docs/log.md
+"Pipeline runs").
 """
 
 from __future__ import annotations
@@ -28,31 +27,34 @@ import yaml
 from helpers import copy_tree
 
 BIN = Path(sys.executable).parent
-TARGETS = ("report",)
-CHAIN = ("prepare_data", "prepare_model", "generate_trajectories", "validate_trajectories", "label_rewards@sft",
+SHORT = ("prepare_data", "prepare_model", "generate_trajectories", "validate_trajectories", "label_rewards@sft",
          "sft", "sample_policy@rctp", "label_rewards@rctp", "rctp@0", "pool_rctp@0", "controllability@0",
-         "rl_rctp@0-grpo", "rl_rctp@0-rc_grpo", "evaluate@base", "evaluate@sft", "evaluate_rctp@0",
-         "evaluate_rl_rctp@0-grpo", "evaluate_rl_rctp@0-rc_grpo", "report")
+         "rl_rctp@0-rc_grpo", "evaluate_rl_rctp@0-rc_grpo")
+FULL = (*SHORT, "rl_rctp@0-grpo", "evaluate@base", "evaluate@sft", "evaluate_rctp@0", "evaluate_rl_rctp@0-grpo",
+        "report")
+TARGETS = {SHORT: ("controllability@0", "evaluate_rl_rctp@0-rc_grpo"), FULL: ("report",)}
 
 
 PROFILES = {"single_turn": "smoke", "multi_turn": "multi-turn+smoke"}
 
 
-@pytest.mark.parametrize(("task", "sweep"), [("single_turn", True),
-                                             pytest.param("multi_turn", False, marks=pytest.mark.slow)])
-def test_the_stages_run_on_the_smoke_profile_of_the_task(tmp_path, tiny_model_dir, task, sweep):
+@pytest.mark.parametrize(("task", "chain"), [("single_turn", SHORT),
+                                             pytest.param("multi_turn", FULL, marks=pytest.mark.slow)])
+def test_the_stages_run_on_the_smoke_profile_of_the_task(tmp_path, tiny_model_dir, task, chain):
     """The task's chain under `dvc repro`, one thread (a stage is mostly a process importing torch, TRL and
-    PEFT on one core); on the default task the dev sweep then runs on the chain's outputs."""
-    repo, proc = _start(tmp_path / task, tiny_model_dir, PROFILES[task])
+    PEFT on one core); after the short chain the dev sweep runs on its outputs, the full one ends in the report."""
+    repo, proc = _start(tmp_path / task, tiny_model_dir, PROFILES[task], TARGETS[chain])
     try:
         proc.wait(timeout=1200)
     finally:
         proc.kill()
     stdout, stderr = ((repo.parent / name).read_text() for name in ("stdout", "stderr"))
     assert proc.returncode == 0, f"{task}: " + stdout[-4000:] + stderr[-4000:]
-    _check(repo, stdout, task)
-    if sweep:
+    _check(repo, stdout, task, chain)
+    if chain == SHORT:
         _check_dev_sweep(repo, tmp_path / task)
+    else:
+        _check_report(repo)
 
 
 def _check_dev_sweep(repo: Path, root: Path) -> None:
@@ -77,7 +79,7 @@ def _check_dev_sweep(repo: Path, root: Path) -> None:
     assert pooled.returncode == 0 and "| default | 1 |" in pooled.stdout, pooled.stdout + pooled.stderr
 
 
-def _start(root: Path, tiny_model_dir: Path, profile: str) -> tuple[Path, subprocess.Popen]:
+def _start(root: Path, tiny_model_dir: Path, profile: str, targets: tuple[str, ...]) -> tuple[Path, subprocess.Popen]:
     """A copy of the repo on `profile` with the tiny model as its source, and its `dvc repro` started."""
     repo = copy_tree(root / "repo")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_", "RCGRPO_"))}
@@ -89,20 +91,25 @@ def _start(root: Path, tiny_model_dir: Path, profile: str) -> tuple[Path, subpro
     params["prepare_model"]["source"] = str(tiny_model_dir)
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     with open(root / "stdout", "w") as out, open(root / "stderr", "w") as err:  # files: no pipe fills up
-        return repo, subprocess.Popen([str(BIN / "dvc"), "repro", *TARGETS], cwd=repo, env=env, stdout=out,
+        return repo, subprocess.Popen([str(BIN / "dvc"), "repro", *targets], cwd=repo, env=env, stdout=out,
                                       stderr=err)
 
 
-def _check(repo: Path, stdout: str, task: str) -> None:
+def _check(repo: Path, stdout: str, task: str, chain: tuple[str, ...]) -> None:
     """Every stage of the chain ran once, on `task`, and RL took a step."""
     ran = [ln.split("'")[1] for ln in stdout.splitlines() if ln.startswith("Running stage")]
     assert len(set(ran)) == len(ran), ran
     assert json.loads((repo / "metrics" / "prepare_data.json").read_text())["task"] == task
-    assert set(CHAIN) == set(ran), ran
+    assert set(chain) == set(ran), ran
     metrics = json.loads((repo / "results" / "eval" / "0" / "rctp-rc_grpo" / "metrics.json").read_text())
     assert metrics["task"] == task and metrics["settings"]["grid_seed"] == 0, metrics
     rl = json.loads((repo / "results" / "rl" / "0" / "rctp-rc_grpo" / "metrics.json").read_text())
     assert rl["steps"] >= 1 and rl["pool"]["size"] >= 1 and rl["pool_learning"]["prompts"] >= 0, rl
+
+
+def _check_report(repo: Path) -> None:
+    """The report over seeds on the chain's real outputs: the declared endpoints first, the premise per seed."""
     report = json.loads((repo / "results" / "report" / "report.json").read_text())
     assert [e["rank"] for e in report["endpoints"]][:2] == ["primary", "primary"] and report["premise"], report
-    assert "## Endpoints" in (repo / "results" / "report" / "table.md").read_text()
+    table = (repo / "results" / "report" / "table.md").read_text()
+    assert table.index("RCTP's premise") < table.index("## Endpoints") < table.index("## Seed 0"), table[:2000]
