@@ -9,11 +9,12 @@ import math
 import types
 
 import pytest
+from helpers import config_from_params
 
 from rcgrpo_tasks.engine import dtype as rule
 from rcgrpo_tasks.engine.compute import ComputeConfig
-from rcgrpo_tasks.engine.decoding import DecodeConfig
-from rcgrpo_tasks.ops.config import ConfigError, from_dict
+from rcgrpo_tasks.evaluation.accuracy import EvaluateConfig
+from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.train.rl.config import RLConfig
 
 
@@ -25,7 +26,7 @@ def test_off_and_on_decide_a_cpu_and_explicit_dtypes_win():
     with pytest.raises(ValueError, match="cpu_bf16"):
         rule.decode_dtype("auto", "cpu", "yes")
     with pytest.raises(ConfigError, match="cpu_bf16"):
-        from_dict(ComputeConfig, {"cpu_bf16": "maybe"}, "params.yaml:compute")
+        config_from_params(ComputeConfig, "compute", **{"cpu_bf16": "maybe"}, where="params.yaml:compute")
 
 
 def test_cuda_takes_bf16_where_it_has_it_whatever_the_cpu_setting(monkeypatch):
@@ -94,12 +95,12 @@ def test_the_calibration_leaves_the_stages_random_state_and_names_what_it_ran():
 
 def test_stages_resolve_through_the_rule(tiny_model_dir):
     """A decoding stage's backend arguments and an RL run's config come out concrete under the setting."""
-    decode = DecodeConfig(dtype="auto")
-    assert decode.backend_kwargs(ComputeConfig(device="cpu", cpu_bf16="on"))["dtype"] == "bfloat16"
-    assert decode.backend_kwargs(ComputeConfig(device="cpu"))["dtype"] == "float32"
-    rl = RLConfig().resolved("on", "cpu")
+    decode = config_from_params(EvaluateConfig, "evaluate", dtype="auto").decode
+    assert decode.backend_kwargs(config_from_params(ComputeConfig, "compute", device="cpu", cpu_bf16="on"))["dtype"] == "bfloat16"
+    assert decode.backend_kwargs(config_from_params(ComputeConfig, "compute", device="cpu"))["dtype"] == "float32"
+    rl = config_from_params(RLConfig, "rl").resolved("on", "cpu")
     assert (rl.rollout_dtype, rl.bf16) == ("bfloat16", True)
-    assert (RLConfig().resolved("off", "cpu").rollout_dtype, RLConfig().resolved("off", "cuda").rollout_dtype) == (
+    assert (config_from_params(RLConfig, "rl").resolved("off", "cpu").rollout_dtype, config_from_params(RLConfig, "rl").resolved("off", "cuda").rollout_dtype) == (
         "float32", "live")
     assert rule.record("off", "cpu", "float32", False) == {"cpu_bf16": "off", "device": "cpu",
                                                            "decode_dtype": "float32", "train_bf16": False}

@@ -5,7 +5,7 @@ there; chats without a goal render exactly as before."""
 from __future__ import annotations
 
 import pytest
-from helpers import HIGH, LEVELS, LOW, chat, tiny_sft_config
+from helpers import HIGH, LEVELS, LOW, chat, compute_from_params, tiny_sft_config
 
 from rcgrpo_tasks.data.chat import answer_goal_template, assistant_token_mask, goal_place
 from rcgrpo_tasks.engine.rollout import ChatRenderer
@@ -74,7 +74,7 @@ def test_rctp_with_answer_place_saves_the_template_and_trains_without_the_token_
     assert tok.convert_tokens_to_ids(LOW) in ex["input_ids"]
     run = sft_config.SftRun("rctp", tiny_model_dir, data, tmp_path / "out", tmp_path / "ckpt2",
                           tmp_path / "m.json", tmp_path / "m.tsv")
-    sft_run.train_variant(cfg, LEVELS, run, track=False)
+    sft_run.train_variant(cfg, LEVELS, run, track=False, compute=compute_from_params())
     assert goal_place(AutoTokenizer.from_pretrained(run.out)) == "answer"
 
 
@@ -93,7 +93,7 @@ def test_a_user_place_run_refuses_a_start_that_renders_the_goal_before_the_answe
 
 
 def test_the_place_is_checked():
-    with pytest.raises(ValueError, match="reward_goal_place must be one of"):
+    with pytest.raises(ValueError, match=r"sft.reward_goal_place: expected .*'user', 'answer'"):
         tiny_sft_config(reward_goal_place="system")
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import HIGH, LEVELS, LOW, TINY_SFT, chat, tiny_sft_config
+from helpers import HIGH, LEVELS, LOW, TINY_SFT, chat, config_from_params, tiny_sft_config
 
 from rcgrpo_tasks.ops.outputs import write_jsonl
 from rcgrpo_tasks.train.common import adapters
@@ -82,7 +82,7 @@ def test_default_token_settings_are_todays(tiny_model_dir, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cfg = sft_config.SftConfig()
+    cfg = config_from_params(sft_config.SftConfig, "sft")
     assert (cfg.reward_token_init, cfg.token_lr_multiplier) == ("mean_resizing", 1.0)
     model, _, ids = _with_tokens(tiny_model_dir, cfg.reward_token_init)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -1,11 +1,11 @@
 """The params.yaml `compute` section: where every stage that decodes or trains runs.
 
-- `ComputeConfig(device="auto")`: `auto` | `cpu` | `cuda` | `cuda:N`; `resolve()` turns it into a
+- `ComputeConfig.device`: `auto` | `cpu` | `cuda` | `cuda:N`; `resolve()` turns it into a
   `torch.device` through `rcgrpo_tasks.engine.device.resolve_device` (CUDA asked for where there is none
   is a ConfigError: a run never falls back to the CPU silently).
 - `cpu_bf16`: off | on | auto, THE dtype rule's CPU setting (`engine.dtype`);
-- `load_compute(params_path)`: the section of a params file; a file without the section gets the defaults
-  (params files written before the section existed keep working), unknown keys are a ConfigError.
+- `load_compute(params_path)`: the section of a params file (every key there: no defaults); a missing or
+  unknown key is a ConfigError.
 The method is `resolve()`, not `device()`: the dataclass field is `device` (the params key).
 """
 
@@ -17,17 +17,17 @@ from pathlib import Path
 
 from rcgrpo_tasks.engine.device import DEVICE_SETTINGS, resolve_device
 from rcgrpo_tasks.engine.dtype import check_setting
-from rcgrpo_tasks.ops.config import ConfigError, from_dict, read_sections
+from rcgrpo_tasks.ops.config import load_config
 
 SECTION = "compute"
 _SETTING = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ComputeConfig:
-    device: str = "auto"
+    device: str
     """`auto` (CUDA when available, else the CPU) | `cpu` | `cuda` | `cuda:N`."""
-    processes: int = 1
+    processes: int
     """Training processes of the `sft` and `rl` stages on this machine. 1: the stage trains in its own
     process. N > 1: the stage runs itself under `accelerate launch` with N processes (one per GPU; gloo
     processes on the CPU), so `dvc repro` and the Prefect flow run it unchanged."""
@@ -35,7 +35,7 @@ class ComputeConfig:
     """accelerate config file for a launch (e.g. configs/accelerate_zero3.yaml: DeepSpeed ZeRO-3); null =
     plain data parallel (DDP: NCCL on GPUs, gloo on the CPU). Its `num_processes` is overridden by
     `processes`."""
-    cpu_bf16: str = "off"
+    cpu_bf16: str
     """bf16 on a CPU (`engine.dtype`): `off` (float32: every host the same numbers) | `on` | `auto` (what this
     host measured once: decoding and training decided apart). A stage's explicit dtype wins; CUDA takes bf16
     wherever the GPU has it."""
@@ -56,12 +56,6 @@ class ComputeConfig:
 
 
 def load_compute(params_path: str | Path) -> ComputeConfig:
-    """The `compute` section of `params_path` (defaults when the file has none); bad keys or values raise
-    ConfigError naming the file and field."""
-    data = read_sections(params_path, SECTION)
-    section = data.get(SECTION)
-    if section is None:
-        return ComputeConfig()
-    if not isinstance(section, dict):
-        raise ConfigError(f"{params_path}:{SECTION}: expected a mapping, got {type(section).__name__}")
-    return from_dict(ComputeConfig, section, where=f"{params_path}:{SECTION}")
+    """The `compute` section of `params_path`; a missing section or key, a bad key or value raise ConfigError
+    naming the file and field."""
+    return load_config(ComputeConfig, params_path, SECTION)

@@ -49,15 +49,14 @@ def pool_record(ids: list[str], pool: Path | None) -> dict:
 
 
 def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], spec: RLRun,
-             callbacks: list | None = None, track: bool = True, compute: ComputeConfig | None = None) -> dict:
+             callbacks: list | None = None, track: bool = True, *, compute: ComputeConfig) -> dict:
     """Run (or resume) one RL run; returns the summary written to `spec.metrics` (main process).
 
     `track`: an MLflow run on the main process (under `accelerate launch`, rank 0). `compute`: where it
-    trains (params `compute`; default `auto`); a micro-batch that runs out of memory is halved, the
+    trains (params `compute`); a micro-batch that runs out of memory is halved, the
     gradient accumulation doubled (`placement.fit_micro_batch`)."""
     mode = spec.mode
     cfg.decode.check_context(spec.model_dir, "rl.max_new_tokens")
-    compute = compute or ComputeConfig()
     device = placement.train_device(compute.device)
     cfg = cfg.resolved(compute.cpu_bf16, device.type, spec.model_dir)  # THE dtype rule, once
     main_proc = distributed.process_state(device).is_main_process

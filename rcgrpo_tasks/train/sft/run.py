@@ -49,22 +49,24 @@ def margin_callback(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, promp
     """The margin curve's callback (`train.sft.margin_curve`) when `margin_every` > 0, else None."""
     if not cfg.margin_every:
         return None
+    if prompt is None:
+        raise ConfigError("sft.margin_every > 0: the margin curve renders its entries as params `prompt` says; "
+                          "none was given")
     levels = tuple(t for t in tokens if t not in cfg.extra_special_tokens)
-    return margin_curve(spec.entries, spec.split, cfg.margin_entries, prompt or PromptConfig(),
+    return margin_curve(spec.entries, spec.split, cfg.margin_entries, prompt,
                         (levels[-1], levels[0]), cfg.margin_every, track, cfg.seed)
 
 
 def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbacks: list | None = None,
-                  track: bool = True, compute: ComputeConfig | None = None, prompt: PromptConfig | None = None) -> dict:
+                  track: bool = True, *, compute: ComputeConfig, prompt: PromptConfig | None = None) -> dict:
     """Train (or resume) one variant and write its outputs; returns the summary (also `--metrics`).
 
     `track`: an MLflow run (main process only). Under `accelerate launch` every rank trains; only the main
     one touches the checkpoint folder's bookkeeping, MLflow and the outputs. `compute`: where it trains
-    (params `compute`; default `auto`); a micro-batch that runs out of memory is halved, the gradient
+    (params `compute`); a micro-batch that runs out of memory is halved, the gradient
     accumulation doubled (`placement.fit_micro_batch`). `prompt`: how the margin curve renders its entries."""
     spec.check()
     spec.check_against(cfg)
-    compute = compute or ComputeConfig()
     device = placement.train_device(compute.device)
     cfg = replace(cfg, bf16=train_bf16(cfg.bf16, device.type, compute.cpu_bf16, spec.model_dir))  # THE dtype rule
     state = distributed.process_state(device)
