@@ -34,7 +34,7 @@ import os
 import time
 from pathlib import Path
 
-from rcgrpo_tasks.engine.dtype import decode_dtype
+from rcgrpo_tasks.engine.compute import ComputeConfig, resolve_compute
 from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.rollout import run_group, run_seeded_groups
 from rcgrpo_tasks.env import tasks
@@ -133,7 +133,8 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = getattr(torch, decode_dtype(args.dtype, "cpu", "auto"))
+    dtype = getattr(torch, resolve_compute(load_with(ComputeConfig, PARAMS, "compute", device="cpu", cpu_bf16="auto"),
+                                           decode=args.dtype, model_dir=args.model).decode_dtype)
     cfg = load_with(rl_config.RLConfig, PARAMS, "rl", **{"max_new_tokens": args.max_new_tokens, "max_outputs": args.max_outputs,
                                     "temperature": args.temperature, "num_generations": args.g,
                                     "batch_size": args.g * args.groups, "micro_batch_size": args.g,

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from rcgrpo_tasks.engine.backend import SamplingParams
-from rcgrpo_tasks.engine.dtype import decode_dtype
+from rcgrpo_tasks.engine.compute import ComputeConfig, resolve_compute
 from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.rollout import run_group
 from rcgrpo_tasks.env.prompt import PromptConfig
@@ -99,7 +99,8 @@ def main() -> None:
     import torch
 
     snapshot_dtype = getattr(torch, args.snapshot_dtype if args.snapshot_dtype != "auto" else
-                             decode_dtype("auto", "cpu", "auto"))
+                             resolve_compute(load_with(ComputeConfig, PARAMS, "compute", device="cpu", cpu_bf16="auto"),
+                                             decode="auto", model_dir=args.model).decode_dtype)
     cfg = load_with(rl_config.RLConfig, PARAMS, "rl", **{"max_new_tokens": args.max_new_tokens, "max_outputs": args.max_outputs,
                                     "max_entries": args.entries, "num_generations": args.g, "batch_size": args.g,
                                     "micro_batch_size": args.g, "lora_r": args.lora_r,

@@ -119,6 +119,13 @@ def compute_from_params(**overrides):
     return config_from_params(ComputeConfig, "compute", **overrides)
 
 
+def resolved(cfg, device=None, **compute):
+    """An SFT or RL config resolved as its run resolves it (THE dtype rule under params `compute` with `compute`
+    set, on `device`; None: the test device): for a test that builds a trainer without a run, since the trainer
+    refuses an unresolved `bf16: null` / `rollout_dtype: auto`."""
+    return cfg.resolved(cfg.compute_for(compute_from_params(**compute), device))
+
+
 def tiny_sft_config(**overrides):
     """An `SftConfig` for the tiny model: params `sft` with `TINY_SFT` and `overrides`."""
     from rcgrpo_tasks.train.sft.config import SftConfig

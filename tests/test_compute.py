@@ -7,7 +7,7 @@ import pytest
 import yaml
 from helpers import compute_from_params, config_from_params, write_params
 
-from rcgrpo_tasks.engine.compute import load_compute
+from rcgrpo_tasks.engine.compute import load_compute, resolve_compute
 from rcgrpo_tasks.engine.device import MemorySplitWarning
 from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.train.common import placement
@@ -130,9 +130,13 @@ def test_a_cpu_trains_in_float32_unless_told_and_a_gpu_in_bf16_where_it_has_it(m
     import torch
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert placement.resolve_bf16(None, cpu) is False
-    assert placement.resolve_bf16(True, cpu) is True and placement.resolve_bf16(False, gpu) is False
+
+    def bf16(flag, device) -> bool:
+        return resolve_compute(compute_from_params(), train=flag, trains=True, device=device).train_bf16
+
+    assert bf16(None, cpu) is False
+    assert bf16(True, cpu) is True and bf16(False, gpu) is False
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    assert placement.resolve_bf16(None, gpu) is True
+    assert bf16(None, gpu) is True
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    assert placement.resolve_bf16(None, gpu) is False
+    assert bf16(None, gpu) is False

@@ -9,6 +9,7 @@ import pytest
 from helpers import compute_from_params, config_from_params
 
 from rcgrpo_tasks.data.dataset import GenerateConfig, allocate, check_task, draw_failures, generate
+from rcgrpo_tasks.engine.compute import resolve_compute
 from rcgrpo_tasks.env.entries import split_entries
 from rcgrpo_tasks.env.multi_turn.calls import parse_call_string
 from rcgrpo_tasks.env.multi_turn.entries import Entry, load_entries
@@ -254,7 +255,8 @@ def test_policy_rows_record_their_sampler(tmp_path, entries, tiny_model_dir):
     cfg = config_from_params(GenerateConfig, "generate_trajectories", **{"policy_entries": 1, "policy_samples": 2, "max_new_tokens": 4,
                                      "temperature": 0.7, "dtype": "float32", "max_outputs": 20,
                                      "failure_mix": {"policy": 1.0, "dropped_call": 1.0}})
-    rows, m = generate(cfg, PAPER, entries_path, split, tiny_model_dir, compute_from_params())
+    compute = resolve_compute(compute_from_params(), decode=cfg.decode.dtype)  # as the stage resolves it
+    rows, m = generate(cfg, PAPER, entries_path, split, tiny_model_dir, compute)
     assert m["policy"]["n"] == 2
     policy = [t for t in rows if t.provenance["source"] == "policy"]
     assert policy and m["by_kind"].get("policy") == len(policy)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import HIGH, LEVELS, LOW, chat, compute_from_params, config_from_params, tiny_sft_config
+from helpers import HIGH, LEVELS, LOW, chat, compute_from_params, config_from_params, resolved, tiny_sft_config
 from test_evaluate import _invoke, make_workdir
 
 from rcgrpo_tasks.data import margin as mg
@@ -254,7 +254,7 @@ def test_pairs_share_a_micro_batch_in_the_trainer_s_own_dataloader(tiny_model_di
     rows = [dict(chat(i // 2, LEVELS[i % 2]), entry_id=f"e{i // 2}") for i in range(16)]
     for order, kept in (("pairs", True), ("balanced", False)):
         cfg = tiny_sft_config(max_steps=1, batch_size=2, row_order=order)
-        trainer = sft_trainer.build_trainer(cfg, tiny_model_dir, ordered(rows, order, 0), LEVELS,
+        trainer = sft_trainer.build_trainer(resolved(cfg), tiny_model_dir, ordered(rows, order, 0), LEVELS,
                                             tmp_path / order)
         tok = trainer.processing_class
         assert trainer.keep_order is kept

@@ -16,8 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import yaml
-from helpers import HIGH, LEVELS, LOW, TINY_SFT, chat, config_from_params
+from helpers import HIGH, LEVELS, LOW, TINY_SFT, chat, config_from_params, write_params
 from test_rl import PROTOCOL, TEST_RL
 
 from rcgrpo_tasks.engine.compute import ComputeConfig
@@ -126,8 +125,7 @@ def _stage(root: Path, argv: list[str], params: dict, name: str, check: bool = T
            popen: bool = False, rule: str = "obedient") -> subprocess.CompletedProcess | subprocess.Popen:
     """`python -m rcgrpo_tasks.cli <argv>` as DVC runs a stage, with `params` and the scripted-reward hook
     (`rule`: tests/multiproc/sitecustomize.py)."""
-    path = root / f"{name}.params.yaml"
-    path.write_text(yaml.safe_dump(params))
+    path = write_params(root / f"{name}.params.yaml", params)  # the committed params with `params` set
     env = {**os.environ, "PYTHONHASHSEED": "0", "RCGRPO_TEST_SCRIPTED_REWARDS": rule,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(HOOK), os.environ.get("PYTHONPATH")]))}
     env.pop("LOCAL_RANK", None)

@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import yaml
 from helpers import (
     HIGH,
     LEVELS,
@@ -21,7 +20,9 @@ from helpers import (
     grad_capture,
     on_test_device,
     pack_spy,
+    resolved,
     snapshot,
+    write_params,
 )
 
 from rcgrpo_tasks.env.prompt import PromptConfig
@@ -142,7 +143,7 @@ def test_env_tokens_carry_no_loss_and_cpu_logps_match_trl(rl_env):
 
     root, model_dir = rl_env
     cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",)})
-    trainer = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "mask", "rctp", "rc_grpo"),
+    trainer = rl_trainer.build_trainer(resolved(cfg, torch.device("cpu")), PROTOCOL, LEVELS, _spec(root, model_dir, "mask", "rctp", "rc_grpo"),
                                             track=False, device=torch.device("cpu"))  # the CPU fast path
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
@@ -281,7 +282,7 @@ def test_reference_is_the_init_model(rl_env):
     spec = rl_trainer.RLRun(**{**_spec(root, model_dir, "ref", "rctp", "grpo").__dict__, "adapter_dir": adapter_dir})
     for full in (False, True):
         cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",), "full_finetune": full})
-        trainer = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, spec, track=False)
+        trainer = rl_trainer.build_trainer(resolved(cfg), PROTOCOL, LEVELS, spec, track=False)
         assert on_test_device(trainer.accelerator.device)
         on_device = ids.to(trainer.accelerator.device)
         with torch.no_grad():
@@ -323,7 +324,7 @@ def test_bad_params_fail_before_training(tmp_path, override, match):
     from typer.testing import CliRunner
 
     params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump({"rl": {**TEST_RL, **override}}))
+    write_params(params, {"rl": {**TEST_RL, **override}})
     with pytest.raises(ConfigError, match=match):
         load_config(rl_config.RLConfig, params, "rl")
     res = CliRunner().invoke(rl_stage.app, ["--init", "rctp", "--algo", "rc_grpo", "--out", str(tmp_path / "o"),
@@ -339,8 +340,8 @@ def test_cuda_without_cuda_fails_before_training(rl_env, tmp_path, monkeypatch):
     root, model_dir = rl_env
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump({"rl": TEST_RL, "prompt": {"system_prompt": "short"},
-                                      "label_rewards": {"tokens": list(LEVELS)}, "compute": {"device": "cuda"}}))
+    write_params(params, {"rl": TEST_RL, "prompt": {"system_prompt": "short"},
+                          "label_rewards": {"tokens": list(LEVELS)}, "compute": {"device": "cuda"}})
     res = CliRunner().invoke(rl_stage.app, ["--init", "rctp", "--algo", "rc_grpo", "--model-dir", str(model_dir),
                                       "--entries", str(root / "entries.jsonl"), "--split", str(root / "split.json"),
                                       "--out", str(tmp_path / "o"), "--checkpoints", str(tmp_path / "c"),
@@ -359,7 +360,7 @@ def test_fitted_micro_batch_keeps_the_generation_batch_and_the_run(rl_env):
     cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",)})
     spec = _spec(root, model_dir, "fit", "rctp", "rc_grpo")
     for micro in (None, 1):
-        trainer = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, spec, track=False,
+        trainer = rl_trainer.build_trainer(resolved(cfg, torch.device("cpu")), PROTOCOL, LEVELS, spec, track=False,
                                            device=torch.device("cpu"), micro_batch=micro)
         args = trainer.args
         assert args.use_cpu and args.generation_batch_size == cfg.batch_size
@@ -468,7 +469,7 @@ def test_one_far_off_token_cannot_dominate_the_kl_term(rl_env):
     out = {}
     for bound in (None, 10.0):
         cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",), "kl_token_max": bound})
-        trainer = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "kl", "rctp", "rc_grpo"),
+        trainer = rl_trainer.build_trainer(resolved(cfg, torch.device("cpu")), PROTOCOL, LEVELS, _spec(root, model_dir, "kl", "rctp", "rc_grpo"),
                                                    track=False, device=torch.device("cpu"))
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from helpers import LEVELS, capture_trainer, compute_from_params, config_from_params
+from helpers import LEVELS, capture_trainer, compute_from_params, config_from_params, resolved
 from test_rl import PROTOCOL, TEST_RL, _spec
 
 from rcgrpo_tasks.engine.rollout import run_group
@@ -80,7 +80,7 @@ def test_truncated_importance_weights_are_trls(rl_env):
 
     root, model_dir = rl_env
     cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",)})
-    trainer = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "is", "rctp", "rc_grpo"),
+    trainer = rl_trainer.build_trainer(resolved(cfg), PROTOCOL, LEVELS, _spec(root, model_dir, "is", "rctp", "rc_grpo"),
                                                track=False)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
@@ -209,9 +209,13 @@ def test_auto_rollout_dtype_is_a_snapshot_on_every_cpu_and_the_live_model_on_a_g
 
     from rcgrpo_tasks.train.rl.rollout_policy import rollout_dtype, sampler_differs
 
-    assert rollout_dtype("auto", "cpu") is torch.float32
-    assert sampler_differs(False, rollout_dtype("auto", "cpu"), False)
-    on = config_from_params(rl_config.RLConfig, "rl").resolved("on", "cpu").rollout_dtype
-    assert rollout_dtype(on, "cpu") is torch.bfloat16
-    assert rollout_dtype("auto", "cuda") is None and rollout_dtype("live", "cpu") is None
-    assert rollout_dtype("float32", "cuda") is torch.float32
+    cfg = config_from_params(rl_config.RLConfig, "rl")
+
+    def resolved_on(device: str, setting: str = "off") -> str:
+        return cfg.compute_for(compute_from_params(cpu_bf16=setting), torch.device(device)).decode_dtype
+
+    assert rollout_dtype(resolved_on("cpu")) is torch.float32
+    assert sampler_differs(False, rollout_dtype(resolved_on("cpu")), False)
+    assert rollout_dtype(resolved_on("cpu", "on")) is torch.bfloat16
+    assert resolved_on("cuda") == "live" and rollout_dtype("live") is None
+    assert rollout_dtype("float32") is torch.float32

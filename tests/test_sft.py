@@ -20,6 +20,7 @@ from helpers import (
     grad_capture,
     on_test_device,
     pack_spy,
+    resolved,
     snapshot,
     tiny_sft_config,
 )
@@ -124,7 +125,7 @@ def test_assistant_only_labels(datasets, tiny_model_dir, tmp_path):
     from rcgrpo_tasks.data.chat import assistant_token_mask
 
     rows = sft_rows.load_rows(datasets / "rctp.jsonl", LEVELS, True)
-    trainer = sft_trainer.build_trainer(tiny_sft_config(), tiny_model_dir, rows[:2], LEVELS, tmp_path / "ck")
+    trainer = sft_trainer.build_trainer(resolved(tiny_sft_config()), tiny_model_dir, rows[:2], LEVELS, tmp_path / "ck")
     tok, stats, ex = trainer.processing_class, trainer.data_stats, trainer.train_dataset[0]
     ids, mask = assistant_token_mask(tok, rows[0]["messages"])
     assert ex["input_ids"] == ids

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from rcgrpo_tasks.engine.backend_registry import load_backend
-from rcgrpo_tasks.engine.compute import ComputeConfig
+from rcgrpo_tasks.engine.compute import ResolvedCompute
 from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.models import model_context
 from rcgrpo_tasks.engine.rollout import replay_calls, run_group
@@ -194,7 +194,7 @@ def near_miss_stream(entries: list[Entry], kind: str, ctx: _Context):
 
 
 def policy_trajectories(entries: list[Entry], ctx: _Context, model_dir: str | Path,
-                        compute: ComputeConfig | None = None) -> list:
+                        compute: ResolvedCompute | None = None) -> list:
     """`policy_samples` rollouts on each of `policy_entries` seeded train entries."""
     cfg = ctx.cfg
     chosen = _sample(entries, cfg.policy_entries, f"{cfg.seed}:policy")
@@ -202,8 +202,9 @@ def policy_trajectories(entries: list[Entry], ctx: _Context, model_dir: str | Pa
         return []
     model = cfg.policy_model or str(model_dir)
     if compute is None:
-        raise ConfigError("generate_trajectories: policy rows decode a model: where is params `compute` (none given)")
-    backend = load_backend(cfg.decode.backend, model, cfg.policy_adapter, **cfg.decode.backend_kwargs(compute, model))
+        raise ConfigError("generate_trajectories: policy rows decode a model: where and in what is the stage's "
+                          "resolved `compute` (none given)")
+    backend = load_backend(cfg.decode.backend, model, cfg.policy_adapter, **compute.backend_kwargs())
     # Cut rollouts where the dataset's length limit is (the model's own context minus the goal reserve).
     backend.max_positions = min(backend.max_positions, ctx.max_tokens)
     out = []
@@ -289,8 +290,9 @@ def check_task(cfg: GenerateConfig, prompt: PromptConfig, task: Task) -> None:
 
 
 def generate(cfg: GenerateConfig, prompt: PromptConfig, entries_path: str | Path, split_path: str | Path,
-             model_dir: str | Path, compute: ComputeConfig | None = None) -> tuple[list, dict]:
-    """(trajectories, metrics) for the train split; pure apart from reading the inputs."""
+             model_dir: str | Path, compute: ResolvedCompute | None = None) -> tuple[list, dict]:
+    """(trajectories, metrics) for the train split; pure apart from reading the inputs. `compute`: where and in
+    what the policy rows decode (the stage's resolution; None: a set without policy rows)."""
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Literal
 
 from rcgrpo_tasks.engine.backend import SamplingParams
-from rcgrpo_tasks.engine.dtype import decode_dtype
 from rcgrpo_tasks.engine.models import model_context
 from rcgrpo_tasks.ops.config import ConfigError
 
@@ -59,7 +58,7 @@ class DecodeConfig:
     the measurements."""
     dtype: Literal["float32", "bfloat16", "auto"]
     """Weights dtype; `auto` = THE dtype rule (`engine.dtype`: bf16 on a GPU with bf16, on a CPU as params
-    `compute.cpu_bf16` says), both backends."""
+    `compute.cpu_bf16` says), resolved once by the stage (`engine.compute.resolve_compute`), both backends."""
     batch_rows: int
     """Rollouts decoded together in one session (hf)."""
 
@@ -87,9 +86,3 @@ class DecodeConfig:
         """The engine's per-call sampling parameters (`extra`: guidance)."""
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
                               seed=seed, **extra)
-
-    def backend_kwargs(self, compute, model_dir: str | Path | None = None) -> dict:
-        """`load_backend` keyword arguments under THE dtype rule (`engine.dtype.decode_dtype`: `auto` resolved
-        for the device `compute` names and its `cpu_bf16`; `model_dir`: the shape a measured rule times)."""
-        device = compute.resolve()
-        return {"dtype": decode_dtype(self.dtype, device.type, compute.cpu_bf16, model_dir), "device": compute.device}

@@ -23,7 +23,7 @@ import typer
 from rcgrpo_tasks.data.labels import load_reward_tokens
 from rcgrpo_tasks.engine.backend import reward_pair_ids
 from rcgrpo_tasks.engine.backend_registry import load_backend
-from rcgrpo_tasks.engine.compute import load_compute
+from rcgrpo_tasks.engine.compute import load_compute, resolve_compute
 from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.rollout import run_rollouts
 from rcgrpo_tasks.engine.trajectory import write_trajectories
@@ -82,7 +82,8 @@ def main(
         compute = load_compute(params)  # where it decodes and THE dtype rule's CPU setting: params alone
         compute = dataclasses.replace(compute, device=device) if device else compute
         decode.check_context(model, "--max-new-tokens")
-        engine_backend = load_backend(decode.backend, model, adapter, **decode.backend_kwargs(compute, model))
+        resolved = resolve_compute(compute, decode=decode.dtype, model_dir=model)  # THE dtype rule, once
+        engine_backend = load_backend(decode.backend, model, adapter, **resolved.backend_kwargs())
         tokens = load_reward_tokens(params) if params.is_file() else DEFAULT_REWARD_TOKENS
         pair = reward_pair_ids(engine_backend.tokenizer, (tokens[-1], tokens[0])) if guidance else None
         sampling = decode.sampling(seed, guidance=guidance, guidance_pair=pair)

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar, Literal
 
+from rcgrpo_tasks.engine.compute import ComputeConfig, ResolvedCompute, resolve_compute
 from rcgrpo_tasks.engine.decoding import DecodeConfig
-from rcgrpo_tasks.engine.dtype import decode_dtype, train_bf16
 from rcgrpo_tasks.env.prompt import ProtocolConfig
 from rcgrpo_tasks.env.rewards import Reward
 from rcgrpo_tasks.env.tasks import task_of
@@ -221,14 +221,17 @@ class RLConfig:
             raise ValueError(f"max_entries ({self.max_entries}) x G < batch_size x minibatches: a generation "
                              f"needs {self.entries_per_generation} distinct entries")
 
-    def resolved(self, cpu_bf16: str, device_type: str, model_dir: Path | None = None) -> RLConfig:
-        """This config under THE dtype rule (`engine.dtype`) for a run on `device_type`: `bf16: null` and
-        `rollout_dtype: auto` made concrete (on a CPU the snapshot's dtype as `compute.cpu_bf16` says; on a GPU
-        the live model), so the run, its fingerprint and its summary name what it computes in."""
-        rollout = self.rollout_dtype
-        if rollout == "auto":
-            rollout = "live" if device_type != "cpu" else decode_dtype("auto", "cpu", cpu_bf16, model_dir)
-        return replace(self, rollout_dtype=rollout, bf16=train_bf16(self.bf16, device_type, cpu_bf16, model_dir))
+    def compute_for(self, compute: ComputeConfig, device=None, model_dir: Path | None = None) -> ResolvedCompute:
+        """THE dtype rule for a run of this config, once (`engine.compute.resolve_compute`): its rollouts
+        (`rollout_dtype: auto`: on a CPU the snapshot's dtype as `compute.cpu_bf16` says, on a GPU the live
+        model) and its training autocast (`bf16: null`), on `device` (`placement.train_device`)."""
+        return resolve_compute(compute, decode=self.rollout_dtype, gpu_decode="live", train=self.bf16, trains=True,
+                               model_dir=model_dir, device=device)
+
+    def resolved(self, compute: ResolvedCompute) -> RLConfig:
+        """This config with `compute`'s choices made concrete, so the run, its fingerprint and its summary name
+        what it computes in (the layers below refuse `auto` / null)."""
+        return replace(self, rollout_dtype=compute.decode_dtype, bf16=compute.train_bf16)
 
     @property
     def guard(self) -> GuardConfig:

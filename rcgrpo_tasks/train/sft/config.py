@@ -10,11 +10,12 @@ end to end (`train_variant`, the outputs and the summary) `train.sft.run`'s. Dep
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 from rcgrpo_tasks.data.chat import GOAL_PLACES
+from rcgrpo_tasks.engine.compute import ComputeConfig, ResolvedCompute, resolve_compute
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, from_dict
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.train.common import runs
@@ -107,7 +108,8 @@ class SftConfig:
     require_reward_token: bool
     """Every row must carry a reward token (RCTP) — guards against training RCTP on the SFT file."""
     bf16: bool | None
-    """bf16 autocast; None = on a GPU with bf16, off on a CPU (`placement.resolve_bf16`)."""
+    """bf16 autocast; None = THE dtype rule (`compute_for`: on a GPU with bf16, on a CPU as params
+    `compute.cpu_bf16` says)."""
     model_dtype: Literal["float32", "bfloat16"]
     """Dtype the base weights are loaded in (bf16 halves memory; LoRA weights stay float32)."""
     gradient_checkpointing: bool
@@ -189,6 +191,15 @@ class SftConfig:
                 raise ValueError(f"variants.{name}: reward_token_init {own['reward_token_init']!r} does nothing with "
                                  f"init sft (the tokens come with the SFT model, their rows made by variant sft's "
                                  f"{made_by!r}): set it on the sft variant or leave it out")
+
+    def compute_for(self, compute: ComputeConfig, device=None, model_dir: Path | None = None) -> ResolvedCompute:
+        """THE dtype rule for a run of this config, once (`engine.compute.resolve_compute`): its training
+        autocast (`bf16: null`: on a GPU with bf16, on a CPU as `compute.cpu_bf16` says), on `device`."""
+        return resolve_compute(compute, train=self.bf16, trains=True, model_dir=model_dir, device=device)
+
+    def resolved(self, compute: ResolvedCompute) -> SftConfig:
+        """This config with `compute`'s choice made concrete (the trainer refuses a null `bf16`)."""
+        return replace(self, bf16=compute.train_bf16)
 
     def resolve(self, variant: str) -> SftConfig:
         """This config with `variants[variant]` applied (validated like the base section)."""

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from rcgrpo_tasks.data.labels import load_reward_tokens
 from rcgrpo_tasks.engine.compute import ComputeConfig
-from rcgrpo_tasks.engine.dtype import record, train_bf16
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config
@@ -68,7 +67,8 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbac
     spec.check()
     spec.check_against(cfg)
     device = placement.train_device(compute.device)
-    cfg = replace(cfg, bf16=train_bf16(cfg.bf16, device.type, compute.cpu_bf16, spec.model_dir))  # THE dtype rule
+    resolved = cfg.compute_for(compute, device, spec.model_dir)  # THE dtype rule, once: passed down, recorded
+    cfg = cfg.resolved(resolved)
     state = distributed.process_state(device)
     rows = ordered(load_rows(spec.data, tokens, cfg.require_reward_token), cfg.row_order, cfg.seed)
     n_rows = min(len(rows), cfg.max_examples or len(rows))
@@ -114,7 +114,7 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbac
         steps = curve(trainer.state.log_history)
         summary = {"variant": spec.variant, **summarize(trainer, result, stats, steps, seconds),
                    "resumed_from": resume, "bf16": trainer.args.bf16, "placement": place,
-                   "dtype": record(compute.cpu_bf16, device.type, train=trainer.args.bf16),
+                   "dtype": resolved.record(),
                    "micro_batch": micro, "grad_accum": accum,
                    "special_tokens": dict(zip(tokens, token_ids)), "inputs": hashes, "init": cfg.init,
                    "row_order": cfg.row_order}
