@@ -18,7 +18,7 @@ import time
 
 from rcgrpo_tasks.data.labels import load_reward_tokens
 from rcgrpo_tasks.engine.backend_registry import load_backend
-from rcgrpo_tasks.engine.compute import load_compute
+from rcgrpo_tasks.engine.compute import load_compute, resolve_compute
 from rcgrpo_tasks.env.entries import read_entries, select_entries, stratified
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.evaluation.accuracy import EvaluateConfig, run_eval
@@ -63,8 +63,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cfg = load_config(EvaluateConfig, args.params, "evaluate")
     prompt = load_config(PromptConfig, args.params, "prompt")
-    backend = load_backend(cfg.decode.backend, args.model, args.adapter or None,
-                           **cfg.decode.backend_kwargs(load_compute(args.params), args.model))
+    compute = resolve_compute(load_compute(args.params), decode=cfg.decode.dtype, model_dir=args.model)
+    backend = load_backend(cfg.decode.backend, args.model, args.adapter or None, **compute.backend_kwargs())
     print(f"model {args.model} + {args.adapter or 'no adapter'}, token {args.reward_token or 'none'}, "
           f"{backend.describe()}, threads {args.threads}")
     pool, differ = read_entries(args.entries), 0

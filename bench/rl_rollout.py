@@ -34,12 +34,12 @@ import os
 import time
 from pathlib import Path
 
-from rcgrpo_tasks.engine.dtype import decode_dtype
+from rcgrpo_tasks.engine.compute import ComputeConfig, resolve_compute
 from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.rollout import run_group, run_seeded_groups
 from rcgrpo_tasks.env import tasks
 from rcgrpo_tasks.env.prompt import DEFAULT_REWARD_TOKENS, PromptConfig
-from rcgrpo_tasks.ops.config import from_dict
+from rcgrpo_tasks.ops.config import load_with
 from rcgrpo_tasks.train.common import adapters
 from rcgrpo_tasks.train.common.adapters import lora_targets
 from rcgrpo_tasks.train.rl import config as rl_config
@@ -47,6 +47,9 @@ from rcgrpo_tasks.train.rl import pool as rl_pool
 from rcgrpo_tasks.train.rl import rollout as rl_rollout
 from rcgrpo_tasks.train.rl import rollout_policy
 from rcgrpo_tasks.train.rl.trainer import load_init_model
+
+PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
+"""Every value a config here leaves unset is the params file's (`ops.config.load_with`)."""
 
 
 def lora_policy(model_dir: str, adapter: str | None, cfg: rl_config.RLConfig, mode: str, seed: int):
@@ -130,13 +133,14 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = getattr(torch, decode_dtype(args.dtype, "cpu", "auto"))
-    cfg = from_dict(rl_config.RLConfig, {"max_new_tokens": args.max_new_tokens, "max_outputs": args.max_outputs,
+    dtype = getattr(torch, resolve_compute(load_with(ComputeConfig, PARAMS, "compute", device="cpu", cpu_bf16="auto"),
+                                           decode=args.dtype, model_dir=args.model).decode_dtype)
+    cfg = load_with(rl_config.RLConfig, PARAMS, "rl", **{"max_new_tokens": args.max_new_tokens, "max_outputs": args.max_outputs,
                                     "temperature": args.temperature, "num_generations": args.g,
                                     "batch_size": args.g * args.groups, "micro_batch_size": args.g,
-                                    "seed": args.seed, "max_entries": None, "min_sampled_success": None})
+                                    "seed": args.seed, "max_entries": None, "pool_band": None})
     policy, tok = lora_policy(args.model, args.adapter, cfg, args.mode, args.seed)
-    proto = PromptConfig(system_prompt="bfcl").protocol_config(args.max_outputs)
+    proto = load_with(PromptConfig, PARAMS, "prompt", system_prompt="bfcl").protocol_config(args.max_outputs)
     task = tasks.get_task(args.task)
     pool = task.load_entries(tuple(args.categories or task.default_categories))
     pool.sort(key=lambda e: (rl_pool.prompt_length(e, proto, tok), e.id))

@@ -25,16 +25,19 @@ import time
 from pathlib import Path
 
 from rcgrpo_tasks.engine.backend import SamplingParams
-from rcgrpo_tasks.engine.dtype import decode_dtype
+from rcgrpo_tasks.engine.compute import ComputeConfig, resolve_compute
 from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.rollout import run_group
 from rcgrpo_tasks.env.prompt import PromptConfig
-from rcgrpo_tasks.ops.config import from_dict
+from rcgrpo_tasks.ops.config import load_with
 from rcgrpo_tasks.train.common.adapters import lora_targets
 from rcgrpo_tasks.train.rl import config as rl_config
 from rcgrpo_tasks.train.rl import pool as rl_pool
 from rcgrpo_tasks.train.rl import rollout_policy
 from rcgrpo_tasks.train.rl.trainer import load_init_model
+
+PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
+"""Every value a config here leaves unset is the params file's (`ops.config.load_with`)."""
 
 
 def lora_policy(model_dir: str, adapter: str | None, cfg: rl_config.RLConfig, seed: int):
@@ -96,14 +99,15 @@ def main() -> None:
     import torch
 
     snapshot_dtype = getattr(torch, args.snapshot_dtype if args.snapshot_dtype != "auto" else
-                             decode_dtype("auto", "cpu", "auto"))
-    cfg = from_dict(rl_config.RLConfig, {"max_new_tokens": args.max_new_tokens, "max_outputs": args.max_outputs,
+                             resolve_compute(load_with(ComputeConfig, PARAMS, "compute", device="cpu", cpu_bf16="auto"),
+                                             decode="auto", model_dir=args.model).decode_dtype)
+    cfg = load_with(rl_config.RLConfig, PARAMS, "rl", **{"max_new_tokens": args.max_new_tokens, "max_outputs": args.max_outputs,
                                     "max_entries": args.entries, "num_generations": args.g, "batch_size": args.g,
                                     "micro_batch_size": args.g, "lora_r": args.lora_r,
-                                    "lora_alpha": 2 * args.lora_r, "min_sampled_success": None})
+                                    "lora_alpha": 2 * args.lora_r, "pool_band": None})
     policy, tok = lora_policy(args.model, args.adapter, cfg, args.seed)
     # BFCL's classic system prompt (the prompt before params.yaml's `short`), paper protocol, compact docs
-    proto = PromptConfig(system_prompt="bfcl").protocol_config(args.max_outputs)
+    proto = load_with(PromptConfig, PARAMS, "prompt", system_prompt="bfcl").protocol_config(args.max_outputs)
     entries = rl_pool.train_entries(Path(args.entries_file), Path(args.split), cfg, proto, tok)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
     print(f"entries {[e.id for e in entries]}, G={args.g}, max_new_tokens={args.max_new_tokens}, "

@@ -36,6 +36,9 @@ import traceback
 from pathlib import Path
 from unittest import mock
 
+PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
+"""Every value a config here leaves unset is the params file's (`ops.config.load_with`)."""
+
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 READY_TIMEOUT_S = 900.0
@@ -69,17 +72,17 @@ def group_jobs(args, levels: tuple[str, ...]) -> tuple[list[tuple], object]:
 
     from rcgrpo_tasks.engine.backend import SamplingParams
     from rcgrpo_tasks.env.prompt import PromptConfig
-    from rcgrpo_tasks.ops.config import from_dict
+    from rcgrpo_tasks.ops.config import load_with
     from rcgrpo_tasks.train.rl import advantages as adv
     from rcgrpo_tasks.train.rl import config as rl_config
     from rcgrpo_tasks.train.rl import pool as rl_pool
 
-    cfg = from_dict(rl_config.RLConfig, {"num_generations": args.g, "batch_size": args.g * args.groups,
+    cfg = load_with(rl_config.RLConfig, PARAMS, "rl", **{"num_generations": args.g, "batch_size": args.g * args.groups,
                                     "micro_batch_size": args.g, "max_entries": args.groups,
                                     "max_new_tokens": args.max_new_tokens, "max_outputs": args.max_outputs,
                                     "temperature": args.temperature, "top_p": args.top_p,
-                                    "min_sampled_success": None})
-    proto = PromptConfig(protocol=args.protocol, system_prompt="bfcl").protocol_config(args.max_outputs)
+                                    "pool_band": None})
+    proto = load_with(PromptConfig, PARAMS, "prompt", protocol=args.protocol, system_prompt="bfcl").protocol_config(args.max_outputs)
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     entries = rl_pool.train_entries(Path(args.entries_file), Path(args.split), cfg, proto, tok)  # shortest prompts
     jobs = []

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 from rcgrpo_tasks.engine.backend import Backend, Completion, SamplingParams, Session, decode_text
 from rcgrpo_tasks.engine.hf import HFBackend
@@ -44,6 +45,10 @@ from rcgrpo_tasks.engine.kvcache import kv_bytes_per_token
 from rcgrpo_tasks.engine.rollout import run_groups
 from rcgrpo_tasks.env.multi_turn import entries as multi_turn
 from rcgrpo_tasks.env.prompt import PromptConfig
+from rcgrpo_tasks.ops.config import load_with
+
+PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
+"""Every value a config here leaves unset is the params file's (`ops.config.load_with`)."""
 
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4"}
 """vLLM's CPU KV cache (GiB) unless set: enough for the bench's rows, little of a shared host's memory."""
@@ -242,7 +247,7 @@ def main() -> None:
     all_entries = multi_turn.load_entries()
     n = args.prompts or args.entries
     entries = [all_entries[(i * 200 + i * 7) % len(all_entries)] for i in range(n)]
-    proto = PromptConfig(protocol=args.protocol, system_prompt="bfcl").protocol_config(args.max_steps)
+    proto = load_with(PromptConfig, PARAMS, "prompt", protocol=args.protocol, system_prompt="bfcl").protocol_config(args.max_steps)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens, seed=args.seed)
     engine = HFBackend(args.model, dtype=args.dtype, device=args.device,

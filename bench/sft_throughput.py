@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rcgrpo_tasks.engine.compute import load_compute  # noqa: E402
 from rcgrpo_tasks.engine.rollout import replay_calls  # noqa: E402
 from rcgrpo_tasks.env.multi_turn import entries as multi_turn  # noqa: E402
 from rcgrpo_tasks.env.prompt import ProtocolConfig  # noqa: E402
@@ -146,6 +147,8 @@ def main() -> None:
                               max_steps=args.steps + 1, max_examples=None, save_steps=10_000)
     overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
     project_cfg = from_dict(sft_config.SftConfig, {**as_dict(cfg), **overrides}, where="--set")
+    compute = load_compute(args.params)  # THE dtype rule, once, as the sft stage resolves it
+    cfg, project_cfg = (c.resolved(c.compute_for(compute, model_dir=args.model_dir)) for c in (cfg, project_cfg))
     rows, source = load_rows(args)
     print(f"model {args.model_dir} | data: {source} | batch {cfg.batch_size} x max_length {cfg.max_length} | "
           f"torch threads {torch.get_num_threads()}", flush=True)

@@ -2,7 +2,7 @@
 run, at the CPU default's shapes.
 
 - RL: the rl stage itself (`rl_run.train_rl`, RC-GRPO from `--model`, + `--adapter` merged when given) at the
-  default's shape, params.yaml's `rl` section with `max_steps` = `--steps`, `min_sampled_success` off (no
+  default's shape, params.yaml's `rl` section with `max_steps` = `--steps`, `pool_band` off (no
   sample_policy needed) and `shared_prefix_min_tokens` null (plain) or the default (shared). Per step from
   the run's diagnostics: the whole step (TRL's `step_time`, rollouts included), the rollouts (`rollout_s`)
   and the training part (the difference: policy forward/backward, reference forward, the trainer's
@@ -44,14 +44,14 @@ def rl_arm(args, shared: bool, work: Path) -> dict:
     """One RL run; per-step seconds (whole, rollouts, training) after the first step."""
     from rcgrpo_tasks.engine.compute import ComputeConfig
     from rcgrpo_tasks.env.prompt import PromptConfig
-    from rcgrpo_tasks.ops.config import from_dict, read_sections
+    from rcgrpo_tasks.ops.config import from_dict, load_with, read_sections
     from rcgrpo_tasks.ops.inputs import read_tsv
     from rcgrpo_tasks.train.rl import config as rl_config
     from rcgrpo_tasks.train.rl import run as rl_run
     from rcgrpo_tasks.train.rl import trainer as rl_trainer
 
     params = read_sections(PARAMS, "rl", "prompt", "label_rewards")
-    raw = {**params["rl"], "max_steps": args.steps, "min_sampled_success": None, "save_steps": args.steps}
+    raw = {**params["rl"], "max_steps": args.steps, "pool_band": None, "save_steps": args.steps}
     if not shared:
         raw["shared_prefix_min_tokens"] = None
         if args.rl_plain == "before":  # rollouts as before: the live PEFT model, every row to the last step
@@ -75,7 +75,7 @@ def rl_arm(args, shared: bool, work: Path) -> dict:
                               entries=REPO / "data/entries.jsonl", split=REPO / "data/split.json", out=work / name,
                               checkpoints=work / f"ckpt-{name}", plots=work / f"{name}.tsv")
     rl_run.train_rl(cfg, prompt.protocol_config(cfg.decode.max_outputs), levels, spec, track=False,
-                compute=ComputeConfig(device="cpu"))
+                compute=load_with(ComputeConfig, PARAMS, "compute", device="cpu"))
     rows = read_tsv(spec.plots)[1:]
     return {"step": [r["step_time"] for r in rows], "rollout": [r["rollout_s"] for r in rows],
             "train": [r["step_time"] - r["rollout_s"] for r in rows],
@@ -108,7 +108,7 @@ def rctp_arm(args, shared: bool, work: Path) -> dict:
     from transformers import TrainerCallback
 
     from rcgrpo_tasks.engine.compute import ComputeConfig
-    from rcgrpo_tasks.ops.config import from_dict, read_sections
+    from rcgrpo_tasks.ops.config import from_dict, load_with, read_sections
     from rcgrpo_tasks.train.sft import config as sft_config
     from rcgrpo_tasks.train.sft import run as sft_run
 
@@ -132,7 +132,7 @@ def rctp_arm(args, shared: bool, work: Path) -> dict:
     name = "shared" if shared else "plain"
     spec = sft_config.SftRun("rctp", Path(args.model), Path(args.pairs), work / name, work / f"ckpt-{name}",
                            work / f"{name}.json", work / f"{name}.tsv")
-    sft_run.train_variant(cfg, levels, spec, callbacks=[clock], track=False, compute=ComputeConfig(device="cpu"))
+    sft_run.train_variant(cfg, levels, spec, callbacks=[clock], track=False, compute=load_with(ComputeConfig, PARAMS, "compute", device="cpu"))
     return {"rctp_step": clock.times[1:]}
 
 

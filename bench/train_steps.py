@@ -173,6 +173,7 @@ def rl_phase(params: Path, model: Path, entries: Path, split: Path, work: Path, 
 def evaluate_phase(params: Path, model: Path, entries: Path, split: Path, compute) -> dict:
     """The evaluate stage's decode of one batch of `evaluate.batch_rows` held-out entries, twice."""
     from rcgrpo_tasks.engine.backend_registry import load_backend
+    from rcgrpo_tasks.engine.compute import resolve_compute
     from rcgrpo_tasks.env.entries import read_entries, select_entries, stratified
     from rcgrpo_tasks.env.prompt import PromptConfig
     from rcgrpo_tasks.evaluation.accuracy import EvaluateConfig, run_eval
@@ -182,7 +183,8 @@ def evaluate_phase(params: Path, model: Path, entries: Path, split: Path, comput
     prompt = load_config(PromptConfig, params, "prompt")
     held_out = stratified(select_entries(read_entries(entries), split=split, side="test"), cfg.limit)
     batch = held_out[: cfg.decode.batch_rows]
-    backend = load_backend(cfg.decode.backend, model, None, **cfg.decode.backend_kwargs(compute, model))
+    resolved = resolve_compute(compute, decode=cfg.decode.dtype, model_dir=model)  # THE dtype rule, as evaluate's
+    backend = load_backend(cfg.decode.backend, model, None, **resolved.backend_kwargs())
     times, tokens = [], 0
     for _ in range(2):
         t0 = time.perf_counter()

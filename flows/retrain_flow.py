@@ -45,8 +45,9 @@ from flows.rcgrpo_flow import (  # noqa: E402
     run_stage,
     stage_env,
 )
+from rcgrpo_tasks.evaluation.promotion import PromoteConfig  # noqa: E402
 from rcgrpo_tasks.ops import tracking, tracking_store  # noqa: E402
-from rcgrpo_tasks.ops.config import read_params  # noqa: E402
+from rcgrpo_tasks.ops.config import load_with, read_params  # noqa: E402
 from rcgrpo_tasks.ops.outputs import atomic_dir, write_json, write_text  # noqa: E402
 from rcgrpo_tasks.ops.profiles import GENERATED  # noqa: E402
 
@@ -147,9 +148,8 @@ def retrain(profile: str = "default", repo_dir: str = ".", template: str = TEMPL
     repo = str(Path(repo_dir).resolve())
     profile_tags = apply_profile(repo, profile)
     check_tracking()
-    promote_cfg = read_params(Path(repo) / "params.yaml").get("promote") or {}
-    champion = resolve_champion(repo, promote_cfg.get("model_name", "rcgrpo-agent"),
-                                promote_cfg.get("alias", "champion"))
+    promote_cfg = load_with(PromoteConfig, Path(repo) / "params.yaml", "promote")
+    champion = resolve_champion(repo, promote_cfg.model_name, promote_cfg.alias)
     state = start_round(repo, profile, champion["version"], template)
     prefix = f"{PIPELINE}:"
     order = [s for s in discover_stages(repo) if s.startswith(prefix)]

@@ -6,6 +6,8 @@ them as `from helpers import ...`; the benches that need the reference checker a
 
 from __future__ import annotations
 
+import copy
+import functools
 import random
 import re
 import shutil
@@ -68,11 +70,67 @@ def on_test_device(device) -> bool:
     return torch.device(device).type == device_under_test().type
 
 
+@functools.cache
+def _sections(params_path: Path) -> dict:
+    import yaml
+
+    from rcgrpo_tasks.ops.profiles import pristine_params
+
+    text, origin = pristine_params(params_path)
+    data = yaml.safe_load(text)
+    assert isinstance(data, dict), f"{origin}: not a mapping"
+    return data
+
+
+def params_section(section: str, params_path: Path = REPO_ROOT / "params.yaml") -> dict:
+    """A copy of `section` of the committed params file (as a person wrote it: no profile applied)."""
+    return copy.deepcopy(_sections(Path(params_path))[section] or {})
+
+
+def config_from_params(cls, section: str, params_path: Path = REPO_ROOT / "params.yaml", where: str | None = None,
+                       **overrides):
+    """THE way a test builds a stage config: `section` of the committed params.yaml (every tuned value lives
+    there, not in the dataclass) with `overrides` (flat keys, as the section writes them), through
+    `ops.config.from_dict`, so the checks and errors are the stage's own (`where` names the source)."""
+    from rcgrpo_tasks.ops.config import from_dict
+
+    return from_dict(cls, {**params_section(section, params_path), **overrides}, where or f"params.yaml:{section}")
+
+
+def write_params(path: Path, overlay: dict | None = None) -> Path:
+    """A params file at `path`: the committed params.yaml with `overlay`'s keys set section by section (a key's
+    value replaced whole, `{section: None}` drops the section)."""
+    import yaml
+
+    data = {s: params_section(s) for s in _sections(REPO_ROOT / "params.yaml")}
+    for section, keys in (overlay or {}).items():
+        if keys is None:
+            data.pop(section, None)
+        else:
+            data[section] = {**data.get(section, {}), **keys}
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+    return Path(path)
+
+
+def compute_from_params(**overrides):
+    """params `compute` (device `auto`: what RCGRPO_TEST_DEVICE leaves visible) with `overrides`."""
+    from rcgrpo_tasks.engine.compute import ComputeConfig
+
+    return config_from_params(ComputeConfig, "compute", **overrides)
+
+
+def resolved(cfg, device=None, **compute):
+    """An SFT or RL config resolved as its run resolves it (THE dtype rule under params `compute` with `compute`
+    set, on `device`; None: the test device): for a test that builds a trainer without a run, since the trainer
+    refuses an unresolved `bf16: null` / `rollout_dtype: auto`."""
+    return cfg.resolved(cfg.compute_for(compute_from_params(**compute), device))
+
+
 def tiny_sft_config(**overrides):
-    """An `SftConfig` for the tiny model (`TINY_SFT` with `overrides`)."""
+    """An `SftConfig` for the tiny model: params `sft` with `TINY_SFT` and `overrides`."""
     from rcgrpo_tasks.train.sft.config import SftConfig
 
-    return SftConfig(**{**TINY_SFT, **overrides})
+    return config_from_params(SftConfig, "sft", **{**TINY_SFT, **overrides})
 
 
 def chat(i: int, token: str | None) -> dict:

@@ -8,7 +8,7 @@ import dataclasses
 import json
 
 import pytest
-from helpers import HIGH, LEVELS, LOW, device_under_test
+from helpers import HIGH, LEVELS, LOW, config_from_params, device_under_test
 from typer.testing import CliRunner
 
 from rcgrpo_tasks.engine.trajectory import Trajectory, write_trajectories
@@ -46,17 +46,16 @@ def test_controllability_greedy_arm_equals_evaluates_greedy_answers(rl_env):
     from rcgrpo_tasks.env.single_turn import entries as single_turn
     from rcgrpo_tasks.evaluation import controllability as ctl
     from rcgrpo_tasks.evaluation.accuracy import EvaluateConfig, run_eval
-    from rcgrpo_tasks.ops.config import from_dict
 
     _, model_dir = rl_env
     backend = HFBackend(model_dir, device=str(device_under_test()))
     pool = single_turn.load_entries(("simple_python", "multiple"))
     entries = [e for c in ("simple_python", "multiple") for e in [x for x in pool if x.category == c][:6]]
-    prompt = PromptConfig()
-    cfg = from_dict(ctl.ControllabilityConfig, {"max_new_tokens": 10, "batch_rows": 4, "margin": False})
+    prompt = config_from_params(PromptConfig, "prompt")
+    cfg = config_from_params(ctl.ControllabilityConfig, "controllability", **{"max_new_tokens": 10, "batch_rows": 4, "margin": False})
     greedy = dataclasses.replace(cfg.decode, temperature=0.0).sampling(0)
     _, ctl_trajs = ctl.arm(cfg, backend, entries, prompt.protocol_config(1), greedy, 1, (HIGH, LOW), {"arm": "greedy"})
-    ev = from_dict(EvaluateConfig, {"max_new_tokens": 10, "batch_rows": 16, "dtype": "float32", "pass_samples": 0})
+    ev = config_from_params(EvaluateConfig, "evaluate", **{"max_new_tokens": 10, "batch_rows": 16, "dtype": "float32", "pass_samples": 0})
     ev_trajs, _, _ = run_eval(ev, prompt, backend, entries, HIGH, "rctp", LEVELS)
     got = agreement.compare(ev_trajs, agreement.greedy_under(ctl_trajs, HIGH), agreement.TOL["float32"])
     assert got["entries"] == len(entries) and got["disagree"] == 0, got

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from helpers import HIGH, LOW, device_under_test
+from helpers import HIGH, LOW, config_from_params, device_under_test
 
 from rcgrpo_tasks.engine.backend import SamplingParams
 from rcgrpo_tasks.engine.hf import HFBackend
@@ -224,7 +224,7 @@ def test_evaluate_rollouts_are_each_rows_own_on_real_entries(tiny_model_dir):
     by_cat = single_turn.load_entries(("simple_python", "multiple"))
     entries = [e for c in ("simple_python", "multiple") for e in [x for x in by_cat if x.category == c][:8]]
     b = HFBackend(tiny_model_dir, device=str(device_under_test()))
-    proto = PromptConfig().protocol_config(1)
+    proto = config_from_params(PromptConfig, "prompt").protocol_config(1)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
     batched = run_rollouts(b, entries, 1, proto, greedy, batch_rows=16)
     assert len(entries) == 16 and len(batched) == len(entries)

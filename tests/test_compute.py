@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from helpers import compute_from_params, config_from_params, write_params
 
-from rcgrpo_tasks.engine.compute import ComputeConfig, load_compute
+from rcgrpo_tasks.engine.compute import load_compute, resolve_compute
 from rcgrpo_tasks.engine.device import MemorySplitWarning
 from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.train.common import placement
@@ -18,14 +19,16 @@ def _params(tmp_path, data) -> str:
     return str(path)
 
 
-def test_compute_section_defaults_values_and_unknown_keys(tmp_path):
-    assert load_compute(_params(tmp_path, {"sft": {}})) == ComputeConfig(device="auto")  # no section: defaults
-    assert load_compute(_params(tmp_path, {"compute": None})).device == "auto"
-    assert load_compute(_params(tmp_path, {"compute": {"device": "cuda:1"}})).device == "cuda:1"
+def test_compute_section_values_missing_and_unknown_keys(tmp_path):
+    with pytest.raises(ConfigError, match="missing section 'compute'"):  # no section: no defaults either
+        load_compute(_params(tmp_path, {"sft": {}}))
+    with pytest.raises(ConfigError, match=r"params.yaml:compute: missing key\(s\) \['device', 'processes', 'cpu_bf16'\]"):
+        load_compute(_params(tmp_path, {"compute": None}))
+    assert load_compute(write_params(tmp_path / "params.yaml", {"compute": {"device": "cuda:1"}})).device == "cuda:1"
     with pytest.raises(ConfigError, match=r"params.yaml:compute: unknown key\(s\) \['devices'\]"):
         load_compute(_params(tmp_path, {"compute": {"devices": "cpu"}}))
     with pytest.raises(ConfigError, match=r"params.yaml:compute: device 'gpu': expected auto \| cpu \| cuda"):
-        load_compute(_params(tmp_path, {"compute": {"device": "gpu"}}))
+        load_compute(write_params(tmp_path / "params.yaml", {"compute": {"device": "gpu"}}))
     with pytest.raises(ConfigError, match="expected a mapping"):
         load_compute(_params(tmp_path, {"compute": "cpu"}))
 
@@ -33,7 +36,7 @@ def test_compute_section_defaults_values_and_unknown_keys(tmp_path):
 def test_training_device_never_falls_back(monkeypatch):
     import torch
 
-    assert ComputeConfig("cpu").resolve() == torch.device("cpu")
+    assert compute_from_params(device="cpu").resolve() == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert placement.train_device("auto") == torch.device("cpu") and placement.use_cpu(torch.device("cpu"))
     with pytest.raises(ConfigError, match="CUDA is not available"):
@@ -54,7 +57,7 @@ def test_explicit_cpu_reaches_the_training_arguments(tmp_path):
     from rcgrpo_tasks.train.sft import config as sft_config
     from rcgrpo_tasks.train.sft import trainer as sft_trainer
 
-    args = sft_trainer.trainer_args(sft_config.SftConfig(max_steps=1), tmp_path / "ck", False, torch.device("cpu"))
+    args = sft_trainer.trainer_args(config_from_params(sft_config.SftConfig, "sft", max_steps=1), tmp_path / "ck", False, torch.device("cpu"))
     assert args.use_cpu and args.device.type == "cpu"
 
 
@@ -127,9 +130,13 @@ def test_a_cpu_trains_in_float32_unless_told_and_a_gpu_in_bf16_where_it_has_it(m
     import torch
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert placement.resolve_bf16(None, cpu) is False
-    assert placement.resolve_bf16(True, cpu) is True and placement.resolve_bf16(False, gpu) is False
+
+    def bf16(flag, device) -> bool:
+        return resolve_compute(compute_from_params(), train=flag, trains=True, device=device).train_bf16
+
+    assert bf16(None, cpu) is False
+    assert bf16(True, cpu) is True and bf16(False, gpu) is False
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    assert placement.resolve_bf16(None, gpu) is True
+    assert bf16(None, gpu) is True
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    assert placement.resolve_bf16(None, gpu) is False
+    assert bf16(None, gpu) is False

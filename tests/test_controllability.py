@@ -10,12 +10,12 @@ import math
 
 import pytest
 import yaml
-from helpers import HIGH, LEVELS, LOW
+from helpers import HIGH, LEVELS, LOW, compute_from_params, config_from_params, write_params
 
 from rcgrpo_tasks.env.multi_turn import entries as multi_turn
 from rcgrpo_tasks.evaluation import controllability as ctl
 from rcgrpo_tasks.evaluation.accuracy import RLSampling
-from rcgrpo_tasks.ops.config import ConfigError, from_dict, load_keys
+from rcgrpo_tasks.ops.config import ConfigError, load_keys
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
 from rcgrpo_tasks.stages import controllability as ctl_stage
@@ -92,7 +92,7 @@ def test_sampled_arm_takes_rl_sampling_and_refuses_its_own(tmp_path):
     aside); the section cannot set them (moved keys)."""
     (tmp_path / "p.yaml").write_text(yaml.safe_dump({"rl": {**RL, "temperature": 0.7, "top_p": 0.9}}))
     rl, groups = load_keys(RLSampling, tmp_path / "p.yaml", "rl"), load_keys(ctl.RLGroups, tmp_path / "p.yaml", "rl")
-    cfg = from_dict(ctl.ControllabilityConfig, {"max_new_tokens": 12}, "p.yaml:controllability").sampled_as(rl)
+    cfg = config_from_params(ctl.ControllabilityConfig, "controllability", **{"max_new_tokens": 12}, where="p.yaml:controllability").sampled_as(rl)
     assert (cfg.decode.temperature, cfg.decode.top_p, cfg.decode.max_new_tokens) == (0.7, 0.9, 12)
     assert ctl.rl_record(rl, groups) == {"temperature": 0.7, "top_p": 0.9, "num_generations": 4, "p_high": 0.5}
     (tmp_path / "p.yaml").write_text(yaml.safe_dump({"rl": {"temperature": 0.0, "top_p": 0.9}}))
@@ -101,9 +101,9 @@ def test_sampled_arm_takes_rl_sampling_and_refuses_its_own(tmp_path):
     with pytest.raises(ConfigError, match=r"rl: missing key\(s\) \['num_generations', 'p_high'\]"):
         load_keys(ctl.RLGroups, tmp_path / "p.yaml", "rl")
     with pytest.raises(ConfigError, match=r"controllability.temperature: this key moved: rl.temperature"):
-        from_dict(ctl.ControllabilityConfig, {"temperature": 1.0}, "p.yaml:controllability")
+        config_from_params(ctl.ControllabilityConfig, "controllability", **{"temperature": 1.0}, where="p.yaml:controllability")
     with pytest.raises(ConfigError, match="batch_rows"):
-        from_dict(ctl.ControllabilityConfig, {"batch_rows": 1}, "p.yaml:controllability")
+        config_from_params(ctl.ControllabilityConfig, "controllability", **{"batch_rows": 1}, where="p.yaml:controllability")
 
 
 @pytest.fixture(scope="module")
@@ -125,11 +125,11 @@ def test_obedient_policy_has_full_gap(tok, protocol):
     from rcgrpo_tasks.env.prompt import PromptConfig
 
     entries = multi_turn.load_entries(["base"])[:2]
-    cfg = from_dict(ctl.ControllabilityConfig, {"n_entries": 2, "max_outputs": 20, "max_new_tokens": 4000,
+    cfg = config_from_params(ctl.ControllabilityConfig, "controllability", **{"n_entries": 2, "max_outputs": 20, "max_new_tokens": 4000,
                                                 "samples_per_token": 2, "batch_rows": 8,
                                                 "margin": False})  # a scripted policy has no log-probs
-    prompt = PromptConfig(protocol=protocol, doc_style="compact", system_prompt="bfcl")
-    proto = prompt.protocol_config(20) if protocol == "paper" else PromptConfig(protocol=protocol, system_prompt="bfcl").protocol_config(20)
+    prompt = config_from_params(PromptConfig, "prompt", protocol=protocol, doc_style="compact", system_prompt="bfcl")
+    proto = prompt.protocol_config(20) if protocol == "paper" else config_from_params(PromptConfig, "prompt", protocol=protocol, system_prompt="bfcl").protocol_config(20)
     gold = {e.id: replay_steps(e, proto, e.ground_truth) for e in entries}
     high_id = tok.convert_tokens_to_ids(HIGH)
     starts: dict = {}
@@ -196,19 +196,19 @@ def test_cli_on_tiny_rctp_model(tiny_model_dir, tmp_path, monkeypatch):
     from test_sft import chat  # the hand-made rctp rows
 
     write_jsonl(tmp_path / "rctp.jsonl", [chat(i, HIGH if i % 2 else LOW) for i in range(8)])
-    cfg = SftConfig(learning_rate=1e-2, max_steps=1, batch_size=4, max_length=128, lora_r=4, lora_alpha=8,
+    cfg = config_from_params(SftConfig, "sft", learning_rate=1e-2, max_steps=1, batch_size=4, max_length=128, lora_r=4, lora_alpha=8,
                     log_model=False, require_reward_token=True, reward_token_init="apart", grad_accum=1)
     spec = SftRun("rctp", tiny_model_dir, tmp_path / "rctp.jsonl", tmp_path / "adapter", tmp_path / "ck")
-    sft_run.train_variant(cfg, LEVELS, spec, track=False)
+    sft_run.train_variant(cfg, LEVELS, spec, track=False, compute=compute_from_params())
 
     entries = multi_turn.load_entries(["base"])[:3]
     write_jsonl(tmp_path / "entries.jsonl", (e.to_json() for e in entries))
     write_json(tmp_path / "split.json", {"train": [entries[0].id], "test": [e.id for e in entries[1:]]})
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump({
+    write_params(tmp_path / "params.yaml", {
         "controllability": {"n_entries": 2, "samples_per_token": 2, "max_outputs": 1, "max_new_tokens": 3,
                             "dtype": "float32", "n_bootstrap": 50, "guidance": 4.0, "batch_rows": 8},
         "prompt": {"system_prompt": "short"}, "rl": RL,
-        "label_rewards": {"tokens": list(LEVELS)}}))
+        "label_rewards": {"tokens": list(LEVELS)}})
     res = CliRunner().invoke(ctl_stage.app, [
         "--model-dir", str(tiny_model_dir), "--adapter-dir", str(tmp_path / "adapter"),
         "--entries", str(tmp_path / "entries.jsonl"), "--split", str(tmp_path / "split.json"),
@@ -245,7 +245,7 @@ def test_entries_come_from_the_side_asked_for(tmp_path):
     write_jsonl(tmp_path / "entries.jsonl", (e.to_json() for e in entries))
     ids = [e.id for e in entries]
     write_json(tmp_path / "split.json", {"train": ids[:1], "dev": ids[1:3], "test": ids[3:]})
-    cfg = from_dict(ctl.ControllabilityConfig, {"n_entries": 8})
+    cfg = config_from_params(ctl.ControllabilityConfig, "controllability", **{"n_entries": 8})
     paths = (tmp_path / "entries.jsonl", tmp_path / "split.json")
     assert [e.id for e in ctl.held_out_entries(*paths, cfg, side="dev")] == ids[1:3]
     assert [e.id for e in ctl.held_out_entries(*paths, cfg)] == ids[3:]
@@ -259,13 +259,13 @@ def test_entries_come_from_the_side_asked_for(tmp_path):
 def test_bad_params_and_missing_split(tmp_path):
     from typer.testing import CliRunner
 
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {"n_entries": 0}}))
+    write_params(tmp_path / "params.yaml", {"controllability": {"n_entries": 0}})
     res = CliRunner().invoke(ctl_stage.app, ["--params", str(tmp_path / "params.yaml")])
     assert res.exit_code == 2 and "n_entries" in res.output
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {}, "prompt": {"system_prompt": "bfcl"}}))
+    write_params(tmp_path / "params.yaml", {"controllability": {}, "prompt": {"system_prompt": "bfcl"}, "rl": None})
     res = CliRunner().invoke(ctl_stage.app, ["--params", str(tmp_path / "params.yaml")])
     assert res.exit_code == 2 and "rl: missing key(s) ['temperature', 'top_p']" in res.output  # sampled as RL samples
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {}, "prompt": {"system_prompt": "bfcl"}, "rl": RL}))
+    write_params(tmp_path / "params.yaml", {"controllability": {}, "prompt": {"system_prompt": "bfcl"}, "rl": RL})
     res = CliRunner().invoke(ctl_stage.app, ["--params", str(tmp_path / "params.yaml"), "--split",
                                        str(tmp_path / "none.json"), "--entries", str(tmp_path / "e.jsonl")])
     assert res.exit_code == 2 and ("not found" in res.output)
@@ -280,8 +280,8 @@ def test_bad_model_fails_before_any_run_and_writes_nothing(tiny_model_dir, tmp_p
     entries = multi_turn.load_entries(["base"])[:2]
     write_jsonl(tmp_path / "entries.jsonl", (e.to_json() for e in entries))
     write_json(tmp_path / "split.json", {"train": [entries[0].id], "test": [entries[1].id]})
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"controllability": {"n_entries": 1, "dtype": "float32"},
-                                                          "prompt": {"system_prompt": "bfcl"}, "rl": RL}))
+    write_params(tmp_path / "params.yaml", {"controllability": {"n_entries": 1, "dtype": "float32"},
+                                                          "prompt": {"system_prompt": "bfcl"}, "rl": RL})
     res = CliRunner().invoke(ctl_stage.app, [
         "--model-dir", str(tiny_model_dir), *(["--adapter-dir", str(tmp_path / adapter)] if adapter else []),
         "--entries", str(tmp_path / "entries.jsonl"), "--split", str(tmp_path / "split.json"),

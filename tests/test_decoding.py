@@ -4,7 +4,7 @@ named, and every shipped profile loading into every stage config."""
 from __future__ import annotations
 
 import pytest
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, config_from_params, params_section
 
 from rcgrpo_tasks.data.dataset import GenerateConfig
 from rcgrpo_tasks.data.onpolicy import SampleConfig
@@ -20,9 +20,9 @@ DECODING = {"evaluate": EvaluateConfig, "sample_policy": SampleConfig, "generate
 
 
 def test_flat_keys_compose_and_read_back():
-    cfg = from_dict(EvaluateConfig, {"max_new_tokens": 7, "temperature": 0.5, "limit": 3}, "p:evaluate")
+    cfg = config_from_params(EvaluateConfig, "evaluate", **{"max_new_tokens": 7, "temperature": 0.5, "limit": 3}, where="p:evaluate")
     assert isinstance(cfg.decode, DecodeConfig) and (cfg.decode.max_new_tokens, cfg.decode.temperature) == (7, 0.5)
-    assert cfg.decode.max_outputs == 1  # the stage's own default (DecodeConfig's: 4) where the section's silent
+    assert cfg.decode.max_outputs == params_section("evaluate")["max_outputs"]  # the section's own value
     flat = as_dict(cfg)
     assert "decode" not in flat and flat["max_new_tokens"] == 7 and flat["limit"] == 3
     assert from_dict(EvaluateConfig, flat) == cfg
@@ -30,8 +30,8 @@ def test_flat_keys_compose_and_read_back():
 
 def test_a_stage_exposes_only_its_own_decode_keys():
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['batch_rows'\]"):  # policy rows decode per group
-        from_dict(GenerateConfig, {"batch_rows": 4}, "p:generate_trajectories")
-    assert "batch_rows" not in as_dict(RLConfig()) and "temperature" in as_dict(RLConfig())
+        config_from_params(GenerateConfig, "generate_trajectories", **{"batch_rows": 4}, where="p:generate_trajectories")
+    assert "batch_rows" not in as_dict(config_from_params(RLConfig, "rl")) and "temperature" in as_dict(config_from_params(RLConfig, "rl"))
 
 
 @pytest.mark.parametrize(("cls", "key", "where"), [
@@ -51,7 +51,7 @@ def test_an_old_key_names_its_new_place(cls, key, where):
 ])
 def test_absurd_values_fail_before_any_work_naming_the_field(section, key, value):
     with pytest.raises(ConfigError, match=key if key != "max_new_tokens" else str(MAX_NEW_TOKENS)):
-        from_dict(DECODING[section], {key: value}, f"params.yaml:{section}")
+        config_from_params(DECODING[section], section, **{key: value})
 
 
 @pytest.mark.parametrize("profile", profiles.profile_names(REPO_ROOT, set(config.read_params(REPO_ROOT / "params.yaml"))))

@@ -1,15 +1,17 @@
-"""One source of truth for defaults: every key of the pristine params.yaml equals its stage config's default.
-
-A stage's frozen config dataclass (`ops.config.load_config`) fills a key the section leaves out with its
-default, and tests and benches build configs from those defaults; the profiles in configs/*.yaml are the
-only overlays. So a value changed in params.yaml must be changed in its dataclass too (and back): this test
-names every key where the two differ.
+"""One source of truth for tuned values: params.yaml. A stage's frozen config dataclass holds types, one
+docstring per field and checks, never a tuned value: its fields have no defaults (structural ones aside:
+`STRUCTURAL`), so a section that lacks a key fails naming it, tests and benches build configs from the
+committed params.yaml (`helpers.config_from_params`), and the profiles in configs/*.yaml are the only
+overlays. Tuning a value is a params change, never a code change.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import yaml
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, params_section
 
 from rcgrpo_tasks.data.dataset import GenerateConfig
 from rcgrpo_tasks.data.labels import LabelConfig
@@ -25,7 +27,8 @@ from rcgrpo_tasks.evaluation.endpoints import EndpointsConfig
 from rcgrpo_tasks.evaluation.grid import GridConfig
 from rcgrpo_tasks.evaluation.promotion import PromoteConfig
 from rcgrpo_tasks.ops import config, profiles
-from rcgrpo_tasks.train.rl.config import RLConfig
+from rcgrpo_tasks.ops.config import ConfigError
+from rcgrpo_tasks.train.rl.config import GuardConfig, RLConfig
 from rcgrpo_tasks.train.sft.config import SftConfig
 
 SECTIONS = {
@@ -36,15 +39,13 @@ SECTIONS = {
     "promote": PromoteConfig, "grid": GridConfig, "endpoints": EndpointsConfig,
 }
 """params.yaml section -> the config dataclass its stage loads it into."""
-
-
-def _plain(value):
-    """Tuples as lists, recursively: params YAML has lists where the dataclasses keep tuples."""
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
+STRUCTURAL = {
+    "compute": {"accelerate_config"},  # a file path; null = plain DDP
+    "sft": {"deepspeed", "variants"},  # a file path; the runs of one definition (none: no variant)
+    "rl": {"deepspeed", "extra"},  # a file path; GRPOConfig's escape hatch
+    "promote": {"metric_key"},  # unused since the paired gate: kept so params files carrying it load
+}
+"""The only fields that may have a code default: structure (paths, escape hatches), never a tuned value."""
 
 
 def _pristine() -> dict:
@@ -54,41 +55,45 @@ def _pristine() -> dict:
     return params
 
 
-def _compare(value, default, key: str, out: dict) -> None:
-    """Mappings key by key (`sft.variants.rctp.init`), anything else as a whole."""
-    if isinstance(value, dict) and isinstance(default, dict):
-        for k in [*value, *(k for k in default if k not in value)]:
-            _compare(value.get(k, config.ABSENT), default.get(k, config.ABSENT), f"{key}.{k}", out)
-    elif _plain(value) != _plain(default):
-        out[key] = (value, default)
-
-
-def _differences(params: dict) -> dict[str, tuple]:
-    """{section.key: (params value, dataclass default)} for every key where the two differ (a key of the
-    section's mapping values, e.g. `sft.variants.rctp.init`, on its own)."""
-    out: dict[str, tuple] = {}
-    for section, cls in SECTIONS.items():
-        if section in ("grid", "endpoints"):  # no defaults: params.yaml alone says what runs and what is judged
-            continue
-        defaults = config.as_dict(cls())
-        for key, value in (params.get(section) or {}).items():
-            _compare(value, defaults.get(key, config.ABSENT), f"{section}.{key}", out)
-    return out
-
-
-def test_every_section_has_its_config():
+def test_every_section_maps_to_its_config_and_loads(tmp_path):
     params = _pristine()
     assert set(params) == set(SECTIONS), f"params.yaml sections {sorted(params)} vs mapped {sorted(SECTIONS)}"
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
     for section, cls in SECTIONS.items():
-        unknown = sorted(set(params[section] or {}) - set(config.section_keys(cls)))
-        assert not unknown, f"params.yaml {section}: keys {unknown} are not fields of {cls.__name__}"
+        assert isinstance(config.load_config(cls, path, section), cls)
 
 
-def test_params_yaml_values_are_the_dataclass_defaults():
-    wrong = _differences(_pristine())
-    assert not wrong, "params.yaml value != dataclass default (change the dataclass default):\n" + "\n".join(
-        f"  {key}: params.yaml {value!r}, {SECTIONS[key.split('.')[0]].__name__} default {default!r}"
-        for key, (value, default) in wrong.items())
+def test_every_field_is_written_in_params_yaml():
+    """No implicit default: every key a section may hold is there, optional and structural ones included."""
+    params = _pristine()
+    absent = {s: [k for k in config.section_keys(cls) if k not in (params[s] or {})] for s, cls in SECTIONS.items()}
+    assert not any(absent.values()), f"keys left to a code default (write them in params.yaml): {absent}"
+
+
+@pytest.mark.parametrize("cls", [*SECTIONS.values(), GuardConfig], ids=lambda c: c.__name__)
+def test_no_tuned_value_has_a_code_default(cls):
+    section = next((s for s, c in SECTIONS.items() if c is cls), None)
+    defaulted = {f.name for f in dataclasses.fields(cls)
+                 if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+    assert defaulted <= STRUCTURAL.get(section, set()), f"{cls.__name__}: code defaults {sorted(defaulted)}"
+
+
+@pytest.mark.parametrize("section", [s for s in SECTIONS if s not in ("grid", "endpoints")])
+def test_a_missing_key_fails_naming_file_section_and_key(section):
+    cls, full = SECTIONS[section], params_section(section)
+    for key in config.required_keys(cls):
+        data = {k: v for k, v in full.items() if k != key}
+        with pytest.raises(ConfigError, match=rf"^p\.yaml:{section}: missing key\(s\) \['{key}'\]"):
+            config.from_dict(cls, data, f"p.yaml:{section}")
+
+
+def test_load_config_names_every_missing_key(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({"rl": {k: v for k, v in params_section("rl").items()
+                                           if k not in ("learning_rate", "temperature")}}))
+    with pytest.raises(ConfigError, match=rf"^{path}:rl: missing key\(s\) \['learning_rate', 'temperature'\]"):
+        config.load_config(RLConfig, path, "rl")
 
 
 LAYERINGS = ("gpu+lease", "gpu+smoke+dryrun", "gpu+lease+smoke+dryrun", "multi-turn+smoke", "cpu-long")

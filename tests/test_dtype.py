@@ -9,54 +9,90 @@ import math
 import types
 
 import pytest
+from helpers import compute_from_params, config_from_params
 
 from rcgrpo_tasks.engine import dtype as rule
-from rcgrpo_tasks.engine.compute import ComputeConfig
-from rcgrpo_tasks.engine.decoding import DecodeConfig
-from rcgrpo_tasks.ops.config import ConfigError, from_dict
+from rcgrpo_tasks.engine.compute import ComputeConfig, resolve_compute
+from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.train.rl.config import RLConfig
 
 
+def _resolve(device="cpu", setting="off", **requests):
+    return resolve_compute(compute_from_params(device=device, cpu_bf16=setting), **requests)
+
+
 def test_off_and_on_decide_a_cpu_and_explicit_dtypes_win():
-    assert rule.decode_dtype("auto", "cpu") == "float32"  # the committed default: off
-    assert rule.decode_dtype("auto", "cpu", "on") == "bfloat16" and rule.train_bf16(None, "cpu", "on") is True
-    assert rule.decode_dtype("float32", "cpu", "on") == "float32" and rule.train_bf16(False, "cpu", "on") is False
-    assert rule.decode_dtype("bfloat16", "cpu", "off") == "bfloat16" and rule.train_bf16(True, "cpu") is True
+    off = _resolve(decode="auto", trains=True)
+    assert (off.decode_dtype, off.train_bf16, off.decode_source, off.train_source) == (
+        "float32", False, "params off", "params off")  # the committed default
+    on = _resolve(setting="on", decode="auto", trains=True)
+    assert (on.decode_dtype, on.train_bf16, on.decode_source, on.measured) == ("bfloat16", True, "params on", None)
+    explicit = _resolve(setting="on", decode="float32", train=False, trains=True)
+    assert (explicit.decode_dtype, explicit.train_bf16, explicit.decode_source, explicit.train_source) == (
+        "float32", False, "explicit", "explicit")
+    assert _resolve(decode="bfloat16", train=True, trains=True).record() == {
+        "device": "cpu", "cpu_bf16": "off", "decode_dtype": "bfloat16", "train_bf16": True,
+        "decode_source": "explicit", "train_source": "explicit", "measured": None}
+    nothing = _resolve()  # a stage that neither decodes nor trains resolves neither
+    assert (nothing.decode_dtype, nothing.train_bf16, nothing.decode_source) == (None, None, None)
     with pytest.raises(ValueError, match="cpu_bf16"):
-        rule.decode_dtype("auto", "cpu", "yes")
+        rule.cpu_bf16("yes")
     with pytest.raises(ConfigError, match="cpu_bf16"):
-        from_dict(ComputeConfig, {"cpu_bf16": "maybe"}, "params.yaml:compute")
+        config_from_params(ComputeConfig, "compute", **{"cpu_bf16": "maybe"}, where="params.yaml:compute")
 
 
 def test_cuda_takes_bf16_where_it_has_it_whatever_the_cpu_setting(monkeypatch):
     import torch
 
+    gpu = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    assert rule.decode_dtype("auto", "cuda", "off") == "bfloat16" and rule.train_bf16(None, "cuda", "off") is True
+    got = resolve_compute(compute_from_params(cpu_bf16="off"), decode="auto", trains=True, device=gpu)
+    assert (got.decode_dtype, got.train_bf16, got.decode_source, got.device) == ("bfloat16", True, "gpu", "cuda")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    assert rule.decode_dtype("auto", "cuda", "on") == "float32" and rule.train_bf16(None, "cuda", "on") is False
+    got = resolve_compute(compute_from_params(cpu_bf16="on"), decode="auto", trains=True, device=gpu)
+    assert (got.decode_dtype, got.train_bf16) == ("float32", False)
+    rl = resolve_compute(compute_from_params(), decode="auto", gpu_decode="live", device=gpu)
+    assert (rl.decode_dtype, rl.decode_source) == ("live", "gpu")  # RL's rollouts: the training model itself
 
 
-def test_auto_measures_once_per_host_and_reads_the_cache(tmp_path, monkeypatch):
-    """`auto` runs the calibration once, writes it under the host's key and reads it from there after; the
-    decision follows the measured speed-ups, decoding and training apart."""
+def _fake_calibration(monkeypatch, tmp_path, decode: float, train: float) -> list:
     monkeypatch.setenv("RCGRPO_CACHE_DIR", str(tmp_path))
     calls = []
 
     def fake(shape):
         calls.append(shape)
-        return {"decode_speedup": 1.3, "train_speedup": 0.7, "seconds": 0.0}
+        return {"decode_speedup": decode, "train_speedup": train, "seconds": 0.0}
 
     monkeypatch.setattr(rule, "calibrate", fake)
     rule._measured.cache_clear()
+    return calls
+
+
+def test_auto_measures_once_per_host_and_reads_the_cache(tmp_path, monkeypatch):
+    """`auto` runs the calibration once, writes it under the host's key and reads it from there after; the
+    decision follows the measured speed-ups, decoding and training apart, and the resolution carries them."""
+    calls = _fake_calibration(monkeypatch, tmp_path, 1.3, 0.7)
     try:
-        got = rule.cpu_bf16("auto")
-        assert (got["decode"], got["train"]) == (True, False) and "measured" in got["source"]
+        got = _resolve(setting="auto", decode="auto", trains=True)
+        assert (got.decode_dtype, got.train_bf16, got.decode_source) == ("bfloat16", False, "measured auto")
+        assert (got.measured["decode_speedup"], got.measured["train_speedup"]) == (1.3, 0.7)
+        assert got.measured["min_speedup"] == rule.AUTO_MIN_SPEEDUP and got.measured["cache"] == str(rule.cache_file())
         rule._measured.cache_clear()
-        assert rule.decode_dtype("auto", "cpu", "auto") == "bfloat16" and rule.train_bf16(None, "cpu", "auto") is False
+        assert _resolve(setting="auto", decode="auto").decode_dtype == "bfloat16"
         assert len(calls) == 1  # the second process-level call read the file
         cached = json.loads(rule.cache_file().read_text())
         assert list(cached) == [rule.host_key(rule.SMOLLM2_135M, __import__("torch").get_num_threads())]
+        assert _resolve(setting="auto", decode="float32").measured is None  # nothing asked `auto`: nothing measured
+    finally:
+        rule._measured.cache_clear()
+
+
+@pytest.mark.parametrize(("speedup", "bf16"), [(1.0, False), (1.09, False), (1.1, True), (1.5, True)])
+def test_auto_switches_only_at_a_measured_speedup_of_at_least_the_threshold(tmp_path, monkeypatch, speedup, bf16):
+    _fake_calibration(monkeypatch, tmp_path, speedup, speedup)
+    try:
+        got = _resolve(setting="auto", decode="auto", trains=True)
+        assert (got.decode_dtype == "bfloat16", got.train_bf16) == (bf16, bf16)
     finally:
         rule._measured.cache_clear()
 
@@ -75,7 +111,7 @@ def test_a_speedup_is_the_ratio_of_the_arms_medians_over_alternating_runs(monkey
         return run
 
     monkeypatch.setattr(rule, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    got = rule._side_by_side(arm("fp32", [50.0, 3.0, 3.0, 5.0]), arm("bf16", [50.0, 1.0, 2.0, 1.0]), reps=3)
+    got = rule.side_by_side(arm("fp32", [50.0, 3.0, 3.0, 5.0]), arm("bf16", [50.0, 1.0, 2.0, 1.0]), reps=3)
     assert got == pytest.approx(3.0)  # median(3, 3, 5) / median(1, 2, 1)
     assert calls == ["fp32", "bf16", "fp32", "bf16", "bf16", "fp32", "fp32", "bf16"]
 
@@ -92,14 +128,22 @@ def test_the_calibration_leaves_the_stages_random_state_and_names_what_it_ran():
     assert all(math.isfinite(got[k]) and got[k] > 0 for k in ("decode_speedup", "train_speedup"))
 
 
-def test_stages_resolve_through_the_rule(tiny_model_dir):
-    """A decoding stage's backend arguments and an RL run's config come out concrete under the setting."""
-    decode = DecodeConfig(dtype="auto")
-    assert decode.backend_kwargs(ComputeConfig(device="cpu", cpu_bf16="on"))["dtype"] == "bfloat16"
-    assert decode.backend_kwargs(ComputeConfig(device="cpu"))["dtype"] == "float32"
-    rl = RLConfig().resolved("on", "cpu")
-    assert (rl.rollout_dtype, rl.bf16) == ("bfloat16", True)
-    assert (RLConfig().resolved("off", "cpu").rollout_dtype, RLConfig().resolved("off", "cuda").rollout_dtype) == (
-        "float32", "live")
-    assert rule.record("off", "cpu", "float32", False) == {"cpu_bf16": "off", "device": "cpu",
-                                                           "decode_dtype": "float32", "train_bf16": False}
+def test_runs_resolve_once_and_lower_layers_refuse_an_unresolved_setting(tiny_model_dir):
+    """A training run's config comes out concrete from the one resolution; the backends, the rollout snapshot
+    and the trainer's autocast refuse `auto` / null instead of silently taking float32."""
+    from rcgrpo_tasks.engine.hf import HFBackend
+    from rcgrpo_tasks.train.common import placement
+    from rcgrpo_tasks.train.rl.rollout_policy import rollout_dtype
+    from rcgrpo_tasks.train.sft.config import SftConfig
+
+    rl = config_from_params(RLConfig, "rl")
+    on = rl.resolved(rl.compute_for(compute_from_params(device="cpu", cpu_bf16="on")))
+    assert (on.rollout_dtype, on.bf16) == ("bfloat16", True)
+    off = rl.resolved(rl.compute_for(compute_from_params(device="cpu")))
+    assert (off.rollout_dtype, off.bf16) == ("float32", False)
+    sft = config_from_params(SftConfig, "sft")
+    assert sft.resolved(sft.compute_for(compute_from_params(device="cpu", cpu_bf16="on"))).bf16 is True
+    for refused in (lambda: HFBackend(tiny_model_dir, dtype="auto", device="cpu"), lambda: rollout_dtype("auto"),
+                    lambda: placement.resolved_bf16(None)):
+        with pytest.raises(ValueError, match="unresolved"):
+            refused()

@@ -9,10 +9,9 @@ import random
 from types import SimpleNamespace
 
 import pytest
-from helpers import HIGH, LEVELS, LOW, capture_trainer
+from helpers import HIGH, LEVELS, LOW, capture_trainer, compute_from_params, config_from_params
 from test_rl import PROTOCOL, TEST_RL, _spec, _weights
 
-from rcgrpo_tasks.ops.config import from_dict
 from rcgrpo_tasks.ops.inputs import read_tsv
 from rcgrpo_tasks.train.rl import advantages as adv
 from rcgrpo_tasks.train.rl import config as rl_config
@@ -79,7 +78,7 @@ def _rollout(monkeypatch, rule, n_entries=6, **cfg):
 
     monkeypatch.setattr(engine, "run_seeded_groups", lambda backend, groups, *a, **k: [group(*g) for g in groups])
     monkeypatch.setattr(rl_rollout.EngineRollout, "backend", lambda self, trainer: None)
-    config = from_dict(rl_config.RLConfig, {**TEST_RL, "max_entries": None, "num_generations": 4, "batch_size": 8,
+    config = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "max_entries": None, "num_generations": 4, "batch_size": 8,
                                        "micro_batch_size": 4, **cfg})
     entries = {f"e{i}": SimpleNamespace(id=f"e{i}") for i in range(n_entries)}
     tok = SimpleNamespace(eos_token_id=0)
@@ -114,7 +113,7 @@ def test_the_round_cap_masks_what_is_still_flat_and_an_empty_step_says_so(monkey
     assert math.isnan(m["rc/gen_tokens_per_useful_group"])
     assert "no group with reward spread after 3 generation round(s)" in capsys.readouterr().err
     with pytest.raises(ValueError, match="dynamic_max_rounds"):
-        from_dict(rl_config.RLConfig, {**TEST_RL, "dynamic_max_rounds": 0})
+        config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "dynamic_max_rounds": 0})
 
 
 def test_plain_grpo_keeps_every_group_and_prices_it(monkeypatch):
@@ -152,16 +151,16 @@ def entry_rewards(monkeypatch):
 def test_dynamic_trains_on_kept_groups_and_skips_a_step_with_none(rl_env, entry_rewards, monkeypatch):
     root, model_dir = rl_env
     box = capture_trainer(monkeypatch)
-    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1})
+    cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",), "max_steps": 1})
     flat = _spec(root, model_dir, "sft-dynamic-flat", "sft", "dynamic")
-    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, flat)  # every group flat: nothing to train on
+    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, flat, compute=compute_from_params())  # every group flat: nothing to train on
     assert summary["total_step_skipped"] == 1 and summary["total_useful_groups"] == 0
     before, after = _weights(model_dir), _weights(flat.out)
     assert all(before[k].equal(after[k]) for k in before if k in after)  # no update at all
     for eid in box["rollout"].entries:  # now every entry's group splits: the first round keeps it
         entry_rewards[eid] = lambda i: float(i % 2)
     spread = _spec(root, model_dir, "sft-dynamic-spread", "sft", "dynamic")
-    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spread)
+    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spread, compute=compute_from_params())
     assert summary["total_step_skipped"] == 0 and summary["rollouts_per_useful_group"] == cfg.num_generations
     after = _weights(spread.out)
     assert any(not before[k].equal(after[k]) for k in before if k in after)

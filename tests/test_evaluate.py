@@ -6,13 +6,14 @@ import dataclasses
 import json
 
 import pytest
-from helpers import get_entry
+import yaml
+from helpers import config_from_params, get_entry, write_params
 from typer.testing import CliRunner
 
 from rcgrpo_tasks.env.entries import stratified
 from rcgrpo_tasks.env.multi_turn import entries as multi_turn
 from rcgrpo_tasks.evaluation import accuracy as evaluate
-from rcgrpo_tasks.ops.config import ConfigError, from_dict, load_config
+from rcgrpo_tasks.ops.config import ConfigError, load_config
 from rcgrpo_tasks.stages import evaluate as evaluate_stage
 
 PARAMS = """prompt:
@@ -40,7 +41,7 @@ def make_workdir(tmp_path, monkeypatch):
     """params, a held-out split of 8 multi_turn entries and a private MLflow store in `tmp_path`."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     monkeypatch.setenv("MLFLOW_ARTIFACT_ROOT", str(tmp_path / "artifacts"))
-    (tmp_path / "params.yaml").write_text(PARAMS)
+    write_params(tmp_path / "params.yaml", yaml.safe_load(PARAMS))
     test_ids = [f"multi_turn_{c}_{i}" for c in multi_turn.CATEGORIES for i in (1, 2)]
     (tmp_path / "split.json").write_text(json.dumps({"train": [], "test": test_ids}))
     return tmp_path
@@ -112,7 +113,7 @@ def test_bad_input_fails_clearly_without_outputs(workdir, tiny_model_dir, case):
         (workdir / "adapter" / "adapter_config.json").write_text("{not json")
         extra = ["--adapter", str(workdir / "adapter")]
     else:
-        (workdir / "params.yaml").write_text("evaluate:\n  max_stepz: 3\n")
+        write_params(workdir / "params.yaml", {"evaluate": {"max_stepz": 3}})
     res = _invoke(workdir, model, *extra)
     assert res.exit_code != 0
     text = res.output
@@ -135,7 +136,7 @@ def test_tracking_failure_fails_stage_without_outputs(workdir, tiny_model_dir, m
 
 def test_config_rejects_bad_values(tmp_path):
     p = tmp_path / "p.yaml"
-    p.write_text("evaluate:\n  max_new_tokens: 0\n")
+    write_params(p, {"evaluate": {"max_new_tokens": 0}})
     with pytest.raises(ConfigError, match="max_new_tokens"):
         load_config(evaluate.EvaluateConfig, p, "evaluate")
 
@@ -206,9 +207,9 @@ def test_single_turn_evaluation_scores_bfcl_ast_verdicts(tok):
         e = next(e for e in entries if e.question[-1]["content"] in text)
         return "[" + ", ".join(expert_calls(e)) + "]" if e.id in right else "I cannot help with that."
 
-    cfg = from_dict(evaluate.EvaluateConfig, {"n_bootstrap": 50, "limit": 8, "max_outputs": 8,
+    cfg = config_from_params(evaluate.EvaluateConfig, "evaluate", **{"n_bootstrap": 50, "limit": 8, "max_outputs": 8,
                                               "max_new_tokens": 96, "batch_rows": 8})
-    trajs, rows, summary = evaluate.run_eval(cfg, PromptConfig(system_prompt="bfcl"), ScriptedBackend(tok, policy), entries, None, "x")
+    trajs, rows, summary = evaluate.run_eval(cfg, config_from_params(PromptConfig, "prompt", system_prompt="bfcl"), ScriptedBackend(tok, policy), entries, None, "x")
     assert summary["task"] == "single_turn" and summary["n"] == 8 and summary["accuracy"] == 50.0
     assert set(summary["categories"]) == set(single_turn.DEFAULT_CATEGORIES)
     for r in rows:

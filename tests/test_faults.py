@@ -15,11 +15,20 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import LEVELS, REPO_ROOT, chat, tiny_sft_config
+from helpers import (
+    LEVELS,
+    REPO_ROOT,
+    chat,
+    compute_from_params,
+    config_from_params,
+    params_section,
+    tiny_sft_config,
+    write_params,
+)
 
 from rcgrpo_tasks.engine.decoding import PROMPT_FLOOR, DecodeConfig
 from rcgrpo_tasks.ops import tracking
-from rcgrpo_tasks.ops.config import ConfigError, ParamsChanged, load_config, load_keys
+from rcgrpo_tasks.ops.config import ConfigError, ParamsChanged, load_config, load_keys, read_sections
 from rcgrpo_tasks.ops.outputs import OutputError, write_jsonl
 from rcgrpo_tasks.train.common import checkpoints, runs
 from rcgrpo_tasks.train.sft import config as sft_config
@@ -31,7 +40,7 @@ from rcgrpo_tasks.train.sft import run as sft_run
 @pytest.fixture()
 def params_file(tmp_path) -> Path:
     path = tmp_path / "params.yaml"
-    path.write_text("prepare_data:\n  test_fraction: 0.1\n  seed: 0\nrl:\n  lr: 1.0\n")
+    path.write_text(yaml.safe_dump({"prepare_data": params_section("prepare_data"), "rl": {"lr": 1.0}}))
     return path
 
 
@@ -56,11 +65,10 @@ def test_params_edited_under_a_stage_publish_nothing(params_file, tmp_path):
 
 
 def test_an_edit_to_a_section_the_stage_did_not_read_does_not_block_it(params_file, tmp_path):
-    from rcgrpo_tasks.engine.compute import load_compute
     from rcgrpo_tasks.env.split import PrepareDataConfig
 
     load_config(PrepareDataConfig, params_file, "prepare_data")
-    assert load_compute(params_file).device == "auto"  # read while absent: still absent at publication
+    assert read_sections(params_file, "compute") == {}  # read while absent: still absent at publication
     out = tmp_path / "m.json"
     with tracking.published_run("prepare_data", outputs=(out,), track=False) as (_, staged):
         staged.file(out).write_text("{}")
@@ -191,7 +199,7 @@ def trained(tmp_path_factory, tiny_model_dir):
     cfg = tiny_sft_config(max_steps=3, save_steps=1, save_total_limit=3, keep_checkpoints=True)
     spec = sft_config.SftRun("sft", tiny_model_dir, root / "sft.jsonl", root / "out", root / "pristine",
                            root / "m.json")
-    sft_run.train_variant(cfg, LEVELS, spec, track=False)
+    sft_run.train_variant(cfg, LEVELS, spec, track=False, compute=compute_from_params())
     assert sorted(p.name for p in spec.checkpoints.glob("checkpoint-*")) == [f"checkpoint-{n}" for n in (1, 2, 3)]
     return cfg, spec
 
@@ -223,7 +231,7 @@ def test_resume_skips_a_damaged_newest_checkpoint_and_names_it(trained, tmp_path
     spec = _copy(pristine, tmp_path)
     _damage(spec.checkpoints / "checkpoint-3", name)
     assert checkpoints.damage(spec.checkpoints / "checkpoint-2") is None
-    summary = sft_run.train_variant(cfg, LEVELS, spec, track=False)
+    summary = sft_run.train_variant(cfg, LEVELS, spec, track=False, compute=compute_from_params())
     assert summary["resumed_from"] == str(spec.checkpoints / "checkpoint-2") and summary["steps"] == 3
     err = capsys.readouterr().err
     line = next(line for line in err.splitlines() if line.startswith("warning: damaged checkpoint"))
@@ -303,8 +311,15 @@ def test_max_new_tokens_beyond_the_model_context_fails_naming_key_and_context(ti
     key = "params.yaml:evaluate.max_new_tokens"
     with pytest.raises(ConfigError, match=rf"^{key} 131072: .*\(8192 positions, config.json max_position_embeddings\)"
                                           rf".*use at most {8192 - PROMPT_FLOOR}$"):
-        DecodeConfig(max_new_tokens=131_072).check_context(tiny_model_dir, key)
-    DecodeConfig(max_new_tokens=8192 - PROMPT_FLOOR).check_context(tiny_model_dir, key)
+        _decode(max_new_tokens=131_072).check_context(tiny_model_dir, key)
+    _decode(max_new_tokens=8192 - PROMPT_FLOOR).check_context(tiny_model_dir, key)
+
+
+def _decode(**overrides) -> DecodeConfig:
+    """params `evaluate`'s decoding settings with `overrides`."""
+    from rcgrpo_tasks.evaluation.accuracy import EvaluateConfig
+
+    return config_from_params(EvaluateConfig, "evaluate", **overrides).decode
 
 
 def test_the_evaluate_stage_refuses_it_before_loading_the_model(tmp_path, tiny_model_dir):
@@ -312,7 +327,7 @@ def test_the_evaluate_stage_refuses_it_before_loading_the_model(tmp_path, tiny_m
 
     from rcgrpo_tasks.stages import evaluate as evaluate_stage
 
-    (tmp_path / "params.yaml").write_text("evaluate:\n  max_new_tokens: 131072\n")
+    write_params(tmp_path / "params.yaml", {"evaluate": {"max_new_tokens": 131072}})
     split = tmp_path / "split.json"
     split.write_text('{"train": [], "test": []}')
     res = CliRunner().invoke(evaluate_stage.app, ["--model", str(tiny_model_dir), "--out", str(tmp_path / "out"),

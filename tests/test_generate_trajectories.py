@@ -6,9 +6,10 @@ import json
 import random
 
 import pytest
+from helpers import compute_from_params, config_from_params
 
 from rcgrpo_tasks.data.dataset import GenerateConfig, allocate, check_task, draw_failures, generate
-from rcgrpo_tasks.engine.decoding import DecodeConfig
+from rcgrpo_tasks.engine.compute import resolve_compute
 from rcgrpo_tasks.env.entries import split_entries
 from rcgrpo_tasks.env.multi_turn.calls import parse_call_string
 from rcgrpo_tasks.env.multi_turn.entries import Entry, load_entries
@@ -16,10 +17,10 @@ from rcgrpo_tasks.env.multi_turn.perturb import PERTURBATIONS, entry_functions, 
 from rcgrpo_tasks.env.multi_turn.scoring import score_entry
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.tasks import TASKS
-from rcgrpo_tasks.ops.config import ConfigError, from_dict
+from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.ops.inputs import InputError
 
-PAPER = PromptConfig(system_prompt="bfcl")
+PAPER = config_from_params(PromptConfig, "prompt", system_prompt="bfcl")
 MULTI_MIX = {"policy": 0.1, **{k: 0.15 for k in ("wrong_arg_value", "wrong_function", "dropped_call",
                                                  "extra_call", "stop_early", "wrong_turn")}}
 """failure_mix over the multi-turn task's near-miss kinds."""
@@ -27,8 +28,8 @@ MULTI_MIX = {"policy": 0.1, **{k: 0.15 for k in ("wrong_arg_value", "wrong_funct
 
 def multi_turn_config(**kw) -> GenerateConfig:
     """A GenerateConfig for multi-turn entries: up to 20 outputs of 64 tokens an episode, `MULTI_MIX`."""
-    return GenerateConfig(**{"decode": DecodeConfig(temperature=1.0, max_outputs=20, max_new_tokens=64),
-                             "failure_mix": MULTI_MIX, **kw})
+    return config_from_params(GenerateConfig, "generate_trajectories", **{
+        "temperature": 1.0, "max_outputs": 20, "max_new_tokens": 64, "failure_mix": MULTI_MIX, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -120,24 +121,24 @@ def test_draw_failures_hands_short_quota_to_others():
 ])
 def test_bad_generate_config_rejected(bad):
     with pytest.raises(ConfigError):
-        from_dict(GenerateConfig, bad, "params.yaml:generate_trajectories")
+        config_from_params(GenerateConfig, "generate_trajectories", **bad)
 
 
 def test_official_verdict_needs_the_official_prompt_on_multi_turn_only():
     multi, single = TASKS["multi_turn"], TASKS["single_turn"]
     with pytest.raises(ConfigError, match="official_verdict"):
-        check_task(multi_turn_config(reward="official_verdict"), PromptConfig(protocol="paper", system_prompt="bfcl"), multi)
-    check_task(multi_turn_config(reward="official_verdict"), PromptConfig(protocol="official", system_prompt="bfcl"), multi)
+        check_task(multi_turn_config(reward="official_verdict"), config_from_params(PromptConfig, "prompt", protocol="paper", system_prompt="bfcl"), multi)
+    check_task(multi_turn_config(reward="official_verdict"), config_from_params(PromptConfig, "prompt", protocol="official", system_prompt="bfcl"), multi)
     single_mix = {"policy": 0.1, "wrong_arg_value": 0.5, "missing_param": 0.4}
-    check_task(GenerateConfig(reward="official_verdict", failure_mix=single_mix), PromptConfig(protocol="paper", system_prompt="bfcl"),
+    check_task(config_from_params(GenerateConfig, "generate_trajectories", reward="official_verdict", failure_mix=single_mix), config_from_params(PromptConfig, "prompt", protocol="paper", system_prompt="bfcl"),
                single)
 
 
 def test_failure_mix_kinds_must_be_the_tasks():
     with pytest.raises(ConfigError, match=r"\['stop_early', 'wrong_turn'\] are not near-miss kinds of the single_turn"):
-        check_task(multi_turn_config(), PromptConfig(system_prompt="bfcl"), TASKS["single_turn"])
+        check_task(multi_turn_config(), config_from_params(PromptConfig, "prompt", system_prompt="bfcl"), TASKS["single_turn"])
     with pytest.raises(ConfigError, match="missing_param"):
-        check_task(GenerateConfig(failure_mix={"missing_param": 1.0}), PromptConfig(system_prompt="bfcl"), TASKS["multi_turn"])
+        check_task(config_from_params(GenerateConfig, "generate_trajectories", failure_mix={"missing_param": 1.0}), config_from_params(PromptConfig, "prompt", system_prompt="bfcl"), TASKS["multi_turn"])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -238,7 +239,7 @@ def test_generation_is_deterministic(generated, tiny_model_dir):
 def test_official_protocol_and_verdict(tmp_path, entries, tiny_model_dir):
     entries_path, split = write_inputs(tmp_path, entries[1::100], n_train=4)
     cfg = multi_turn_config(reward="official_verdict", policy_entries=0)
-    rows, m = generate(cfg, PromptConfig(protocol="official", system_prompt="bfcl"), entries_path, split, tiny_model_dir)
+    rows, m = generate(cfg, config_from_params(PromptConfig, "prompt", protocol="official", system_prompt="bfcl"), entries_path, split, tiny_model_dir)
     assert m["n_success"] == m["n_failure"] > 0
     for t in rows:
         assert t.protocol == "official" and len(t.result) == len(generated_turns(entries, t.entry_id))
@@ -251,10 +252,11 @@ def generated_turns(entries, entry_id):
 
 def test_policy_rows_record_their_sampler(tmp_path, entries, tiny_model_dir):
     entries_path, split = write_inputs(tmp_path, entries[::100], n_train=3)
-    cfg = from_dict(GenerateConfig, {"policy_entries": 1, "policy_samples": 2, "max_new_tokens": 4,
+    cfg = config_from_params(GenerateConfig, "generate_trajectories", **{"policy_entries": 1, "policy_samples": 2, "max_new_tokens": 4,
                                      "temperature": 0.7, "dtype": "float32", "max_outputs": 20,
                                      "failure_mix": {"policy": 1.0, "dropped_call": 1.0}})
-    rows, m = generate(cfg, PAPER, entries_path, split, tiny_model_dir)
+    compute = resolve_compute(compute_from_params(), decode=cfg.decode.dtype)  # as the stage resolves it
+    rows, m = generate(cfg, PAPER, entries_path, split, tiny_model_dir, compute)
     assert m["policy"]["n"] == 2
     policy = [t for t in rows if t.provenance["source"] == "policy"]
     assert policy and m["by_kind"].get("policy") == len(policy)
@@ -288,8 +290,8 @@ def test_single_turn_set_experts_pass_bfcl_and_near_misses_fail(tmp_path, tiny_m
 
     entries = single_turn.load_entries(single_turn.DEFAULT_CATEGORIES)[::20]
     entries_path, split = write_inputs(tmp_path, entries, n_train=40)
-    cfg = GenerateConfig(policy_entries=0, failure_mix=SINGLE_MIX,
-                         decode=DecodeConfig(temperature=1.0, max_outputs=20, max_new_tokens=64))
+    cfg = config_from_params(GenerateConfig, "generate_trajectories", policy_entries=0, failure_mix=SINGLE_MIX,
+                             temperature=1.0, max_outputs=20, max_new_tokens=64)
     rows, m = generate(cfg, PAPER, entries_path, split, tiny_model_dir)
     assert m["task"] == "single_turn" and m["n_success"] == m["n_failure"] > 30
     assert set(m["near_miss_tried"]) == set(TASKS["single_turn"].perturbations)

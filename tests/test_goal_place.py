@@ -5,7 +5,7 @@ there; chats without a goal render exactly as before."""
 from __future__ import annotations
 
 import pytest
-from helpers import HIGH, LEVELS, LOW, chat, tiny_sft_config
+from helpers import HIGH, LEVELS, LOW, chat, compute_from_params, resolved, tiny_sft_config
 
 from rcgrpo_tasks.data.chat import answer_goal_template, assistant_token_mask, goal_place
 from rcgrpo_tasks.engine.rollout import ChatRenderer
@@ -67,14 +67,14 @@ def test_rctp_with_answer_place_saves_the_template_and_trains_without_the_token_
     data = tmp_path / "rctp.jsonl"
     write_jsonl(data, [chat(i, HIGH if i % 2 else LOW) for i in range(8)])
     cfg = tiny_sft_config(reward_goal_place="answer", max_steps=1, require_reward_token=True)
-    trainer = sft_trainer.build_trainer(cfg, tiny_model_dir, sft_rows_of(data), LEVELS, tmp_path / "ck")
+    trainer = sft_trainer.build_trainer(resolved(cfg), tiny_model_dir, sft_rows_of(data), LEVELS, tmp_path / "ck")
     tok, ex = trainer.processing_class, trainer.train_dataset[0]
     learned = tok.decode([i for i, lab in zip(ex["input_ids"], ex["labels"]) if lab != -100])
     assert learned == "[add(a=0, b=0)]<|im_end|>[done()]<|im_end|>"
     assert tok.convert_tokens_to_ids(LOW) in ex["input_ids"]
     run = sft_config.SftRun("rctp", tiny_model_dir, data, tmp_path / "out", tmp_path / "ckpt2",
                           tmp_path / "m.json", tmp_path / "m.tsv")
-    sft_run.train_variant(cfg, LEVELS, run, track=False)
+    sft_run.train_variant(cfg, LEVELS, run, track=False, compute=compute_from_params())
     assert goal_place(AutoTokenizer.from_pretrained(run.out)) == "answer"
 
 
@@ -89,11 +89,11 @@ def test_a_user_place_run_refuses_a_start_that_renders_the_goal_before_the_answe
     tok.chat_template = answer_goal_template(tok.chat_template)
     tok.save_pretrained(start)
     with pytest.raises(ConfigError, match="reward_goal_place: user"):
-        sft_trainer.build_trainer(tiny_sft_config(), start, [chat(0, LOW)], LEVELS, tmp_path / "ck")
+        sft_trainer.build_trainer(resolved(tiny_sft_config()), start, [chat(0, LOW)], LEVELS, tmp_path / "ck")
 
 
 def test_the_place_is_checked():
-    with pytest.raises(ValueError, match="reward_goal_place must be one of"):
+    with pytest.raises(ValueError, match=r"sft.reward_goal_place: expected .*'user', 'answer'"):
         tiny_sft_config(reward_goal_place="system")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from helpers import HIGH, LEVELS, LOW, device_under_test
+from helpers import HIGH, LEVELS, LOW, config_from_params, device_under_test
 
 from rcgrpo_tasks.engine import graphs, hf
 from rcgrpo_tasks.engine.backend import SamplingParams
@@ -37,7 +37,7 @@ def _rl_policy(model_dir, tok):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).to(device_under_test())
     torch.manual_seed(3)
-    config = rl_trainer.rl_lora(rl_config.RLConfig(lora_r=4, lora_alpha=8), model, tok, LEVELS, "rc")
+    config = rl_trainer.rl_lora(config_from_params(rl_config.RLConfig, "rl", lora_r=4, lora_alpha=8), model, tok, LEVELS, "rc")
     policy = get_peft_model(model, config)
     with torch.no_grad():  # trained-looking rows and LoRA: what decodes must be what was trained
         for name, prm in policy.named_parameters():

@@ -55,7 +55,7 @@ def test_divergence_names_the_step_and_the_cause():
     # never good enough to collapse from; a skipped step has no loss to judge; a KL check can be off
     assert divergence([row(i, reward=0.1 if i < 4 else 0.0) for i in range(1, 7)], cfg) is None
     assert divergence(healthy + [row(7, loss=float("nan"), kl=float("nan"), skipped=1.0)], cfg) is None
-    assert divergence(healthy + [row(7, kl=3.0)], GuardConfig(max_kl=None)) is None
+    assert divergence(healthy + [row(7, kl=3.0)], GuardConfig(max_kl=None, window=3, min_reward=0.25)) is None
 
 
 def test_rollback_goes_to_the_newest_checkpoint_before_the_condemned_policy():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import config_from_params, write_params
 from test_generate_trajectories import MULTI_MIX
 
 from rcgrpo_tasks.data.chat import assistant_token_mask, strip_reward_goal, with_reward_goal
@@ -18,7 +19,7 @@ from rcgrpo_tasks.data.labels import (
 )
 from rcgrpo_tasks.data.pairing import check_policy_rows, rctp_rows
 from rcgrpo_tasks.env.prompt import format_reward_goal
-from rcgrpo_tasks.ops.config import ConfigError, from_dict
+from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.ops.inputs import InputError
 
 CHAT = [
@@ -33,9 +34,9 @@ CHAT = [
 
 
 def test_token_levels_binary_and_three_level():
-    binary = LabelConfig()
+    binary = config_from_params(LabelConfig, "label_rewards")
     assert token_for(1.0, binary) == "<|high_reward|>" and token_for(0.0, binary) == "<|low_reward|>"
-    three = LabelConfig(signal="partial_credit", tokens=("<|low_reward|>", "<|mid_reward|>", "<|high_reward|>"),
+    three = config_from_params(LabelConfig, "label_rewards", signal="partial_credit", tokens=("<|low_reward|>", "<|mid_reward|>", "<|high_reward|>"),
                         thresholds=(0.5, 1.0))
     assert [token_for(v, three) for v in (0.0, 0.49, 0.5, 0.99, 1.0)] == [
         "<|low_reward|>", "<|low_reward|>", "<|mid_reward|>", "<|mid_reward|>", "<|high_reward|>"]
@@ -56,7 +57,7 @@ def test_token_levels_binary_and_three_level():
 ])
 def test_bad_label_config_rejected(bad):
     with pytest.raises(ConfigError):
-        from_dict(LabelConfig, bad, "params.yaml:label_rewards")
+        config_from_params(LabelConfig, "label_rewards", **bad)
 
 
 def test_reward_goal_appended_to_first_user_message_only():
@@ -76,7 +77,7 @@ def _row(tid, reward, source, messages=CHAT, token=None):
 def test_label_rows_sft_successes_only_rctp_all_rows():
     conditioned = with_reward_goal(CHAT, "<|low_reward|>")  # a policy sampled under a goal: relabelled
     rows = [_row("a", 1.0, "expert"), _row("b", 0.0, "near_miss"), _row("c", 0.0, "policy", conditioned, "<|low_reward|>")]
-    data = label_rows(rows, LabelConfig(), "paper_reward")
+    data = label_rows(rows, config_from_params(LabelConfig, "label_rewards"), "paper_reward")
     assert [r["trajectory_id"] for r in data["sft"]] == ["a"]
     assert data["sft"][0]["reward_token"] is None and data["sft"][0]["messages"] == CHAT
     assert [(r["trajectory_id"], r["reward_token"]) for r in data["rctp"]] == [
@@ -87,7 +88,7 @@ def test_label_rows_sft_successes_only_rctp_all_rows():
         assert first.count("[Reward Goal:") == 1 and first.endswith(format_reward_goal(r["reward_token"]))
     # 3 levels on partial credit: the paper protocol uses the per-turn script's partial credit (0.75): the
     # failures get mid; the success gets high whatever its partial credit.
-    three = LabelConfig(signal="partial_credit", tokens=("<|low_reward|>", "<|mid_reward|>", "<|high_reward|>"),
+    three = config_from_params(LabelConfig, "label_rewards", signal="partial_credit", tokens=("<|low_reward|>", "<|mid_reward|>", "<|high_reward|>"),
                         thresholds=(0.5, 1.0))
     assert [r["reward_token"] for r in label_rows(rows, three, "paper_reward")["rctp"]] == [
         "<|high_reward|>", "<|mid_reward|>", "<|mid_reward|>"]
@@ -131,7 +132,7 @@ def test_mask_rejects_assistant_first(tok):
 
 
 def test_dataset_rows_are_json_serialisable():
-    data = label_rows([_row("a", 1.0, "expert")], LabelConfig(), "paper_reward")
+    data = label_rows([_row("a", 1.0, "expert")], config_from_params(LabelConfig, "label_rewards"), "paper_reward")
     assert json.loads(json.dumps(data["rctp"][0]))["reward_token"] == "<|high_reward|>"
 
 
@@ -175,7 +176,7 @@ def test_paired_rule_every_prompt_under_both_tokens(failures, expected, dropped)
     rows, stats = rctp_rows(GENERATED, POLICY, failures, "paired")
     assert _ids(rows) == expected and stats["dropped"] == dropped
     assert stats["n_success"] == stats["n_failure"] == stats["prompts_used"] == stats["prompts_under_both_outcomes"]
-    data = label_rows(rows, LabelConfig(), "paper_reward")["rctp"]
+    data = label_rows(rows, config_from_params(LabelConfig, "label_rewards"), "paper_reward")["rctp"]
     tokens: dict[str, list[str]] = {}
     for r in data:
         tokens.setdefault(r["entry_id"], []).append(r["reward_token"])
@@ -193,7 +194,7 @@ def test_base_failures_add_a_pair_per_unused_entry():
     with pytest.raises(ValueError, match="needs pairing"):
         rctp_rows(extra, POLICY, "mixed", "unpaired", base_failures=True)
     with pytest.raises(ValueError, match="needs pairing"):
-        LabelConfig(base_failures=True, pairing="unpaired")
+        config_from_params(LabelConfig, "label_rewards", base_failures=True, pairing="unpaired")
 
 
 def test_unpaired_one_token_per_prompt_balanced():
@@ -213,8 +214,8 @@ def test_policy_input_checks():
     with pytest.raises(InputError, match="not an on-policy sample"):
         check_policy_rows(GENERATED, "data/policy/trajectories.jsonl")
     with pytest.raises(ConfigError, match="needs the on-policy samples"):
-        read_policy(LabelConfig(failures="mixed"), None, None)
-    assert read_policy(LabelConfig(failures="near_miss", pairing="paired"), None, None) == []
+        read_policy(config_from_params(LabelConfig, "label_rewards", failures="mixed"), None, None)
+    assert read_policy(config_from_params(LabelConfig, "label_rewards", failures="near_miss", pairing="paired"), None, None) == []
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -222,8 +223,6 @@ def test_policy_input_checks():
 
 
 def _params(tmp_path, **over):
-    import yaml
-
     params = {
         "generate_trajectories": {"policy_entries": 0, "failure_mix": MULTI_MIX, "max_outputs": 20,
                                   "max_new_tokens": 64, "dtype": "auto", **over.get("generate", {})},
@@ -233,9 +232,7 @@ def _params(tmp_path, **over):
         "prompt": {"system_prompt": "bfcl"},
         "label_rewards": {},
     }
-    path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump(params))
-    return path
+    return write_params(tmp_path / "params.yaml", params)
 
 
 @pytest.fixture(scope="module")

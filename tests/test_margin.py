@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import HIGH, LEVELS, LOW, chat, tiny_sft_config
+from helpers import HIGH, LEVELS, LOW, chat, compute_from_params, config_from_params, resolved, tiny_sft_config
 from test_evaluate import _invoke, make_workdir
 
 from rcgrpo_tasks.data import margin as mg
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.split import PrepareDataConfig, prepare
-from rcgrpo_tasks.ops.config import from_dict
 from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
 
 TOKENS = (HIGH, LOW)
@@ -22,7 +21,7 @@ TOKENS = (HIGH, LOW)
 @pytest.fixture(scope="module")
 def single_turn():
     """(entries, split) of the single-turn task, two categories."""
-    return prepare(PrepareDataConfig(task="single_turn", categories=("simple_python", "multiple")))
+    return prepare(config_from_params(PrepareDataConfig, "prepare_data", task="single_turn", categories=("simple_python", "multiple")))
 
 
 def _held_out(single_turn, n):
@@ -76,7 +75,7 @@ def test_shared_prompt_forward_equals_one_forward_per_sequence(equal_rows_dir, s
 
     tok = AutoTokenizer.from_pretrained(equal_rows_dir)
     model = AutoModelForCausalLM.from_pretrained(equal_rows_dir, dtype=torch.float32)
-    proto = PromptConfig(system_prompt="bfcl").protocol_config(1)
+    proto = config_from_params(PromptConfig, "prompt", system_prompt="bfcl").protocol_config(1)
     items, counts = mg.contrast_set(_held_out(single_turn, 2), proto, tok, TOKENS)
     assert counts["entries"] == 2 and len(items) >= 2 * 2 * 2
     assert {c.kind for c in items} > {"expert"}
@@ -122,7 +121,7 @@ def test_a_model_that_cannot_read_its_token_has_zero_margin(equal_rows_dir, sing
 
     tok = AutoTokenizer.from_pretrained(equal_rows_dir)
     model = AutoModelForCausalLM.from_pretrained(equal_rows_dir, dtype=torch.float32)
-    items, _ = mg.contrast_set(_held_out(single_turn, 3), PromptConfig(system_prompt="bfcl").protocol_config(1), tok, TOKENS)
+    items, _ = mg.contrast_set(_held_out(single_turn, 3), config_from_params(PromptConfig, "prompt", system_prompt="bfcl").protocol_config(1), tok, TOKENS)
     by = {(c.entry_id, c.kind, c.token): c for c in items}
     one = next(iter(by.values()))
     assert by[(one.entry_id, one.kind, HIGH)].token_ids != by[(one.entry_id, one.kind, LOW)].token_ids
@@ -154,11 +153,11 @@ def test_paired_sampled_arm_draws_the_same_seeds_under_both_tokens(equal_rows_di
     from rcgrpo_tasks.evaluation.accuracy import RLSampling
 
     backend = HFBackend(equal_rows_dir, dtype="float32", device="cpu")
-    cfg = from_dict(ctl.ControllabilityConfig, {"n_entries": 3, "samples_per_token": 2, "max_outputs": 1,
+    cfg = config_from_params(ctl.ControllabilityConfig, "controllability", **{"n_entries": 3, "samples_per_token": 2, "max_outputs": 1,
                                                 "max_new_tokens": 6, "margin_entries": 2, "n_bootstrap": 50,
                                                 "batch_rows": 8})
     entries = _held_out(single_turn, 3)
-    metrics, trajs = ctl.measure(cfg, PromptConfig(system_prompt="bfcl"), LEVELS, backend, entries,
+    metrics, trajs = ctl.measure(cfg, config_from_params(PromptConfig, "prompt", system_prompt="bfcl"), LEVELS, backend, entries,
                                  RLSampling(1.0, 1.0), ctl.RLGroups(4, 0.5), margin_entries=entries[:2])
     s = metrics["sampled"]
     assert s["pairs"] == 6 and s["identical_outputs"] == 6 and s["gap"] == 0.0
@@ -205,14 +204,15 @@ def test_rctp_from_the_sft_model_in_pairs_with_a_margin_curve(tiny_model_dir, si
     write_jsonl(tmp_path / "rctp.jsonl", [dict(chat(i // 2, LEVELS[i % 2]), entry_id=f"e{i // 2}")
                                           for i in range(16)])
     first = sft_config.SftRun("sft", tiny_model_dir, tmp_path / "sft.jsonl", tmp_path / "sft", tmp_path / "ck1")
-    sft_run.train_variant(tiny_sft_config(max_steps=2), LEVELS, first, track=False)
+    sft_run.train_variant(tiny_sft_config(max_steps=2), LEVELS, first, track=False, compute=compute_from_params())
 
     cfg = tiny_sft_config(max_steps=4, batch_size=2, init="sft", row_order="pairs", margin_every=2,
                           margin_entries=2, token_lr_multiplier=10.0, require_reward_token=True)
     run = sft_config.SftRun("rctp", tiny_model_dir, tmp_path / "rctp.jsonl", tmp_path / "rctp", tmp_path / "ck2",
                           tmp_path / "m.json", init_adapter=tmp_path / "sft", entries=tmp_path / "entries.jsonl",
                           split=tmp_path / "split.json")
-    summary = sft_run.train_variant(cfg, LEVELS, run, track=False)
+    summary = sft_run.train_variant(cfg, LEVELS, run, track=False, compute=compute_from_params(),
+                                    prompt=config_from_params(PromptConfig, "prompt"))
     assert [p["step"] for p in summary["margin_curve"]] == [0, 2, 4]
     assert all(p["n_entries"] == 2 and p["token_rows_ratio"] >= 0 for p in summary["margin_curve"])
     assert summary["margin_curve"][-1]["token_rows_distance"] > summary["margin_curve"][0]["token_rows_distance"]
@@ -225,7 +225,7 @@ def test_rctp_from_the_sft_model_in_pairs_with_a_margin_curve(tiny_model_dir, si
 
     with pytest.raises(Exception, match="init-adapter"):
         sft_run.train_variant(cfg, LEVELS, sft_config.SftRun("rctp", tiny_model_dir, tmp_path / "rctp.jsonl",
-                                                       tmp_path / "x", tmp_path / "ck3"), track=False)
+                                                       tmp_path / "x", tmp_path / "ck3"), track=False, compute=compute_from_params())
 
 
 def test_the_margin_curve_reads_dev_entries_never_held_out_ones(single_turn, tmp_path):
@@ -237,12 +237,12 @@ def test_the_margin_curve_reads_dev_entries_never_held_out_ones(single_turn, tmp
     entries, split = single_turn
     write_jsonl(tmp_path / "entries.jsonl", (e.to_json() for e in entries))
     write_json(tmp_path / "split.json", split)
-    curve = margin_curve(tmp_path / "entries.jsonl", tmp_path / "split.json", 6, PromptConfig(), LEVELS, 2, False)
+    curve = margin_curve(tmp_path / "entries.jsonl", tmp_path / "split.json", 6, config_from_params(PromptConfig, "prompt"), LEVELS, 2, False)
     ids = {e.id for e in curve.entries}
     assert len(ids) == 6 and ids <= set(split["dev"]) and not ids & set(split["test"])
     write_json(tmp_path / "split.json", {**split, "dev": []})
     with pytest.raises(InputError, match="dev side is empty"):
-        margin_curve(tmp_path / "entries.jsonl", tmp_path / "split.json", 6, PromptConfig(), LEVELS, 2, False)
+        margin_curve(tmp_path / "entries.jsonl", tmp_path / "split.json", 6, config_from_params(PromptConfig, "prompt"), LEVELS, 2, False)
 
 
 def test_pairs_share_a_micro_batch_in_the_trainer_s_own_dataloader(tiny_model_dir, tmp_path):
@@ -254,7 +254,7 @@ def test_pairs_share_a_micro_batch_in_the_trainer_s_own_dataloader(tiny_model_di
     rows = [dict(chat(i // 2, LEVELS[i % 2]), entry_id=f"e{i // 2}") for i in range(16)]
     for order, kept in (("pairs", True), ("balanced", False)):
         cfg = tiny_sft_config(max_steps=1, batch_size=2, row_order=order)
-        trainer = sft_trainer.build_trainer(cfg, tiny_model_dir, ordered(rows, order, 0), LEVELS,
+        trainer = sft_trainer.build_trainer(resolved(cfg), tiny_model_dir, ordered(rows, order, 0), LEVELS,
                                             tmp_path / order)
         tok = trainer.processing_class
         assert trainer.keep_order is kept
@@ -270,7 +270,7 @@ def test_pairs_share_a_micro_batch_in_the_trainer_s_own_dataloader(tiny_model_di
 def test_config_checks():
     with pytest.raises(ValueError, match="row_order"):
         tiny_sft_config(row_order="paired")
-    with pytest.raises(ValueError, match="init must be"):
+    with pytest.raises(ValueError, match=r"sft.init: expected .*'base', 'sft'"):
         tiny_sft_config(init="rctp")
     with pytest.raises(ValueError, match="margin_every"):
         tiny_sft_config(margin_every=-1)
@@ -294,10 +294,10 @@ def test_rl_pool_is_rl_prompts_in_the_inits_success_band(single_turn, tmp_path):
             for i in range(4)]  # rl[6] never sampled below: it is left out
     rates = sampled_success_rates(rows[:24])
     assert rates == {rl[0]: 1.0, rl[1]: 0.75, rl[2]: 0.5, rl[3]: 0.25, rl[4]: 0.0, rl[5]: 1.0}
-    proto = PromptConfig(system_prompt="bfcl").protocol_config(1)
+    proto = config_from_params(PromptConfig, "prompt", system_prompt="bfcl").protocol_config(1)
 
     def pick(**kw):
-        cfg = from_dict(rl_config.RLConfig, {"num_generations": 2, "batch_size": 2, "micro_batch_size": 2,
+        cfg = config_from_params(rl_config.RLConfig, "rl", **{"num_generations": 2, "batch_size": 2, "micro_batch_size": 2,
                                         "max_entries": None, **kw})
         return sorted(e.id for e in rl_pool.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", cfg,
                                                          proto, success=rates))
@@ -308,18 +308,18 @@ def test_rl_pool_is_rl_prompts_in_the_inits_success_band(single_turn, tmp_path):
     assert pick(pool_solved_share=0.6) == sorted(rl[:4] + [rl[5]])  # no more than there are
     assert pick(pool_band=None) == sorted(rl)  # every prompt of the side, sampled or not
     assert rl_pool.pool_ids({"a": 1.0, "b": 0.5}, (0.5, 1.0), 0.5, 0) == ["a", "b"]  # in the band: not an extra
-    cfg = from_dict(rl_config.RLConfig, {"num_generations": 2, "batch_size": 2, "micro_batch_size": 2})
+    cfg = config_from_params(rl_config.RLConfig, "rl", **{"num_generations": 2, "batch_size": 2, "micro_batch_size": 2})
     with pytest.raises(ConfigError, match="--pool"):
         rl_pool.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", cfg, proto)
-    strict = from_dict(rl_config.RLConfig, {"num_generations": 2, "batch_size": 8, "micro_batch_size": 2,
+    strict = config_from_params(rl_config.RLConfig, "rl", **{"num_generations": 2, "batch_size": 8, "micro_batch_size": 2,
                                        "max_entries": None})
     with pytest.raises(ConfigError, match="need at least 4"):
         rl_pool.train_entries(tmp_path / "entries.jsonl", tmp_path / "split.json", strict, proto, success=rates)
     for bad in ({"pool_band": [0.8, 0.2]}, {"pool_band": [0.1, 1.5]}, {"pool_solved_share": 1.0}):
         with pytest.raises(ConfigError, match="pool_"):
-            from_dict(rl_config.RLConfig, bad)
+            config_from_params(rl_config.RLConfig, "rl", **bad)
     with pytest.raises(ConfigError, match="rl.pool_band"):
-        from_dict(rl_config.RLConfig, {"min_sampled_success": 0.25}, "p.yaml:rl")
+        config_from_params(rl_config.RLConfig, "rl", **{"min_sampled_success": 0.25}, where="p.yaml:rl")
     write_json(tmp_path / "split.json", {k: v for k, v in split.items() if k != "rl"})  # no rl side: train
     assert rl_pool.rl_side(tmp_path / "split.json") == "train"
 

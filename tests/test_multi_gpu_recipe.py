@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, config_from_params, write_params
 
 from rcgrpo_tasks.engine.compute import ComputeConfig, load_compute
 from rcgrpo_tasks.ops.config import ConfigError, load_config
@@ -277,8 +277,8 @@ def test_full_gpu_runs_on_a_kubernetes_pool_of_8_gpus():
 ])
 def test_compute_refuses_bad_launch_settings(tmp_path, section, message):
     params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump({"compute": section}))
+    write_params(params, {"compute": section})
     with pytest.raises(ConfigError, match=rf"params.yaml:compute.*{message}"):
         load_compute(params)
     with pytest.raises(ValueError, match=message):
-        ComputeConfig(**section)
+        config_from_params(ComputeConfig, "compute", **section)

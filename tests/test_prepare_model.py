@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+from helpers import config_from_params
 from typer.testing import CliRunner
 
 from rcgrpo_tasks.engine import source as pm
@@ -25,9 +26,9 @@ def test_embedded_gguf_to_folder_reloads_fast_and_generates(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "base"
-    record = prepare(pm.PrepareModelConfig(), out)
+    record = prepare(config_from_params(pm.PrepareModelConfig, "prepare_model"), out)
     assert record["n_parameters"] > 100e6 and record["max_position_embeddings"] == 8192
-    prepare(pm.PrepareModelConfig(), tmp_path / "again")
+    prepare(config_from_params(pm.PrepareModelConfig, "prepare_model"), tmp_path / "again")
     assert _files(out) == _files(tmp_path / "again")  # the lock reproduces on every run and machine
     assert json.loads((out / pm.PROVENANCE_FILE).read_text())["config"]["source"] == "embedded"
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
@@ -53,18 +54,18 @@ def test_bad_source_is_a_clear_error_and_writes_nothing(tmp_path, source):
         (tmp_path / source).mkdir()
         source = str(tmp_path / source)
     with pytest.raises(pm.ModelSourceError, match="source"):
-        prepare(pm.PrepareModelConfig(source=source), tmp_path / "out")
+        prepare(config_from_params(pm.PrepareModelConfig, "prepare_model", source=source), tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
 def test_missing_gguf_and_offline_hub_id(tmp_path, monkeypatch):
     with pytest.raises(pm.ModelSourceError, match="not found"):
-        prepare(pm.PrepareModelConfig(gguf_file="nope.gguf"), tmp_path / "out")
+        prepare(config_from_params(pm.PrepareModelConfig, "prepare_model", gguf_file="nope.gguf"), tmp_path / "out")
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import: patch the flag
     with pytest.raises(pm.ModelSourceError, match="could not load"):
-        prepare(pm.PrepareModelConfig(source="Qwen/Qwen2.5-7B-Instruct-not-cached"), tmp_path / "out")
+        prepare(config_from_params(pm.PrepareModelConfig, "prepare_model", source="Qwen/Qwen2.5-7B-Instruct-not-cached"), tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -76,7 +77,7 @@ def _files(folder):
 def test_same_bytes_on_every_run(tiny_model_dir, tmp_path):
     """Two runs (different folders, different wall times) write byte-identical folders: a fresh clone
     reproduces the hash dvc.lock records. The first cause found: the wall time in rcgrpo_model.json."""
-    cfg = pm.PrepareModelConfig(source=str(tiny_model_dir))
+    cfg = config_from_params(pm.PrepareModelConfig, "prepare_model", source=str(tiny_model_dir))
     first = prepare(cfg, tmp_path / "a")
     time.sleep(0.05)
     prepare(cfg, tmp_path / "b")
@@ -89,7 +90,7 @@ def test_same_bytes_on_every_run(tiny_model_dir, tmp_path):
 
 
 def test_local_folder_source_resaves_in_dtype(tiny_model_dir, tmp_path):
-    record = prepare(pm.PrepareModelConfig(source=str(tiny_model_dir), dtype="bfloat16"), tmp_path / "m")
+    record = prepare(config_from_params(pm.PrepareModelConfig, "prepare_model", source=str(tiny_model_dir), dtype="bfloat16"), tmp_path / "m")
     assert record["architecture"] == "LlamaForCausalLM"
     assert json.loads((tmp_path / "m" / "config.json").read_text())["dtype"] == "bfloat16"
 

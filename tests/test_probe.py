@@ -5,10 +5,9 @@ prompts and sampling seeds per step."""
 from __future__ import annotations
 
 import pytest
-from helpers import HIGH, LEVELS
+from helpers import HIGH, LEVELS, config_from_params
 from test_rl import PROTOCOL, TEST_RL, _spec, scripted_rewards  # noqa: F401  (fixture)
 
-from rcgrpo_tasks.ops.config import from_dict
 from rcgrpo_tasks.ops.inputs import read_jsonl
 from rcgrpo_tasks.train.rl import config as rl_config
 from rcgrpo_tasks.train.rl import run as rl_run
@@ -41,13 +40,13 @@ def test_cells_of_one_init_probe_the_same_prompts_and_seeds_and_share_the_steps_
     from rcgrpo_tasks.engine.compute import ComputeConfig
 
     root, model_dir = rl_env
-    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "probe_entries": 2, "probe_samples": 3,
+    cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",), "probe_entries": 2, "probe_samples": 3,
                                     "probe_transfer_entries": 1, "temperature": 1.0})
     probes, logs, summaries = {}, {}, {}
     for algo in ("grpo", "rc_grpo"):
         start = len(scripted_rewards)
         spec = _spec(root, model_dir, f"probe-{algo}", "rctp", algo)
-        summaries[algo] = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, track=False, compute=ComputeConfig(device="cpu"))
+        summaries[algo] = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, track=False, compute=config_from_params(ComputeConfig, "compute", device="cpu"))
         groups = scripted_rewards[start:]
         probes[algo] = [[t.token_ids for t in g] for g in groups if len(g) == 3]  # S = 3, G = 2
         logs[algo] = read_jsonl(spec.checkpoints / ROLLOUTS_FILE)

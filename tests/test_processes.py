@@ -16,12 +16,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import yaml
-from helpers import HIGH, LEVELS, LOW, TINY_SFT, chat
+from helpers import HIGH, LEVELS, LOW, TINY_SFT, chat, config_from_params, write_params
 from test_rl import PROTOCOL, TEST_RL
 
 from rcgrpo_tasks.engine.compute import ComputeConfig
-from rcgrpo_tasks.ops.config import ConfigError, from_dict
+from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.ops.inputs import read_jsonl, read_tsv
 from rcgrpo_tasks.ops.outputs import write_jsonl
 from rcgrpo_tasks.train.common import distributed
@@ -35,13 +34,13 @@ HOOK = Path(__file__).parent / "multiproc"
 
 def test_a_stage_relaunches_only_with_several_processes_and_outside_a_launch(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    assert not distributed.should_launch(ComputeConfig())
-    assert distributed.should_launch(ComputeConfig(processes=2))
+    assert not distributed.should_launch(config_from_params(ComputeConfig, "compute"))
+    assert distributed.should_launch(config_from_params(ComputeConfig, "compute", processes=2))
     monkeypatch.setenv("LOCAL_RANK", "1")  # inside torchrun / accelerate launch: never launch again
-    assert not distributed.should_launch(ComputeConfig(processes=2))
+    assert not distributed.should_launch(config_from_params(ComputeConfig, "compute", processes=2))
     for bad in (0, True, "2"):
         with pytest.raises(ValueError, match="processes"):
-            ComputeConfig(processes=bad)
+            config_from_params(ComputeConfig, "compute", processes=bad)
 
 
 def test_launch_command_reruns_the_same_stage_command(tmp_path):
@@ -50,18 +49,18 @@ def test_launch_command_reruns_the_same_stage_command(tmp_path):
     options = {"init": "rctp", "algo": "rc_grpo", "adapter_dir": None, "out": Path("models/rl/x"), "params": "p.yaml"}
     argv = ["rl", *distributed.cli_options(options)]
     assert argv == ["rl", "--init", "rctp", "--algo", "rc_grpo", "--out", "models/rl/x", "--params", "p.yaml"]
-    cmd = distributed.launch_command(ComputeConfig(processes=2), torch.device("cpu"), argv)
+    cmd = distributed.launch_command(config_from_params(ComputeConfig, "compute", processes=2), torch.device("cpu"), argv)
     assert cmd[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
     assert cmd[cmd.index("--num_processes") + 1] == "2" and "--multi_gpu" in cmd
     assert cmd[cmd.index("--num_cpu_threads_per_process") + 1] == str(max(1, (os.cpu_count() or 1) // 2))
     assert cmd[cmd.index("-m", 3):] == ["-m", "rcgrpo_tasks.cli", *argv]
     cfg = tmp_path / "ds.yaml"
     cfg.write_text("distributed_type: DEEPSPEED\n")
-    cmd = distributed.launch_command(ComputeConfig(processes=8, accelerate_config=str(cfg)), torch.device("cuda"), argv)
+    cmd = distributed.launch_command(config_from_params(ComputeConfig, "compute", processes=8, accelerate_config=str(cfg)), torch.device("cuda"), argv)
     assert cmd[cmd.index("--config_file") + 1] == str(cfg) and "--multi_gpu" not in cmd
     assert "--num_cpu_threads_per_process" not in cmd
     with pytest.raises(ConfigError, match="accelerate_config"):
-        distributed.launch_command(ComputeConfig(processes=2, accelerate_config=str(tmp_path / "no.yaml")),
+        distributed.launch_command(config_from_params(ComputeConfig, "compute", processes=2, accelerate_config=str(tmp_path / "no.yaml")),
                                  torch.device("cpu"), argv)
 
 
@@ -89,7 +88,7 @@ def _scripted_rollout(monkeypatch, draw="iid"):
 
     monkeypatch.setattr(engine, "run_seeded_groups", lambda backend, groups, *a, **k: [group(*g) for g in groups])
     monkeypatch.setattr(rl_rollout.EngineRollout, "backend", lambda self, trainer: None)
-    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "num_generations": 4, "batch_size": 16, "micro_batch_size": 4,
+    cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "num_generations": 4, "batch_size": 16, "micro_batch_size": 4,
                                     "max_entries": None, "token_draw": draw})
     entries = {f"e{i}": SimpleNamespace(id=f"e{i}") for i in range(8)}
     tok = SimpleNamespace(eos_token_id=0)
@@ -126,8 +125,7 @@ def _stage(root: Path, argv: list[str], params: dict, name: str, check: bool = T
            popen: bool = False, rule: str = "obedient") -> subprocess.CompletedProcess | subprocess.Popen:
     """`python -m rcgrpo_tasks.cli <argv>` as DVC runs a stage, with `params` and the scripted-reward hook
     (`rule`: tests/multiproc/sitecustomize.py)."""
-    path = root / f"{name}.params.yaml"
-    path.write_text(yaml.safe_dump(params))
+    path = write_params(root / f"{name}.params.yaml", params)  # the committed params with `params` set
     env = {**os.environ, "PYTHONHASHSEED": "0", "RCGRPO_TEST_SCRIPTED_REWARDS": rule,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(HOOK), os.environ.get("PYTHONPATH")]))}
     env.pop("LOCAL_RANK", None)

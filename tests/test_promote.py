@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import config_from_params, write_params
 
 from rcgrpo_tasks.evaluation import promotion as pr
 from rcgrpo_tasks.ops import tracking
@@ -33,7 +34,7 @@ ONE_MORE = [*HALF[:-1], True]                    # HALF + one entry: 52.5 %
 
 
 def test_paired_gate_promotes_only_a_clear_paired_win():
-    cfg = pr.PromoteConfig()
+    cfg = config_from_params(pr.PromoteConfig, "promote")
     win = pr.paired_gate(rec(BETTER), rec(HALF), cfg)
     assert win["decision"] == "promoted" and win["diff"] == pytest.approx(17.5) and win["ci"][0] > 0
     assert "over 40 paired entries" in win["reason"]
@@ -43,7 +44,7 @@ def test_paired_gate_promotes_only_a_clear_paired_win():
     assert noisy["decision"] == "kept" and noisy["ci"][0] <= 0 < noisy["diff"]
     worse = pr.paired_gate(rec(HALF), rec(BETTER), cfg)
     assert worse["decision"] == "kept" and worse["diff"] < 0
-    strict = pr.paired_gate(rec(BETTER), rec(HALF), pr.PromoteConfig(min_improvement=50.0))
+    strict = pr.paired_gate(rec(BETTER), rec(HALF), config_from_params(pr.PromoteConfig, "promote", min_improvement=50.0))
     assert strict["decision"] == "kept" and "more than 50 pp" in strict["reason"]
     assert pr.paired_gate(rec(HALF), None, cfg)["decision"] == "promoted"
 
@@ -52,7 +53,7 @@ def test_pairing_is_by_entry_not_by_overall_number():
     """Same accuracy (50 %) on complementary entries: an unpaired gate sees a tie; the pairs show the
     candidate fails every entry the champion solves."""
     flipped = [not v for v in HALF]
-    gate = pr.paired_gate(rec(flipped), rec(HALF), pr.PromoteConfig())
+    gate = pr.paired_gate(rec(flipped), rec(HALF), config_from_params(pr.PromoteConfig, "promote"))
     assert gate["diff"] == 0 and gate["ci"][0] < -20 and gate["decision"] == "kept"
 
 
@@ -62,7 +63,7 @@ def test_pairing_is_by_entry_not_by_overall_number():
     (rec(HALF[:30], ids=IDS[:30]), "entry sets differ: candidate 40, champion 30, 30 shared"),
 ])
 def test_comparisons_across_conditions_are_refused(champion, what):
-    gate = pr.paired_gate(rec(BETTER), champion, pr.PromoteConfig())
+    gate = pr.paired_gate(rec(BETTER), champion, config_from_params(pr.PromoteConfig, "promote"))
     assert gate["decision"] == "refused" and gate["reason"].startswith("comparison refused: " + what)
 
 
@@ -79,7 +80,7 @@ def test_parse_results_errors():
     with pytest.raises(InputError, match="no per-entry results"):
         pr.parse_results([], "x", {}, "f")
     with pytest.raises(ValueError):
-        pr.PromoteConfig(min_improvement=-1)
+        config_from_params(pr.PromoteConfig, "promote", min_improvement=-1)
 
 
 # -- the registry -----------------------------------------------------------------------------------------
@@ -121,7 +122,7 @@ def cand(tmp_path, model, name, valid, **kw):
 def test_alias_moves_only_on_a_paired_win(registry, tmp_path):
     import mlflow
 
-    cfg = pr.PromoteConfig(model_name="test-agent")
+    cfg = config_from_params(pr.PromoteConfig, "promote", model_name="test-agent")
     first = promote(cfg, {**cand(tmp_path, registry, "a", ONE_MORE), **cand(tmp_path, registry, "b", HALF)})
     assert first["candidate"] == "a" and first["promoted"] and first["champion_version"] is None
     same = promote(cfg, cand(tmp_path, registry, "b", ONE_MORE))
@@ -147,7 +148,7 @@ def test_alias_moves_only_on_a_paired_win(registry, tmp_path):
 
 
 def test_fresh_champion_evaluation_overrides_the_stored_record(registry, tmp_path):
-    cfg = pr.PromoteConfig(model_name="retrain-agent")
+    cfg = config_from_params(pr.PromoteConfig, "promote", model_name="retrain-agent")
     promote(cfg, cand(tmp_path, registry, "old", HALF, max_new_tokens=16))
     fresh = pr.read_eval(write_eval(tmp_path / "champ", HALF), "champion")
     record = promote(cfg, cand(tmp_path, registry, "new", BETTER), champion_eval=fresh)
@@ -157,7 +158,7 @@ def test_fresh_champion_evaluation_overrides_the_stored_record(registry, tmp_pat
 def test_legacy_champion_without_a_record_is_replaced(registry, tmp_path):
     import mlflow
 
-    cfg = pr.PromoteConfig(model_name="legacy-agent")
+    cfg = config_from_params(pr.PromoteConfig, "promote", model_name="legacy-agent")
     first = promote(cfg, cand(tmp_path, registry, "b", BETTER))
     client = mlflow.MlflowClient()
     client.delete_model_version_tag("legacy-agent", str(first["candidate_version"]), "eval.entries_sha256")
@@ -169,7 +170,7 @@ def test_cli_errors_are_clear(tmp_path, registry):
     from typer.testing import CliRunner
 
     params = tmp_path / "params.yaml"
-    params.write_text("promote:\n  model_name: cli-agent\n  metric_key: old.key\n")
+    write_params(params, {"promote": {"model_name": "cli-agent", "metric_key": "old.key"}})
     runner = CliRunner()
     base = ["--params", str(params), "--eval-dir", str(tmp_path / "eval"), "--out", str(tmp_path / "d.json")]
     res = runner.invoke(pr_stage.app, [*base, "--candidate", f"b={registry}"])

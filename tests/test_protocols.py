@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import get_entry
+from helpers import config_from_params, get_entry
 
 from rcgrpo_tasks.engine.backend import SamplingParams, ScriptedBackend
 from rcgrpo_tasks.engine.rollout import replay_calls, run_episodes, run_group
@@ -188,6 +188,6 @@ def test_one_reward_token_check_behind_every_reader(tokens):
     from rcgrpo_tasks.train.rl.advantages import reward_levels
 
     for read in (lambda: reward_tokens({"label_rewards": {"tokens": tokens}}), lambda: reward_levels(tokens),
-                 lambda: LabelConfig(tokens=tuple(tokens), thresholds=(0.5,) * (len(tokens) - 1))):
+                 lambda: config_from_params(LabelConfig, "label_rewards", tokens=tuple(tokens), thresholds=(0.5,) * (len(tokens) - 1))):
         with pytest.raises(ValueError, match="reward tokens"):
             read()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from helpers import HIGH, LEVELS, LOW, tiny_sft_config
+from helpers import HIGH, LEVELS, LOW, resolved, tiny_sft_config
 
 from rcgrpo_tasks.env.prompt import format_reward_goal
 from rcgrpo_tasks.ops.inputs import InputError
@@ -92,7 +92,7 @@ def test_trainer_loss_is_the_weighted_nll_plus_the_unlikelihood(tiny_model_dir, 
 
     rows = ordered(_pairs(2, 2), "stratified", 0)
     cfg = tiny_sft_config(max_steps=1, batch_size=2, row_order="stratified", first_token_weight=4.0, unlikelihood=1.0)
-    trainer = sft_trainer.build_trainer(cfg, tiny_model_dir, rows, LEVELS, tmp_path / "ck")
+    trainer = sft_trainer.build_trainer(resolved(cfg), tiny_model_dir, rows, LEVELS, tmp_path / "ck")
     ids = [trainer.processing_class.convert_tokens_to_ids(t) for t in LEVELS]
     batch = next(iter(trainer.get_train_dataloader()))
     trainer.model.train()

@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, config_from_params, write_params
 
 sys.path.insert(0, str(REPO_ROOT))
 from flows import retrain_flow as rf  # noqa: E402
@@ -95,7 +95,7 @@ def _repo(root: Path) -> Path:
     subprocess.run([str(Path(PY).parent / "dvc"), "init", "-q"], cwd=repo, check=True)
     (repo / "fake.py").write_text(FAKE)
     (repo / "retrain.fake.yaml").write_text(textwrap.dedent(TEMPLATE))
-    (repo / "params.yaml").write_text("rl:\n  seed: 100\npromote:\n  model_name: retrain-test\n")
+    write_params(repo / "params.yaml", {"rl": {"seed": 100}, "promote": {"model_name": "retrain-test"}})
     subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
     subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"], cwd=repo, check=True)
     return repo
@@ -119,7 +119,7 @@ def test_two_rounds_each_train_a_new_candidate_and_the_paired_gate_decides(tmp_p
     (tmp_path / "eval0").mkdir()
     (tmp_path / "eval0" / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "eval0" / "metrics.json").write_text(json.dumps({"settings": {"limit": 40}}))
-    cfg = pr.PromoteConfig(model_name="retrain-test")
+    cfg = config_from_params(pr.PromoteConfig, "promote", model_name="retrain-test")
     with tracking.stage_run("promote", cfg) as run:  # the fake champion v1
         pr.promote(cfg, {"seed": (seed_model, pr.read_eval(tmp_path / "eval0", "seed"))}, run)
 

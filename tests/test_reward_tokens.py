@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import HIGH, LEVELS, LOW, TINY_SFT, chat, tiny_sft_config
+from helpers import HIGH, LEVELS, LOW, TINY_SFT, chat, config_from_params, resolved, tiny_sft_config
 
 from rcgrpo_tasks.ops.outputs import write_jsonl
 from rcgrpo_tasks.train.common import adapters
@@ -82,7 +82,7 @@ def test_default_token_settings_are_todays(tiny_model_dir, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cfg = sft_config.SftConfig()
+    cfg = config_from_params(sft_config.SftConfig, "sft")
     assert (cfg.reward_token_init, cfg.token_lr_multiplier) == ("mean_resizing", 1.0)
     model, _, ids = _with_tokens(tiny_model_dir, cfg.reward_token_init)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -93,7 +93,7 @@ def test_default_token_settings_are_todays(tiny_model_dir, tmp_path):
         ref.resize_token_embeddings(len(tok))
     torch.testing.assert_close(model.get_input_embeddings().weight, ref.get_input_embeddings().weight, rtol=0, atol=0)
     rows = sft_rows.load_rows(_dataset(tmp_path), LEVELS, True)
-    trainer = sft_trainer.build_trainer(tiny_sft_config(max_steps=1), tiny_model_dir, rows, LEVELS, tmp_path / "ck")
+    trainer = sft_trainer.build_trainer(resolved(tiny_sft_config(max_steps=1)), tiny_model_dir, rows, LEVELS, tmp_path / "ck")
     optimizer = trainer.create_optimizer()
     assert len(optimizer.param_groups) == 2 and not any("rcgrpo_token_rows" in g for g in optimizer.param_groups)
     assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
@@ -108,7 +108,7 @@ def _dataset(tmp_path: Path) -> Path:
 def _token_step(tiny_model_dir, tmp_path, name: str, **overrides):
     """Rows of the reward tokens (and of two ordinary tokens) before and after ONE optimizer step."""
     rows = sft_rows.load_rows(_dataset(tmp_path), LEVELS, True)
-    trainer = sft_trainer.build_trainer(tiny_sft_config(max_steps=1, **overrides), tiny_model_dir, rows, LEVELS,
+    trainer = sft_trainer.build_trainer(resolved(tiny_sft_config(max_steps=1, **overrides)), tiny_model_dir, rows, LEVELS,
                                         tmp_path / name)
     ids = list(trainer.token_ids)
 

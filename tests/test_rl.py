@@ -9,21 +9,24 @@ import shutil
 from pathlib import Path
 
 import pytest
-import yaml
 from helpers import (
     HIGH,
     LEVELS,
     assert_same_adam_step,
     capture_trainer,
+    compute_from_params,
+    config_from_params,
     device_under_test,
     grad_capture,
     on_test_device,
     pack_spy,
+    resolved,
     snapshot,
+    write_params,
 )
 
 from rcgrpo_tasks.env.prompt import PromptConfig
-from rcgrpo_tasks.ops.config import ConfigError, from_dict, load_config
+from rcgrpo_tasks.ops.config import ConfigError, load_config
 from rcgrpo_tasks.ops.inputs import read_tsv
 from rcgrpo_tasks.stages import rl as rl_stage
 from rcgrpo_tasks.train.common import callbacks, checkpoints
@@ -38,7 +41,7 @@ TEST_RL = dict(num_generations=2, batch_size=2, micro_batch_size=2, max_steps=2,
                max_new_tokens=6, max_outputs=2, categories=["base"], max_entries=2,
                lora_r=4, lora_alpha=8, save_steps=1, bf16=False, temperature=1.0, dynamic_max_rounds=3,
                pool_band=None, probe_entries=0)  # the probe's own tests: tests/test_probe.py
-PROTOCOL = PromptConfig(system_prompt="short").protocol_config(TEST_RL["max_outputs"])
+PROTOCOL = config_from_params(PromptConfig, "prompt", system_prompt="short").protocol_config(TEST_RL["max_outputs"])
 
 
 def _spec(root: Path, model_dir: Path, name: str, init: str, algo: str) -> rl_trainer.RLRun:
@@ -82,10 +85,10 @@ def test_two_rl_steps_per_mode(rl_env, scripted_rewards, monkeypatch, init, algo
     import mlflow
 
     root, model_dir = rl_env
-    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",)})
+    cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",)})
     spec = _spec(root, model_dir, f"{init}-{algo}", init, algo)
     box = capture_trainer(monkeypatch)
-    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec)
+    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, compute=compute_from_params())
 
     assert spec.mode == mode and summary["conditioning"] == mode
     assert summary["steps"] == 2 and math.isfinite(summary["train_loss"])
@@ -139,8 +142,8 @@ def test_env_tokens_carry_no_loss_and_cpu_logps_match_trl(rl_env):
     from trl import GRPOTrainer
 
     root, model_dir = rl_env
-    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",)})
-    trainer = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "mask", "rctp", "rc_grpo"),
+    cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",)})
+    trainer = rl_trainer.build_trainer(resolved(cfg, torch.device("cpu")), PROTOCOL, LEVELS, _spec(root, model_dir, "mask", "rctp", "rc_grpo"),
                                             track=False, device=torch.device("cpu"))  # the CPU fast path
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
@@ -179,7 +182,7 @@ def test_killed_run_resumes_from_last_checkpoint(rl_env, scripted_rewards):
     from transformers import TrainerCallback
 
     root, model_dir = rl_env
-    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "keep_checkpoints": True})
+    cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",), "keep_checkpoints": True})
     spec = _spec(root, model_dir, "resume", "rctp", "rc_grpo")
     shutil.rmtree(spec.checkpoints, ignore_errors=True)
 
@@ -189,18 +192,18 @@ def test_killed_run_resumes_from_last_checkpoint(rl_env, scripted_rewards):
                 raise KeyboardInterrupt("simulated kill after checkpoint-1")
 
     with pytest.raises(KeyboardInterrupt):
-        rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[Kill()])
+        rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[Kill()], compute=compute_from_params())
     assert (spec.checkpoints / "checkpoint-1").is_dir() and not spec.out.exists()
     n_before = len(scripted_rewards)
-    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec)
+    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, compute=compute_from_params())
     assert summary["resumed_from"].endswith("checkpoint-1")
     assert len(scripted_rewards) - n_before == 1  # only step 2 was rolled out again
     assert [r["step"] for r in read_tsv(spec.plots)] == [1, 2]
     state = json.loads((spec.checkpoints / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["global_step"] == 2 and spec.out.is_dir()
     # Other params: the stale checkpoints are discarded, training starts over.
-    cfg2 = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1, "learning_rate": 1e-3})
-    assert rl_run.train_rl(cfg2, PROTOCOL, LEVELS, spec)["resumed_from"] is None
+    cfg2 = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",), "max_steps": 1, "learning_rate": 1e-3})
+    assert rl_run.train_rl(cfg2, PROTOCOL, LEVELS, spec, compute=compute_from_params())["resumed_from"] is None
     # keep_checkpoints false (the default): after success the folder holds its fingerprint and the run's
     # rollout log only (no checkpoint), as sft's its fingerprint
     left = sorted(p.name for p in spec.checkpoints.iterdir())
@@ -211,13 +214,13 @@ def test_a_finished_run_rerun_is_restored_not_trained_a_step_further(rl_env, scr
     """DVC reruns a stage whose code changed; with the same fingerprint its last checkpoint is the finished
     run's. The Trainer resumed there would train one step past max_steps: the run is restored instead."""
     root, model_dir = rl_env
-    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1, "keep_checkpoints": True})
+    cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",), "max_steps": 1, "keep_checkpoints": True})
     spec = _spec(root, model_dir, "finished", "rctp", "rc_grpo")
     shutil.rmtree(spec.checkpoints, ignore_errors=True)
-    first = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec)
+    first = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, compute=compute_from_params())
     weights = _weights(spec.out)
     n_rollouts = len(scripted_rewards)
-    again = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec)
+    again = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, compute=compute_from_params())
     assert again["resumed_from"].endswith("checkpoint-1") and again["steps"] == first["steps"] == 1
     assert len(scripted_rewards) == n_rollouts  # nothing rolled out
     assert not (spec.checkpoints / "checkpoint-2").exists()
@@ -242,13 +245,13 @@ def test_sigterm_checkpoints_the_step_and_the_rerun_replays_it(rl_env, scripted_
                 os.kill(os.getpid(), signal.SIGTERM)
 
     root, model_dir = rl_env
-    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "save_steps": 2})
+    cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",), "save_steps": 2})
     spec = _spec(root, model_dir, "sigterm", "sft", "rc_grpo")
     with pytest.raises(callbacks.Interrupted) as info:
-        rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[Term()])
+        rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[Term()], compute=compute_from_params())
     assert info.value.code == 143 and not spec.out.exists() and not spec.metrics.exists()
     assert sorted(p.name for p in spec.checkpoints.glob("checkpoint-*")) == ["checkpoint-1"]
-    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec)
+    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, compute=compute_from_params())
     assert summary["resumed_from"].endswith("checkpoint-1") and summary["steps"] == 2
     done, killed = mlflow.search_runs(experiment_names=["test-rl"], filter_string="tags.`rl.init` = 'sft' and "
                                       "tags.`rl.algo` = 'rc_grpo'", order_by=["start_time DESC"], output_format="list")
@@ -278,8 +281,8 @@ def test_reference_is_the_init_model(rl_env):
     device = device_under_test()
     spec = rl_trainer.RLRun(**{**_spec(root, model_dir, "ref", "rctp", "grpo").__dict__, "adapter_dir": adapter_dir})
     for full in (False, True):
-        cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "full_finetune": full})
-        trainer = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, spec, track=False)
+        cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",), "full_finetune": full})
+        trainer = rl_trainer.build_trainer(resolved(cfg), PROTOCOL, LEVELS, spec, track=False)
         assert on_test_device(trainer.accelerator.device)
         on_device = ids.to(trainer.accelerator.device)
         with torch.no_grad():
@@ -321,7 +324,7 @@ def test_bad_params_fail_before_training(tmp_path, override, match):
     from typer.testing import CliRunner
 
     params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump({"rl": {**TEST_RL, **override}}))
+    write_params(params, {"rl": {**TEST_RL, **override}})
     with pytest.raises(ConfigError, match=match):
         load_config(rl_config.RLConfig, params, "rl")
     res = CliRunner().invoke(rl_stage.app, ["--init", "rctp", "--algo", "rc_grpo", "--out", str(tmp_path / "o"),
@@ -337,8 +340,8 @@ def test_cuda_without_cuda_fails_before_training(rl_env, tmp_path, monkeypatch):
     root, model_dir = rl_env
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump({"rl": TEST_RL, "prompt": {"system_prompt": "short"},
-                                      "label_rewards": {"tokens": list(LEVELS)}, "compute": {"device": "cuda"}}))
+    write_params(params, {"rl": TEST_RL, "prompt": {"system_prompt": "short"},
+                          "label_rewards": {"tokens": list(LEVELS)}, "compute": {"device": "cuda"}})
     res = CliRunner().invoke(rl_stage.app, ["--init", "rctp", "--algo", "rc_grpo", "--model-dir", str(model_dir),
                                       "--entries", str(root / "entries.jsonl"), "--split", str(root / "split.json"),
                                       "--out", str(tmp_path / "o"), "--checkpoints", str(tmp_path / "c"),
@@ -354,10 +357,10 @@ def test_fitted_micro_batch_keeps_the_generation_batch_and_the_run(rl_env):
     import torch
 
     root, model_dir = rl_env
-    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",)})
+    cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",)})
     spec = _spec(root, model_dir, "fit", "rctp", "rc_grpo")
     for micro in (None, 1):
-        trainer = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, spec, track=False,
+        trainer = rl_trainer.build_trainer(resolved(cfg, torch.device("cpu")), PROTOCOL, LEVELS, spec, track=False,
                                            device=torch.device("cpu"), micro_batch=micro)
         args = trainer.args
         assert args.use_cpu and args.generation_batch_size == cfg.batch_size
@@ -384,7 +387,7 @@ def test_rollout_snapshot_lives_on_the_gpu(tiny_model_dir):
 
 
 def test_world_size_must_keep_groups_whole():
-    cfg = rl_config.RLConfig(num_generations=5, batch_size=20, micro_batch_size=5)
+    cfg = config_from_params(rl_config.RLConfig, "rl", num_generations=5, batch_size=20, micro_batch_size=5)
     assert [rl_config.check_world(cfg, w) for w in (1, 2, 4)] == [4, 2, 1]  # gradient-accumulation steps
     for world in (3, 8):
         with pytest.raises(ConfigError, match="whole groups"):
@@ -434,11 +437,11 @@ def test_an_rl_step_updates_the_same_weights_with_and_without_the_shared_prefix(
     root, model_dir = rl_env
     out = {}
     for name, shared in (("plain", None), ("shared", 0)):
-        cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1, "batch_size": 4,
+        cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",), "max_steps": 1, "batch_size": 4,
                                         "micro_batch_size": 4, "shared_prefix_min_tokens": shared, "rollout_dtype": "live"})
         spec = _spec(root, model_dir, f"sp-{name}", "rctp", "rc_grpo")
         snap, grads = snapshot(), grad_capture()
-        rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[snap, grads], track=False, compute=ComputeConfig(device="cpu"))
+        rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[snap, grads], track=False, compute=config_from_params(ComputeConfig, "compute", device="cpu"))
         out[name] = (snap, grads.grads, _weights(spec.out), [t.token_ids for g in scripted_rewards[-2:] for t in g])
         assert bool(packed) == (shared is not None)  # policy, reference and trainer forwards: the shared layout
     (s_plain, g_plain, w_plain, r_plain), (s_shared, g_shared, w_shared, r_shared) = out["plain"], out["shared"]
@@ -465,8 +468,8 @@ def test_one_far_off_token_cannot_dominate_the_kl_term(rl_env):
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     out = {}
     for bound in (None, 10.0):
-        cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "kl_token_max": bound})
-        trainer = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "kl", "rctp", "rc_grpo"),
+        cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",), "kl_token_max": bound})
+        trainer = rl_trainer.build_trainer(resolved(cfg, torch.device("cpu")), PROTOCOL, LEVELS, _spec(root, model_dir, "kl", "rctp", "rc_grpo"),
                                                    track=False, device=torch.device("cpu"))
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1
@@ -494,10 +497,10 @@ def test_a_diverging_run_stops_names_the_step_and_rolls_back(rl_env, scripted_re
     from rcgrpo_tasks.engine.compute import ComputeConfig
 
     root, model_dir = rl_env
-    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "learning_rate": 3.0, "max_steps": 8,
+    cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",), "learning_rate": 3.0, "max_steps": 8,
                                     "divergence_kl": 0.05, "keep_checkpoints": True})
     spec = _spec(root, model_dir, "diverge", "rctp", "rc_grpo")
-    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, compute=ComputeConfig(device="cpu"))
+    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, compute=config_from_params(ComputeConfig, "compute", device="cpu"))
     event = summary["diverged"]
     assert event is not None and f"step {event['step']}: mean KL" in event["reason"], summary
     assert summary["steps"] == event["step"] < 8 and event["restored_step"] <= event["step"] - 2
@@ -529,9 +532,9 @@ def test_a_nonfinite_gradient_skips_its_update_and_the_run_goes_on(rl_env, scrip
                 handle.append(param.register_hook(lambda g: (handle.pop().remove(), g * float("nan"))[1]))
 
     root, model_dir = rl_env
-    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 3})
+    cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",), "max_steps": 3})
     spec = _spec(root, model_dir, "nonfinite", "rctp", "rc_grpo")
-    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[PoisonStep()], compute=ComputeConfig(device="cpu"))
+    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[PoisonStep()], compute=config_from_params(ComputeConfig, "compute", device="cpu"))
     assert summary.get("nonfinite_grad_steps") == [2] and summary["steps"] == 3 and summary["diverged"] is None
     assert all(torch.isfinite(w).all() for w in _weights(spec.out).values())
     rows = read_tsv(spec.plots)

@@ -7,12 +7,11 @@ from __future__ import annotations
 import math
 
 import pytest
-from helpers import LEVELS, capture_trainer
+from helpers import LEVELS, capture_trainer, compute_from_params, config_from_params, resolved
 from test_rl import PROTOCOL, TEST_RL, _spec
 
 from rcgrpo_tasks.engine.rollout import run_group
 from rcgrpo_tasks.env.multi_turn import entries as multi_turn
-from rcgrpo_tasks.ops.config import from_dict
 from rcgrpo_tasks.ops.inputs import read_tsv
 from rcgrpo_tasks.train.rl import config as rl_config
 from rcgrpo_tasks.train.rl import offpolicy
@@ -22,7 +21,7 @@ from rcgrpo_tasks.train.rl import trainer as rl_trainer
 
 
 def _rollout(tok, mode: str, **cfg) -> rl_rollout.EngineRollout:
-    config = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "max_entries": None, "max_new_tokens": 8,
+    config = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",), "max_entries": None, "max_new_tokens": 8,
                                        "num_generations": 3, "batch_size": 9, "micro_batch_size": 3, **cfg})
     entries = {e.id: e for e in multi_turn.load_entries(["base"])[:3]}
     return rl_rollout.EngineRollout(config, PROTOCOL, mode, LEVELS, entries, tok)
@@ -80,8 +79,8 @@ def test_truncated_importance_weights_are_trls(rl_env):
     import torch
 
     root, model_dir = rl_env
-    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",)})
-    trainer = rl_trainer.build_trainer(cfg, PROTOCOL, LEVELS, _spec(root, model_dir, "is", "rctp", "rc_grpo"),
+    cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",)})
+    trainer = rl_trainer.build_trainer(resolved(cfg), PROTOCOL, LEVELS, _spec(root, model_dir, "is", "rctp", "rc_grpo"),
                                                track=False)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
@@ -126,9 +125,9 @@ def test_mismatch_is_logged_and_corrected_where_the_sampler_differs(rl_env, monk
     from a bf16 snapshot -> a measured mismatch, weights != 1, correction on. Per step in the TSV, the summary."""
     root, model_dir = rl_env
     box = capture_trainer(monkeypatch)
-    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1, "rollout_dtype": rollout_dtype})
+    cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",), "max_steps": 1, "rollout_dtype": rollout_dtype})
     spec = _spec(root, model_dir, f"mismatch-{rollout_dtype}", "rctp", "rc_grpo")
-    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, track=False)
+    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, track=False, compute=compute_from_params())
     trainer = box["trainer"]
     assert (trainer.rc_importance_cap is not None) == expect_on and trainer.args.vllm_importance_sampling_correction == expect_on
     row = read_tsv(spec.plots)[0]
@@ -174,11 +173,11 @@ def test_several_updates_per_generation_let_the_clip_act(rl_env, monkeypatch, up
     root, model_dir = rl_env
     calls = _scripted(monkeypatch)
     box = capture_trainer(monkeypatch)
-    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "learning_rate": 0.05, "epsilon": 0.05,
+    cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",), "learning_rate": 0.05, "epsilon": 0.05,
                                     "rollout_dtype": "live", **updates})
     name = "-".join(f"{k}{v}" for k, v in updates.items())
     spec = _spec(root, model_dir, f"clip-{name}", "rctp", "rc_grpo")
-    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, track=False)
+    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, track=False, compute=compute_from_params())
     assert len(calls) == 1 and summary["steps"] == 2  # one generation served both steps
     rows = read_tsv(spec.plots)
     assert not math.isnan(rows[0]["reward"]) and math.isnan(rows[1]["reward"])  # step 2 generated nothing
@@ -195,11 +194,11 @@ def test_several_updates_per_generation_let_the_clip_act(rl_env, monkeypatch, up
 
 def test_minibatches_need_entries_for_the_whole_generation():
     with pytest.raises(ValueError, match="max_entries"):
-        from_dict(rl_config.RLConfig, {**TEST_RL, "max_entries": 1, "minibatches": 2})
+        config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "max_entries": 1, "minibatches": 2})
     with pytest.raises(ValueError, match="minibatches"):
-        from_dict(rl_config.RLConfig, {**TEST_RL, "minibatches": 0})
+        config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "minibatches": 0})
     with pytest.raises(ValueError, match="importance_sampling_cap"):
-        from_dict(rl_config.RLConfig, {**TEST_RL, "importance_sampling_cap": 0.5})
+        config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "importance_sampling_cap": 0.5})
 
 
 def test_auto_rollout_dtype_is_a_snapshot_on_every_cpu_and_the_live_model_on_a_gpu():
@@ -210,9 +209,13 @@ def test_auto_rollout_dtype_is_a_snapshot_on_every_cpu_and_the_live_model_on_a_g
 
     from rcgrpo_tasks.train.rl.rollout_policy import rollout_dtype, sampler_differs
 
-    assert rollout_dtype("auto", "cpu") is torch.float32
-    assert sampler_differs(False, rollout_dtype("auto", "cpu"), False)
-    on = rl_config.RLConfig().resolved("on", "cpu").rollout_dtype
-    assert rollout_dtype(on, "cpu") is torch.bfloat16
-    assert rollout_dtype("auto", "cuda") is None and rollout_dtype("live", "cpu") is None
-    assert rollout_dtype("float32", "cuda") is torch.float32
+    cfg = config_from_params(rl_config.RLConfig, "rl")
+
+    def resolved_on(device: str, setting: str = "off") -> str:
+        return cfg.compute_for(compute_from_params(cpu_bf16=setting), torch.device(device)).decode_dtype
+
+    assert rollout_dtype(resolved_on("cpu")) is torch.float32
+    assert sampler_differs(False, rollout_dtype(resolved_on("cpu")), False)
+    assert rollout_dtype(resolved_on("cpu", "on")) is torch.bfloat16
+    assert resolved_on("cuda") == "live" and rollout_dtype("live") is None
+    assert rollout_dtype("float32") is torch.float32

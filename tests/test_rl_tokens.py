@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import HIGH, LEVELS, capture_trainer, free_port_base
+from helpers import HIGH, LEVELS, capture_trainer, compute_from_params, config_from_params, free_port_base
 from test_rl import PROTOCOL, TEST_RL, _spec
 
 from rcgrpo_tasks.engine.backend import SamplingParams, ScriptedBackend, stop_token_ids
@@ -18,7 +18,7 @@ from rcgrpo_tasks.engine.rollout import run_seeded_groups
 from rcgrpo_tasks.env.multi_turn import entries as multi_turn
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.single_turn import entries as single_turn
-from rcgrpo_tasks.ops.config import ConfigError, from_dict
+from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
 from rcgrpo_tasks.train.common import adapters
 from rcgrpo_tasks.train.rl import config as rl_config
@@ -116,10 +116,10 @@ def test_rl_trains_the_reward_token_rows_saves_and_merges_them(qwen_env, monkeyp
                 with live.disable_adapter():
                     seen["reference"] = live.get_input_embeddings().weight[ids].clone()
 
-    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "learning_rate": 0.05, "p_high": 0.5,
+    cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",), "learning_rate": 0.05, "p_high": 0.5,
                                     "token_draw": "stratified", "rollout_dtype": "float32"})
     spec = _spec(root, root / "model", "tokens", "rctp", "rc_grpo")
-    rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[AtTheEnd()], track=False)
+    rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, callbacks=[AtTheEnd()], track=False, compute=compute_from_params())
     init, out = load_file(str(root / "model" / "model.safetensors")), load_file(str(spec.out / "model.safetensors"))
     for key in ("model.embed_tokens.weight", "lm_head.weight"):
         moved = (init[key] != out[key]).any(dim=1).nonzero().flatten().tolist()
@@ -140,13 +140,13 @@ def test_rl_trains_the_reward_token_rows_saves_and_merges_them(qwen_env, monkeyp
 @pytest.mark.parametrize("reward", ["official_verdict", "partial_credit"])
 def test_a_reward_undefined_under_the_protocol_is_refused(reward):
     multi = multi_turn.load_entries(["base"])[:2]
-    cfg = rl_config.RLConfig(reward=reward)
+    cfg = config_from_params(rl_config.RLConfig, "rl", reward=reward)
     with pytest.raises(ConfigError, match=f"rl.reward: {reward}.*prompt.protocol: paper"):
-        rl_config.check_reward(cfg, PromptConfig(protocol="paper", system_prompt="bfcl").protocol_config(2), multi)
-    rl_config.check_reward(cfg, PromptConfig(protocol="official", system_prompt="bfcl").protocol_config(2), multi)
+        rl_config.check_reward(cfg, config_from_params(PromptConfig, "prompt", protocol="paper", system_prompt="bfcl").protocol_config(2), multi)
+    rl_config.check_reward(cfg, config_from_params(PromptConfig, "prompt", protocol="official", system_prompt="bfcl").protocol_config(2), multi)
     single = single_turn.load_entries(single_turn.DEFAULT_CATEGORIES[:1])[:2]
-    rl_config.check_reward(cfg, PromptConfig(protocol="paper", system_prompt="bfcl").protocol_config(2), single)  # defined for one turn
-    rl_config.check_reward(rl_config.RLConfig(), PromptConfig(protocol="paper", system_prompt="bfcl").protocol_config(2), multi)
+    rl_config.check_reward(cfg, config_from_params(PromptConfig, "prompt", protocol="paper", system_prompt="bfcl").protocol_config(2), single)  # defined for one turn
+    rl_config.check_reward(config_from_params(rl_config.RLConfig, "rl"), config_from_params(PromptConfig, "prompt", protocol="paper", system_prompt="bfcl").protocol_config(2), multi)
 
 
 def test_rollouts_the_model_ended_count_as_finished_for_trl(tok):
@@ -156,8 +156,8 @@ def test_rollouts_the_model_ended_count_as_finished_for_trl(tok):
     entry = multi_turn.load_entries(["base"])[0]
     scripts = {0: ["[done()]"], 1: ["[ls()]", "[ls()]"]}
     backend = ScriptedBackend(tok, lambda key, step, ids: scripts[key][step] if step < len(scripts[key]) else "")
-    protocol = PromptConfig(system_prompt="short").protocol_config(2)
-    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",)})
+    protocol = config_from_params(PromptConfig, "prompt", system_prompt="short").protocol_config(2)
+    cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",)})
     rollout = rl_rollout.EngineRollout(cfg, protocol, "none", LEVELS, {entry.id: entry}, tok)
     trajs = run_seeded_groups(backend, [(entry, [None, None], SamplingParams(seed=0))], protocol)[0]
     assert [t.termination for t in trajs] == ["done", "step_limit"]
@@ -204,10 +204,10 @@ def test_a_skipped_step_moves_no_weight_under_deepspeed(rl_env, monkeypatch, tmp
                               "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}}}))
     root, model_dir = rl_env
     box = capture_trainer(monkeypatch)
-    cfg = from_dict(rl_config.RLConfig, {**TEST_RL, "categories": ("base",), "max_steps": 1, "deepspeed": str(ds),
+    cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",), "max_steps": 1, "deepspeed": str(ds),
                                     "full_finetune": True, "dynamic_max_rounds": 1, "bf16": False})
     spec = _spec(root, model_dir, "ds-skip", "sft", "dynamic")
-    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, track=False)
+    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, track=False, compute=compute_from_params())
     trainer = box["trainer"]
     assert trainer.is_deepspeed_enabled
     assert trainer.model_wrapped.global_steps == 0  # DeepSpeed's own optimizer step count
@@ -223,10 +223,10 @@ def test_lora_reward_token_rows_under_zero3_are_refused(tmp_path):
     zero3.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     zero2.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     with pytest.raises(ConfigError, match="rl.deepspeed: .*ZeRO-3 and rl.full_finetune is false"):
-        rl_config.check_deepspeed(rl_config.RLConfig(deepspeed=str(zero3)), "rc")
-    rl_config.check_deepspeed(rl_config.RLConfig(deepspeed=str(zero3)), "none")
-    rl_config.check_deepspeed(rl_config.RLConfig(deepspeed=str(zero3), full_finetune=True), "fixed")
-    rl_config.check_deepspeed(rl_config.RLConfig(deepspeed=str(zero2)), "rc")
+        rl_config.check_deepspeed(config_from_params(rl_config.RLConfig, "rl", deepspeed=str(zero3)), "rc")
+    rl_config.check_deepspeed(config_from_params(rl_config.RLConfig, "rl", deepspeed=str(zero3)), "none")
+    rl_config.check_deepspeed(config_from_params(rl_config.RLConfig, "rl", deepspeed=str(zero3), full_finetune=True), "fixed")
+    rl_config.check_deepspeed(config_from_params(rl_config.RLConfig, "rl", deepspeed=str(zero2)), "rc")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")

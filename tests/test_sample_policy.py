@@ -5,11 +5,12 @@ The stage CLI on a tiny model, gated and paired, runs in tests/test_label_reward
 from __future__ import annotations
 
 import pytest
+from helpers import config_from_params
 
 from rcgrpo_tasks.data.onpolicy import SampleConfig, needs_more, pick_entries, sample_policy
 from rcgrpo_tasks.env.multi_turn import entries as multi_turn
 from rcgrpo_tasks.env.prompt import PromptConfig
-from rcgrpo_tasks.ops.config import ConfigError, from_dict
+from rcgrpo_tasks.ops.config import ConfigError
 
 
 def test_needs_more():
@@ -22,20 +23,20 @@ def test_needs_more():
                                  {"temperature": 0.0}, {"n_entries": 0}, {"categories": ["nope"]}, {"top_p": 0}])
 def test_bad_config_rejected(bad):
     with pytest.raises(ConfigError):
-        from_dict(SampleConfig, bad, "params.yaml:sample_policy")
+        config_from_params(SampleConfig, "sample_policy", **bad)
 
 
 def test_pick_entries_seeded_in_file_order():
     train = multi_turn.load_entries(["base", "miss_func"])[:20]
-    cfg = SampleConfig(n_entries=5, categories=("base", "miss_func"), seed=1)
+    cfg = config_from_params(SampleConfig, "sample_policy", n_entries=5, categories=("base", "miss_func"), seed=1)
     picked = pick_entries(train, cfg)
     assert len(picked) == 5 and picked == [e for e in train if e in picked]  # file order kept
-    assert pick_entries(train, cfg) == picked and pick_entries(train, SampleConfig(n_entries=5, seed=2)) != picked
-    assert pick_entries(train, SampleConfig(n_entries=None, categories=("miss_func",))) == [
+    assert pick_entries(train, cfg) == picked and pick_entries(train, config_from_params(SampleConfig, "sample_policy", n_entries=5, seed=2)) != picked
+    assert pick_entries(train, config_from_params(SampleConfig, "sample_policy", n_entries=None, categories=("miss_func",))) == [
         e for e in train if e.category == "miss_func"]
-    rl = SampleConfig(n_entries=5, pool_entries=None, seed=1)  # RL's side: every prompt, whatever n_entries says
+    rl = config_from_params(SampleConfig, "sample_policy", n_entries=5, pool_entries=None, seed=1)  # RL's side: every prompt, whatever n_entries says
     assert pick_entries(train, rl, "rl") == train and len(pick_entries(train, rl, "train")) == 5
-    assert len(pick_entries(train, SampleConfig(n_entries=None, pool_entries=7), "rl")) == 7
+    assert len(pick_entries(train, config_from_params(SampleConfig, "sample_policy", n_entries=None, pool_entries=7), "rl")) == 7
 
 
 def scripted(tok, entries, outcomes: dict[str, str], proto):
@@ -66,8 +67,8 @@ def test_rounds_stop_when_both_outcomes_or_cap(tok):
     Every rollout is kept, in sampling order, with its round and sample index."""
     entries = multi_turn.load_entries(["base"])[:3]
     a, b, c = (e.id for e in entries)
-    prompt = PromptConfig(system_prompt="bfcl")
-    cfg = from_dict(SampleConfig, {"n_entries": None, "samples_per_entry": 2, "max_samples_per_entry": 4,
+    prompt = config_from_params(PromptConfig, "prompt", system_prompt="bfcl")
+    cfg = config_from_params(SampleConfig, "sample_policy", **{"n_entries": None, "samples_per_entry": 2, "max_samples_per_entry": 4,
                                    "max_outputs": 20, "max_new_tokens": 4000, "batch_rows": 4})
     proto = prompt.protocol_config(cfg.decode.max_outputs)
     backend, started = scripted(tok, entries, {a: "FSSS", b: "FFSF", c: "SSSS"}, proto)
@@ -93,8 +94,8 @@ def test_rounds_stop_when_both_outcomes_or_cap(tok):
 def test_last_round_takes_only_what_the_cap_leaves(tok):
     """samples_per_entry 2, cap 3: round 2 takes one sample per entry still searching."""
     entries = multi_turn.load_entries(["base"])[:1]
-    prompt = PromptConfig(system_prompt="bfcl")
-    cfg = from_dict(SampleConfig, {"samples_per_entry": 2, "max_samples_per_entry": 3, "max_outputs": 20,
+    prompt = config_from_params(PromptConfig, "prompt", system_prompt="bfcl")
+    cfg = config_from_params(SampleConfig, "sample_policy", **{"samples_per_entry": 2, "max_samples_per_entry": 3, "max_outputs": 20,
                                    "max_new_tokens": 4000})
     proto = prompt.protocol_config(cfg.decode.max_outputs)
     backend, started = scripted(tok, entries, {entries[0].id: "FFFF"}, proto)
@@ -106,8 +107,8 @@ def test_last_round_takes_only_what_the_cap_leaves(tok):
 def test_an_rctp_init_is_sampled_under_its_reward_goal(tok):
     """RL's pool from an RCTP init: every rollout carries the reward goal its cells roll with, in its prompt."""
     entries = multi_turn.load_entries(["base"])[:2]
-    prompt = PromptConfig(system_prompt="bfcl")
-    cfg = from_dict(SampleConfig, {"samples_per_entry": 2, "max_samples_per_entry": 2, "max_outputs": 20,
+    prompt = config_from_params(PromptConfig, "prompt", system_prompt="bfcl")
+    cfg = config_from_params(SampleConfig, "sample_policy", **{"samples_per_entry": 2, "max_samples_per_entry": 2, "max_outputs": 20,
                                    "max_new_tokens": 4000})
     proto = prompt.protocol_config(cfg.decode.max_outputs)
     backend, _ = scripted(tok, entries, {e.id: "SF" for e in entries}, proto)

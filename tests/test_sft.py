@@ -15,12 +15,16 @@ from helpers import (
     LOW,
     assert_same_adam_step,
     chat,
+    compute_from_params,
+    config_from_params,
     grad_capture,
     on_test_device,
     pack_spy,
+    resolved,
     snapshot,
     tiny_sft_config,
 )
+from helpers import write_params as committed_with
 
 from rcgrpo_tasks.engine import models
 from rcgrpo_tasks.ops.config import ConfigError
@@ -59,7 +63,7 @@ def test_variant_end_to_end(variant, datasets, tiny_model_dir, tmp_path):
     snap = snapshot()
     cfg = tiny_sft_config(require_reward_token=variant == "rctp", keep_checkpoints=True)
     s = spec(tmp_path, tiny_model_dir, variant, datasets / f"{variant}.jsonl")
-    summary = sft_run.train_variant(cfg, LEVELS, s, callbacks=[snap], track=False)
+    summary = sft_run.train_variant(cfg, LEVELS, s, callbacks=[snap], track=False, compute=compute_from_params())
 
     assert summary["steps"] == 6 and summary["resumed_from"] is None
     assert summary["loss_last"] < summary["loss_first"] - 0.05, summary
@@ -96,7 +100,7 @@ def test_reward_tokens_single_ids_after_reload(datasets, tiny_model_dir, tmp_pat
     base_tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert len(base_tok(HIGH, add_special_tokens=False)["input_ids"]) > 1  # not in SmolLM2's vocabulary
     s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
-    summary = sft_run.train_variant(tiny_sft_config(max_steps=2), LEVELS, s, track=False)
+    summary = sft_run.train_variant(tiny_sft_config(max_steps=2), LEVELS, s, track=False, compute=compute_from_params())
     assert not list(s.checkpoints.glob("checkpoint-*"))  # cleaned after success (keep_checkpoints: false)
     ids = summary["special_tokens"]
     assert len(set(ids.values())) == 2 and min(ids.values()) >= len(base_tok)
@@ -121,7 +125,7 @@ def test_assistant_only_labels(datasets, tiny_model_dir, tmp_path):
     from rcgrpo_tasks.data.chat import assistant_token_mask
 
     rows = sft_rows.load_rows(datasets / "rctp.jsonl", LEVELS, True)
-    trainer = sft_trainer.build_trainer(tiny_sft_config(), tiny_model_dir, rows[:2], LEVELS, tmp_path / "ck")
+    trainer = sft_trainer.build_trainer(resolved(tiny_sft_config()), tiny_model_dir, rows[:2], LEVELS, tmp_path / "ck")
     tok, stats, ex = trainer.processing_class, trainer.data_stats, trainer.train_dataset[0]
     ids, mask = assistant_token_mask(tok, rows[0]["messages"])
     assert ex["input_ids"] == ids
@@ -147,13 +151,13 @@ def test_resume_matches_uninterrupted_run(datasets, tiny_model_dir, tmp_path):
     data = datasets / "rctp.jsonl"
     cfg = tiny_sft_config(lora_dropout=0.1)  # dropout: the RNG state must be restored too
     full = spec(tmp_path, tiny_model_dir, "rctp", data, "full")
-    sft_run.train_variant(cfg, LEVELS, full, track=False)
+    sft_run.train_variant(cfg, LEVELS, full, track=False, compute=compute_from_params())
 
     cut = spec(tmp_path, tiny_model_dir, "rctp", data, "cut")
     with pytest.raises(Killed):
-        sft_run.train_variant(cfg, LEVELS, cut, callbacks=[KillAfterSave()], track=False)
+        sft_run.train_variant(cfg, LEVELS, cut, callbacks=[KillAfterSave()], track=False, compute=compute_from_params())
     assert not cut.out.exists() and (cut.checkpoints / "checkpoint-4" / "trainer_state.json").is_file()
-    summary = sft_run.train_variant(cfg, LEVELS, cut, track=False)
+    summary = sft_run.train_variant(cfg, LEVELS, cut, track=False, compute=compute_from_params())
     assert summary["resumed_from"].endswith("checkpoint-4") and summary["steps"] == 6
 
     a = load_file(full.out / "adapter_model.safetensors")
@@ -166,9 +170,9 @@ def test_resume_matches_uninterrupted_run(datasets, tiny_model_dir, tmp_path):
     done = spec(tmp_path, tiny_model_dir, "rctp", data, "done")
     four = tiny_sft_config(lora_dropout=0.1, max_steps=4, keep_checkpoints=True)
     with pytest.raises(Killed):
-        sft_run.train_variant(four, LEVELS, done, callbacks=[KillAfterSave()], track=False)
+        sft_run.train_variant(four, LEVELS, done, callbacks=[KillAfterSave()], track=False, compute=compute_from_params())
     ckpt = load_file(done.checkpoints / "checkpoint-4" / "adapter_model.safetensors")
-    summary = sft_run.train_variant(four, LEVELS, done, track=False)
+    summary = sft_run.train_variant(four, LEVELS, done, track=False, compute=compute_from_params())
     assert summary["resumed_from"].endswith("checkpoint-4") and summary["steps"] == 4
     assert not (done.checkpoints / "checkpoint-5").exists()
     restored = load_file(done.out / "adapter_model.safetensors")
@@ -195,11 +199,11 @@ def test_sigterm_checkpoints_the_current_step_and_exits_143(datasets, tiny_model
     s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
     cfg = tiny_sft_config(save_steps=4)
     with pytest.raises(callbacks.Interrupted) as info:
-        sft_run.train_variant(cfg, LEVELS, s, callbacks=[Term()], track=False)
+        sft_run.train_variant(cfg, LEVELS, s, callbacks=[Term()], track=False, compute=compute_from_params())
     assert info.value.code == 143 and signal.getsignal(signal.SIGTERM) is before
     assert not s.out.exists() and not s.metrics.exists() and not s.plots.exists()
     assert sorted(p.name for p in s.checkpoints.glob("checkpoint-*")) == ["checkpoint-3"]
-    summary = sft_run.train_variant(cfg, LEVELS, s, track=False)
+    summary = sft_run.train_variant(cfg, LEVELS, s, track=False, compute=compute_from_params())
     assert summary["resumed_from"].endswith("checkpoint-3") and summary["steps"] == 6
 
 
@@ -222,7 +226,7 @@ def test_a_step_longer_than_the_grace_stops_at_once(datasets, tiny_model_dir, tm
     s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
     t0 = time.perf_counter()
     with pytest.raises(callbacks.Interrupted) as info:
-        sft_run.train_variant(tiny_sft_config(save_steps=2), LEVELS, s, callbacks=[SlowStep()], track=False)
+        sft_run.train_variant(tiny_sft_config(save_steps=2), LEVELS, s, callbacks=[SlowStep()], track=False, compute=compute_from_params())
     assert info.value.code == 143 and time.perf_counter() - t0 < 60
     assert "SIGTERM received: stopping after the current step" in capsys.readouterr().err
     assert sorted(p.name for p in s.checkpoints.glob("checkpoint-*")) == ["checkpoint-2"]
@@ -275,7 +279,7 @@ def test_mlflow_run_logs_params_steps_and_loadable_model(datasets, tiny_model_di
     monkeypatch.delenv("RCGRPO_PARENT_RUN_ID", raising=False)
     monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")  # sampling thread: not in a 3 s run
     s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
-    sft_run.train_variant(tiny_sft_config(max_steps=3, log_model=True), LEVELS, s, track=True)
+    sft_run.train_variant(tiny_sft_config(max_steps=3, log_model=True), LEVELS, s, track=True, compute=compute_from_params())
 
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
     run = mlflow.search_runs(experiment_names=["test-sft"], output_format="list")[0]
@@ -302,9 +306,7 @@ def test_mlflow_run_logs_params_steps_and_loadable_model(datasets, tiny_model_di
 
 def write_params(tmp_path: Path, **sft_section) -> Path:
     section = {"max_steps": 2, "variants": {"sft": {}, "rctp": {"require_reward_token": True}}, **sft_section}
-    path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump({"sft": section, "label_rewards": {"tokens": list(LEVELS)}}))
-    return path
+    return committed_with(tmp_path / "params.yaml", {"sft": section, "label_rewards": {"tokens": list(LEVELS)}})
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -439,7 +441,7 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_effective_batch(data
     s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
     with pytest.warns(MemorySplitWarning, match="retrying at 2 x 2"):
         summary = sft_run.train_variant(tiny_sft_config(batch_size=4, grad_accum=1, max_steps=2), LEVELS, s, callbacks=[cb],
-                                    track=False)
+                                    track=False, compute=compute_from_params())
     assert cb.sizes[:2] == [(4, 1), (2, 2)] and set(cb.sizes[2:]) == {(1, 4)}
     assert summary["micro_batch"] == 1 and summary["grad_accum"] == 4 and summary["steps"] == 2
     assert summary["epochs"] == pytest.approx(2 * 4 / 16)  # 4 chats per step, as requested (not 1)
@@ -454,7 +456,7 @@ def test_cuda_without_cuda_fails_before_training(datasets, tiny_model_dir, tmp_p
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     params = write_params(tmp_path)
     data = yaml.safe_load(params.read_text())
-    params.write_text(yaml.safe_dump({**data, "compute": {"device": "cuda"}}))
+    params.write_text(yaml.safe_dump({**data, "compute": {**data["compute"], "device": "cuda"}}))
     res = CliRunner().invoke(sft_stage.app, ["--variant", "rctp", "--params", str(params), "--model-dir",
                                        str(tiny_model_dir), "--data", str(datasets / "rctp.jsonl"),
                                        "--out", str(tmp_path / "o"), "--checkpoints", str(tmp_path / "ck")])
@@ -495,7 +497,7 @@ def test_an_rctp_pair_step_updates_the_same_weights_with_and_without_the_shared_
         cfg = tiny_sft_config(require_reward_token=True, row_order="pairs", batch_size=2, grad_accum=2, max_steps=1,
                               shared_prefix_min_tokens=shared, bf16=False)
         sft_run.train_variant(cfg, LEVELS, spec(tmp_path, tiny_model_dir, "rctp", data, name), callbacks=[snap, grads],
-                          track=False, compute=ComputeConfig(device="cpu"))
+                          track=False, compute=config_from_params(ComputeConfig, "compute", device="cpu"))
         runs_[name] = (snap, grads.grads)
         assert packed == ([] if shared is None else [2, 2])  # each pair's micro-batch took the shared layout
     (plain, g_plain), (shared, g_shared) = runs_["plain"], runs_["shared"]

@@ -4,6 +4,7 @@ import json
 import random
 
 import pytest
+from helpers import config_from_params
 
 from rcgrpo_tasks.env.prompt import ProtocolConfig
 from rcgrpo_tasks.env.single_turn import entries as single_turn
@@ -11,11 +12,11 @@ from rcgrpo_tasks.env.single_turn.episode import initial_messages
 from rcgrpo_tasks.env.single_turn.perturb import PERTURBATIONS, expert_answer, expert_calls, perturb
 from rcgrpo_tasks.env.split import PrepareDataConfig, prepare, split_metrics
 from rcgrpo_tasks.env.tasks import TASKS, entry_from_json, task_of, task_of_entries, task_of_id
-from rcgrpo_tasks.ops.config import ConfigError, from_dict
+from rcgrpo_tasks.ops.config import ConfigError
 
 
 def test_split_is_stratified_seeded_and_complete():
-    entries, split = prepare(PrepareDataConfig(task="single_turn", categories=None))
+    entries, split = prepare(config_from_params(PrepareDataConfig, "prepare_data", task="single_turn", categories=None))
     sides = [set(split[k]) for k in ("train", "rl", "dev", "test")]
     assert all(a.isdisjoint(b) for i, a in enumerate(sides) for b in sides[i + 1:]) and len(entries) == 1000
     assert set().union(*sides) == {e.id for e in entries}
@@ -25,12 +26,12 @@ def test_split_is_stratified_seeded_and_complete():
                       "parallel": {"train": 120, "rl": 40, "dev": 20, "test": 20},
                       "parallel_multiple": {"train": 120, "rl": 40, "dev": 20, "test": 20}}
     assert split["task"] == "single_turn" and split_metrics(split)["task"] == "single_turn"
-    assert prepare(PrepareDataConfig(task="single_turn", categories=None))[1] == split
-    assert prepare(PrepareDataConfig(task="single_turn", categories=None, seed=1))[1]["test"] != split["test"]
+    assert prepare(config_from_params(PrepareDataConfig, "prepare_data", task="single_turn", categories=None))[1] == split
+    assert prepare(config_from_params(PrepareDataConfig, "prepare_data", task="single_turn", categories=None, seed=1))[1]["test"] != split["test"]
 
 
 def test_live_categories_and_ids():
-    entries, split = prepare(PrepareDataConfig(task="single_turn", categories=("live_simple", "live_parallel")))
+    entries, split = prepare(config_from_params(PrepareDataConfig, "prepare_data", task="single_turn", categories=("live_simple", "live_parallel")))
     assert {e.category for e in entries} == {"live_simple", "live_parallel"}
     assert len(split["test"]) == round(258 * 0.1) + round(16 * 0.1)
     assert single_turn.category_of("live_parallel_multiple_3-2-1") == "live_parallel_multiple"
@@ -48,11 +49,11 @@ def test_live_categories_and_ids():
 ])
 def test_bad_task_or_categories_fail_naming_the_field(data, needle):
     with pytest.raises(ConfigError, match=needle):
-        from_dict(PrepareDataConfig, data, where="params.yaml:prepare_data")
+        config_from_params(PrepareDataConfig, "prepare_data", **data)
 
 
 def test_entries_round_trip_and_dispatch():
-    entries, _ = prepare(PrepareDataConfig(task="single_turn", categories=("live_simple",)))
+    entries, _ = prepare(config_from_params(PrepareDataConfig, "prepare_data", task="single_turn", categories=("live_simple",)))
     e = next(x for x in entries if x.question[0]["role"] == "system")
     back = entry_from_json(json.loads(json.dumps(e.to_json())))
     assert back == e and task_of(back) is TASKS["single_turn"]

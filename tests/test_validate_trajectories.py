@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import config_from_params
 from test_generate_trajectories import multi_turn_config, write_inputs
 
 from rcgrpo_tasks.data.dataset import generate
@@ -19,8 +20,8 @@ from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.inputs import InputError
 
 GEN = multi_turn_config(policy_entries=0)
-PROMPT = PromptConfig(system_prompt="bfcl")
-CFG = ValidateConfig(data_docs=False)
+PROMPT = config_from_params(PromptConfig, "prompt", system_prompt="bfcl")
+CFG = config_from_params(ValidateConfig, "validate_trajectories", data_docs=False)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def _run(tmp_path, dataset, rows, cfg=CFG):
 
 def test_generated_set_passes(tmp_path, dataset):
     path, out, metrics, fails, text = _run(tmp_path, dataset, dataset["rows"],
-                                           ValidateConfig(data_docs=True))
+                                           config_from_params(ValidateConfig, "validate_trajectories", data_docs=True))
     assert fails == [] and text == "" and metrics["passed"] is True
     assert metrics["n_rows"] == len(dataset["rows"]) and metrics["success_fraction"] == 0.5
     assert json.loads((out / PASSED_FILE).read_text())["n_rows"] == len(dataset["rows"])
@@ -175,7 +176,7 @@ def test_broken_set_fails_naming_expectation(tmp_path, dataset, check, breaker):
     assert not (out / PASSED_FILE).exists()
     for name in ("sft", "rctp"):
         with pytest.raises(ValidationFailed, match="has not passed"):
-            labelled(name, LabelConfig(count_tokens=False), GEN, path, out, dataset["model_dir"])
+            labelled(name, config_from_params(LabelConfig, "label_rewards", count_tokens=False), GEN, path, out, dataset["model_dir"])
 
 
 def test_stale_pass_does_not_cover_a_changed_file(tmp_path, dataset):
@@ -183,7 +184,7 @@ def test_stale_pass_does_not_cover_a_changed_file(tmp_path, dataset):
     assert metrics["passed"]
     path.write_text(path.read_text() + "\n")  # any byte change
     with pytest.raises(ValidationFailed, match="changed since"):
-        labelled("sft", LabelConfig(count_tokens=False), GEN, path, out, dataset["model_dir"])
+        labelled("sft", config_from_params(LabelConfig, "label_rewards", count_tokens=False), GEN, path, out, dataset["model_dir"])
 
 
 def test_corrupt_line_names_file_and_line(tmp_path, dataset):
@@ -264,7 +265,7 @@ def test_an_rl_prompt_in_a_fine_tuning_set_is_refused_and_rls_own_samples_pass(t
     rl_rows = [r for r in rows if r["entry_id"] == moved]
     (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rl_rows))
-    cfg = ValidateConfig(data_docs=False, min_rows=1)
+    cfg = config_from_params(ValidateConfig, "validate_trajectories", data_docs=False, min_rows=1)
     metrics, *_ = validate(cfg, GEN, PROMPT, tmp_path / "t.jsonl", path, dataset["model_dir"], tmp_path / "v1")
     assert "no_rl_leakage" in metrics["failed_checks"]
     metrics, *_ = validate(cfg, GEN, PROMPT, tmp_path / "rl.jsonl", path, dataset["model_dir"], tmp_path / "v2",

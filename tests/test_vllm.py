@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers import HIGH, LEVELS
+from helpers import HIGH, LEVELS, compute_from_params, config_from_params
 
 pytest.importorskip("vllm", reason="needs vLLM: the CPU vLLM environment (`make vllm-venv`, then `make test-vllm`)")
 pytestmark = pytest.mark.vllm
@@ -99,7 +99,7 @@ def _groups(n_entries: int = 3, g: int = 2, token: str | None = None):
 
 
 def _rollouts(backend, groups, protocol="official", sampling=GREEDY, batch_rows=None):
-    proto = PromptConfig(protocol=protocol, system_prompt="short").protocol_config(2)
+    proto = config_from_params(PromptConfig, "prompt", protocol=protocol, system_prompt="short").protocol_config(2)
     return [t for group in run_groups(backend, groups, proto, sampling, batch_rows=batch_rows) for t in group]
 
 
@@ -244,7 +244,6 @@ def test_one_rl_step_through_trl_colocate(vllm_model_dir, tmp_path, monkeypatch,
     engine's vLLM backend rolls out on it, the policy's weights reach it (`build_trainer`: vLLM's in-place
     reload, PEFT's trainable-token deltas left out: RC-GRPO trains the reward-token rows), and after training
     the engine decodes what the saved policy decodes with the hf backend."""
-    from rcgrpo_tasks.ops.config import from_dict
     from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
     from rcgrpo_tasks.train.rl import config as rl_config
     from rcgrpo_tasks.train.rl import rollout as rl_rollout
@@ -276,17 +275,17 @@ def test_one_rl_step_through_trl_colocate(vllm_model_dir, tmp_path, monkeypatch,
 
     monkeypatch.setattr(rl_run, "build_trainer", build)
     monkeypatch.setattr(rl_rollout.EngineRollout, "groups", groups)
-    cfg = from_dict(rl_config.RLConfig, dict(
+    cfg = config_from_params(rl_config.RLConfig, "rl", **dict(
         num_generations=2, batch_size=2, micro_batch_size=2, max_steps=2, learning_rate=5e-2, beta=0.0,
         max_new_tokens=6, max_outputs=2, categories=("base",), max_entries=2, lora_r=4, lora_alpha=8,
         save_steps=1, bf16=False, use_vllm=True, vllm_mode="colocate", extra={"vllm_max_model_length": 4096}))
-    protocol = PromptConfig(system_prompt="short").protocol_config(2)
+    protocol = config_from_params(PromptConfig, "prompt", system_prompt="short").protocol_config(2)
     adapter = _lora(vllm_model_dir, tmp_path / "rctp", reward_tokens=True) if init == "rctp" else None
     spec = rl_trainer.RLRun(init=init, algo=algo, model_dir=vllm_model_dir, adapter_dir=adapter,
                               entries=tmp_path / "entries.jsonl", split=tmp_path / "split.json", out=tmp_path / "out",
                               checkpoints=tmp_path / "ckpt", metrics=tmp_path / "metrics.json",
                               plots=tmp_path / "diag.tsv")
-    summary = rl_run.train_rl(cfg, protocol, LEVELS, spec)
+    summary = rl_run.train_rl(cfg, protocol, LEVELS, spec, compute=compute_from_params())
     assert summary["steps"] == 2 and set(box["backends"]) == {"vllm"}
     gen = box["trainer"].vllm_generation
     gen.sync_weights()  # the trained policy, as the next step would sample from it

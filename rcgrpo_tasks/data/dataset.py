@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from rcgrpo_tasks.engine.backend_registry import load_backend
-from rcgrpo_tasks.engine.compute import ComputeConfig
+from rcgrpo_tasks.engine.compute import ResolvedCompute
 from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.models import model_context
 from rcgrpo_tasks.engine.rollout import replay_calls, run_group
@@ -38,11 +38,6 @@ Near-miss kinds of every task (`env.tasks`); a set holds those of its own task."
 FAILURE_SOURCES: tuple[str, ...] = ("policy", *ALL_PERTURBATIONS)
 
 
-def _default_mix() -> dict[str, float]:
-    return {"policy": 0.2, "wrong_arg_value": 0.3,
-            **{k: 0.15 for k in ("missing_param", "wrong_function", "extra_call", "dropped_call")}}
-
-
 DECODE_KEYS = ("temperature", "top_p", "max_outputs", "max_new_tokens", "backend", "dtype")
 
 
@@ -53,35 +48,34 @@ class GenerateConfig:
         "policy_dtype": "generate_trajectories.dtype (the policy rows are the only rows this stage decodes)",
     }
 
-    decode: DecodeConfig = flat_field(
-        DecodeConfig(temperature=1.0, max_outputs=1, max_new_tokens=48, dtype="float32"), DECODE_KEYS)
+    decode: DecodeConfig = flat_field(DecodeConfig, DECODE_KEYS, fixed={"batch_rows": 8})
     """How the policy rows decode (`engine.decoding`; flat keys); each policy entry is one shared-prefix group
     of `policy_samples` rollouts, so `batch_rows` does not apply."""
-    reward: Reward = "paper_reward"
+    reward: Reward
     """Which score defines success (R=1): the paper's binary reward or the official BFCL verdict."""
-    success_fraction: float = 0.5
+    success_fraction: float
     """Successes / all rows. The paper's 1:1 mix is 0.5."""
-    failure_mix: dict = field(default_factory=_default_mix)
+    failure_mix: dict
     """Share of failures per source: `policy` and each near-miss kind of the task; normalised to sum 1."""
-    max_tokens: int | None = None
+    max_tokens: int | None
     """Longest trajectory kept, in tokens; null = the model's context (max_position_embeddings) minus 32,
     the room label_rewards' reward goal needs. Longer replays (long_context tool outputs) are cut by the
     engine (`context_limit`) and left out, counted in the metrics."""
-    max_entries: int | None = None
+    max_entries: int | None
     """Use at most this many train entries (seeded sample); null = the whole train split."""
-    near_miss_attempts: int = 8
+    near_miss_attempts: int
     """Perturbation draws per (entry, kind) before giving up on that pair (harmless ones are rejected)."""
-    policy_model: str | None = None
+    policy_model: str | None
     """Model folder of the policy; null = `--model-dir` (the base model)."""
-    policy_adapter: str | None = None
+    policy_adapter: str | None
     """Optional PEFT adapter folder on top of the policy model."""
-    policy_reward_token: str | None = None
+    policy_reward_token: str | None
     """Reward token to condition the policy on (for an RCTP policy); null = no reward goal."""
-    policy_entries: int = 64
+    policy_entries: int
     """Train entries the policy is sampled on (seeded sample); 0 disables policy samples."""
-    policy_samples: int = 1
+    policy_samples: int
     """Samples per policy entry (one shared-prefix group)."""
-    seed: int = 0
+    seed: int
     """Seeds every choice: entry samples, perturbations, policy sampling, balancing."""
 
     def __post_init__(self) -> None:
@@ -200,15 +194,17 @@ def near_miss_stream(entries: list[Entry], kind: str, ctx: _Context):
 
 
 def policy_trajectories(entries: list[Entry], ctx: _Context, model_dir: str | Path,
-                        compute: ComputeConfig | None = None) -> list:
+                        compute: ResolvedCompute | None = None) -> list:
     """`policy_samples` rollouts on each of `policy_entries` seeded train entries."""
     cfg = ctx.cfg
     chosen = _sample(entries, cfg.policy_entries, f"{cfg.seed}:policy")
     if not chosen:
         return []
     model = cfg.policy_model or str(model_dir)
-    backend = load_backend(cfg.decode.backend, model, cfg.policy_adapter,
-                           **cfg.decode.backend_kwargs(compute or ComputeConfig(), model))
+    if compute is None:
+        raise ConfigError("generate_trajectories: policy rows decode a model: where and in what is the stage's "
+                          "resolved `compute` (none given)")
+    backend = load_backend(cfg.decode.backend, model, cfg.policy_adapter, **compute.backend_kwargs())
     # Cut rollouts where the dataset's length limit is (the model's own context minus the goal reserve).
     backend.max_positions = min(backend.max_positions, ctx.max_tokens)
     out = []
@@ -294,8 +290,9 @@ def check_task(cfg: GenerateConfig, prompt: PromptConfig, task: Task) -> None:
 
 
 def generate(cfg: GenerateConfig, prompt: PromptConfig, entries_path: str | Path, split_path: str | Path,
-             model_dir: str | Path, compute: ComputeConfig | None = None) -> tuple[list, dict]:
-    """(trajectories, metrics) for the train split; pure apart from reading the inputs."""
+             model_dir: str | Path, compute: ResolvedCompute | None = None) -> tuple[list, dict]:
+    """(trajectories, metrics) for the train split; pure apart from reading the inputs. `compute`: where and in
+    what the policy rows decode (the stage's resolution; None: a set without policy rows)."""
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()

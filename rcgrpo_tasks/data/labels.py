@@ -29,23 +29,23 @@ def load_reward_tokens(params_path: str | Path) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class LabelConfig:
-    signal: Literal["reward", "partial_credit"] = "reward"
+    signal: Literal["reward", "partial_credit"]
     """Binned into tokens: `reward` (generate_trajectories' R, binary) or `partial_credit` (0..1)."""
-    tokens: tuple[str, ...] = ("<|low_reward|>", "<|high_reward|>")
+    tokens: tuple[str, ...]
     """Reward tokens, lowest level first (the paper: low, high)."""
-    thresholds: tuple[float, ...] = (0.5,)
+    thresholds: tuple[float, ...]
     """signal >= thresholds[i] gives tokens[i + 1]; one fewer than tokens, strictly increasing."""
-    failures: FailureRule = "mixed"
+    failures: FailureRule
     """rctp: where an entry's failure comes from: `near_miss` | `on_policy` (else drop) | `mixed` (own, else
     near-miss); data.pairing."""
-    base_failures: bool = True
+    base_failures: bool
     """rctp, paired: also pair every other generate-set entry with a base-model failure (data.pairing)."""
-    pairing: Pairing = "paired"
+    pairing: Pairing
     """rctp: `paired` (every prompt under both tokens) | `unpaired` (one token per prompt; with near_miss:
     the generate set as is)."""
-    seed: int = 0
+    seed: int
     """Seeds the unpaired side assignment and balancing."""
-    count_tokens: bool = True
+    count_tokens: bool
     """Tokenize every row (chat template + masks) to report token counts."""
 
     def __post_init__(self) -> None:

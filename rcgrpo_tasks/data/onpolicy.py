@@ -46,23 +46,22 @@ ROUND_SEED_STRIDE = 1_000_003
 class SampleConfig:
     """params.yaml `sample_policy`; the prompt is the shared `prompt` section, R is generate_trajectories.reward."""
 
-    decode: DecodeConfig = flat_field(DecodeConfig(temperature=0.7, max_outputs=1, max_new_tokens=64,
-                                                               batch_rows=16))
+    decode: DecodeConfig = flat_field(DecodeConfig)
     """Sampling, budgets and engine (`engine.decoding`; flat keys). Temperature > 0: on-policy samples
     (the paper's RCTP samples: 0.7)."""
-    n_entries: int | None = 48
+    n_entries: int | None
     """Train entries sampled (`--side train`: the RCTP set's own pairs; a seeded sample of `categories`, in
     file order); null = every one."""
-    pool_entries: int | None = 48
+    pool_entries: int | None
     """RL-side entries sampled (`--side rl`: the prompts RL's pool is chosen from, `rl.pool_band`), drawn as
     `n_entries`; null = every one."""
-    categories: tuple[str, ...] | None = None
+    categories: tuple[str, ...] | None
     """Categories drawn from; null = every category of the prepared entries."""
-    samples_per_entry: int = 4
+    samples_per_entry: int
     """Rollouts per entry per round."""
-    max_samples_per_entry: int = 4
+    max_samples_per_entry: int
     """Cap: an entry stops being sampled at this many rollouts, with or without both outcomes."""
-    seed: int = 0
+    seed: int
     """Seeds the entry sample and every round's sampling."""
 
     def __post_init__(self) -> None:

@@ -30,17 +30,17 @@ DERIVED: tuple[str, ...] = ("task", "source", "kind", "reward", "is_success", "p
 
 @dataclass(frozen=True)
 class ValidateConfig:
-    success_tolerance: float = 0.05
+    success_tolerance: float
     """Allowed |observed - configured| success fraction (configured: generate_trajectories.success_fraction)."""
-    max_tokens: int | None = None
+    max_tokens: int | None
     """Longest allowed trajectory in tokens; null = the model's max_position_embeddings - goal_reserve."""
-    goal_reserve: int = GOAL_RESERVE
+    goal_reserve: int
     """Tokens kept free for the `[Reward Goal: <token>]` suffix label_rewards adds."""
-    min_rows: int = 2
+    min_rows: int
     """Fewest rows a usable dataset may have."""
-    max_examples: int = 5
+    max_examples: int
     """Example values / ids per failed expectation in the summary."""
-    data_docs: bool = True
+    data_docs: bool
     """Also build GX's HTML data docs (logged to the stage's MLflow run; not a DVC output: they hold run
     times and ids, so they would change the output's hash on every run)."""
 

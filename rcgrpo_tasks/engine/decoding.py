@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Literal
 
 from rcgrpo_tasks.engine.backend import SamplingParams
-from rcgrpo_tasks.engine.dtype import decode_dtype
 from rcgrpo_tasks.engine.models import model_context
 from rcgrpo_tasks.ops.config import ConfigError
 
@@ -35,31 +34,36 @@ MAX_BATCH_ROWS = 16_384
 MAX_TEMPERATURE = 100.0
 
 
+def check_sampling(temperature: float, top_p: float) -> None:
+    """THE bounds of a temperature and a top_p (ValueError outside them)."""
+    if not 0 <= temperature <= MAX_TEMPERATURE or not 0 < top_p <= 1:
+        raise ValueError(f"need 0 <= temperature <= {MAX_TEMPERATURE} and 0 < top_p <= 1")
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """How a stage decodes (its params section holds these keys flat)."""
 
-    temperature: float = 1.0
+    temperature: float
     """Sampling temperature; 0 = greedy."""
-    top_p: float = 1.0
+    top_p: float
     """Nucleus sampling."""
-    max_outputs: int = 4
+    max_outputs: int
     """Model outputs per episode (`paper` protocol) or per turn (`official`); the prompt is params `prompt`."""
-    max_new_tokens: int = 64
+    max_new_tokens: int
     """Tokens per model output (one step of an episode)."""
-    backend: Literal["hf", "vllm"] = "hf"
+    backend: Literal["hf", "vllm"]
     """Inference engine: `hf` (the project's transformers decoder) or `vllm` (vLLM: the `[gpu]` extra on CUDA, the
     CPU vLLM environment `make vllm-venv` on a CPU); docs/engine.md "vLLM" has the choice, docs/log.md
     the measurements."""
-    dtype: Literal["float32", "bfloat16", "auto"] = "auto"
+    dtype: Literal["float32", "bfloat16", "auto"]
     """Weights dtype; `auto` = THE dtype rule (`engine.dtype`: bf16 on a GPU with bf16, on a CPU as params
-    `compute.cpu_bf16` says), both backends."""
-    batch_rows: int = 8
+    `compute.cpu_bf16` says), resolved once by the stage (`engine.compute.resolve_compute`), both backends."""
+    batch_rows: int
     """Rollouts decoded together in one session (hf)."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.temperature <= MAX_TEMPERATURE or not 0 < self.top_p <= 1:
-            raise ValueError(f"need 0 <= temperature <= {MAX_TEMPERATURE} and 0 < top_p <= 1")
+        check_sampling(self.temperature, self.top_p)
         for name, cap in (("max_outputs", MAX_OUTPUTS), ("max_new_tokens", MAX_NEW_TOKENS),
                           ("batch_rows", MAX_BATCH_ROWS)):
             if not 1 <= getattr(self, name) <= cap:
@@ -82,9 +86,3 @@ class DecodeConfig:
         """The engine's per-call sampling parameters (`extra`: guidance)."""
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
                               seed=seed, **extra)
-
-    def backend_kwargs(self, compute, model_dir: str | Path | None = None) -> dict:
-        """`load_backend` keyword arguments under THE dtype rule (`engine.dtype.decode_dtype`: `auto` resolved
-        for the device `compute` names and its `cpu_bf16`; `model_dir`: the shape a measured rule times)."""
-        device = compute.resolve()
-        return {"dtype": decode_dtype(self.dtype, device.type, compute.cpu_bf16, model_dir), "device": compute.device}

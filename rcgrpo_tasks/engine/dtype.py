@@ -8,11 +8,14 @@ DVC reruns them when it changes) decides the CPU:
   null`) on a CPU;
 - `auto`: what this host measured, once (`calibrate`: a decode step and a forward + backward at the stages'
   own shapes, float32 beside bf16), cached per CPU model, flags, torch version, threads and model shape
-  (`cache_file`). Two CPUs with the same flags measured opposite ways (bf16 faster on one, slower on the
-  other: docs/log.md, "CPU bf16"), hence a measurement and not a flag.
+  (`cache_file`); bf16 only where it measured at least `AUTO_MIN_SPEEDUP` faster, decoding and training
+  apart. Two CPUs with the same flags measured opposite ways (bf16 faster on one, slower on the other:
+  docs/log.md, "CPU bf16"), hence a measurement and not a flag; `bench/cpu_bf16.py` runs the same
+  calibration at a model's full depth.
 On CUDA `auto` / `null` mean bf16 where the GPU has it, whatever `cpu_bf16` says. A dtype a stage names
-explicitly (`dtype: float32`, `bf16: true`) is never overridden. Every stage records the outcome in its
-metrics (`record`).
+explicitly (`dtype: float32`, `bf16: true`) is never overridden. Each stage applies these rules once
+(`engine.compute.resolve_compute`: a `ResolvedCompute`, passed down and recorded whole in its metrics); the
+layers below take its values and refuse an unresolved `auto` / `null`.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from rcgrpo_tasks.ops.inputs import InputError
 
 CPU_BF16 = ("off", "on", "auto")
 CALIBRATION_VERSION = 1
+AUTO_MIN_SPEEDUP = 1.1
+"""`auto` takes bf16 on a CPU only where the calibration measured it at least this much faster: a measured 1.0x
+is a tie within the timing's noise, and bf16 gives up float32's exact numbers for nothing there."""
 
 
 def check_setting(setting: str) -> str:
@@ -40,46 +46,43 @@ def check_setting(setting: str) -> str:
     return setting
 
 
-def decode_dtype(requested: str, device_type: str, setting: str = "off", model_dir: str | Path | None = None) -> str:
-    """float32 | bfloat16 for a stage's decoding `dtype` (`auto` resolved: bf16 on a CUDA GPU with bf16, on a
-    CPU as `setting` says)."""
+def decode_rule(requested: str, device_type: str, setting: str, model_dir: str | Path | None = None) -> tuple[str, str]:
+    """(float32 | bfloat16, where the choice came from) of a stage's decoding `dtype`: an explicit dtype as it
+    is; `auto` bf16 on a CUDA GPU with bf16, on a CPU as `setting` says."""
     if requested != "auto":
-        return requested
+        return requested, "explicit"
     if device_type == "cuda":
         import torch
 
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
-    return "bfloat16" if cpu_bf16(setting, model_dir)["decode"] else "float32"
+        return ("bfloat16" if torch.cuda.is_bf16_supported() else "float32"), "gpu"
+    got = cpu_bf16(setting, model_dir)
+    return ("bfloat16" if got["decode"] else "float32"), got["source"]
 
 
-def train_bf16(flag: bool | None, device_type: str, setting: str = "off", model_dir: str | Path | None = None) -> bool:
-    """bf16 autocast of a training run: `flag`, or (None) on a CUDA GPU with bf16, on a CPU as `setting` says."""
+def train_rule(flag: bool | None, device_type: str, setting: str, model_dir: str | Path | None = None) -> tuple[bool, str]:
+    """(bf16 autocast of a training run, where the choice came from): `flag`, or (None) on a CUDA GPU with
+    bf16, on a CPU as `setting` says."""
     if flag is not None:
-        return flag
+        return flag, "explicit"
     if device_type == "cuda":
         import torch
 
-        return torch.cuda.is_bf16_supported()
-    return cpu_bf16(setting, model_dir)["train"]
+        return torch.cuda.is_bf16_supported(), "gpu"
+    got = cpu_bf16(setting, model_dir)
+    return got["train"], got["source"]
 
 
 def cpu_bf16(setting: str, model_dir: str | Path | None = None) -> dict:
-    """{"decode": bool, "train": bool, "source": ...} of a CPU under `setting`; `auto` measures (`calibrate`)
-    at the shape of `model_dir`'s config (SmolLM2-135M's where none is given), once per host."""
+    """{"decode": bool, "train": bool, "source": "params off" | "params on" | "measured auto", "measured": the
+    calibration (None unless `auto`)} of a CPU under `setting`; `auto` takes bf16 where the calibration at the
+    shape of `model_dir`'s config (SmolLM2-135M's where none is given), measured once per host, found it at
+    least `AUTO_MIN_SPEEDUP` faster: decoding and training apart."""
     check_setting(setting)
     if setting != "auto":
-        return {"decode": setting == "on", "train": setting == "on", "source": setting}
-    return dict(_measured(_shape(model_dir)))
-
-
-def record(setting: str, device_type: str, decode: str | None = None, train: bool | None = None) -> dict:
-    """What a stage's metrics say about its dtype: the setting, the device and what it resolved to."""
-    out = {"cpu_bf16": setting, "device": device_type}
-    if decode is not None:
-        out["decode_dtype"] = decode
-    if train is not None:
-        out["train_bf16"] = train
-    return out
+        return {"decode": setting == "on", "train": setting == "on", "source": f"params {setting}", "measured": None}
+    got = measured(model_shape(model_dir))
+    return {"decode": got["decode_speedup"] >= AUTO_MIN_SPEEDUP, "train": got["train_speedup"] >= AUTO_MIN_SPEEDUP,
+            "source": "measured auto", "measured": {**got, "min_speedup": AUTO_MIN_SPEEDUP}}
 
 
 # -- auto: measured once on this host -----------------------------------------------------------------------
@@ -88,7 +91,7 @@ SMOLLM2_135M = (576, 1536, 9, 3, 64)
 """(hidden, intermediate, heads, kv heads, head_dim) of the embedded default."""
 
 
-def _shape(model_dir: str | Path | None) -> tuple[int, int, int, int, int]:
+def model_shape(model_dir: str | Path | None) -> tuple[int, int, int, int, int]:
     cfg_file = Path(model_dir) / "config.json" if model_dir else None
     if cfg_file is None or not cfg_file.is_file():
         return SMOLLM2_135M
@@ -116,8 +119,14 @@ def cache_file() -> Path:
     return Path(root) / "cpu_bf16.json"
 
 
+def measured(shape: tuple) -> dict:
+    """The calibration (`calibrate`) of this host at `shape`: read from the cache (`cache_file`, keyed by
+    `host_key`), measured and written there the first time; with the cache file's path."""
+    return copy.deepcopy(_measured(shape))
+
+
 @functools.cache
-def _measured(shape: tuple) -> tuple:
+def _measured(shape: tuple) -> dict:
     import torch
 
     key = host_key(shape, torch.get_num_threads())
@@ -132,10 +141,7 @@ def _measured(shape: tuple) -> tuple:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
         tmp.replace(path)
-    got = known[key]
-    return tuple(sorted({"decode": got["decode_speedup"] > 1.0, "train": got["train_speedup"] > 1.0,
-                         "source": f"measured ({path}: decode {got['decode_speedup']:.2f}x, "
-                                   f"train {got['train_speedup']:.2f}x in bf16)"}.items()))
+    return {**known[key], "cache": str(path)}
 
 
 def calibrate(shape: tuple, layers: int = 4, rows: int = 16, tokens: int = 320, reps: int = 5) -> dict:
@@ -178,14 +184,14 @@ def calibrate(shape: tuple, layers: int = 4, rows: int = 16, tokens: int = 320, 
         return run
 
     t0 = time.perf_counter()
-    dec = _side_by_side(decode(model), decode(half), reps * 2)
+    dec = side_by_side(decode(model), decode(half), reps * 2)
     model.train()
-    trn = _side_by_side(train(False), train(True), reps)
+    trn = side_by_side(train(False), train(True), reps)
     return {"decode_speedup": dec, "train_speedup": trn, "seconds": round(time.perf_counter() - t0, 1),
             "threads": torch.get_num_threads(), "shape": list(shape), "torch": torch.__version__}
 
 
-def _side_by_side(fp32, bf16, reps: int) -> float:
+def side_by_side(fp32, bf16, reps: int) -> float:
     """median(float32 seconds) / median(bf16 seconds), the arms alternating after one warm-up each."""
     fp32(), bf16()
     times: dict[int, list[float]] = {0: [], 1: []}

@@ -36,9 +36,9 @@ from rcgrpo_tasks.engine.backend import (
     decode_text,
     stop_token_ids,
 )
+from rcgrpo_tasks.engine.compute import check_resolved
 from rcgrpo_tasks.engine.cpu_attention import CPU_ATTENTION, use_cpu_attention
 from rcgrpo_tasks.engine.device import placement, resolve_device
-from rcgrpo_tasks.engine.dtype import decode_dtype
 from rcgrpo_tasks.engine.graphs import CPU, GRAPH, DecodeState, StepGraph, decode_path, graphs_wanted
 from rcgrpo_tasks.engine.hf_cache import CacheLayout, CacheRows
 from rcgrpo_tasks.engine.kvcache import decode_mask
@@ -212,9 +212,9 @@ class HFSession(CacheLayout, Session):
 
 
 class HFBackend(Backend):
-    """transformers model + tokenizer on `device` (auto | cpu | cuda | cuda:N); `dtype`: float32 | bfloat16 |
-    auto (THE dtype rule, `engine.dtype.decode_dtype`: bf16 on CUDA with bf16, float32 on a CPU unless the
-    stage resolved `compute.cpu_bf16` for it). `cuda_graphs`: capture the
+    """transformers model + tokenizer on `device` (auto | cpu | cuda | cuda:N); `dtype`: float32 | bfloat16, as
+    the stage resolved it (`engine.compute.resolve_compute`: THE dtype rule); `auto` is refused here, never
+    silently float32. `cuda_graphs`: capture the
     decode step on CUDA (None = on for CUDA; never used on CPU)."""
 
     name = "hf"
@@ -228,7 +228,7 @@ class HFBackend(Backend):
         place = resolve_device(device)  # before loading: a bad device fails fast
         path = check_model_dir(model_dir)
         adapter = check_adapter_dir(adapter_dir) if adapter_dir else None
-        dtype = decode_dtype(dtype, place.type)  # THE dtype rule (`engine.dtype`); stages pass it resolved
+        dtype = check_resolved(dtype, "hf backend dtype")  # THE dtype rule: the stage resolved it (`engine.compute`)
         # An adapter is merged in float32 and the result cast to `dtype`, exactly as `rl` saves its merged
         # policies: otherwise an RL run that changed nothing (all-zero advantages) would decode differently
         # from its init only through bf16 merge rounding (greedy outputs diverge).

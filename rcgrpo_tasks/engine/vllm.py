@@ -33,8 +33,8 @@ from rcgrpo_tasks.engine.backend import (
     decode_text,
     stop_token_ids,
 )
+from rcgrpo_tasks.engine.compute import check_resolved
 from rcgrpo_tasks.engine.device import resolve_device
-from rcgrpo_tasks.engine.dtype import decode_dtype
 from rcgrpo_tasks.engine.models import (
     ModelLoadError,
     check_adapter_dir,
@@ -61,10 +61,10 @@ def import_vllm():
     return vllm
 
 
-def engine_dtype(dtype: str, on_cpu: bool) -> str:
-    """THE dtype rule (`engine.dtype.decode_dtype`, as the `hf` backend's): vLLM's own `auto` would pick bf16
-    on any CPU."""
-    return decode_dtype(dtype, "cpu" if on_cpu else "cuda")
+def engine_dtype(dtype: str) -> str:
+    """The dtype the stage resolved (`engine.compute.resolve_compute`: THE dtype rule, as the `hf` backend's);
+    `auto` is refused: vLLM's own `auto` would pick bf16 on any CPU."""
+    return check_resolved(dtype, "vllm backend dtype")
 
 
 def adapter_needs_merge(adapter: Path, model: Path) -> bool:
@@ -107,7 +107,7 @@ class VLLMBackend(Backend):
 
     name = "vllm"
 
-    def __init__(self, model_dir: str | Path, adapter_dir: str | Path | None = None, dtype: str = "auto",
+    def __init__(self, model_dir: str | Path, adapter_dir: str | Path | None = None, dtype: str = "float32",
                  device: str = "auto", gpu_memory_utilization: float = 0.85, **engine_kwargs):
         vllm = import_vllm()
         from vllm.lora.request import LoRARequest
@@ -121,7 +121,7 @@ class VLLMBackend(Backend):
         path = check_model_dir(model_dir)
         adapter = check_adapter_dir(adapter_dir) if adapter_dir else None
         source, lora = self._plan(LoRARequest, path, adapter)
-        kwargs = dict(model=str(source), dtype=engine_dtype(dtype, on_cpu), enable_prefix_caching=True,
+        kwargs = dict(model=str(source), dtype=engine_dtype(dtype), enable_prefix_caching=True,
                       gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs", seed=0)
         if lora is not None:
             kwargs.update(enable_lora=True, max_lora_rank=self._lora_rank(adapter))

@@ -34,11 +34,11 @@ class PromptConfig:
     """params.yaml `prompt`: how every stage renders an entry (generate, evaluate, controllability, rl,
     sample_policy read this ONE section, so training and evaluation cannot see different prompts)."""
 
-    protocol: Literal["official", "paper"] = "paper"
+    protocol: Literal["official", "paper"]
     """`official`: BFCL's turn-by-turn prompting mode; `paper`: RC-GRPO's merged steps + done()."""
-    doc_style: Literal["compact", "json", "official"] = "compact"
+    doc_style: Literal["compact", "json", "official"]
     """Function docs in the system prompt: compact one-liners, one JSON object per line, or BFCL's exact JSON."""
-    system_prompt: Literal["bfcl", "short"] = "short"
+    system_prompt: Literal["bfcl", "short"]
     """`bfcl`: BFCL's classic instructions; `short`: format rule + docs only (fewer tokens for tiny models)."""
 
     def protocol_config(self, max_outputs: int) -> "ProtocolConfig":

@@ -25,21 +25,21 @@ from rcgrpo_tasks.env import tasks
 
 @dataclass(frozen=True)
 class PrepareDataConfig:
-    task: str = tasks.DEFAULT_TASK
+    task: str
     """The benchmark the whole pipeline runs (`env.tasks.TASK_NAMES`): every later stage reads its entries."""
-    categories: tuple[str, ...] | None = ("simple_python", "multiple")
+    categories: tuple[str, ...] | None
     """Categories of the task to include (the default: the default task's two one-call categories, as
     params.yaml; another task names its own); null = the task's defaults (multi_turn: all four; single_turn:
     simple_python, multiple, parallel, parallel_multiple)."""
-    test_fraction: float = 0.1
+    test_fraction: float
     """Fraction held out (multi_turn: of numeric ids, paper: 80 of 800 entries; single_turn: of each category)."""
-    dev_fraction: float = 0.1
+    dev_fraction: float
     """Fraction of ALL entries carved from the train side as the dev split (single_turn: 10 % of each category,
     40 of simple_python's 400; multi_turn: 20 numeric ids x 4 categories); 0 = none."""
-    rl_fraction: float = 0.2
+    rl_fraction: float
     """Fraction of ALL entries carved from the train side (after dev) as RL's own prompts (single_turn: 20 % of
     each category); the train side left is the SFT part. 0 = none (RL samples the SFT part's prompts)."""
-    seed: int = 0
+    seed: int
     """Seed of the split; change it to draw another held-out set (the dev split draws with `seed + 1`, rl
     with `seed + 2`)."""
 

@@ -12,9 +12,8 @@ statistics) never looks inside an entry.
   AST checker.
 
 A task is one package under `env/` whose `task` module holds `TASK` (see `env.multi_turn.task`); registering
-it is its import below and its name in `TASKS`. Two names, decided here and nowhere else:
-- `DEFAULT_TASK`: the task a pipeline runs when none is chosen (`prepare_data.task`'s default, equal to
-  params.yaml's: tests/test_defaults.py);
+it is its import below and its name in `TASKS`. The task a pipeline runs is params `prepare_data.task` alone.
+One name, decided here and nowhere else:
 - `LEGACY_TASK`: the task of data that names none (entries rows, split files and evaluation rows written
   before tasks existed, whose format was multi-turn only; result files of no known id). It is a fact
   about those files, not a choice: it stays multi_turn whatever the default.
@@ -29,8 +28,6 @@ from rcgrpo_tasks.env.multi_turn.task import TASK as MULTI_TURN
 from rcgrpo_tasks.env.single_turn.task import TASK as SINGLE_TURN
 
 TASKS: dict[str, Task] = {t.name: t for t in (MULTI_TURN, SINGLE_TURN)}
-DEFAULT_TASK: str = SINGLE_TURN.name
-"""The task a pipeline runs when none is chosen: `PrepareDataConfig.task`'s default (= params.yaml)."""
 LEGACY_TASK: str = MULTI_TURN.name
 """The task of rows and files that name none: written before tasks existed, when every file was multi-turn."""
 TASK_NAMES: tuple[str, ...] = tuple(TASKS)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rcgrpo_tasks.engine.backend import SamplingParams, reward_pair_ids
-from rcgrpo_tasks.engine.decoding import MAX_OUTPUTS, DecodeConfig
+from rcgrpo_tasks.engine.decoding import MAX_OUTPUTS, DecodeConfig, check_sampling
 from rcgrpo_tasks.engine.rollout import run_rollouts
 from rcgrpo_tasks.engine.trajectory import as_stage_output, write_trajectories
 from rcgrpo_tasks.env.contract import Entry
@@ -46,7 +46,7 @@ class RLSampling:
     def __post_init__(self) -> None:
         if self.temperature <= 0:
             raise ValueError("need temperature > 0 (rollouts are sampled)")
-        self.applied(DecodeConfig())  # THE decoding bounds (`engine.decoding`)
+        check_sampling(self.temperature, self.top_p)  # THE decoding bounds (`engine.decoding`)
 
     def applied(self, decode: DecodeConfig) -> DecodeConfig:
         """`decode` at RL's temperature and top_p."""
@@ -57,30 +57,29 @@ class RLSampling:
 class EvaluateConfig:
     """params.yaml `evaluate`; the prompt (protocol, doc style, system prompt) is the shared `prompt` section."""
 
-    decode: DecodeConfig = flat_field(DecodeConfig(temperature=0.0, max_outputs=1, max_new_tokens=64,
-                                                               batch_rows=16))
-    """Sampling, budgets and engine (`engine.decoding`; flat keys). Default greedy; `max_outputs`: model
-    outputs per episode under `paper`."""
-    seed: int = 0
+    decode: DecodeConfig = flat_field(DecodeConfig)
+    """Sampling, budgets and engine (`engine.decoding`; flat keys). Greedy at temperature 0; `max_outputs`:
+    model outputs per episode under `paper`."""
+    seed: int
     """Sampling and bootstrap seed."""
-    limit: int | None = None
+    limit: int | None
     """Evaluate only N held-out entries, taken round-robin over categories (smoke profile); null = all."""
-    official_full: bool = False
+    official_full: bool
     """Also run BFCL's official protocol on every prepared entry (multi-turn: all 800; GPU profile)."""
-    official_max_steps_per_turn: int = 20
+    official_max_steps_per_turn: int
     """Model outputs per turn under the official protocol (`official_full`)."""
-    n_bootstrap: int = 2000
+    n_bootstrap: int
     """Bootstrap resamples of every CI."""
-    margin: bool = True
+    margin: bool
     """Reward-conditioned evaluations (a `--reward-token`, hf backend): also the teacher-forced margin on the
     evaluated entries and the reward-token rows' distance (`data.margin.read_token`, forward passes only), so
     every RCTP-based model, RL policies included, shows whether it still reads its token (RL rewards the low
     token for success too, which can erode it)."""
-    guidance: float = 0.0
+    guidance: float
     """Reward-token guidance scale w (0 = off; beyond the paper, `SamplingParams.guidance`): applied to
     reward-conditioned evaluations (a `--reward-token`); the others decode unguided and record w = 0.
     hf backend only; each guided row decodes a twin, so decoding costs ~2x."""
-    pass_samples: int = 4
+    pass_samples: int
     """Answers sampled per entry for pass@1, at `rl.temperature` / `rl.top_p` (`pass_sampling`); 0 = greedy
     only. pass@1 = the mean over entries of the share of an entry's samples that succeed."""
 

@@ -31,34 +31,34 @@ class ControllabilityConfig:
     MOVED_KEYS: ClassVar[dict[str, str]] = {
         k: f"rl.{k} (the sampled arm samples as RL does)" for k in ("temperature", "top_p")}
 
-    decode: DecodeConfig = flat_field(DecodeConfig(max_outputs=1, max_new_tokens=64, batch_rows=16),
-                                      DECODE_KEYS)
+    decode: DecodeConfig = flat_field(DecodeConfig, DECODE_KEYS,
+                                      fixed={"backend": "hf", "temperature": 1.0, "top_p": 1.0})
     """Budgets and engine (`engine.decoding`; flat keys: max_outputs, max_new_tokens, batch_rows, dtype). The
-    sampled arm's temperature and top_p are `rl`'s (`sampled_as`); the backend is hf, loaded as evaluate
-    loads a trained output."""
-    n_entries: int = 32
+    sampled arm's temperature and top_p are `rl`'s (`sampled_as` replaces the fixed placeholders); the backend
+    is hf, loaded as evaluate loads a trained output."""
+    n_entries: int
     """Held-out entries rolled: the first n of the test split taken round-robin over `categories`."""
-    categories: tuple[str, ...] | None = None
+    categories: tuple[str, ...] | None
     """Categories drawn from; null = every category of the prepared entries."""
-    samples_per_token: int = 3
+    samples_per_token: int
     """Sampled arm: rollouts per (entry, token) at the RL temperature."""
-    greedy: bool = True
+    greedy: bool
     """Also roll one greedy rollout per (entry, token) beside the sampled arm."""
-    seed: int = 0
+    seed: int
     """Sampling and bootstrap seed."""
-    n_bootstrap: int = 2000
+    n_bootstrap: int
     """Bootstrap resamples of every CI."""
-    margin: bool = True
+    margin: bool
     """Also the teacher-forced margin (`data.margin`: forward passes only) and the reward-token rows'
     distance; the margin on `margin_entries` held-out entries."""
-    margin_entries: int | None = None
+    margin_entries: int | None
     """Held-out entries of the margin (round-robin over `categories`); null = every held-out entry."""
-    margin_kinds: tuple[str, ...] | None = None
+    margin_kinds: tuple[str, ...] | None
     """Near-miss kinds of the margin; null = every kind the task knows."""
-    premise_min_q: float = 0.3
+    premise_min_q: float
     """RC-GRPO's premise gate (`premise_gate`): the sampled arm's q (P(low fails | high succeeds), paired
     rollouts) at least this, and its sampled gap's 95 % CI above 0. RCTP's design target."""
-    guidance: float = 0.0
+    guidance: float
     """> 0: a third arm, `guided`: the sampled arm again with reward-token guidance of this scale
     (`SamplingParams.guidance`; each token pushed further toward its own goal), same seeds, so its gap
     sits beside the unguided one. 0 = no guided arm."""

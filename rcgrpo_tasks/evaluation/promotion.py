@@ -20,21 +20,21 @@ NOT_COMPARED = frozenset({"model", "adapter", "reward_token", "backend_info", "n
 samples the same in any batch; the CI's resamples): everything else must match for a paired comparison."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PromoteConfig:
-    model_name: str = "rcgrpo-agent"
+    model_name: str
     """Registered model name in the MLflow registry."""
-    alias: str = "champion"
+    alias: str
     """Alias that points at the serving model; moved only when the candidate wins the paired gate."""
     metric_key: str = "rows.{label}.overall.accuracy"
     """Unused since the paired gate (it reads per-entry results); kept so params files carrying it load."""
-    min_improvement: float = 0.0
+    min_improvement: float
     """Percentage points the paired CI's lower bound of (candidate - champion) accuracy must exceed."""
-    n_bootstrap: int = 2000
+    n_bootstrap: int
     """Bootstrap resamples of the paired per-entry differences."""
-    level: float = 0.95
+    level: float
     """Confidence level of the paired CI."""
-    seed: int = 0
+    seed: int
     """Seed of the bootstrap (a rerun reproduces the decision)."""
 
     def __post_init__(self) -> None:

@@ -4,6 +4,10 @@ Every stage owns one frozen dataclass whose fields mirror its `params.yaml` sect
 field, cleanrl-style). `load_config(Cls, params_path, section)` reads the section, rejects unknown keys
 (a typo must not silently fall back to a default), checks basic types, and lets the dataclass's own
 `__post_init__` enforce invariants, so bad params fail before any work starts, naming file and field.
+A config class holds types, docstrings and checks, never a tuned value: its fields have no defaults (only
+structural ones such as a DeepSpeed path may), so every value lives in the params file alone, a section
+that lacks one fails naming it (`required_keys`), and tuning a value changes no code (DVC reruns only the
+stages whose params name it).
 
 Profiles (overlays of `params.yaml` sections materialized into it): `ops.profiles`.
 
@@ -153,21 +157,39 @@ def _type_ok(value: Any, hint: Any) -> bool:
 
 
 FLAT = "rcgrpo.flat"
-"""Field metadata: a nested config written flat in its section (`flat_field`)."""
+"""Field metadata: a nested config written flat in its section (`flat_field`): (its class, the keys the section
+sets, the values the stage fixes for the others)."""
 
 
-def flat_field(default: Any, keys: tuple[str, ...] | None = None) -> Any:
-    """A config field holding a nested config (e.g. the engine's `DecodeConfig`) whose keys are written FLAT in
-    the stage's own params section (`evaluate.max_new_tokens`, not `evaluate.decode.max_new_tokens`): one
-    class, one set of docstrings and checks, composed into every stage that needs it, while a user still edits
-    `evaluate:`. `keys`: the nested keys this section may set (default: all); the others keep `default`'s
-    values, which the stage fills from where they really live (documented at the stage's field)."""
-    keys = tuple(f.name for f in dataclasses.fields(default)) if keys is None else tuple(keys)
-    return dataclasses.field(default_factory=lambda: default, metadata={FLAT: keys})
+def flat_field(cls: type, keys: tuple[str, ...] | None = None, fixed: dict | None = None) -> Any:
+    """A required config field holding a nested config of `cls` (e.g. the engine's `DecodeConfig`) whose keys
+    are written FLAT in the stage's own params section (`evaluate.max_new_tokens`, not
+    `evaluate.decode.max_new_tokens`): one class, one set of docstrings and checks, composed into every stage
+    that needs it, while a user still edits `evaluate:`. `keys`: the nested keys this section sets (default:
+    all), each required there; `fixed`: the value of every other key, what the stage itself fixes (the
+    engine it loads) or fills later from where the value really lives (documented at the stage's field), never
+    a tuned value: those are the section's keys."""
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    keys = names if keys is None else tuple(keys)
+    fixed = dict(fixed or {})
+    if set(keys) & set(fixed) or set(keys) | set(fixed) != set(names):
+        raise TypeError(f"flat_field({cls.__name__}): keys {keys} and fixed {sorted(fixed)} must split its fields "
+                        f"{names}")
+    return dataclasses.field(metadata={FLAT: (cls, keys, fixed)})
 
 
 def _flat_fields(cls) -> dict[str, tuple[str, ...]]:
-    return {f.name: f.metadata[FLAT] for f in dataclasses.fields(cls) if FLAT in f.metadata}
+    return {f.name: f.metadata[FLAT][1] for f in dataclasses.fields(cls) if FLAT in f.metadata}
+
+
+def required_keys(cls) -> list[str]:
+    """The keys a params section of `cls` must hold: every field without a default (a flat field's keys)."""
+    flat = _flat_fields(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            keys += list(flat[f.name]) if f.name in flat else [f.name]
+    return keys
 
 
 def section_keys(cls) -> list[str]:
@@ -203,12 +225,14 @@ def from_dict(cls: type[T], data: dict, where: str = "") -> T:
     unknown = sorted(set(data) - set(allowed))
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+    missing = [k for k in required_keys(cls) if k not in data]
+    if missing:
+        raise ConfigError(f"{where}: missing key(s) {missing}: every tuned value is written in the params file")
     kwargs = {}
-    for name, keys in flat.items():
-        given = {k: data[k] for k in keys if k in data}
-        if given:
-            default = next(f for f in dataclasses.fields(cls) if f.name == name).default_factory()
-            kwargs[name] = from_dict(type(default), {**dataclasses.asdict(default), **given}, where)
+    for f in dataclasses.fields(cls):
+        if f.name in flat:
+            nested, keys, fixed = f.metadata[FLAT]
+            kwargs[f.name] = from_dict(nested, {**fixed, **{k: data[k] for k in keys}}, where)
     for key, value in data.items():
         if not any(key in keys for keys in flat.values()):
             kwargs[key] = _check_value(value, hints[key], f"{where}.{key}")
@@ -256,3 +280,14 @@ def as_dict(config: Any) -> dict:
 def seeded(base_seed: int, grid_seed: int | None) -> int:
     """A seeded run's own seed: its section's seed + the grid seed (None: not a grid run, the section's)."""
     return base_seed + (grid_seed or 0)
+
+
+def load_with(cls: type[T], params_path: str | Path, section: str, **overrides: Any) -> T:
+    """`cls` from `section` of `params_path` with `overrides` (flat keys, as the section writes them): a config for
+    code that is no stage (a bench, the GPU kit), built from the params file, never from a second copy of its
+    values. Not remembered as read: nothing it makes is published as a stage's output."""
+    data = read_params(params_path).get(section) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{params_path}:{section}: expected a mapping, got {type(data).__name__}")
+    where = f"{params_path}:{section}" + (f" with {sorted(overrides)} set" if overrides else "")
+    return from_dict(cls, {**data, **overrides}, where)

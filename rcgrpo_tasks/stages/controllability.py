@@ -47,8 +47,7 @@ from pathlib import Path
 import typer
 
 from rcgrpo_tasks.data.labels import load_reward_tokens
-from rcgrpo_tasks.engine.compute import load_compute
-from rcgrpo_tasks.engine.dtype import decode_dtype, record
+from rcgrpo_tasks.engine.compute import load_compute, resolve_compute
 from rcgrpo_tasks.engine.trajectory import as_stage_output, write_trajectories
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.evaluation.accuracy import RLSampling
@@ -103,9 +102,10 @@ def main(
         picked = held_out_entries(entries, split, cfg, side=side)
         margin_set = held_out_entries(entries, split, cfg, cfg.margin_entries, side) if cfg.margin else None
         cfg.decode.check_context(model_dir, f"{params}:controllability.max_new_tokens")
-        compute = load_compute(params)
-        dtype = decode_dtype(cfg.decode.dtype, compute.resolve().type, compute.cpu_bf16, model_dir)  # THE rule
-        backend = load_policy(model_dir, adapter_dir, dtype, (tokens[-1], tokens[0]), compute.device)  # before MLflow
+        # THE dtype rule, once: the policy decodes in it, the metrics record it whole
+        compute = resolve_compute(load_compute(params), decode=cfg.decode.dtype, model_dir=model_dir)
+        backend = load_policy(model_dir, adapter_dir, compute.decode_dtype, (tokens[-1], tokens[0]),
+                              compute.device)  # before MLflow
     typer.echo(f"controllability: decoding on {backend.describe().get('device')}")
     run_params = {"controllability": as_dict(cfg), "prompt": as_dict(prompt), "rl": rl_record(rl, groups),
                   "adapter": str(adapter_dir), "tokens": list(tokens), "side": side}
@@ -114,7 +114,7 @@ def main(
         result, trajs = measure(cfg, prompt, tokens, backend, picked, rl, groups,
                                 {"model": str(model_dir), "adapter": str(adapter_dir)}, margin_set)
         result["grid_seed"] = grid_seed
-        result["side"], result["dtype"] = side, record(compute.cpu_bf16, compute.resolve().type, dtype)
+        result["side"], result["dtype"] = side, compute.record()
         write_json(staged.file(metrics), result)
         if trajectories:
             write_trajectories(staged.file(trajectories), as_stage_output(trajs, "controllability"))

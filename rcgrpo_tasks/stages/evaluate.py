@@ -43,8 +43,7 @@ from rcgrpo_tasks.data.labels import load_reward_tokens
 from rcgrpo_tasks.data.margin import REPLAY_OUTPUTS, has_tokens, read_token
 from rcgrpo_tasks.engine.backend import reward_pair_ids
 from rcgrpo_tasks.engine.backend_registry import load_backend
-from rcgrpo_tasks.engine.compute import load_compute
-from rcgrpo_tasks.engine.dtype import record as record_dtype
+from rcgrpo_tasks.engine.compute import load_compute, resolve_compute
 from rcgrpo_tasks.env.entries import read_entries, select_entries, stratified
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.evaluation.accuracy import (
@@ -106,9 +105,9 @@ def main(
         tokens = load_reward_tokens(params)
         pool = read_entries(entries)
         held_out = stratified(select_entries(pool, split=split, side=check_side(side)), cfg.limit)
-        compute = load_compute(params)
-        kwargs = cfg.decode.backend_kwargs(compute, model)  # THE dtype rule (`engine.dtype`)
-        backend = load_backend(cfg.decode.backend, model, adapter or None, **kwargs)
+        # THE dtype rule, once: the backend decodes in it, the metrics record it whole
+        compute = resolve_compute(load_compute(params), decode=cfg.decode.dtype, model_dir=model)
+        backend = load_backend(cfg.decode.backend, model, adapter or None, **compute.backend_kwargs())
         if guidance_of(cfg, reward_token or None):  # a model without reward tokens fails here, before any run
             reward_pair_ids(backend.tokenizer, (tokens[-1], tokens[0]))
     typer.echo(f"evaluate@{label}: decoding on {backend.describe().get('device', cfg.decode.backend)}")
@@ -133,7 +132,7 @@ def main(
         write_outputs(tmp, trajs, rows, summary)
         if official:
             write_outputs(tmp / "official", o_trajs, o_rows, official)
-        summary["dtype"] = record_dtype(compute.cpu_bf16, compute.resolve().type, kwargs["dtype"])
+        summary["dtype"] = compute.record()
         write_json(tmp / "metrics.json", {**summary, "settings": settings,
                                           **({"official": official} if official else {})})
         write_text(tmp / "report.md", report_markdown(summary, settings, official))

@@ -44,8 +44,7 @@ from pathlib import Path
 import typer
 
 from rcgrpo_tasks.data.dataset import GenerateConfig, check_task, generate
-from rcgrpo_tasks.engine.compute import load_compute
-from rcgrpo_tasks.engine.dtype import record as record_dtype
+from rcgrpo_tasks.engine.compute import load_compute, resolve_compute
 from rcgrpo_tasks.env.entries import split_entries
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.tasks import task_of_entries
@@ -71,15 +70,15 @@ def main(
         cfg = load_config(GenerateConfig, params, "generate_trajectories")
         prompt = load_config(PromptConfig, params, "prompt")
         check_task(cfg, prompt, task_of_entries(split_entries(entries, split, "train")))
-        compute = load_compute(params)
         key = f"{params}:generate_trajectories.max_new_tokens"
         cfg.decode.check_context(cfg.policy_model or model_dir, key)
+        # THE dtype rule, once: the policy rows decode in it, the metrics record it whole
+        compute = resolve_compute(load_compute(params), decode=cfg.decode.dtype, model_dir=cfg.policy_model or model_dir)
     run_params = {**as_dict(cfg), "prompt": as_dict(prompt)}
     with tracking.published_run("generate_trajectories", run_params, outputs=(out, metrics)) as (_, staged), \
             cli_errors():
         rows, record = generate(cfg, prompt, entries, split, model_dir, compute)
-        record["dtype"] = record_dtype(compute.cpu_bf16, compute.resolve().type, cfg.decode.backend_kwargs(
-            compute, cfg.policy_model or model_dir)["dtype"])
+        record["dtype"] = compute.record()
         write_jsonl(staged.file(out), (t.to_json() for t in rows))
         write_json(staged.file(metrics), record)
         tracking_log.log_metrics({"n_rows": record["n_rows"], "n_success": record["n_success"],

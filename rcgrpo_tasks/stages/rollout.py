@@ -23,24 +23,24 @@ import typer
 from rcgrpo_tasks.data.labels import load_reward_tokens
 from rcgrpo_tasks.engine.backend import reward_pair_ids
 from rcgrpo_tasks.engine.backend_registry import load_backend
-from rcgrpo_tasks.engine.compute import ComputeConfig, load_compute
+from rcgrpo_tasks.engine.compute import load_compute, resolve_compute
 from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.rollout import run_rollouts
 from rcgrpo_tasks.engine.trajectory import write_trajectories
 from rcgrpo_tasks.env.entries import read_entries, select_entries
 from rcgrpo_tasks.env.prompt import DEFAULT_REWARD_TOKENS, PromptConfig
 from rcgrpo_tasks.ops.cli import Progress, cli_errors
-from rcgrpo_tasks.ops.config import ConfigError, as_dict, from_dict, read_sections
+from rcgrpo_tasks.ops.config import ConfigError, from_dict, read_sections
 
 app = typer.Typer(add_completion=False)
 
 
 def prompt_config(params: Path | None, **overrides: str | None) -> PromptConfig:
-    """`prompt` section of `params` (if the file exists) with the non-None `overrides` applied."""
+    """`prompt` section of `params` (if the file exists) with the non-None `overrides` applied (without a params
+    file, the options must name every key)."""
     base = read_sections(params, "prompt").get("prompt") or {} if params is not None and params.is_file() else {}
-    values = {**as_dict(from_dict(PromptConfig, base, where=f"{params}:prompt")),
-              **{k: v for k, v in overrides.items() if v is not None}}
-    return from_dict(PromptConfig, values, where="rollout options")
+    values = {**base, **{k: v for k, v in overrides.items() if v is not None}}
+    return from_dict(PromptConfig, values, where=f"{params}:prompt with the rollout options")
 
 
 @app.command()
@@ -79,10 +79,11 @@ def main(
         if guidance and not reward_token:
             raise ConfigError("--guidance needs --reward-token (guidance contrasts the two reward goals)")
         chosen = select_entries(read_entries(entries), _csv(ids), split, split_name, _csv(categories), limit)
-        compute = load_compute(params) if params.is_file() else ComputeConfig()
+        compute = load_compute(params)  # where it decodes and THE dtype rule's CPU setting: params alone
         compute = dataclasses.replace(compute, device=device) if device else compute
         decode.check_context(model, "--max-new-tokens")
-        engine_backend = load_backend(decode.backend, model, adapter, **decode.backend_kwargs(compute, model))
+        resolved = resolve_compute(compute, decode=decode.dtype, model_dir=model)  # THE dtype rule, once
+        engine_backend = load_backend(decode.backend, model, adapter, **resolved.backend_kwargs())
         tokens = load_reward_tokens(params) if params.is_file() else DEFAULT_REWARD_TOKENS
         pair = reward_pair_ids(engine_backend.tokenizer, (tokens[-1], tokens[0])) if guidance else None
         sampling = decode.sampling(seed, guidance=guidance, guidance_pair=pair)

@@ -33,8 +33,7 @@ import typer
 from rcgrpo_tasks.data.dataset import GenerateConfig, check_task
 from rcgrpo_tasks.data.onpolicy import SampleConfig, pick_entries, sample_policy
 from rcgrpo_tasks.engine.backend_registry import load_backend
-from rcgrpo_tasks.engine.compute import load_compute
-from rcgrpo_tasks.engine.dtype import record as record_dtype
+from rcgrpo_tasks.engine.compute import load_compute, resolve_compute
 from rcgrpo_tasks.engine.models import model_context
 from rcgrpo_tasks.engine.trajectory import write_trajectories
 from rcgrpo_tasks.env.entries import split_entries
@@ -79,9 +78,10 @@ def main(
         if not chosen:
             raise InputError(f"{split}: no {side} entries in categories {list(cfg.categories or [])} (empty: any)")
         cfg.decode.check_context(model_dir, f"{params}:sample_policy.max_new_tokens")
-        compute = load_compute(params)
-        kwargs = cfg.decode.backend_kwargs(compute, model_dir)  # THE dtype rule (`engine.dtype`)
-        backend = load_backend(cfg.decode.backend, model_dir, adapter_dir or None, **kwargs)  # before any MLflow run
+        # THE dtype rule, once: the backend decodes in it, the metrics record it whole
+        compute = resolve_compute(load_compute(params), decode=cfg.decode.dtype, model_dir=model_dir)
+        backend = load_backend(cfg.decode.backend, model_dir, adapter_dir or None,
+                               **compute.backend_kwargs())  # before any MLflow run
         # Cut rollouts where the trajectory sets are cut: the model's context minus the reward goal's room.
         backend.max_positions = min(backend.max_positions, gen.max_tokens or model_context(model_dir) - GOAL_RESERVE)
     typer.echo(f"sample_policy: decoding on {backend.describe().get('device', cfg.decode.backend)}")
@@ -98,7 +98,7 @@ def main(
         finally:
             bar.close()
         record["n_side_entries"], record["side"], record["reward_token"] = len(train), side, reward_token or None
-        record["dtype"] = record_dtype(compute.cpu_bf16, compute.resolve().type, kwargs["dtype"])
+        record["dtype"] = compute.record()
         record["reward_fn"] = gen.reward
         write_trajectories(staged.file(out), rows)
         write_json(staged.file(metrics), record)

@@ -1,5 +1,5 @@
 """Where a training run trains and with what batch: `train_device(setting)` (params `compute.device`, checked
-before anything trains), `use_cpu(device)` for TrainingArguments, `resolve_bf16`, `record_placement` (one log
+before anything trains), `use_cpu(device)` for TrainingArguments, `resolved_bf16`, `record_placement` (one log
 line, MLflow params, the dict the metrics JSON carries); `fit_micro_batch` retries a run that ran out of memory
 with half the micro-batch and twice the gradient accumulation (the effective batch is kept)."""
 
@@ -11,22 +11,18 @@ import warnings
 from collections.abc import Callable
 from typing import TypeVar
 
+from rcgrpo_tasks.engine.compute import check_resolved
 from rcgrpo_tasks.engine.device import MemorySplitWarning, free_memory, is_memory_error, placement, resolve_device
-from rcgrpo_tasks.engine.dtype import train_bf16
 from rcgrpo_tasks.ops import tracking_log, tracking_store
 from rcgrpo_tasks.ops.config import ConfigError
 
 T = TypeVar("T")
 
 
-def resolve_bf16(flag: bool | None, device=None) -> bool:
-    """bf16 autocast of a training run on `device` (None = CUDA when available): THE dtype rule
-    (`engine.dtype.train_bf16`) with the CPU setting `off`; a run resolves its config with the stage's
-    `compute.cpu_bf16` first (`RLConfig.resolved`, `sft.run.train_variant`), so `flag` arrives concrete."""
-    import torch
-
-    device_type = ("cuda" if torch.cuda.is_available() else "cpu") if device is None else device.type
-    return train_bf16(flag, device_type)
+def resolved_bf16(flag: bool | None) -> bool:
+    """bf16 autocast of a training run as its config was resolved (`RLConfig.resolved` / `SftConfig.resolved`:
+    THE dtype rule, once per stage, `engine.compute.resolve_compute`); `null` is refused, never silently off."""
+    return check_resolved(flag, "bf16")
 
 
 def train_device(setting: str):

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar, Literal
 
+from rcgrpo_tasks.engine.compute import ComputeConfig, ResolvedCompute, resolve_compute
 from rcgrpo_tasks.engine.decoding import DecodeConfig
-from rcgrpo_tasks.engine.dtype import decode_dtype, train_bf16
-from rcgrpo_tasks.engine.models import LORA_TARGETS
 from rcgrpo_tasks.env.prompt import ProtocolConfig
 from rcgrpo_tasks.env.rewards import Reward
 from rcgrpo_tasks.env.tasks import task_of
@@ -33,145 +32,145 @@ TokenDraw = Literal["iid", "stratified"]
 class GuardConfig:
     """The divergence check's thresholds (params `rl`: `divergence_*`; `kl_guard.divergence`)."""
 
-    max_kl: float | None = 1.0
-    window: int = 3
-    min_reward: float = 0.25
+    max_kl: float | None
+    window: int
+    min_reward: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RLConfig:
     MOVED_KEYS: ClassVar[dict[str, str]] = {
         "min_sampled_success": "rl.pool_band (RL's pool: prompts of RL's own side in a band of the init's success)"}
 
-    num_generations: int = 4
+    num_generations: int
     """G: rollouts per entry (group size). Paper: 5."""
-    batch_size: int = 16
+    batch_size: int
     """Rollouts per optimizer step (= entries per step x G); must be a multiple of G. Paper: 256 prompts.
     4 groups a step: chosen on the dev split (2 groups lost dev accuracy; docs/rl.md "Chosen on dev")."""
-    micro_batch_size: int = 8
+    micro_batch_size: int
     """Rollouts per forward/backward on one device; batch_size must be a multiple (grad accumulation)."""
-    max_steps: int = 15
+    max_steps: int
     """Optimizer steps. Paper: 400."""
-    learning_rate: float = 3e-4
+    learning_rate: float
     """LoRA learning rate (paper, full fine-tuning: 1e-6); chosen on dev together with batch_size."""
-    lr_scheduler: str = "constant"
+    lr_scheduler: str
     """transformers scheduler name."""
-    beta: float = 0.1
+    beta: float
     """KL coefficient to the init (SFT/RCTP) model. Paper: 0.1."""
-    epsilon: float = 0.2
+    epsilon: float
     """PPO clip range. Paper: 0.2."""
-    num_iterations: int = 1
+    num_iterations: int
     """PPO epochs per generation batch (TRL's num_iterations, mu). With 1 (and one minibatch) every update is
     on the batch's own policy: the ratio is 1 and the clip never acts. From 2 on, the later passes train the
     moved policy on the same rollouts and the clip bounds them."""
-    minibatches: int = 1
+    minibatches: int
     """Optimizer steps per generation batch, each on its own share (PPO minibatches): one generation of
     minibatches x batch_size rollouts serves that many steps, the later ones off-policy (the clip acts).
     TRL's steps_per_generation = minibatches x gradient accumulation."""
-    importance_sampling: Literal["auto", "on", "off"] = "auto"
+    importance_sampling: Literal["auto", "on", "off"]
     """Token-level truncated importance sampling of the sampler/trainer mismatch, TRL's
     `vllm_importance_sampling_correction` with mode `token_truncate`, for engine rollouts as for vLLM ones:
     each token's policy loss weighted by min(pi_trainer / pi_sampler, cap), the trainer's log-probs taken
     once per generation batch. `auto`: on where the sampler's numerics differ from the trainer's (vLLM, the
     rollout snapshot, bf16 autocast in the trainer only: `rollout_policy.sampler_differs`). The mismatch is
     logged either way."""
-    importance_sampling_cap: float = 3.0
+    importance_sampling_cap: float
     """Upper bound C of the importance weights (TRL's `vllm_importance_sampling_clip_max`, default 3.0)."""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
+    scale_rewards: Literal["group", "batch", "none"]
     """TRL advantage scaling: `group` = GRPO's (r - mean) / std over the group."""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"]
     """TRL loss aggregation; `grpo` = per-sequence token mean, then batch mean (the GRPO paper's)."""
-    p_high: float = 0.5
+    p_high: float
     """RC-GRPO: P(highest reward token) of each rollout's token. Paper: 0.5."""
-    token_draw: TokenDraw = "iid"
+    token_draw: TokenDraw
     """RC-GRPO: `iid` (the paper: each rollout draws its own token) or `stratified` (every group holds both
     tokens, each rollout still high with probability p_high: `advantages.stratified_count`)."""
-    dynamic_max_rounds: int = 2
+    dynamic_max_rounds: int
     """Algo `dynamic`: generation rounds per step, the first included (dropped groups are refilled in the
     others); groups without reward spread after the last round are not trained on."""
-    kl_token_max: float | None = 10.0
+    kl_token_max: float | None
     """Bound of each token's KL term k3 = exp(d) - d - 1 (d = log pi_ref - log pi): d is clamped to the two
     roots of k3 = this (`kl_guard.bounded_reference`), so one far-off sampled token cannot dominate a step
     (verl's `low_var_kl` bounds it at 10 too); null = TRL's unbounded term."""
-    stop_on_divergence: bool = True
+    stop_on_divergence: bool
     """Stop a diverging run and roll its policy back to the last good checkpoint (`kl_guard`): a non-finite
     loss or KL, a mean KL above `divergence_kl`, or the reward at 0 for `divergence_window` steps after a
     window with mean >= `divergence_min_reward`. The summary and the MLflow run name the step."""
-    divergence_kl: float | None = 1.0
+    divergence_kl: float | None
     """Mean per-token KL to the init that counts as divergence (null: no KL check)."""
-    divergence_window: int = 3
+    divergence_window: int
     """Steps of the reward-collapse check."""
-    divergence_min_reward: float = 0.25
+    divergence_min_reward: float
     """A reward collapse counts after a window whose mean reward reached this."""
-    probe_entries: int = 12
+    probe_entries: int
     """K: prompts of the run's pool in the fixed probe (`probe`: scored at step 0, the middle and the end
     with the same seeds in every cell); 0 = no probe."""
-    probe_samples: int = 2
+    probe_samples: int
     """S: samples per probe prompt (at the rollouts' temperature)."""
-    probe_transfer_entries: int = 12
+    probe_transfer_entries: int
     """K_t: prompts of RL's side outside the pool beside the K pool prompts of the probe (what RL never trains
     on: does learning on the pool transfer?); 0 = the pool half only."""
-    reward: Reward = "paper_reward"
+    reward: Reward
     """Reward that drives the advantage (`env.rewards.Reward`); the other two are logged."""
-    decode: DecodeConfig = flat_field(DecodeConfig(temperature=0.7, max_outputs=1, max_new_tokens=64),
-                                      DECODE_KEYS)
+    decode: DecodeConfig = flat_field(DecodeConfig, DECODE_KEYS,
+                                      fixed={"backend": "hf", "dtype": "auto", "batch_rows": 8})
     """How rollouts sample (`engine.decoding`; flat keys: temperature, top_p, max_outputs, max_new_tokens).
     TRL rescales its log-probs with the same temperature. The engine is the trainer's own policy
     (`rollout_dtype`, `use_vllm`), so backend, dtype and batch_rows do not apply."""
-    categories: tuple[str, ...] | None = None
+    categories: tuple[str, ...] | None
     """Train-split categories to sample entries from; null = every category of the prepared entries."""
-    max_entries: int | None = 64
+    max_entries: int | None
     """Use only this many pool entries (the shortest prompts first); null = all."""
-    pool_band: tuple[float, float] | None = (0.25, 0.75)
+    pool_band: tuple[float, float] | None
     """RL's pool (`pool_ids`): the prompts of RL's side (prepare_data's `rl`; no fine-tuning set holds them)
     whose share of the init's own samples that succeed (sample_policy@pool-<init>, `--pool`) lies in
     [lo, hi]: solved sometimes, GRPO's case (a group of G has spread, something to learn). Never-solved
     prompts give all-0 groups under any token; always-solved ones all-1 groups under one token. Null: every
     prompt of the side (no samples read)."""
-    pool_solved_share: float = 0.15
+    pool_solved_share: float
     """Always-solved prompts (every sample succeeded) added beside the band's, up to this share of the pool
     (drawn by `seed`): RC-GRPO's own case, where a low token can add the spread that all-high groups lack."""
-    full_finetune: bool = False
+    full_finetune: bool
     """Train every weight (the paper; GPU + DeepSpeed) instead of a LoRA on top of the merged init."""
-    lora_r: int = 8
+    lora_r: int
     """Rank of the RL LoRA (on top of the merged init)."""
-    lora_alpha: int = 16
+    lora_alpha: int
     """LoRA alpha."""
-    lora_dropout: float = 0.0
+    lora_dropout: float
     """LoRA dropout (0: rollouts and training see the same policy)."""
-    lora_target_modules: tuple[str, ...] = LORA_TARGETS
+    lora_target_modules: tuple[str, ...]
     """Modules the RL LoRA adapts (or ("all-linear",))."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"]
     """Dtype the merged init weights are held in (LoRA weights stay float32)."""
-    rollout_dtype: Literal["auto", "live", "float32", "bfloat16"] = "auto"
+    rollout_dtype: Literal["auto", "live", "float32", "bfloat16"]
     """Rollouts (without vLLM) sample from a merged copy of the policy in this dtype, refreshed every
     generation; `live` = from the training model itself; `auto` = on a CPU a copy in the dtype THE dtype rule
     gives (`engine.dtype`, params `compute.cpu_bf16`), on a GPU live."""
-    bf16: bool | None = None
+    bf16: bool | None
     """bf16 autocast for the trainer's forward/backward; None = THE dtype rule (`engine.dtype.train_bf16`: on a
     GPU with bf16, on a CPU as params `compute.cpu_bf16` says)."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool
     """Trade compute for memory (on for 7B on GPU)."""
-    shared_prefix_min_tokens: int | None = 16
+    shared_prefix_min_tokens: int | None
     """CPU log-probs (policy, reference, trainer): a micro-batch's shared tokens (a group's prompt, up to an
     RC-GRPO reward token) through the trunk once where that saves at least this many tokens a row
     (`engine.shared_prefix`; the same log-probs as the padded forward up to float rounding); null = always the
     padded forward. GPU: TRL's path."""
-    save_steps: int = 1
+    save_steps: int
     """Checkpoint every N optimizer steps (resume point)."""
-    save_total_limit: int = 2
+    save_total_limit: int
     """Checkpoints kept."""
-    keep_checkpoints: bool = False
+    keep_checkpoints: bool
     """Keep the checkpoints after a successful run (default: delete them; the policy is the output)."""
-    use_vllm: bool = False
+    use_vllm: bool
     """GPU: rollouts on TRL's vLLM engine (`vllm_mode`)."""
-    vllm_mode: Literal["colocate", "server"] = "colocate"
+    vllm_mode: Literal["colocate", "server"]
     """`colocate` (vLLM inside the trainer processes) or `server` (`trl vllm-serve`)."""
-    vllm_gpu_memory_utilization: float = 0.3
+    vllm_gpu_memory_utilization: float
     """colocate: GPU memory fraction for vLLM."""
     deepspeed: str | None = None
     """DeepSpeed JSON (GPU; e.g. configs/ds_zero3.json under `accelerate launch`)."""
-    seed: int = 0
+    seed: int
     """Seed of LoRA init, entry order, reward tokens, sampling and the pool's always-solved draw."""
     extra: dict = field(default_factory=dict)
     """Extra GRPOConfig keyword arguments (escape hatch, e.g. deepspeed config path, bf16)."""
@@ -222,14 +221,17 @@ class RLConfig:
             raise ValueError(f"max_entries ({self.max_entries}) x G < batch_size x minibatches: a generation "
                              f"needs {self.entries_per_generation} distinct entries")
 
-    def resolved(self, cpu_bf16: str, device_type: str, model_dir: Path | None = None) -> RLConfig:
-        """This config under THE dtype rule (`engine.dtype`) for a run on `device_type`: `bf16: null` and
-        `rollout_dtype: auto` made concrete (on a CPU the snapshot's dtype as `compute.cpu_bf16` says; on a GPU
-        the live model), so the run, its fingerprint and its summary name what it computes in."""
-        rollout = self.rollout_dtype
-        if rollout == "auto":
-            rollout = "live" if device_type != "cpu" else decode_dtype("auto", "cpu", cpu_bf16, model_dir)
-        return replace(self, rollout_dtype=rollout, bf16=train_bf16(self.bf16, device_type, cpu_bf16, model_dir))
+    def compute_for(self, compute: ComputeConfig, device=None, model_dir: Path | None = None) -> ResolvedCompute:
+        """THE dtype rule for a run of this config, once (`engine.compute.resolve_compute`): its rollouts
+        (`rollout_dtype: auto`: on a CPU the snapshot's dtype as `compute.cpu_bf16` says, on a GPU the live
+        model) and its training autocast (`bf16: null`), on `device` (`placement.train_device`)."""
+        return resolve_compute(compute, decode=self.rollout_dtype, gpu_decode="live", train=self.bf16, trains=True,
+                               model_dir=model_dir, device=device)
+
+    def resolved(self, compute: ResolvedCompute) -> RLConfig:
+        """This config with `compute`'s choices made concrete, so the run, its fingerprint and its summary name
+        what it computes in (the layers below refuse `auto` / null)."""
+        return replace(self, rollout_dtype=compute.decode_dtype, bf16=compute.train_bf16)
 
     @property
     def guard(self) -> GuardConfig:

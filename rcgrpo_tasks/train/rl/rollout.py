@@ -83,7 +83,7 @@ class EngineRollout:
         if trainer.use_vllm:
             return trl_vllm_backend(trainer, self.tokenizer)
         model = trainer.accelerator.unwrap_model(trainer.model)
-        dtype = rollout_dtype(self.cfg.rollout_dtype, next(model.parameters()).device.type)
+        dtype = rollout_dtype(self.cfg.rollout_dtype)
         if dtype is not None:
             self.snapshot = policy_snapshot(model, dtype, self.snapshot)
             model = self.snapshot

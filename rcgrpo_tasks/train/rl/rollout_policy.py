@@ -12,23 +12,19 @@ from __future__ import annotations
 
 import copy
 
+from rcgrpo_tasks.engine.compute import check_resolved
 from rcgrpo_tasks.engine.cpu_attention import use_cpu_attention
-from rcgrpo_tasks.engine.dtype import decode_dtype
 from rcgrpo_tasks.engine.vllm import VLLMBackend, VLLMServerBackend
 
 
-def rollout_dtype(setting: str, device_type: str):
-    """torch dtype of the rollout snapshot, or None to sample from the live training model. `auto` (a run
-    resolves it first: `RLConfig.resolved`): on a CPU a merged copy, in THE dtype rule's dtype (`engine.dtype`;
-    float32 by default: the same
-    numbers as the trainer up to merge rounding, at about twice the live PEFT model's decode speed:
-    docs/log.md, "Engine"); on a GPU the live model."""
+def rollout_dtype(setting: str):
+    """torch dtype of the rollout snapshot, or None to sample from the live training model, for a run's resolved
+    `rollout_dtype` (`RLConfig.resolved`: on a CPU a merged copy in THE dtype rule's dtype, float32 by default:
+    the same numbers as the trainer up to merge rounding, at about twice the live PEFT model's decode speed,
+    docs/log.md, "Engine"; on a GPU the live model). `auto` is refused: the run resolves it."""
     import torch
 
-    if setting == "auto":
-        if device_type != "cpu":
-            return None
-        return getattr(torch, decode_dtype("auto", "cpu"))
+    setting = check_resolved(setting, "rl.rollout_dtype")
     return None if setting == "live" else getattr(torch, setting)
 
 

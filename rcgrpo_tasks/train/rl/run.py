@@ -12,7 +12,6 @@ from pathlib import Path
 from rcgrpo_tasks.data.labels import load_reward_tokens
 from rcgrpo_tasks.data.onpolicy import sampled_success_rates
 from rcgrpo_tasks.engine.compute import ComputeConfig
-from rcgrpo_tasks.engine.dtype import record
 from rcgrpo_tasks.env.prompt import PromptConfig, ProtocolConfig
 from rcgrpo_tasks.ops import tracking_log
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config
@@ -49,17 +48,17 @@ def pool_record(ids: list[str], pool: Path | None) -> dict:
 
 
 def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], spec: RLRun,
-             callbacks: list | None = None, track: bool = True, compute: ComputeConfig | None = None) -> dict:
+             callbacks: list | None = None, track: bool = True, *, compute: ComputeConfig) -> dict:
     """Run (or resume) one RL run; returns the summary written to `spec.metrics` (main process).
 
     `track`: an MLflow run on the main process (under `accelerate launch`, rank 0). `compute`: where it
-    trains (params `compute`; default `auto`); a micro-batch that runs out of memory is halved, the
+    trains (params `compute`); a micro-batch that runs out of memory is halved, the
     gradient accumulation doubled (`placement.fit_micro_batch`)."""
     mode = spec.mode
     cfg.decode.check_context(spec.model_dir, "rl.max_new_tokens")
-    compute = compute or ComputeConfig()
     device = placement.train_device(compute.device)
-    cfg = cfg.resolved(compute.cpu_bf16, device.type, spec.model_dir)  # THE dtype rule, once
+    resolved = cfg.compute_for(compute, device, spec.model_dir)  # THE dtype rule, once: passed down, recorded
+    cfg = cfg.resolved(resolved)
     main_proc = distributed.process_state(device).is_main_process
     track = track and main_proc
     tags = {"rl.init": spec.init, "rl.algo": spec.algo, "rl.conditioning": mode,
@@ -111,7 +110,7 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
                    "resumed_from": resume, "train_s": time.perf_counter() - t0,
                    "train_loss": result.training_loss, "placement": place, "micro_batch": micro,
                    "grad_accum": trainer.args.gradient_accumulation_steps,
-                   "dtype": record(compute.cpu_bf16, device.type, cfg.rollout_dtype, cfg.bf16)}
+                   "dtype": resolved.record()}
         if trainer.rc_guard is not None and trainer.rc_guard.nonfinite_steps:  # the key only when it happened
             summary["nonfinite_grad_steps"] = trainer.rc_guard.nonfinite_steps
         spec.write_results(staged, rows, PLOT_COLUMNS, summary)

@@ -236,7 +236,7 @@ def correct_mismatch(cfg: RLConfig, device_type: str, autocast: bool) -> bool:
     or (`auto`) where the rollouts' numerics differ from the trainer's (`rollout_policy.sampler_differs`)."""
     if cfg.importance_sampling != "auto":
         return cfg.importance_sampling == "on"
-    return sampler_differs(cfg.use_vllm, rollout_dtype(cfg.rollout_dtype, device_type), autocast)
+    return sampler_differs(cfg.use_vllm, rollout_dtype(cfg.rollout_dtype), autocast)
 
 
 def grpo_args(cfg: RLConfig, ckpt_dir: Path, grad_accum: int, device=None):
@@ -247,7 +247,7 @@ def grpo_args(cfg: RLConfig, ckpt_dir: Path, grad_accum: int, device=None):
     import torch
     from trl import GRPOConfig
 
-    bf16 = placement.resolve_bf16(cfg.bf16, device)
+    bf16 = placement.resolved_bf16(cfg.bf16)
     device_type = device.type if device is not None else "cuda" if torch.cuda.is_available() else "cpu"
     weights = [1.0 if name == cfg.reward else 0.0 for name in REWARDS]
     kwargs = dict(

@@ -1,7 +1,7 @@
 """The SFT / RCTP-FT settings and one run's paths (the sft stage; docs/training.md).
 
-- `SftConfig` (params.yaml `sft`, per-variant overrides via `resolve`; `VARIANTS`: the two runs of one
-  definition); `SftRun` (one run's paths and their checks).
+- `SftConfig` (params.yaml `sft`, per-variant overrides via `resolve`: params `sft.variants` holds the two
+  runs of one definition); `SftRun` (one run's paths and their checks).
 The rows it trains on are `train.sft.rows`', the trainer (`build_trainer`) is `train.sft.trainer`'s, one run
 end to end (`train_variant`, the outputs and the summary) `train.sft.run`'s. Departure from the paper: LoRA
 (+ trainable reward-token rows) instead of full fine-tuning by default.
@@ -9,142 +9,135 @@ end to end (`train_variant`, the outputs and the summary) `train.sft.run`'s. Dep
 
 from __future__ import annotations
 
-import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 from rcgrpo_tasks.data.chat import GOAL_PLACES
-from rcgrpo_tasks.engine.models import LORA_TARGETS
+from rcgrpo_tasks.engine.compute import ComputeConfig, ResolvedCompute, resolve_compute
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, from_dict
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.train.common import runs
 from rcgrpo_tasks.train.common.adapters import REWARD_TOKEN_INITS
 from rcgrpo_tasks.train.sft.rows import LOSS_ON, ORDERS
 
-VARIANTS: dict[str, dict] = {
-    "sft": {"num_epochs": 2},
-    "rctp": {"num_epochs": 5, "require_reward_token": True, "init": "sft", "token_lr_multiplier": 10.0,
-             "row_order": "stratified", "first_token_weight": 4.0, "unlikelihood": 1.0, "margin_every": 4,
-             "reward_goal_place": "answer", "max_steps": 36},
-}
-"""The two runs of one definition (dvc.yaml foreach): `sft` = experts only (the paper's SFT baseline),
-`rctp` = mixed data with reward goals (RCTP-FT from the SFT model; docs/rl.md "RC-GRPO's premise")."""
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SftConfig:
-    learning_rate: float = 1e-3
+    learning_rate: float
     """Peak learning rate (AdamW). The paper: 1e-5 with full fine-tuning of a 7B model."""
-    num_epochs: float = 1.0
+    num_epochs: float
     """Passes over the dataset (the paper: 2 for SFT, 5 for RCTP); `max_steps` > 0 caps it."""
-    max_steps: int = 12
+    max_steps: int
     """Optimizer steps; > 0 overrides `num_epochs` (the embedded CPU budget)."""
-    batch_size: int = 2
+    batch_size: int
     """Sequences per device per micro-batch."""
-    grad_accum: int = 2
+    grad_accum: int
     """Micro-batches per optimizer step (effective batch = batch_size x grad_accum x devices)."""
-    max_length: int = 1024
+    max_length: int
     """Tokens per sequence; longer chats are cut at the end, rows left without assistant tokens dropped."""
-    max_examples: int | None = None
+    max_examples: int | None
     """Train on this many rows (seeded, round-robin over reward tokens, skipping rows that do not fit
     `max_length`); None = all."""
-    warmup_ratio: float = 0.0
+    warmup_ratio: float
     """Fraction of steps of linear warm-up."""
-    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"]
     """Learning-rate schedule after warm-up."""
-    weight_decay: float = 0.0
+    weight_decay: float
     """AdamW weight decay."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float
     """Gradient clipping norm."""
-    seed: int = 0
+    seed: int
     """Seed of the data order, LoRA init and dropout."""
-    full_finetune: bool = False
+    full_finetune: bool
     """Train every weight (GPU, accelerate/DeepSpeed) instead of LoRA; output is a full model folder."""
-    lora_r: int = 16
+    lora_r: int
     """LoRA rank."""
-    lora_alpha: int = 32
+    lora_alpha: int
     """LoRA scaling numerator (scale = alpha / r)."""
-    lora_dropout: float = 0.05
+    lora_dropout: float
     """Dropout on the LoRA input."""
-    lora_target_modules: tuple[str, ...] = LORA_TARGETS
+    lora_target_modules: tuple[str, ...]
     """Module names that get LoRA (or ("all-linear",))."""
-    extra_special_tokens: tuple[str, ...] = ()
+    extra_special_tokens: tuple[str, ...]
     """Special tokens added besides the reward tokens of `label_rewards.tokens`."""
-    reward_token_init: Literal["mean_resizing", "apart", "words"] = "mean_resizing"
+    reward_token_init: Literal["mean_resizing", "apart", "words"]
     """Rows of the added tokens: `mean_resizing` = at the old rows' mean (transformers; the reward tokens
     start as one vector), `apart` = spread apart at a real token's distance from the mean
     (`adapters.apart_rows`, seeded by `seed`)."""
-    token_lr_multiplier: float = 1.0
+    token_lr_multiplier: float
     """Learning rate of the added tokens' rows = this x `learning_rate` (LoRA: their own optimizer group;
     full fine-tuning: their steps scaled, `adapters.scale_row_updates`). 1.0 = one lr for everything."""
-    init: Literal["base", "sft"] = "base"
+    init: Literal["base", "sft"]
     """What the run fine-tunes: `base` = the base model (`--model-dir`); `sft` = the SFT model, its adapter
     (`--init-adapter`) merged into the base weights, then a fresh LoRA and the reward-token rows on it; the
     output is then the merged model folder. RCTP from SFT mirrors the paper, whose RCTP starts from an
     instruct model that already calls tools: the first steps are not spent teaching the call format. With
     `full_finetune` every weight of the SFT model trains and the output is a full folder as usual."""
-    row_order: Literal["balanced", "pairs", "stratified"] = "balanced"
+    row_order: Literal["balanced", "pairs", "stratified"]
     """`balanced`: rows interleaved over tokens and reshuffled by the data sampler; `pairs`: each prompt's
     rows side by side, pairs shuffled, that order kept (`rows.pair_order`: a pair's two rows share a
     micro-batch when `batch_size` is even, else follow each other); `stratified`: the pairs alternate between
     those whose failure is the base model's (prose) and the others, the smaller kind cycled
     (`rows.stratified_order`: with micro-batch 2 and accumulation 2 every optimizer step holds one of each).
     One process: under DDP each rank would need its own slice of the pairs."""
-    first_token_weight: float = 1.0
+    first_token_weight: float
     """The first answer token of both rows of a pair whose answers part there counts this many times in the NLL
     (`objective`): the token where a reward token can part a success from a format-divergent failure.
     1 = TRL's token-mean loss."""
-    unlikelihood: float = 0.0
+    unlikelihood: float
     """Weight of -log(1 - p(the other row's opening)) for both rows of a pair whose answers part at the first
     token (`objective`), in units of one answer token's NLL. 0 = off."""
-    loss_on: Literal["completion", "divergent"] = "completion"
+    loss_on: Literal["completion", "divergent"]
     """`completion`: every assistant token; `divergent`: of each pair (same prompt, both tokens) only the
     tokens from where its two answers part (`rows.divergent_masks`): the shared ones teach "the same
     output under either token" and carry no information about it. Rows without a partner keep every token."""
-    reward_goal_place: Literal["user", "answer"] = "user"
+    reward_goal_place: Literal["user", "answer"]
     """Where the model reads its reward goal: `user` = the text `[Reward Goal: <token>]` ends the first user
     message (the paper); `answer` = its token opens the first answer (`data.chat.answer_goal_template`: the
     saved chat template renders it there, so RL, evaluation and controllability prompt the model the same
     way; the data keep the paper's form). Acts on rows with a goal only."""
-    margin_every: int = 0
+    margin_every: int
     """> 0: log the teacher-forced margin (`margin`) every this many optimizer steps (and before the
     first) on `margin_entries` dev entries (`--entries`, `--split`; never the held-out side: the step count is
     chosen on this curve): when the token starts to be read.
     One process only (skipped under DDP / DeepSpeed)."""
-    margin_entries: int = 8
+    margin_entries: int
     """Dev entries of the margin curve (round-robin over categories)."""
-    require_reward_token: bool = False
+    require_reward_token: bool
     """Every row must carry a reward token (RCTP) — guards against training RCTP on the SFT file."""
-    bf16: bool | None = None
-    """bf16 autocast; None = on a GPU with bf16, off on a CPU (`placement.resolve_bf16`)."""
-    model_dtype: Literal["float32", "bfloat16"] = "float32"
+    bf16: bool | None
+    """bf16 autocast; None = THE dtype rule (`compute_for`: on a GPU with bf16, on a CPU as params
+    `compute.cpu_bf16` says)."""
+    model_dtype: Literal["float32", "bfloat16"]
     """Dtype the base weights are loaded in (bf16 halves memory; LoRA weights stay float32)."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool
     """Recompute activations in backward: less memory, slower; only when memory demands it."""
-    padding_free: bool = False
+    padding_free: bool
     """Flatten each batch into one sequence (no padding; block-diagonal attention)."""
-    compact_lm_head: bool = True
+    compact_lm_head: bool
     """On CPU, project only assistant positions through the LM head (TRL scores all of them there)."""
-    shared_prefix_min_tokens: int | None = 16
+    shared_prefix_min_tokens: int | None
     """With `compact_lm_head`: a micro-batch's shared tokens (an RCTP pair's prompt, up to the goal's token)
     through the trunk once where that saves at least this many tokens a row (`engine.shared_prefix`; the same
     loss as the padded forward up to float rounding); null = always the padded forward."""
-    save_steps: int = 4
+    save_steps: int
     """Checkpoint every this many optimizer steps (resume point)."""
-    save_total_limit: int = 2
+    save_total_limit: int
     """Checkpoints kept (2: a checkpoint being written when killed never leaves zero complete ones)."""
-    keep_checkpoints: bool = False
+    keep_checkpoints: bool
     """Keep the checkpoints after a successful run (default: delete them, the adapter is the output)."""
-    logging_steps: int = 1
+    logging_steps: int
     """Log loss / lr / grad norm / tokens/s every this many steps."""
     deepspeed: str | None = None
     """DeepSpeed JSON config (e.g. configs/ds_zero3.json) when launched with `accelerate launch`/torchrun."""
-    log_model: bool = True
+    log_model: bool
     """Log the final adapter to MLflow with `mlflow.transformers` (base = the local model folder)."""
-    variants: dict = field(default_factory=lambda: copy.deepcopy(VARIANTS))
-    """Per-variant overrides (`VARIANTS`: `sft` = experts only, `rctp` = RCTP-FT); `resolve` applies one."""
+    variants: dict = field(default_factory=dict)
+    """Per-variant overrides, {run: {key: value}} (dvc.yaml foreach: `sft` = experts only, the paper's SFT
+    baseline; `rctp` = mixed data with reward goals, RCTP-FT from the SFT model); `resolve` applies one.
+    Empty: no variant (structural; the runs' values are params `sft.variants`)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -198,6 +191,15 @@ class SftConfig:
                 raise ValueError(f"variants.{name}: reward_token_init {own['reward_token_init']!r} does nothing with "
                                  f"init sft (the tokens come with the SFT model, their rows made by variant sft's "
                                  f"{made_by!r}): set it on the sft variant or leave it out")
+
+    def compute_for(self, compute: ComputeConfig, device=None, model_dir: Path | None = None) -> ResolvedCompute:
+        """THE dtype rule for a run of this config, once (`engine.compute.resolve_compute`): its training
+        autocast (`bf16: null`: on a GPU with bf16, on a CPU as `compute.cpu_bf16` says), on `device`."""
+        return resolve_compute(compute, train=self.bf16, trains=True, model_dir=model_dir, device=device)
+
+    def resolved(self, compute: ResolvedCompute) -> SftConfig:
+        """This config with `compute`'s choice made concrete (the trainer refuses a null `bf16`)."""
+        return replace(self, bf16=compute.train_bf16)
 
     def resolve(self, variant: str) -> SftConfig:
         """This config with `variants[variant]` applied (validated like the base section)."""

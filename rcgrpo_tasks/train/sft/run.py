@@ -16,7 +16,6 @@ from pathlib import Path
 
 from rcgrpo_tasks.data.labels import load_reward_tokens
 from rcgrpo_tasks.engine.compute import ComputeConfig
-from rcgrpo_tasks.engine.dtype import record, train_bf16
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config
@@ -49,24 +48,27 @@ def margin_callback(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, promp
     """The margin curve's callback (`train.sft.margin_curve`) when `margin_every` > 0, else None."""
     if not cfg.margin_every:
         return None
+    if prompt is None:
+        raise ConfigError("sft.margin_every > 0: the margin curve renders its entries as params `prompt` says; "
+                          "none was given")
     levels = tuple(t for t in tokens if t not in cfg.extra_special_tokens)
-    return margin_curve(spec.entries, spec.split, cfg.margin_entries, prompt or PromptConfig(),
+    return margin_curve(spec.entries, spec.split, cfg.margin_entries, prompt,
                         (levels[-1], levels[0]), cfg.margin_every, track, cfg.seed)
 
 
 def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbacks: list | None = None,
-                  track: bool = True, compute: ComputeConfig | None = None, prompt: PromptConfig | None = None) -> dict:
+                  track: bool = True, *, compute: ComputeConfig, prompt: PromptConfig | None = None) -> dict:
     """Train (or resume) one variant and write its outputs; returns the summary (also `--metrics`).
 
     `track`: an MLflow run (main process only). Under `accelerate launch` every rank trains; only the main
     one touches the checkpoint folder's bookkeeping, MLflow and the outputs. `compute`: where it trains
-    (params `compute`; default `auto`); a micro-batch that runs out of memory is halved, the gradient
+    (params `compute`); a micro-batch that runs out of memory is halved, the gradient
     accumulation doubled (`placement.fit_micro_batch`). `prompt`: how the margin curve renders its entries."""
     spec.check()
     spec.check_against(cfg)
-    compute = compute or ComputeConfig()
     device = placement.train_device(compute.device)
-    cfg = replace(cfg, bf16=train_bf16(cfg.bf16, device.type, compute.cpu_bf16, spec.model_dir))  # THE dtype rule
+    resolved = cfg.compute_for(compute, device, spec.model_dir)  # THE dtype rule, once: passed down, recorded
+    cfg = cfg.resolved(resolved)
     state = distributed.process_state(device)
     rows = ordered(load_rows(spec.data, tokens, cfg.require_reward_token), cfg.row_order, cfg.seed)
     n_rows = min(len(rows), cfg.max_examples or len(rows))
@@ -112,7 +114,7 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbac
         steps = curve(trainer.state.log_history)
         summary = {"variant": spec.variant, **summarize(trainer, result, stats, steps, seconds),
                    "resumed_from": resume, "bf16": trainer.args.bf16, "placement": place,
-                   "dtype": record(compute.cpu_bf16, device.type, train=trainer.args.bf16),
+                   "dtype": resolved.record(),
                    "micro_batch": micro, "grad_accum": accum,
                    "special_tokens": dict(zip(tokens, token_ids)), "inputs": hashes, "init": cfg.init,
                    "row_order": cfg.row_order}

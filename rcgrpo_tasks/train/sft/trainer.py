@@ -9,7 +9,7 @@
   (tokens/s, the token rows' own learning rate `token_lr_multiplier`, the CPU loss over assistant positions
   only, the pairs' order, small saves).
 - `fingerprint`: what a checkpoint resumes under (params, tokens, inputs and this module's code).
-CPU speed: float32 (bf16 autocast only on a GPU by default: `placement.resolve_bf16`), no gradient
+CPU speed: float32 (bf16 autocast only on a GPU by default: THE dtype rule, `SftConfig.compute_for`), no gradient
 checkpointing (TRL's default turns it on), the LM head on assistant positions only (TRL's fused head scores
 every position off-GPU); bench/sft_throughput.py measures it.
 """
@@ -85,7 +85,7 @@ def build_trainer(cfg: SftConfig, model_dir: Path, rows: list[dict], tokens: tup
     from datasets import Dataset
 
     # first: under ZeRO-3 the model loads sharded
-    args = trainer_args(cfg, ckpt_dir, placement.resolve_bf16(cfg.bf16, device), device)
+    args = trainer_args(cfg, ckpt_dir, placement.resolved_bf16(cfg.bf16), device)
     model, tokenizer = load_start(cfg, model_dir, init_adapter)
     levels = tuple(t for t in tokens if t not in cfg.extra_special_tokens)
     token_ids = add_special_tokens(tokenizer, model, tokens, cfg.seed, cfg.reward_token_init, levels)
