@@ -64,7 +64,7 @@ pipeline: venv
 
 # The study (configs/study.yaml; docs/rl.md "The study"): the pipeline on the study profile, its stages two side
 # by side on one CPU thread each (`rcgrpo run-plan --jobs 2`: on a 2-core host two 1-thread stages outrun one
-# 2-thread stage), each stage's wall time in $(STUDY)/timings.json; `dvc commit` records the outputs in dvc.lock;
+# 2-thread stage; the report and what it needs), each stage's wall time in $(STUDY)/timings.json; `dvc commit` records the outputs in dvc.lock;
 # the report, the per-seed RL, controllability and evaluation metrics are copied to $(STUDY). A stopped run
 # resumes where it stopped (`make study` again: finished stages are skipped, RL resumes from its checkpoint).
 STUDY ?= results/study
@@ -72,7 +72,7 @@ study: venv
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo params --profile study
 	mkdir -p $(STUDY)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo plan --out $(STUDY)/plan.json
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo run-plan --plan $(STUDY)/plan.json --jobs 2 --logs logs/study \
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo run-plan --plan $(STUDY)/plan.json --stage report --jobs 2 --logs logs/study \
 		--bundle $(STUDY)/bundle.tar.gz
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc commit -f -q
 	tar -xzf $(STUDY)/bundle.tar.gz -C $(STUDY) timings.json && rm $(STUDY)/bundle.tar.gz
