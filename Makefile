@@ -74,7 +74,7 @@ study: venv
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo plan --out $(STUDY)/plan.json
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo run-plan --plan $(STUDY)/plan.json --stage report --jobs 2 --logs logs/study \
 		--bundle $(STUDY)/bundle.tar.gz
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc commit -f -q
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc commit -f -q -d report
 	tar -xzf $(STUDY)/bundle.tar.gz -C $(STUDY) timings.json && rm $(STUDY)/bundle.tar.gz
 	cp params.yaml results/report/table.md results/report/report.json results/report/*.png $(STUDY)/
 	rm -rf $(STUDY)/rl $(STUDY)/controllability && cp -r results/rl $(STUDY)/rl && cp -r metrics/controllability $(STUDY)/controllability
