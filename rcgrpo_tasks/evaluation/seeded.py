@@ -102,13 +102,19 @@ def pooled_rows(seeds: list[Seed], labels: list[str], boot_seed: int = 0) -> lis
     return out
 
 
-def _pooled_diff(seeds: list[Seed], label: str, other: str, key: str, boot_seed: int) -> dict | None:
-    """label - other per entry (pts), paired within each seed, pooled by the two-level bootstrap."""
-    per = []
+def paired_entries(seeds: list[Seed], label: str, other: str, key: str) -> list[list[tuple[float, float]]]:
+    """Per seed, (label's, other's) per-entry `key` (correct | pass1) on the entries both evaluated, in entry-id
+    order: the pairs every comparison of two models over seeds is made of."""
+    out = []
     for s in seeds:
         mine, theirs = _entries(s.results[label], key), _entries(s.results[other], key)
-        common = sorted(set(mine) & set(theirs))
-        per.append([100 * (mine[i] - theirs[i]) for i in common])
+        out.append([(mine[i], theirs[i]) for i in sorted(set(mine) & set(theirs))])
+    return out
+
+
+def _pooled_diff(seeds: list[Seed], label: str, other: str, key: str, boot_seed: int) -> dict | None:
+    """label - other per entry (pts), paired within each seed, pooled by the two-level bootstrap."""
+    per = [[100 * (a - b) for a, b in pairs] for pairs in paired_entries(seeds, label, other, key)]
     if not per or any(math.isnan(v) for p in per for v in p):
         return None
     r = two_level_bootstrap(per, seed=boot_seed)
@@ -124,24 +130,18 @@ def endpoint(e: dict, seeds: list[Seed], alpha: float, power: float, boot_seed: 
                  for s in seeds]
         return ep.zero_variance(pairs, alpha, power)
     if m in ("pass1", "greedy"):
-        key = "pass1" if m == "pass1" else "correct"
-        per = []
-        for s in seeds:
-            mine, theirs = _entries(s.results[cell], key), _entries(s.results[e["versus"]], key)
-            common = sorted(set(mine) & set(theirs))
-            per.append([(mine[i], theirs[i]) for i in common])
+        per = paired_entries(seeds, cell, e["versus"], "pass1" if m == "pass1" else "correct")
         if m == "greedy":
             return ep.binary_difference(per, alpha, power)
         return ep.rate_difference([[a - b for a, b in p] for p in per], alpha, power, boot_seed)
     if m == "pool_learning":
-        return ep.sign_counts([{**s.rl[cell]["pool_learning"]} for s in seeds])
-    half = "change" if m == "probe" else "transfer"
+        return ep.sign_counts([s.rl[cell]["pool_learning"] for s in seeds])
     counts = []
     for s in seeds:
         probe = s.rl[cell].get("probe") or {}
-        part = probe.get("change") if half == "change" else (probe.get("transfer") or {}).get("change")
+        part = (probe if m == "probe" else probe.get("transfer") or {}).get("change")
         if part is None:
-            raise InputError(f"endpoint {ep.name(e)}: seed {s.seed}'s run has no {half} probe")
+            raise InputError(f"endpoint {ep.name(e)}: seed {s.seed}'s run has no {m} half in its probe")
         counts.append(part)
     return ep.sign_counts(counts)
 
