@@ -187,3 +187,25 @@ def test_cli_errors_are_clear(tmp_path, registry):
     assert res.exit_code == 0, res.output
     decision = json.loads((tmp_path / "d.json").read_text())
     assert decision["promoted"] is True and decision["settings"]["limit"] == 40 and decision["n_entries"] == 40
+
+
+def test_without_candidates_every_cell_of_every_grid_seed_competes(tmp_path, registry):
+    """The pipeline's call: no --candidate, so each RL cell of each grid seed (models/rl/<seed>/<cell>,
+    results/eval/<seed>/<cell>) is a candidate labelled `<cell>@<seed>`, and the best one is registered."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    params = tmp_path / "params.yaml"
+    write_params(params, {"promote": {"model_name": "grid-agent"},
+                          "grid": {"seeds": [0, 1], "rl": {"sft": [], "rctp": ["grpo", "rc_grpo"]}, "evaluate": {}}})
+    for seed, cell, valid in ((0, "rctp-grpo", HALF), (0, "rctp-rc_grpo", HALF), (1, "rctp-grpo", BETTER),
+                              (1, "rctp-rc_grpo", HALF)):
+        write_eval(tmp_path / "eval" / str(seed) / cell, valid)
+        shutil.copytree(registry, tmp_path / "rl" / str(seed) / cell)
+    res = CliRunner().invoke(pr_stage.app, ["--params", str(params), "--eval-dir", str(tmp_path / "eval"),
+                                            "--rl-root", str(tmp_path / "rl"), "--out", str(tmp_path / "d.json")])
+    assert res.exit_code == 0, res.output
+    decision = json.loads((tmp_path / "d.json").read_text())
+    assert decision["candidate"] == "rctp-grpo@1" and decision["promoted"]
+    assert set(decision["all_candidates"]) == {f"{c}@{s}" for s in (0, 1) for c in ("rctp-grpo", "rctp-rc_grpo")}

@@ -44,10 +44,12 @@ app = typer.Typer(add_completion=False)
 @app.command()
 def main(
     params: Path = typer.Option(Path("params.yaml"), help="Params file (section `promote`)."),
-    candidate: list[str] = typer.Option([], help="LABEL=MODEL_DIR of a candidate (repeat); none: every RL cell of "
-                                             "params `grid` (RL_ROOT/CELL)."),
-    rl_root: Path = typer.Option(Path("models/rl"), help="The RL cells' policies: RL_ROOT/CELL (without --candidate)."),
-    eval_dir: Path = typer.Option(Path("results/eval"), help="Evaluate outputs: EVAL_DIR/LABEL/results.jsonl."),
+    candidate: list[str] = typer.Option([], help="LABEL=MODEL_DIR of a candidate (repeat), evaluated in "
+                                             "EVAL_DIR/LABEL; none: every RL cell of every seed of params `grid`."),
+    rl_root: Path = typer.Option(Path("models/rl"), help="The RL cells' policies: RL_ROOT/SEED/CELL (without "
+                                                       "--candidate)."),
+    eval_dir: Path = typer.Option(Path("results/eval"), help="Evaluate outputs: EVAL_DIR/LABEL/results.jsonl; a grid "
+                                                           "cell's EVAL_DIR/SEED/CELL/results.jsonl."),
     champion_eval: Path | None = typer.Option(None, help="The champion's fresh evaluate output (same entries, "
                                                          "protocol and settings); default: its stored record."),
     out: Path = typer.Option(Path("metrics/promote.json"), help="Output: decision JSON."),
@@ -56,12 +58,14 @@ def main(
     """Register the best candidate and move the `champion` alias if it wins the paired gate."""
     try:
         cfg = load_config(PromoteConfig, params, "promote")
-        pairs = dict(c.split("=", 1) for c in candidate if "=" in c)
+        pairs = {label: (Path(d), eval_dir / label) for label, _, d in (c.partition("=") for c in candidate) if d}
         if len(pairs) != len(candidate):
             raise InputError(f"--candidate must be LABEL=DIR, got {candidate}")
-        if not pairs:
-            pairs = {cell: str(rl_root / cell) for cell in load_config(GridConfig, params, "grid").cells}
-        cands = {label: (Path(d), read_eval(eval_dir / label, label)) for label, d in pairs.items()}
+        if not pairs:  # every cell of every grid seed: `rctp-grpo@1` is models/rl/1/rctp-grpo, results/eval/1/...
+            grid = load_config(GridConfig, params, "grid")
+            pairs = {f"{cell}@{s}": (rl_root / str(s) / cell, eval_dir / str(s) / cell)
+                     for s in grid.seeds for cell in grid.cells}
+        cands = {label: (model, read_eval(ev, label)) for label, (model, ev) in pairs.items()}
         champ = read_eval(champion_eval, "champion") if champion_eval else None
         pick(cands)  # a missing model folder fails before any run
         with tracking.published_run("promote", cfg, outputs=(out,)) as (run, staged):
