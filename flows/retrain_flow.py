@@ -12,7 +12,8 @@ A round, in order (the `retrain` deployment runs it weekly; its schedule is inac
    samples from the champion, so a round is never a cached no-op;
 4. the stages of `flows/retrain.dvc.yaml` (`template`, copied to `retrain/dvc.yaml` in the worker's
    checkout, never committed, so a fresh clone's `dvc status` and the main `dvc repro` (which reads
-   ./dvc.yaml) never see them): train a candidate from the champion on fresh on-policy
+   ./dvc.yaml) never see them): the champion's own samples of RL's prompts choose the round's pool
+   (`rl.pool_band`, as the pipeline's pool_rctp stage), train a candidate from the champion on fresh on-policy
    rollouts (RC-GRPO), evaluate candidate AND champion on the same held-out entries under the same
    protocol and evaluation settings, `rcgrpo promote --champion-eval`: the alias moves only when the paired
    bootstrap CI of the difference clears `promote.min_improvement` (rcgrpo_tasks/stages/promote.py);
