@@ -66,14 +66,15 @@ pipeline: venv
 # by side on one CPU thread each (`rcgrpo run-plan --jobs 2`: on a 2-core host two 1-thread stages outrun one
 # 2-thread stage; the report and what it needs), each stage's wall time in $(STUDY)/timings.json; `dvc commit` records the outputs in dvc.lock;
 # the report, the per-seed RL, controllability and evaluation metrics are copied to $(STUDY). A stopped run
-# resumes where it stopped (`make study` again: finished stages are skipped, RL resumes from its checkpoint).
+# resumes where it stopped (`make study` again: `--dvc-commit` recorded each finished stage in dvc.lock, so the
+# new plan skips it; RL resumes from its checkpoint; timings.json then holds the resumed part only).
 STUDY ?= results/study
 study: venv
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo params --profile study
 	mkdir -p $(STUDY)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo plan --out $(STUDY)/plan.json
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo run-plan --plan $(STUDY)/plan.json --stage report --jobs 2 --logs logs/study \
-		--bundle $(STUDY)/bundle.tar.gz
+		--bundle $(STUDY)/bundle.tar.gz --dvc-commit
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc commit -f -q -d report
 	tar -xzf $(STUDY)/bundle.tar.gz -C $(STUDY) timings.json && rm $(STUDY)/bundle.tar.gz
 	cp params.yaml results/report/table.md results/report/report.json results/report/*.png $(STUDY)/

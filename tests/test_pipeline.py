@@ -75,6 +75,27 @@ def test_plan_is_dvcs_expanded_order_with_up_to_date_stages_marked(dvc_repo, tmp
         assert tar.getnames() == ["a.txt"]
 
 
+def test_dvc_commit_records_each_finished_stage_so_a_plan_after_a_cut_runs_only_the_rest(dvc_repo, tmp_path):
+    """`run-plan --dvc-commit` as `make study` runs it: a run that ended after each@x (here: only each@x was
+    asked for) leaves each@x in dvc.lock, and the plan made next marks it done and each@y still to run."""
+    plan = tmp_path / "plan.json"
+    assert CliRunner().invoke(plan_cli.app, ["--out", str(plan), "--repo", str(dvc_repo)]).exit_code == 0
+    res = CliRunner().invoke(run_cli.app, ["--plan", str(plan), "--root", str(dvc_repo), "--stage", "each@x",
+                                           "--logs", str(tmp_path / "logs"), "--dvc-commit"])
+    assert res.exit_code == 0, res.output
+    assert {s.name: s.done for s in pipeline.dvc_stages(dvc_repo)} == {"make": True, "each@x": True, "each@y": False}
+
+
+def test_a_failing_on_done_stops_the_run_as_a_failing_stage_would(tmp_path):
+    def refuse(stage):
+        raise RuntimeError(f"cannot record {stage.name}")
+
+    lines = []
+    rec = plan_runner.run_plan(_chain(False, False), tmp_path, tmp_path / "logs", echo=lines.append, on_done=refuse)
+    assert _status(rec) == {"a": "failed", "b": "not_run"}
+    assert "[run-plan] a: finished, but on_done failed: cannot record a" in lines
+
+
 def _stage(name, cmds, outs=(), upstream=(), done=False, records=()):
     return pipeline.PlannedStage(name, tuple(cmds), tuple(upstream), tuple(outs), tuple(records), done)
 

@@ -209,7 +209,8 @@ def _drop_blocked(pending: list, record: RunRecord, names: set[str]) -> None:
 
 def run_plan(stages: list[PlannedStage], root: str | Path, logs: str | Path, bundle: str | Path | None = None,
              extra: list[Path] | None = None, env: dict[str, str] | None = None,
-             echo: Callable[[str], None] | None = None, jobs: int = 1, keep_going: bool = False) -> RunRecord:
+             echo: Callable[[str], None] | None = None, jobs: int = 1, keep_going: bool = False,
+             on_done: Callable[[PlannedStage], None] | None = None) -> RunRecord:
     """Run `stages` (a plan, in order) in `root` by the rule of the module docstring, at most `jobs` at a
     time: a stage starts once every stage it depends on has finished (`jobs=1`: in plan order; side by side
     those with the most stages depending on them first, `descendants`); after the first failure nothing new
@@ -218,7 +219,9 @@ def run_plan(stages: list[PlannedStage], root: str | Path, logs: str | Path, bun
     not depend on each other). Side by side, stages share the host (on a GPU host: one device; the stages
     here place small models and size nothing by free memory). The bundle, if asked for, is rewritten after
     every stage and once more at the end, also after a failure or a stop (SIGTERM/SIGHUP: the running
-    stages' groups are stopped, recorded as `stopped`, then `stops.Terminated` propagates)."""
+    stages' groups are stopped, recorded as `stopped`, then `stops.Terminated` propagates). `on_done(stage)`
+    is called, one stage at a time, after each stage that ran and exited 0 (`rcgrpo run-plan --dvc-commit`
+    records it in dvc.lock there, so that a plan made after a cut finds it up to date)."""
     if jobs < 1:
         raise InputError(f"jobs must be >= 1, got {jobs}")
     root, logs = Path(root), Path(logs)
@@ -264,6 +267,12 @@ def run_plan(stages: list[PlannedStage], root: str | Path, logs: str | Path, bun
             if rc is None:
                 continue
             del running[name]
+            if rc == 0 and on_done is not None:
+                try:
+                    on_done(job.stage)
+                except Exception as err:  # a run that cannot record its progress stops as after a failure
+                    echo(f"[run-plan] {name}: finished, but on_done failed: {err}")
+                    rc = 1
             failed |= rc != 0
             started = record.stages[name]
             record.stages[name] = StageRun("failed" if rc else "ran", started.reason, round(job.wall_s, 1), rc,

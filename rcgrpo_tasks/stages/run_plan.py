@@ -5,11 +5,16 @@ depends on is done), by the rule of `ops.pipeline` (a stage DVC found stale
 runs; an up-to-date one runs only if an output is missing here), stops at the first failing stage, and
 rewrites `--bundle` after every stage: per-stage wall times (`timings.json`) and logs, the plan, params.yaml,
 every metric, plot and table, and the small per-entry outputs, in one file small enough to copy back.
-`--dry-run` prints what would run and why. Exit 0, or 2 naming the failing stage and its log.
+`--dry-run` prints what would run and why. `--dvc-commit` (where DVC is installed) records each stage that
+finished in dvc.lock as it finishes (`dvc commit -f <stage>`), so that a plan made after a cut finds the
+finished stages up to date and runs only the rest (`make study` run again). Exit 0, or 2 naming the failing
+stage and its log.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import typer
@@ -32,6 +37,8 @@ def main(
                                             "1 = the plan's order. A GPU host's one device holds several "
                                             "of the embedded model's stages at once."),
     dry_run: bool = typer.Option(False, help="Print what would run and why; run nothing."),
+    dvc_commit: bool = typer.Option(False, help="Record each finished stage in dvc.lock as it finishes "
+                                                "(`dvc commit -f`; needs DVC), so a re-plan after a cut skips it."),
 ) -> None:
     """Run the plan's stages that must run here; bundle the results."""
     with cli_errors():
@@ -43,7 +50,9 @@ def main(
     if dry_run:
         typer.echo("\n".join(pipeline.describe(planned, root)))
         return
-    record = plan_runner.run_plan(planned, root, logs, bundle, extra=[plan, root / "params.yaml"], jobs=jobs)
+    on_done = (lambda stage: commit_stage(stage.name, root)) if dvc_commit else None
+    record = plan_runner.run_plan(planned, root, logs, bundle, extra=[plan, root / "params.yaml"], jobs=jobs,
+                                  on_done=on_done)
     typer.echo(plan_runner.timing_table(record))
     if bundle is not None:
         typer.echo(f"[run-plan] bundle: {bundle} ({bundle.stat().st_size / 2**20:.1f} MB)")
@@ -51,6 +60,16 @@ def main(
     if failed:
         name, run = failed[0]
         fail(f"run-plan: stage {name} failed (exit {run.rc}); its log: {run.log}")
+
+
+def commit_stage(name: str, root: Path) -> None:
+    """`dvc commit -f -q <name>` in `root`: the stage's deps and outs as they are now, into dvc.lock. Called
+    one stage at a time (dvc.lock has one writer); a failure is a hard error (a run that cannot record its
+    progress would silently lose it at the next cut)."""
+    done = subprocess.run([sys.executable, "-m", "dvc", "commit", "-f", "-q", name], cwd=root, capture_output=True,
+                          text=True)
+    if done.returncode:
+        raise RuntimeError(f"dvc commit {name} failed (exit {done.returncode}): {done.stderr.strip()[-500:]}")
 
 
 if __name__ == "__main__":
