@@ -114,6 +114,10 @@ def test_the_report_leads_with_the_premise_and_the_declared_endpoints(tmp_path):
     assert "## Seed 0" in md and "## Seed 1" in md and "| 1 | RCTP+RC-GRPO | 17, 0.500 | 7 / 1 of 10" in md
     assert set(data["seeds"]) == {"0", "1"} and "rctp-rc_grpo" in data["seeds"]["1"]["rows"]
     assert all((root / f).stat().st_size > 1000 for f in ("a.png", "p.png", "m.png"))
+    beside = md[md.index("## The paper beside"):]  # pooled greedy: 12 / 20 and 10 / 20 correct in each seed
+    assert "| RCTP+RC-GRPO | 85.00 | 60.0 |" in beside and "| RCTP+GRPO | 73.75 | 50.0 |" in beside
+    assert "| Base | 11.25 | not run |" in beside
+    assert "the paper +11.25 points; this run pass1 +10.0 [" in beside and "; greedy +10.0 [" in beside
 
 
 def test_a_run_whose_seeds_all_pass_the_gate_says_so_and_its_run_is_tracked(tmp_path, store):

@@ -77,6 +77,7 @@ def grid_report(params: Path, eval_root: Path, rl_root: Path, ctl_root: Path | N
     results = endpoint_results(declared, seeds, seed)
     gates, pooled = premise(seeds), pooled_rows(seeds, grid.seeded_labels, seed)
     md = seeded_markdown(gates, results, pooled, seeds, declared.alpha, declared.power, checks)
+    md += paper_beside(seeds[0].rows, pooled, results)
     data = {"premise": gates, "endpoints": results, "pooled": pooled,
             "seeds": {str(s.seed): {"rows": {r["label"]: r for r in s.rows}, "rc_grpo_vs_grpo": s.contrast}
                       for s in seeds},
@@ -84,6 +85,31 @@ def grid_report(params: Path, eval_root: Path, rl_root: Path, ctl_root: Path | N
     rows = [{**r, "label": r["label"] if r.get("seed") is None else f"{r['label']}@{r['seed']}"}
             for i, s in enumerate(seeds) for r in s.rows if i == 0 or r.get("seed") is not None]
     return md, data, rows, steps
+
+
+def paper_beside(rows: list[dict], pooled: list[dict], endpoints: list[dict]) -> str:
+    """The paper's Table 1 (`env.paper.PAPER_TABLE1_OVERALL`: Qwen2.5-7B-Instruct, BFCL v4 multi-turn, 80
+    held-out entries, one run, no interval) beside this run's greedy accuracy (its reading) for the rows the
+    paper reports, and its RCTP+RC-GRPO - RCTP+GRPO beside this run's endpoints of that contrast. A reference
+    for the shape of the result: the task, model and budgets differ (the header says which task ran)."""
+    greedy = {r["label"]: r["overall"]["accuracy"] * 100 for r in rows if r.get("seed") is None}
+    greedy.update({r["label"]: r["correct"]["mean"] for r in pooled})
+    task = " / ".join(sorted({r["task"] for r in rows}))
+    lines = ["", "## The paper beside", "",
+             f"arXiv 2602.03025 Table 1 (Qwen2.5-7B-Instruct, BFCL v4 multi-turn, 80 held-out entries, one run, "
+             f"no interval) beside this run's greedy accuracy (BFCL v4 {task}; seeded models pooled over seeds): "
+             "a reference for the shape, not a target.", "",
+             "| model | paper Table 1 % | this run, greedy % |", "|---|---|---|"]
+    for label, paper in PAPER_TABLE1_OVERALL.items():
+        ours = f"{greedy[label]:.1f}" if label in greedy else "not run"
+        lines.append(f"| {row_name(label)} | {paper:.2f} | {ours} |")
+    contrast = PAPER_TABLE1_OVERALL["rctp-rc_grpo"] - PAPER_TABLE1_OVERALL["rctp-grpo"]
+    ours = [f"{e['spec']['measure']} {e['diff'] * 100:+.1f} [{e['ci'][0] * 100:+.1f}, {e['ci'][1] * 100:+.1f}]"
+            for e in endpoints if e["spec"]["measure"] in ("greedy", "pass1")
+            and (e["spec"]["cell"], e["spec"]["versus"]) == ("rctp-rc_grpo", "rctp-grpo")]
+    lines += ["", f"RCTP+RC-GRPO - RCTP+GRPO: the paper {contrast:+.2f} points; this run "
+                  f"{'; '.join(ours) or 'did not compare them'} (endpoints above).", ""]
+    return "\n".join(lines)
 
 
 def explicit_report(eval_: list[str], rl: list[str], agree: list[str], seed: int
