@@ -168,7 +168,8 @@ def test_registry_alias_moves_only_for_a_better_model(lab, first_run):
     (model / "adapter_config.json").write_text(json.dumps({"r": 4}))
     (model / "adapter_model.safetensors").write_bytes(os.urandom(256))
     params = root / "promote_params.yaml"
-    params.write_text("promote:\n  model_name: rcgrpo-agent-it\n")
+    promote = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["promote"]  # every tuned value, as shipped
+    params.write_text(yaml.safe_dump({"promote": {**promote, "model_name": "rcgrpo-agent-it"}}))
     decisions = []
     for acc in (40.0, 35.0):  # per-entry results (the paired gate): 16 then 14 of 40 entries solved
         evals = root / f"eval_{acc}" / "rctp-rc_grpo"
