@@ -64,7 +64,7 @@ pipeline: venv
 
 # The study (configs/study.yaml; docs/rl.md "The study"): the pipeline on the study profile, its stages two side
 # by side on one CPU thread each (`rcgrpo run-plan --jobs 2`: on a 2-core host two 1-thread stages outrun one
-# 2-thread stage; the report and what it needs), each stage's wall time in $(STUDY)/timings.json; `dvc commit` records the outputs in dvc.lock;
+# 2-thread stage; the report and what it needs), each stage's wall time in $(STUDY)/timings.json; `--dvc-commit` records each stage's outputs in dvc.lock as it ends;
 # the report, the per-seed RL, controllability and evaluation metrics are copied to $(STUDY). A stopped run
 # resumes where it stopped (`make study` again: `--dvc-commit` recorded each finished stage in dvc.lock, so the
 # new plan skips it; RL resumes from its checkpoint; timings.json then holds the resumed part only).
@@ -75,7 +75,6 @@ study: venv
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo plan --out $(STUDY)/plan.json
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo run-plan --plan $(STUDY)/plan.json --stage report --jobs 2 --logs logs/study \
 		--bundle $(STUDY)/bundle.tar.gz --dvc-commit
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc commit -f -q -d report
 	tar -xzf $(STUDY)/bundle.tar.gz -C $(STUDY) timings.json && rm $(STUDY)/bundle.tar.gz
 	cp params.yaml results/report/table.md results/report/report.json results/report/*.png $(STUDY)/
 	rm -rf $(STUDY)/rl $(STUDY)/controllability && cp -r results/rl $(STUDY)/rl && cp -r metrics/controllability $(STUDY)/controllability
