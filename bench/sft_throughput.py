@@ -26,13 +26,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rcgrpo.tokens import add_reward_tokens, expose_head_bias  # noqa: E402
 from rcgrpo_tasks.engine.compute import load_compute  # noqa: E402
 from rcgrpo_tasks.engine.rollout import replay_calls  # noqa: E402
 from rcgrpo_tasks.env.multi_turn import entries as multi_turn  # noqa: E402
 from rcgrpo_tasks.env.prompt import ProtocolConfig  # noqa: E402
 from rcgrpo_tasks.ops.config import as_dict, from_dict  # noqa: E402
 from rcgrpo_tasks.ops.inputs import read_jsonl  # noqa: E402
-from rcgrpo_tasks.train.common import adapters  # noqa: E402
 from rcgrpo_tasks.train.sft import config as sft_config  # noqa: E402
 from rcgrpo_tasks.train.sft import rows as sft_rows  # noqa: E402
 from rcgrpo_tasks.train.sft import run as sft_run  # noqa: E402
@@ -88,14 +88,14 @@ def make_trainer(kind: str, cfg, args, rows: list[dict], tokens: tuple[str, ...]
     else:
         tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
         model = AutoModelForCausalLM.from_pretrained(args.model_dir)
-        ids = adapters.add_special_tokens(tokenizer, model, tokens)
+        ids = add_reward_tokens(model, tokenizer, tokens)
         data, stats = sft_rows.tokenize_rows(rows, tokenizer, cfg.max_length)
         conf = SFTConfig(output_dir=str(out), per_device_train_batch_size=cfg.batch_size, max_steps=cfg.max_steps,
                          learning_rate=cfg.learning_rate, max_length=cfg.max_length, seed=cfg.seed,
                          report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
         trainer = SFTTrainer(model=model, args=conf, train_dataset=Dataset.from_list(data), processing_class=tokenizer,
                              peft_config=sft_trainer.lora_config(cfg, model, ids), callbacks=[timer])
-        adapters.expose_head_bias(trainer.model)
+        expose_head_bias(trainer.model)
     timer.trainer = trainer
     return trainer, timer, stats
 

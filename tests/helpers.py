@@ -263,8 +263,8 @@ def assert_same_adam_step(a, b, grads_a: dict, grads_b: dict, near_zero: float =
 
 
 def pack_spy(monkeypatch) -> list[int]:
-    """Rows of every batch `engine.shared_prefix` packs (the shared layout was taken), appended in order."""
-    from rcgrpo_tasks.engine import shared_prefix
+    """Rows of every batch `rcgrpo.shared_prefix` packs (the shared layout was taken), appended in order."""
+    from rcgrpo import shared_prefix
 
     packed: list[int] = []
     real = shared_prefix.pack

@@ -12,7 +12,10 @@ import pytest
 import yaml
 
 PKG = Path(__file__).resolve().parents[1] / "rcgrpo_tasks"
+LIB = PKG.parent / "rcgrpo"
+"""The public library (`import rcgrpo`): one folder dep of every stage that imports any of it."""
 MODULES = sorted(PKG.rglob("*.py"))
+LIB_MODULES = sorted(LIB.rglob("*.py"))
 MAX_LINES = 400
 
 
@@ -44,7 +47,7 @@ def test_no_import_cycles_counting_in_function_imports():
     assert not cycles, f"import cycles: {cycles[:5]}"
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PKG)))
+@pytest.mark.parametrize("path", MODULES + LIB_MODULES, ids=lambda p: str(p.relative_to(PKG.parent)))
 def test_module_shape(path: Path):
     text = path.read_text()
     assert len(text.splitlines()) <= MAX_LINES, f"{path.name}: over {MAX_LINES} lines"
@@ -96,6 +99,10 @@ def test_the_reward_tokens_have_one_loader():
                 checkers.append(_name(path))
     assert readers == ["rcgrpo_tasks.data.labels"], f"reward_tokens(...) called outside the loader: {readers}"
     assert checkers == ["rcgrpo_tasks.env.prompt"], f"functions named check_reward_tokens: {checkers}"
+    # ... which is the library's one check of a level list (`rcgrpo.goal.check_levels`)
+    tree = ast.parse((PKG / "env" / "prompt.py").read_text())
+    body = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "check_reward_tokens")
+    assert any(isinstance(n, ast.Call) and getattr(n.func, "id", "") == "check_levels" for n in ast.walk(body))
 
 
 def _library_folder(module: str) -> str | None:
@@ -118,15 +125,21 @@ def test_dvc_stages_list_every_library_folder_they_import():
     """A stage's deps in dvc.yaml name every library folder its module imports, directly or through other
     modules (in-function imports included), and no other: a change there reruns exactly the stages that
     can see it (a training stage lists its wing and `train/common`, never the other wing)."""
-    graph = grimp.build_graph("rcgrpo_tasks")
+    graph = grimp.build_graph("rcgrpo_tasks", "rcgrpo", exclude_type_checking_imports=True)
     stages = yaml.safe_load((PKG.parent / "dvc.yaml").read_text())["stages"]
     wrong = {}
     for stage, spec in stages.items():
         deps = spec.get("do", spec)["deps"]
         module = next(d for d in deps if d.startswith("rcgrpo_tasks/stages/"))
         imported = graph.find_upstream_modules(_name(PKG.parent / module))
-        need = {_library_folder(m) for m in imported if m.count(".") >= 1 and m.split(".")[1] != "stages"} - {None}
-        listed = {d.rstrip("/") for d in deps if d.startswith("rcgrpo_tasks/") and not d.endswith(".py")}
+        need = {_library_folder(m) for m in imported if m.startswith("rcgrpo_tasks.") and m.count(".") >= 1
+                and m.split(".")[1] != "stages"} - {None}
+        # the library's modules, file by file: a change to its trainer reruns the RL stages, not the evaluations
+        lib = {"rcgrpo/" + "/".join([*m.split(".")[1:]] or ["__init__"]) + ".py"
+               for m in imported if m == "rcgrpo" or m.startswith("rcgrpo.")}
+        need |= lib | ({"rcgrpo/__init__.py"} if lib else set())  # a submodule's import runs the package's init
+        listed = {d.rstrip("/") for d in deps if (d.startswith("rcgrpo_tasks/") and not d.endswith(".py"))
+                  or d.startswith("rcgrpo/")}
         if need != listed:
             wrong[stage] = {"missing": sorted(need - listed), "not imported": sorted(listed - need)}
     assert not wrong, f"dvc.yaml code deps differ from the stage modules' imports: {wrong}"

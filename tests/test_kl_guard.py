@@ -7,8 +7,9 @@ import math
 
 import pytest
 
+from rcgrpo.kl import bounded_reference, kl_bounds
 from rcgrpo_tasks.train.rl.config import GuardConfig
-from rcgrpo_tasks.train.rl.kl_guard import bounded_reference, divergence, kl_bounds, restore_step
+from rcgrpo_tasks.train.rl.kl_guard import divergence, restore_step
 
 
 def k3(d: float) -> float:

@@ -39,12 +39,12 @@ def equal_rows_dir(tiny_model_dir, tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rcgrpo_tasks.train.common.adapters import add_special_tokens
+    from rcgrpo.tokens import add_reward_tokens
 
     out = tmp_path_factory.mktemp("equal_rows")
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    low, high = add_special_tokens(tok, model, LEVELS)
+    low, high = add_reward_tokens(model, tok, LEVELS)
     with torch.no_grad():
         model.get_input_embeddings().weight[high] = model.get_input_embeddings().weight[low]
     model.save_pretrained(out)
@@ -93,7 +93,7 @@ def test_shared_prompt_forward_equals_one_forward_per_sequence(equal_rows_dir, s
 def test_margin_chunks_keep_entries_whole_within_their_tree_budget():
     """An entry's sequences share one forward (its prompt once); entries fill a chunk up to the budget of tree
     tokens; an entry over the budget is a chunk alone; the order is the items' order."""
-    from rcgrpo_tasks.engine.shared_prefix import trunk_tokens
+    from rcgrpo.shared_prefix import trunk_tokens
 
     prompt = list(range(100, 160))  # 60 shared tokens per entry, 4 answers of 10 tokens each
 

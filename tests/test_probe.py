@@ -11,8 +11,8 @@ from test_rl import PROTOCOL, TEST_RL, _spec, scripted_rewards  # noqa: F401  (f
 from rcgrpo_tasks.ops.inputs import read_jsonl
 from rcgrpo_tasks.train.rl import config as rl_config
 from rcgrpo_tasks.train.rl import run as rl_run
+from rcgrpo_tasks.train.rl.grpo import ROLLOUTS_FILE
 from rcgrpo_tasks.train.rl.probe import probe_ids, probe_summary
-from rcgrpo_tasks.train.rl.trainer_mixin import ROLLOUTS_FILE
 
 
 def test_probe_ids_do_not_depend_on_the_pool_order():

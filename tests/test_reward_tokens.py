@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import HIGH, LEVELS, LOW, TINY_SFT, chat, config_from_params, resolved, tiny_sft_config
 
+from rcgrpo import tokens as reward_tokens
 from rcgrpo_tasks.ops.outputs import write_jsonl
 from rcgrpo_tasks.train.common import adapters
 from rcgrpo_tasks.train.sft import config as sft_config
@@ -22,7 +23,7 @@ def _with_tokens(model_dir: Path, init: str, seed: int = 0, untied: bool = False
     tok = AutoTokenizer.from_pretrained(model_dir)
     kwargs = {"tie_word_embeddings": False} if untied else {}
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
-    ids = adapters.add_special_tokens(tok, model, LEVELS, seed, init, levels=LEVELS)
+    ids = reward_tokens.add_reward_tokens(model, tok, LEVELS, init=init, seed=seed, levels=LEVELS)
     return model, tok, ids
 
 
@@ -59,11 +60,11 @@ def test_words_init_starts_each_token_at_the_word_it_names(tiny_model_dir):
     " high"; the rows differ from each other and from the mean init."""
     import torch
 
-    assert adapters.token_word("<|high_reward|>") == "high" and adapters.token_word("<|mid_reward|>") == "mid"
+    assert reward_tokens.token_word("<|high_reward|>") == "high" and reward_tokens.token_word("<|mid_reward|>") == "mid"
     model, tok, ids = _with_tokens(tiny_model_dir, "words")
     emb = model.get_input_embeddings().weight.detach()
     for token, row in zip(LEVELS, ids):
-        pieces = tok(" " + adapters.token_word(token), add_special_tokens=False)["input_ids"]
+        pieces = tok(" " + reward_tokens.token_word(token), add_special_tokens=False)["input_ids"]
         torch.testing.assert_close(emb[row], emb[pieces].mean(0), rtol=0, atol=1e-6)
     assert not torch.allclose(emb[ids[0]], emb[ids[1]])
 

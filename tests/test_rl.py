@@ -109,7 +109,7 @@ def test_two_rl_steps_per_mode(rl_env, scripted_rewards, monkeypatch, init, algo
     # TRL's advantages are exactly the whole-group advantages of the rewards (RC-GRPO's, in `rc`).
     last = scripted_rewards[-1]
     expected = adv.group_advantages([t.score["paper_reward"] for t in last], cfg.num_generations)
-    assert box["trainer"].last_advantages == pytest.approx(expected, abs=1e-4)
+    assert list(box["trainer"].last_generation.advantages) == pytest.approx(expected, abs=1e-4)
     # Diagnostics: TSV (dvc plots) + summary + MLflow, every step.
     rows = read_tsv(spec.plots)
     assert [r["step"] for r in rows] == [1, 2]

@@ -13,6 +13,7 @@ import pytest
 from helpers import HIGH, LEVELS, capture_trainer, compute_from_params, config_from_params, free_port_base
 from test_rl import PROTOCOL, TEST_RL, _spec
 
+from rcgrpo import tokens as reward_tokens
 from rcgrpo_tasks.engine.backend import SamplingParams, ScriptedBackend, stop_token_ids
 from rcgrpo_tasks.engine.rollout import run_seeded_groups
 from rcgrpo_tasks.env.multi_turn import entries as multi_turn
@@ -20,7 +21,6 @@ from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.single_turn import entries as single_turn
 from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
-from rcgrpo_tasks.train.common import adapters
 from rcgrpo_tasks.train.rl import config as rl_config
 from rcgrpo_tasks.train.rl import rollout as rl_rollout
 from rcgrpo_tasks.train.rl import rollout_policy
@@ -50,7 +50,7 @@ def qwen_env(tmp_path_factory, tokenizer_dir):
     model, tok = _padded_qwen(tokenizer_dir)
     before = {n: m.weight.detach().clone() for n, m in (("in", model.get_input_embeddings()),
                                                         ("out", model.get_output_embeddings()))}
-    ids = adapters.add_special_tokens(tok, model, LEVELS, seed=0, init="mean_resizing", levels=LEVELS)
+    ids = reward_tokens.add_reward_tokens(model, tok, LEVELS, seed=0, init="mean_resizing", levels=LEVELS)
     model.save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
     entries = multi_turn.load_entries(["base"])[:6]
@@ -243,7 +243,7 @@ def test_reward_tokens_on_a_zero3_sharded_padded_model(tokenizer_dir, tmp_path, 
     rows = model.get_input_embeddings().weight.shape[0]
     model.save_pretrained(tmp_path / "m")
     plain_tok = type(tok).from_pretrained(tokenizer_dir)
-    ids = adapters.add_special_tokens(plain_tok, model, LEVELS, seed=0, init=init, levels=LEVELS)
+    ids = reward_tokens.add_reward_tokens(model, plain_tok, LEVELS, seed=0, init=init, levels=LEVELS)
     expected = [model.get_input_embeddings().weight.detach()[ids], model.get_output_embeddings().weight.detach()[ids]]
     _one_process_group(monkeypatch)
     ds = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1, "train_batch_size": 1}
@@ -252,8 +252,8 @@ def test_reward_tokens_on_a_zero3_sharded_padded_model(tokenizer_dir, tmp_path, 
     sharded = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     weight = sharded.get_input_embeddings().weight
     assert weight.shape[0] == 0 and weight.ds_shape[0] == rows  # partitioned
-    got = adapters.add_special_tokens(tok, sharded, LEVELS, seed=0, init=init, levels=LEVELS)
-    assert got == ids and adapters.embedding_rows(sharded) == rows
+    got = reward_tokens.add_reward_tokens(sharded, tok, LEVELS, seed=0, init=init, levels=LEVELS)
+    assert got == ids and reward_tokens.embedding_rows(sharded) == rows
     mats = [sharded.get_input_embeddings().weight, sharded.get_output_embeddings().weight]
     with deepspeed.zero.GatheredParameters(mats):
         for m, e in zip(mats, expected):

@@ -26,12 +26,13 @@ from helpers import (
 )
 from helpers import write_params as committed_with
 
+from rcgrpo import tokens as reward_tokens
 from rcgrpo_tasks.engine import models
 from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import write_jsonl
 from rcgrpo_tasks.stages import sft as sft_stage
-from rcgrpo_tasks.train.common import adapters, callbacks, checkpoints, runs
+from rcgrpo_tasks.train.common import adapters, callbacks, checkpoints, model_registry, runs
 from rcgrpo_tasks.train.sft import config as sft_config
 from rcgrpo_tasks.train.sft import rows as sft_rows
 from rcgrpo_tasks.train.sft import run as sft_run
@@ -293,7 +294,7 @@ def test_mlflow_run_logs_params_steps_and_loadable_model(datasets, tiny_model_di
         assert key in run.data.metrics
     model_uri = next(m.model_uri for m in mlflow.search_logged_models(output_format="list")
                      if m.source_run_id == run.info.run_id)
-    model, tok = adapters.load_logged_model(model_uri)
+    model, tok = model_registry.load_logged_model(model_uri)
     ref, _ = models.load_trained(tiny_model_dir, s.out)
     ids = tok(f"hi {HIGH}", return_tensors="pt")
     model.eval(), ref.eval()
@@ -400,7 +401,7 @@ def test_untied_embeddings_train_and_restore_both_rows(tiny_model_dir, tmp_path)
     model.save_pretrained(tmp_path / "base")
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     tok.save_pretrained(tmp_path / "base")
-    ids = adapters.add_special_tokens(tok, model, LEVELS)
+    ids = reward_tokens.add_reward_tokens(model, tok, LEVELS)
     peft = get_peft_model(model, sft_trainer.lora_config(tiny_sft_config(), model, ids))
     with torch.no_grad():
         for name, p in peft.named_parameters():

@@ -14,9 +14,9 @@ the same); the data keep the paper's form (the goal ends the first user message)
 
 from __future__ import annotations
 
-import copy
 import json
 
+from rcgrpo.goal import place_goal, strip_goal
 from rcgrpo_tasks.env.prompt import format_reward_goal
 
 GOAL_PLACES = ("user", "answer")
@@ -63,24 +63,13 @@ def goal_place(tokenizer) -> str:
 
 
 def strip_reward_goal(messages: list[dict], reward_token: str | None) -> list[dict]:
-    """A copy of the chat without the reward goal a conditioned policy was given (if any)."""
-    out = copy.deepcopy(messages)
-    suffix = format_reward_goal(reward_token)
-    if suffix:
-        first = next(m for m in out if m["role"] == "user")
-        if first["content"].endswith(suffix):
-            first["content"] = first["content"][: -len(suffix)]
-    return out
+    """A copy of the chat without the reward goal a conditioned policy was given (if any): `rcgrpo.goal`."""
+    return strip_goal(messages, reward_token)
 
 
 def with_reward_goal(messages: list[dict], token: str) -> list[dict]:
-    """A copy of the chat with `[Reward Goal: <token>]` appended to the first user message."""
-    out = copy.deepcopy(messages)
-    first = next((m for m in out if m["role"] == "user"), None)
-    if first is None:
-        raise ValueError("trajectory has no user message to attach the reward goal to")
-    first["content"] += format_reward_goal(token)
-    return out
+    """A copy of the chat with `[Reward Goal: <token>]` appended to the first user message (`rcgrpo.goal`)."""
+    return place_goal(messages, format_reward_goal(token), "first_user")
 
 
 def _render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:

@@ -19,8 +19,8 @@
 
 from __future__ import annotations
 
+from rcgrpo.logps import last_positions
 from rcgrpo_tasks.engine.kvcache import plan_capacity, prefill_mask, slot_cache_class
-from rcgrpo_tasks.engine.models import last_positions
 from rcgrpo_tasks.engine.prefill import left_padded, plan_prefill
 from rcgrpo_tasks.engine.prefix_layout import (
     PrefixNode,

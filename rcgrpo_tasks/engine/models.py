@@ -83,16 +83,3 @@ def model_context(model_dir: str | Path) -> int:
     if not isinstance(value, int):
         raise InputError(f"{path}: no integer max_position_embeddings")
     return value
-
-
-def last_positions(n: int, width: int, device):
-    """`logits_to_keep` for the last `n` of `width` positions, as an index tensor rather than the int `n`.
-
-    transformers slices the hidden states `[:, -n:, :]` for an int: a non-contiguous view on which torch's
-    CPU `linear` broadcasts the LM head's weight to every row and copies it (measured: docs/log.md,
-    "Engine"). An index tensor gathers a contiguous copy of the positions instead. Decode steps (`width` 1) keep
-    the int: their slice is contiguous already.
-    """
-    import torch
-
-    return torch.arange(width - n, width, device=device)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from rcgrpo.goal import DEFAULT_LEVELS, check_levels, format_goal
+
 BFCL_MAX_STEPS_PER_TURN = 20  # bfcl_eval.constants.default_prompts.MAXIMUM_STEP_LIMIT
 # BFCL's classic style, copied from bfcl_eval.constants.default_prompts.PROMPT_STYLE_TEMPLATES["classic"]
 # (that module is import-light, but copying keeps the engine independent of bfcl-eval's release churn;
@@ -74,28 +76,23 @@ class ProtocolConfig:
 
 
 def format_reward_goal(token: str | None) -> str:
-    """The reward-conditioning suffix of the first user message ('' without a token)."""
-    return f"\n\n[Reward Goal: {token}]" if token else ""
+    """The reward-conditioning suffix of the first user message ('' without a token): the library's
+    `rcgrpo.goal.format_goal` with the paper's template."""
+    return format_goal(token)
 
 
 GOAL_RESERVE = 32
 """Tokens kept free for the `[Reward Goal: <token>]` suffix (about 12 tokens with SmolLM2's tokenizer)."""
 
 
-DEFAULT_REWARD_TOKENS: tuple[str, ...] = ("<|low_reward|>", "<|high_reward|>")
+DEFAULT_REWARD_TOKENS: tuple[str, ...] = DEFAULT_LEVELS
 """Lowest first, highest last (the paper's two goals); params.yaml `label_rewards.tokens` overrides them."""
 
 
 def check_reward_tokens(tokens) -> tuple[str, ...]:
-    """THE check of a reward-token list (lowest level first), wherever one is read: >= 2 distinct, non-empty
-    strings without ']' (it would close the `[Reward Goal: ...]` suffix)."""
-    tokens = tuple(tokens)
-    if len(tokens) < 2 or len(set(tokens)) != len(tokens):
-        raise ValueError(f"reward tokens: need >= 2 distinct tokens, lowest first, got {list(tokens)}")
-    if any(not isinstance(t, str) or not t.strip() or "]" in t for t in tokens):
-        raise ValueError(f"reward tokens must be non-empty and must not contain ']' (it closes the reward goal), "
-                         f"got {list(tokens)}")
-    return tokens
+    """THE check of a reward-token list (lowest level first), wherever one is read: the library's
+    `rcgrpo.goal.check_levels` (>= 2 distinct, non-empty strings without ']', which would close the goal)."""
+    return check_levels(tokens)
 
 
 def reward_tokens(params: dict) -> tuple[str, ...]:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from rcgrpo.controllability import gap_stats, per_unit, q_stats
 from rcgrpo_tasks.data.margin import REPLAY_OUTPUTS, read_token
 from rcgrpo_tasks.engine.backend import SamplingParams, reward_pair_ids
 from rcgrpo_tasks.engine.decoding import DecodeConfig
@@ -21,7 +21,7 @@ from rcgrpo_tasks.env.tasks import task_of_entries
 from rcgrpo_tasks.evaluation.accuracy import RLSampling, check_side
 from rcgrpo_tasks.ops.config import flat_field
 from rcgrpo_tasks.ops.inputs import InputError
-from rcgrpo_tasks.ops.stats import check_n_boot, mcnemar_exact, mean, paired_bootstrap_ci
+from rcgrpo_tasks.ops.stats import check_n_boot, mean, paired_bootstrap_ci
 
 DECODE_KEYS = ("max_outputs", "max_new_tokens", "batch_rows", "dtype")
 
@@ -125,29 +125,6 @@ def reading(cfg: ControllabilityConfig, backend, entries: list, prompt: PromptCo
 # Statistics (pure)
 
 
-def per_entry(scores: list[dict], high: str, low: str, key: str) -> tuple[list[float], list[float], list[float], list[float]]:
-    """(all high values, all low values, per-entry mean high, per-entry mean low); the per-entry lists hold
-    only entries rolled under both tokens, in first-seen order."""
-    by_entry: dict[str, dict[str, list[float]]] = {}
-    for s in scores:
-        by_entry.setdefault(s["entry_id"], {}).setdefault(s["reward_token"], []).append(float(s[key]))
-    highs = [v for per in by_entry.values() for v in per.get(high, [])]
-    lows = [v for per in by_entry.values() for v in per.get(low, [])]
-    paired = [(sum(p[high]) / len(p[high]), sum(p[low]) / len(p[low])) for p in by_entry.values()
-              if p.get(high) and p.get(low)]
-    return highs, lows, [h for h, _ in paired], [w for _, w in paired]
-
-
-def gap_stats(scores: list[dict], high: str, low: str, key: str, n_boot: int = 2000, seed: int = 0) -> dict:
-    """Mean of `key` per token, the paired gap over entries with its standard error and 95 % bootstrap CI."""
-    highs, lows, eh, el = per_entry(scores, high, low, key)
-    gap, lo, hi = paired_bootstrap_ci(eh, el, n_boot=n_boot, seed=seed)
-    diffs = [h - w for h, w in zip(eh, el)]
-    se = (math.sqrt(sum((d - gap) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
-          if len(diffs) > 1 else float("nan"))
-    return {"high": mean(highs), "low": mean(lows), "gap": gap, "gap_se": se, "gap_ci": [lo, hi]}
-
-
 def zero_variance_share(p_h: float, p_l: float, g: int, q: float) -> tuple[float, float]:
     """(all-high, mixed): P(all G rewards of a group are equal) for one entry with success rates p_h under
     the high token and p_l under the low one; mixed = each rollout's token i.i.d. high with P = q."""
@@ -174,30 +151,6 @@ def paired_rewards(trajs: list, high: str, low: str) -> dict[str, list[tuple[flo
     for t in trajs:
         said.setdefault((t.entry_id, t.reward_token), []).append(float(t.score["paper_reward"]))
     return {entry: list(zip(rs, said.get((entry, low), []))) for (entry, token), rs in said.items() if token == high}
-
-
-def q_stats(pairs: dict[str, list[tuple[float, float]]], n_boot: int = 2000, seed: int = 0) -> dict:
-    """RC-GRPO's premise as RL needs it: q = P(low fails | high succeeds) over paired rollouts (same entry, same
-    row seed), with a 95 % CI from resampling entries (the ratio of the resampled sums; NaN bounds when no
-    high success is left to divide by), and the discordant pairs behind the sampled gap with their exact
-    McNemar p (`high_only`: success under high only; `low_only`: under low only)."""
-    flat = [(e, h, w) for e, ps in pairs.items() for h, w in ps]
-    high_wins = sum(1 for _, h, _w in flat if h)
-    high_only = sum(1 for _, h, w in flat if h and not w)
-    low_only = sum(1 for _, h, w in flat if w and not h)
-    per = [(sum(1 for h, w in ps if h and not w), sum(1 for h, _w in ps if h)) for ps in pairs.values()]
-    rng, ratios = random.Random(seed), []
-    for _ in range(n_boot if per else 0):
-        draw = [per[rng.randrange(len(per))] for _ in per]
-        den = sum(d for _, d in draw)
-        if den:
-            ratios.append(sum(a for a, _ in draw) / den)
-    ratios.sort()
-    ci = ([ratios[int(0.025 * len(ratios))], ratios[min(len(ratios) - 1, int(math.ceil(0.975 * len(ratios))) - 1)]]
-          if len(ratios) >= 0.9 * n_boot else [float("nan"), float("nan")])
-    return {"q": high_only / high_wins if high_wins else float("nan"), "q_ci": ci, "pairs": len(flat),
-            "high_successes": high_wins, "high_only": high_only, "low_only": low_only,
-            "mcnemar_p": mcnemar_exact(high_only, low_only)}
 
 
 def premise_gate(sampled: dict, min_q: float) -> dict:
@@ -291,7 +244,7 @@ def measure(cfg: ControllabilityConfig, prompt: PromptConfig, tokens: tuple[str,
         trajs += g_trajs
     metrics["premise_gate"] = premise_gate(metrics["sampled"], cfg.premise_min_q)
     scores = [{"entry_id": t.entry_id, "reward_token": t.reward_token, **t.score} for t in s_trajs]
-    _, _, rates_high, rates_low = per_entry(scores, high, low, "paper_reward")
+    _, _, rates_high, rates_low = per_unit(scores, high, low, "paper_reward")
     metrics["zero_variance"] = zero_variance_stats(rates_high, rates_low, groups.num_generations, groups.p_high,
                                                    cfg.n_bootstrap, cfg.seed)
     metrics["rollout_s"] = round(time.perf_counter() - t0, 2)

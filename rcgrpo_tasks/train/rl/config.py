@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar, Literal
 
+from rcgrpo.draw import TokenDraw
 from rcgrpo_tasks.engine.compute import ComputeConfig, ResolvedCompute, resolve_compute
 from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.env.prompt import ProtocolConfig
@@ -24,8 +25,6 @@ from rcgrpo_tasks.env.tasks import task_of
 from rcgrpo_tasks.ops.config import ConfigError, flat_field
 
 DECODE_KEYS = ("temperature", "top_p", "max_outputs", "max_new_tokens")
-TokenDraw = Literal["iid", "stratified"]
-"""RC-GRPO's draw of each rollout's reward token (`advantages.draw_tokens`)."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +89,7 @@ class RLConfig:
     others); groups without reward spread after the last round are not trained on."""
     kl_token_max: float | None
     """Bound of each token's KL term k3 = exp(d) - d - 1 (d = log pi_ref - log pi): d is clamped to the two
-    roots of k3 = this (`kl_guard.bounded_reference`), so one far-off sampled token cannot dominate a step
+    roots of k3 = this (`rcgrpo.kl.bounded_reference`), so one far-off sampled token cannot dominate a step
     (verl's `low_var_kl` bounds it at 10 too); null = TRL's unbounded term."""
     stop_on_divergence: bool
     """Stop a diverging run and roll its policy back to the last good checkpoint (`kl_guard`): a non-finite
@@ -154,7 +153,7 @@ class RLConfig:
     shared_prefix_min_tokens: int | None
     """CPU log-probs (policy, reference, trainer): a micro-batch's shared tokens (a group's prompt, up to an
     RC-GRPO reward token) through the trunk once where that saves at least this many tokens a row
-    (`engine.shared_prefix`; the same log-probs as the padded forward up to float rounding); null = always the
+    (`rcgrpo.shared_prefix`; the same log-probs as the padded forward up to float rounding); null = always the
     padded forward. GPU: TRL's path."""
     save_steps: int
     """Checkpoint every N optimizer steps (resume point)."""

@@ -1,18 +1,20 @@
 """The rollout function TRL calls: BFCL episodes (either task) on the project engine.
 
-- `EngineRollout`: TRL's `rollout_func`. Per call it draws the rollouts' reward tokens and sampling seeds
-  per group (`advantages`), decodes every group of the call in ONE engine session on the current policy
+- `EngineRollout`: TRL's `rollout_func`. Per call it takes the rollouts' reward tokens the trainer drew
+  (`rcgrpo.RCGRPOTrainer.reward_tokens`: the library's seeded draw, `reward_goal_place: external`), draws each
+  group's sampling seed (`advantages`), decodes every group of the call in ONE engine session on the current policy
   (`engine.rollout.run_seeded_groups`: the same rollouts as one `run_group` per group), records the rollout
   diagnostics and the step's price (rollouts generated and trained on, groups dropped, tokens per useful
   group) on the trainer and hands TRL prompt ids (system + first user message, with the rollout's own
   reward token), completion ids (everything after: model and environment tokens, ending at the model's
   end-of-turn where it ended the episode itself), `env_mask` (environment tokens carry no loss), the
-  sampling log-probs (the trainer measures and corrects the mismatch: `offpolicy`) and every reward
+  sampling log-probs (the trainer measures and corrects the mismatch: `rcgrpo.offpolicy`) and every reward
   (`env.rewards.REWARDS`).
 - Dynamic sampling (algo `dynamic`, DAPO's): a group without reward spread is dropped and its slot refilled
   by a group of another train entry, for at most `dynamic_max_rounds` generation rounds; groups still
   without spread are not trained on (their `env_mask` is all 0: no loss, no KL term), and a step with none
-  left makes no update (`trainer_mixin.RCGRPOTrainerMixin.training_step`). Departures from DAPO: the batch
+  left makes no update (the trainer's `skip_steps_without_loss`). A refilled group draws its own tokens (the
+  library's draw at call 2 x round). Departures from DAPO: the batch
   keeps its size (TRL's layout), so an unfilled slot is masked rather than removed, and TRL's `grpo` loss
   still averages over every sequence of the batch, masked ones counting as 0.
 - The policy it samples from: a merged low-precision copy on the policy's own device, refreshed every
@@ -29,6 +31,7 @@ import random
 import sys
 import time
 
+from rcgrpo.draw import group_tokens, token_seed
 from rcgrpo_tasks.engine import rollout as engine_rollout
 from rcgrpo_tasks.engine.backend import stop_token_ids
 from rcgrpo_tasks.engine.hf import HFBackend
@@ -89,25 +92,30 @@ class EngineRollout:
             model = self.snapshot
         return HFBackend.from_model(model, self.tokenizer)
 
-    def group_specs(self, entry_ids: list[str], step: int, slots: list[int], call: int) -> list[tuple]:
+    def group_specs(self, entry_ids: list[str], step: int, slots: list[int], call: int,
+                    tokens: list[list] | None = None) -> list[tuple]:
         """(entry, reward tokens, sampling) of one group of G rollouts per entry id; `slots`: each group's index
-        in the step's whole batch. Tokens and sampling seed are drawn from (run seed, step, slot, call): a
-        resumed run, or a run on another number of processes, regenerates the same groups."""
+        in the step's whole batch; `tokens`: each group's reward tokens (the trainer's draw), None = drawn here
+        as the library draws them, from (run seed, step, slot, call 2 x `call`). The sampling seed is drawn
+        from (run seed, step, slot, call 2 x `call` + 1): a resumed run, or a run on another number of
+        processes, regenerates the same groups."""
         g = self.cfg.num_generations
         specs = []
-        for eid, slot in zip(entry_ids, slots):
-            tokens = adv.sample_reward_tokens(g, self.mode, self.cfg.p_high,
-                                              adv.token_seed(self.cfg.seed, step, slot, call=2 * call),
-                                              levels=self.levels, draw=self.cfg.token_draw, g=g)
-            sampling = self.cfg.decode.sampling(adv.token_seed(self.cfg.seed, step, slot, call=2 * call + 1))
-            specs.append((self.entries[eid], tokens, sampling))
+        for i, (eid, slot) in enumerate(zip(entry_ids, slots)):
+            toks = tokens[i] if tokens is not None else group_tokens(
+                g, self.mode, self.cfg.p_high, self.cfg.seed, step, slot, levels=self.levels, draw=self.cfg.token_draw,
+                call=2 * call)
+            sampling = self.cfg.decode.sampling(token_seed(self.cfg.seed, step, slot, call=2 * call + 1))
+            specs.append((self.entries[eid], list(toks), sampling))
         return specs
 
-    def groups(self, backend, entry_ids: list[str], step: int, slots: list[int], call: int) -> list[list]:
+    def groups(self, backend, entry_ids: list[str], step: int, slots: list[int], call: int,
+               tokens: list[list] | None = None) -> list[list]:
         """The `group_specs` groups, every one decoded in ONE engine session (`engine.rollout.run_seeded_groups`):
         the backend batches all their rows and prefills each distinct prompt prefix once, and every group
         keeps the seeds it would have alone (the same rollouts as one `run_group` per group)."""
-        out = engine_rollout.run_seeded_groups(backend, self.group_specs(entry_ids, step, slots, call), self.protocol)
+        specs = self.group_specs(entry_ids, step, slots, call, tokens)
+        out = engine_rollout.run_seeded_groups(backend, specs, self.protocol)
         self.generated_tokens += sum(t.n_model_tokens for grp in out for t in grp)
         return out
 
@@ -153,13 +161,16 @@ class EngineRollout:
                 raise RuntimeError(f"rollout batch is not whole groups of G={g}: {prompts}")
             ids.append(group[0])
         first = acc.process_index * len(ids)  # every process holds the same number of groups (check_world)
+        drawn = list(getattr(trainer, "reward_tokens", None) or [])
+        tokens = ([drawn[i * g:(i + 1) * g] for i in range(len(ids))] if len(drawn) == len(prompts)
+                  else None)  # the trainer's draw; None: no draw (conditioning none) or a bare TRL trainer
         model = trainer.model
         was_training = model.training
         model.eval()  # no dropout when sampling from the live model; TRL reads its mode before and after
         t0, self.generated_tokens = time.perf_counter(), 0
         try:
             backend = self.backend(trainer)
-            groups = self.groups(backend, ids, step, [first + i for i in range(len(ids))], call=0)
+            groups = self.groups(backend, ids, step, [first + i for i in range(len(ids))], call=0, tokens=tokens)
             spread = [self._spread(grp) for grp in groups]
             if self.dynamic:
                 gen = self.refill(backend, groups, spread, ids, step, first)
@@ -230,24 +241,11 @@ class EngineRollout:
 
     def metrics(self, records: list[dict], elapsed: float) -> dict:
         """Rollout diagnostics of one call over every process's rollouts (`rollout_record`s; `elapsed`: the
-        slowest process's rollout time), as `rc/...`: reward overall and per token, controllability gap,
-        zero-std groups (and which are flat at failure / at success), model tokens, calls, steps, environment errors, rollout speed."""
-        rewards = [r["rewards"].get(self.cfg.reward) for r in records]
-        rewards = [float("nan") if v is None else v for v in rewards]
-        tokens = [r["reward_token"] for r in records]
-        by = adv.reward_by_token(rewards, tokens, levels=self.levels)
+        slowest process's rollout time), as `rc/...`: model tokens, calls, steps, environment errors, rollout
+        speed. Rewards per token, the gap and the zero-variance shares are the trainer's (`rcgrpo.group_metrics`)."""
         n_tok = sum(r["model_tokens"] for r in records)
         n = len(records)
-        flat_low, flat_high = adv.flat_fractions(rewards, self.cfg.num_generations)
         return {
-            "rc/frac_flat_fail": flat_low,
-            "rc/frac_flat_success": flat_high,
-            "rc/reward": sum(rewards) / n,
-            "rc/reward_high": by.get("high", float("nan")),
-            "rc/reward_low": by.get("low", float("nan")),
-            "rc/reward_none": by.get("none", float("nan")),
-            "rc/controllability_gap": adv.controllability_gap(rewards, tokens, levels=self.levels),
-            "rc/frac_zero_std": adv.zero_std_fraction(rewards, self.cfg.num_generations),
             "rc/model_tokens": n_tok / n,
             "rc/n_calls": sum(r["calls"] for r in records) / n,
             "rc/n_steps": sum(r["steps"] for r in records) / n,
@@ -259,7 +257,7 @@ class EngineRollout:
 
 
 def rollout_record(t, step: int, group: int, kept: bool) -> dict:
-    """What the run logs of one rollout (`trainer_mixin.ROLLOUTS_FILE`, diagnostics): step, the group's index
+    """What the run logs of one rollout (`grpo.ROLLOUTS_FILE`, diagnostics): step, the group's index
     in the step's batch, entry, reward token, every reward, model tokens, calls, steps, environment errors,
     termination, whether it was trained on, and a hash of its token ids (the same rollout on any process)."""
     return {"step": step, "group": group, "entry_id": t.entry_id, "reward_token": t.reward_token,

@@ -22,9 +22,9 @@ from rcgrpo_tasks.train.common.callbacks import stop_on_signal
 from rcgrpo_tasks.train.rl import advantages as adv
 from rcgrpo_tasks.train.rl.config import RLConfig
 from rcgrpo_tasks.train.rl.diagnostics import PLOT_COLUMNS, group_flags, pool_learning, summarize
+from rcgrpo_tasks.train.rl.grpo import ROLLOUTS_FILE
 from rcgrpo_tasks.train.rl.probe import PROBE_FILE, probe_summary, read_points
 from rcgrpo_tasks.train.rl.trainer import DIAGNOSTICS_FILE, MODEL_META_FILE, RLRun, build_trainer, fingerprint
-from rcgrpo_tasks.train.rl.trainer_mixin import ROLLOUTS_FILE
 
 
 def load_rl_config(params: str | Path) -> tuple[RLConfig, ProtocolConfig, tuple[str, ...]]:

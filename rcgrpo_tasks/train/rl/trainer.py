@@ -6,8 +6,9 @@
   TRL's reference model (built from the model's path) is the init too (`_init_on_disk`). Under LoRA the
   reward tokens' embedding rows (input and output) train too, as in RCTP (PEFT trainable tokens), unless
   the run conditions on no token.
-- `RCGRPOTrainer`: TRL's `GRPOTrainer` + `trainer_mixin.RCGRPOTrainerMixin` (what it adds to TRL's step, its
-  `GRPOConfig` `grpo_args` and reward functions), the rollout function `rollout.EngineRollout`.
+- The trainer is the library's `rcgrpo.RCGRPOTrainer` (what RC-GRPO adds to TRL's GRPO step), configured by
+  `grpo.rc_config` (the cell's conditioning, the pipeline's options), with `grpo.reward_funcs` and the rollout
+  function `rollout.EngineRollout` (the engine decodes the episodes; the trainer draws each rollout's token).
 - Divergence: `kl_guard.DivergenceGuardMixin` after the diagnostics callback (`rl.stop_on_divergence`);
   the trainer's `rc_guard` holds its event for `run.train_rl`.
 - Diagnostics: every step's row (`diagnostics.PLOT_COLUMNS`) goes to a resumable TSV in the checkpoint
@@ -18,11 +19,11 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from rcgrpo.tokens import token_indices
 from rcgrpo_tasks.data.onpolicy import sampled_success_rates
 from rcgrpo_tasks.engine.models import check_adapter_dir, check_model_dir, load_trained
 from rcgrpo_tasks.engine.vllm import reload_in_place, skip_token_adapters
@@ -32,16 +33,16 @@ from rcgrpo_tasks.ops.config import ConfigError, as_dict
 from rcgrpo_tasks.ops.inputs import InputError, read_jsonl
 from rcgrpo_tasks.ops.outputs import atomic_dir
 from rcgrpo_tasks.train.common import checkpoints, runs
-from rcgrpo_tasks.train.common.adapters import expose_head_bias, lora_targets, token_indices
+from rcgrpo_tasks.train.common.adapters import lora_targets
 from rcgrpo_tasks.train.common.callbacks import lazy_subclass, step_metrics
 from rcgrpo_tasks.train.rl import advantages as adv
 from rcgrpo_tasks.train.rl.config import RLConfig, check_deepspeed, check_reward, check_world
 from rcgrpo_tasks.train.rl.diagnostics import STEP_MARKER, DiagnosticsMixin, diag_metrics
-from rcgrpo_tasks.train.rl.kl_guard import DivergenceGuardMixin, kl_bounds
+from rcgrpo_tasks.train.rl.grpo import RolloutLogMixin, rc_config, reward_funcs
+from rcgrpo_tasks.train.rl.kl_guard import DivergenceGuardMixin
 from rcgrpo_tasks.train.rl.pool import rl_side, train_entries
 from rcgrpo_tasks.train.rl.probe import ProbeMixin, probe_ids
 from rcgrpo_tasks.train.rl.rollout import EngineRollout
-from rcgrpo_tasks.train.rl.trainer_mixin import RCGRPOTrainerMixin, grpo_args, reward_funcs
 
 DIAGNOSTICS_FILE = "diagnostics.tsv"
 MODEL_META_FILE = "rcgrpo_model.json"
@@ -185,17 +186,22 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     guard = lazy_subclass(DivergenceGuardMixin, "transformers.TrainerCallback")(
         spec.checkpoints / DIAGNOSTICS_FILE, cfg.guard) if cfg.stop_on_divergence else None
     probe = build_probe(cfg, spec, rollout, entries, mode, levels)
+    log = lazy_subclass(RolloutLogMixin, "transformers.TrainerCallback")(spec.checkpoints)
     own = [step_metrics(STEP_MARKER, diag_metrics)] if track else []
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is "experimental" in TRL 1.16
-    trainer = lazy_subclass(RCGRPOTrainerMixin, "trl.GRPOTrainer")(
-        model=model, reward_funcs=reward_funcs(), args=grpo_args(fit, spec.checkpoints, grad_accum, device),
+    from rcgrpo.trainer import RCGRPOTrainer
+
+    trainer = RCGRPOTrainer(
+        model=model, reward_funcs=reward_funcs(), args=rc_config(fit, mode, levels, spec.checkpoints, grad_accum, device),
         train_dataset=Dataset.from_list([{"prompt": e.id} for e in entries]), processing_class=tokenizer,
         peft_config=lora, rollout_func=rollout,
-        callbacks=[diagnostics, *([guard] if guard else []), *own, *([probe] if probe else []), *(callbacks or [])],
+        callbacks=[log, diagnostics, *([guard] if guard else []), *own, *([probe] if probe else []),
+                   *(callbacks or [])],
     )
     trainer.rc_guard = guard
-    if probe is not None:
-        probe.trainer = trainer
+    for callback in (log, probe):
+        if callback is not None:
+            callback.trainer = trainer
     _finish(trainer, cfg, rollout, lora is not None)
     return trainer
 
@@ -203,9 +209,13 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
 def fingerprint(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], spec: RLRun) -> str:
     """Params + protocol + tokens + the cell + input contents + this training code: checkpoints resume only
     under the same one."""
+    import rcgrpo.trainer
+
     return checkpoints.fingerprint(cfg, protocol=as_dict(protocol), levels=list(levels), init=spec.init,
                                    algo=spec.algo, mode=spec.mode, code=Path(__file__),
-                                   step_code=Path(inspect.getfile(RCGRPOTrainerMixin)), entries=Path(spec.entries),
+                                   step_code={f.name: checkpoints.file_md5(f)  # the library's trainer
+                                              for f in sorted(Path(rcgrpo.trainer.__file__).parent.glob("*.py"))},
+                                   entries=Path(spec.entries),
                                    split=Path(spec.split), model=Path(spec.model_dir),
                                    adapter=spec.adapter_dir and Path(spec.adapter_dir))
 
@@ -228,23 +238,17 @@ def build_probe(cfg: RLConfig, spec: RLRun, rollout: EngineRollout, entries: lis
 
 
 def _finish(trainer, cfg: RLConfig, rollout: EngineRollout, peft: bool) -> None:
-    """What TRL's constructor cannot be told: the engine's end-of-turn ids as EOS ids, TRL's vLLM weight sync
-    without PEFT's token deltas (and through vLLM's in-place reload on its CPU build), the engine rollouts'
-    importance-sampling cap (TRL's vLLM path corrects itself), the shared-prefix threshold, the KL bound,
-    PEFT's save and LM-head settings."""
+    """What the trainer's constructor cannot be told: the engine's end-of-turn ids as EOS ids, TRL's vLLM
+    weight sync without PEFT's token deltas (and through vLLM's in-place reload on its CPU build), PEFT's save
+    settings."""
     trainer.eos_token_ids = sorted(set(trainer.eos_token_ids) | rollout.end_ids)
     if cfg.use_vllm:
         skip_token_adapters(trainer.vllm_generation)
         if trainer.vllm_generation.mode == "colocate" and trainer.accelerator.device.type == "cpu":
             reload_in_place(trainer.vllm_generation)  # vLLM's CPU build repacks weights TRL's sync writes into
-    trainer.rc_shared_prefix = cfg.shared_prefix_min_tokens
-    trainer.rc_kl_bounds = kl_bounds(cfg.kl_token_max) if cfg.kl_token_max is not None else None
-    correct = trainer.args.vllm_importance_sampling_correction and not cfg.use_vllm
-    trainer.rc_importance_cap = cfg.importance_sampling_cap if correct else None
     if peft:
         # The RL LoRA sits on the MERGED init; pointing it at the base folder would make PEFT see the resized
         # vocabulary and store the whole embedding matrix in every checkpoint (~110 MB each, untrained).
         peft_model = trainer.accelerator.unwrap_model(trainer.model)
         peft_model.peft_config["default"].base_model_name_or_path = None
         peft_model.get_base_model().name_or_path = ""  # PEFT refills the field from here on every save
-        expose_head_bias(peft_model)  # TRL's fused LM head (GPU) reads lm_head.bias off the token wrapper

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
+from rcgrpo.tokens import REWARD_TOKEN_INITS
 from rcgrpo_tasks.data.chat import GOAL_PLACES
 from rcgrpo_tasks.engine.compute import ComputeConfig, ResolvedCompute, resolve_compute
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, from_dict
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.train.common import runs
-from rcgrpo_tasks.train.common.adapters import REWARD_TOKEN_INITS
 from rcgrpo_tasks.train.sft.rows import LOSS_ON, ORDERS
 
 
@@ -65,7 +65,7 @@ class SftConfig:
     reward_token_init: Literal["mean_resizing", "apart", "words"]
     """Rows of the added tokens: `mean_resizing` = at the old rows' mean (transformers; the reward tokens
     start as one vector), `apart` = spread apart at a real token's distance from the mean
-    (`adapters.apart_rows`, seeded by `seed`)."""
+    (`rcgrpo.tokens.apart_rows`, seeded by `seed`)."""
     token_lr_multiplier: float
     """Learning rate of the added tokens' rows = this x `learning_rate` (LoRA: their own optimizer group;
     full fine-tuning: their steps scaled, `adapters.scale_row_updates`). 1.0 = one lr for everything."""
@@ -120,7 +120,7 @@ class SftConfig:
     """On CPU, project only assistant positions through the LM head (TRL scores all of them there)."""
     shared_prefix_min_tokens: int | None
     """With `compact_lm_head`: a micro-batch's shared tokens (an RCTP pair's prompt, up to the goal's token)
-    through the trunk once where that saves at least this many tokens a row (`engine.shared_prefix`; the same
+    through the trunk once where that saves at least this many tokens a row (`rcgrpo.shared_prefix`; the same
     loss as the padded forward up to float rounding); null = always the padded forward."""
     save_steps: int
     """Checkpoint every this many optimizer steps (resume point)."""
@@ -181,7 +181,7 @@ class SftConfig:
 
     def _check_token_init(self) -> None:
         """A variant that starts from the SFT model (`init: sft`) finds the reward tokens already there, their
-        rows made by the `sft` variant's `reward_token_init` (`add_special_tokens` only initialises tokens it
+        rows made by the `sft` variant's `reward_token_init` (`add_reward_tokens` only initialises tokens it
         adds): its own, different, value would silently do nothing, so it is refused here."""
         shared = {k: v for k, v in as_dict(self).items() if k != "variants"}
         made_by = {**shared, **self.variants.get("sft", {})}["reward_token_init"]

@@ -21,8 +21,8 @@ from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, load_config
 from rcgrpo_tasks.ops.outputs import write_json
 from rcgrpo_tasks.train.common import checkpoints, distributed, placement, runs
-from rcgrpo_tasks.train.common.adapters import log_model
 from rcgrpo_tasks.train.common.callbacks import step_metrics, stop_on_signal
+from rcgrpo_tasks.train.common.model_registry import log_model
 from rcgrpo_tasks.train.sft.config import SftConfig, SftRun
 from rcgrpo_tasks.train.sft.margin_curve import margin_curve
 from rcgrpo_tasks.train.sft.rows import load_rows, ordered

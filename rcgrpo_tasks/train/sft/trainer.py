@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rcgrpo.tokens import add_reward_tokens, expose_head_bias, token_indices
 from rcgrpo_tasks.data.chat import answer_goal_template, goal_place
 from rcgrpo_tasks.engine.models import load_trained
 from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.train.common import checkpoints, placement
-from rcgrpo_tasks.train.common.adapters import add_special_tokens, expose_head_bias, lora_targets, token_indices
+from rcgrpo_tasks.train.common.adapters import lora_targets
 from rcgrpo_tasks.train.common.callbacks import lazy_subclass
 from rcgrpo_tasks.train.sft.config import SftConfig, SftRun
 from rcgrpo_tasks.train.sft.objective import rctp_objective
@@ -88,7 +89,7 @@ def build_trainer(cfg: SftConfig, model_dir: Path, rows: list[dict], tokens: tup
     args = trainer_args(cfg, ckpt_dir, placement.resolved_bf16(cfg.bf16), device)
     model, tokenizer = load_start(cfg, model_dir, init_adapter)
     levels = tuple(t for t in tokens if t not in cfg.extra_special_tokens)
-    token_ids = add_special_tokens(tokenizer, model, tokens, cfg.seed, cfg.reward_token_init, levels)
+    token_ids = add_reward_tokens(model, tokenizer, tokens, init=cfg.reward_token_init, seed=cfg.seed, levels=levels)
     if goal_place(tokenizer) != cfg.reward_goal_place:
         if cfg.reward_goal_place == "user":
             raise ConfigError(f"sft.reward_goal_place: user, but the start model {model_dir} renders the reward "

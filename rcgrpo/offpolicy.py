@@ -1,31 +1,27 @@
-"""The sampler/trainer mismatch of RL rollouts: measured every generation, corrected by truncated importance
-sampling (TRL's `vllm_importance_sampling_correction`, mode `token_truncate`) for engine rollouts too.
+"""The sampler/trainer mismatch of rollouts that carry their sampler's log-probs (a `rollout_func`'s, TRL's
+vLLM), measured every generation and, for `rollout_func` rollouts, corrected by truncated importance sampling
+(TRL's `token_truncate`, which TRL applies to its own vLLM rollouts only; the trainer's
+`rollout_importance_sampling_cap`).
 
-The rollouts are sampled by another copy of the policy than the one TRL trains (a merged bf16 snapshot on
-CPU, vLLM on GPU), so their tokens come from pi_sampler while the loss assumes pi_trainer. TRL corrects
-this for its own vLLM path only; the engine's rollouts return their sampled log-probs too, and here:
+The rollouts come from another copy of the policy than the one trained (vLLM, a merged low-precision
+snapshot, another engine), so their tokens come from pi_sampler while the loss assumes pi_trainer:
 - `mismatch_stats`: per generation batch, over the model tokens, mean and max |log pi_trainer -
   log pi_sampler| and a KL(pi_sampler || pi_trainer) estimate (k3: E[(r - 1) - log r], r = pi_trainer /
-  pi_sampler; >= 0, unbiased on the sampler's tokens), gathered over processes (`rc/logp_diff_mean`,
-  `rc/logp_diff_max`, `rc/sampler_kl`), and the importance weights' mean, min and capped share.
+  pi_sampler), gathered over processes (`rc/logp_diff_mean`, `rc/logp_diff_max`, `rc/sampler_kl`), and the
+  importance weights' mean, min and capped share.
 - `truncated_is_weights`: TRL's token weights min(exp(log pi_trainer - log pi_sampler), cap), 1 outside the
   loss mask and where the sampler gave no log-prob (NaN).
-- `OffPolicyMixin` (of `trainer_mixin.RCGRPOTrainerMixin`): takes the trainer's log-probs of the batch once at
-  generation time (TRL's own `old_per_token_logps` where TRL takes them, i.e. when updates and generations
-  are misaligned; else, where the weights are needed, one no-grad forward), logs the mismatch, and where
-  `rc_importance_cap` is set weights each token's policy loss by its weight. Where nothing is corrected and
-  the update is aligned with its generation (the CPU default: float32 sampler, one update per generation),
-  the mismatch is read from the loss's own forward instead (`_rc_measure`, summed over the step's
-  micro-batches and logged when the step ends: `_rc_flush`): the weights are those of the generation until
-  the step's optimizer update, so it is the same measurement without a forward of its own. Departure
-  from TRL's vLLM path, which also puts that forward's log-probs into the PPO ratio: where the update is
-  aligned with its generation, the ratio keeps TRL's `old = new.detach()`, exactly 1 (the same policy, so
-  the same value up to the float noise of two forwards, which would otherwise make the loss depend on the
-  micro-batch layout). Departure from TRL's code, not its loss: the weight multiplies the
-  advantage, (B,) -> (B, T), which TRL's loss accepts; for every loss type it applies the weight to
-  (grpo, bnpo, dr_grpo, dapo, cispo, sapo) this is exactly TRL's `per_token_loss * importance_sampling_ratio`
-  (the clipped surrogate is positively homogeneous in A: w min(c1 A, c2 A) = min(c1 (wA), c2 (wA)) for
-  w > 0), and the KL term stays unweighted as in TRL.
+- `OffPolicyMixin`: takes the trainer's log-probs of the batch once at generation time (TRL's own
+  `old_per_token_logps` where TRL takes them, i.e. when updates and generations are misaligned; else, where
+  the weights are needed, one no-grad forward), logs the mismatch and, with a cap, weights each token's policy
+  loss. Where nothing is corrected and the update is aligned with its generation, the mismatch is read from
+  the loss's own forward (`_rc_measure`, logged when the optimizer step ends: `_rc_flush`), the same
+  measurement without a forward of its own. Departure from TRL's vLLM path, which also puts that forward's
+  log-probs into the PPO ratio: an aligned update keeps TRL's `old = new.detach()`, a ratio of exactly 1.
+  Departure from TRL's code, not its loss: the weight multiplies the advantage, (B,) -> (B, T); for every loss
+  type it applies to (grpo, bnpo, dr_grpo, dapo, cispo, sapo) that is TRL's `per_token_loss *
+  importance_sampling_ratio` (the clipped surrogate is positively homogeneous in A), and the KL term stays
+  unweighted as in TRL.
 """
 
 from __future__ import annotations
@@ -79,7 +75,7 @@ def reduce_stats(stats) -> dict[str, float]:
 
 class OffPolicyMixin:
     """The mismatch and its correction inside TRL's GRPOTrainer (module docstring). `rc_importance_cap`: the
-    cap C of the engine rollouts' weights, None = no correction by this mixin (off, or TRL's vLLM path,
+    cap C of `rollout_func` rollouts' weights, None = no correction by this mixin (off, or TRL's vLLM path,
     where TRL applies its own with the same mode and cap)."""
 
     rc_importance_cap: float | None = None
@@ -120,7 +116,7 @@ class OffPolicyMixin:
             cap = self.args.vllm_importance_sampling_clip_max
         stats = self.accelerator.gather(mismatch_stats(trainer, sampler, mask, weights, cap)[None])
         for name, value in reduce_stats(stats.reshape(-1, 7).cpu()).items():
-            self.record_metric(name, value)
+            self._rc_metric(name, value)
 
     def _rc_measure(self, trainer_logps, inputs: dict) -> None:
         """The loss's forward of a micro-batch: its mismatch rows, kept for `_rc_flush` (deferred batches only)."""
@@ -140,7 +136,7 @@ class OffPolicyMixin:
                                                            device=self.accelerator.device)
         stats = self.accelerator.gather(mine)
         for name, value in reduce_stats(stats.reshape(-1, 7).cpu()).items():
-            self.record_metric(name, value)
+            self._rc_metric(name, value)
 
     def _compute_loss(self, model, inputs):
         weights = inputs.get(IS_WEIGHTS)

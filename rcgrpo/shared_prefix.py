@@ -1,6 +1,7 @@
 """Shared-prefix training forwards: a group's common tokens through the trunk once, the LM head on the
-positions that enter the loss only. RL's policy, reference and trainer log-probs (`train.rl.trainer_mixin`) and the SFT /
-RCTP loss (`adapters.compact_head_loss`) go through `target_hidden`.
+positions that enter the loss only. RC-GRPO's policy, reference and trainer log-probs on a CPU
+(`rcgrpo.logps`, the trainer's `shared_prefix_min_tokens`) and the pipeline's SFT / RCTP loss go through
+`target_hidden`.
 
 Why by hand: Prefix Grouper (arXiv 2506.05433) and its ports (verl's `use_prefix_grouper`, unsloth's
 FlexAttention path, TRL's prefix-tree packing) run on GPU only, and verl takes one row's prompt for the whole
