@@ -4,7 +4,8 @@
 
 - `RCGRPOConfig`, `RCGRPOTrainer`: TRL's GRPO where every rollout draws its own reward token (docs/library.md).
 - `add_reward_tokens`, `reward_token_lora_config`, `reward_token_indices`: the tokens in a tokenizer and model,
-  their embedding rows trainable under LoRA.
+  their embedding rows trainable under LoRA; `expose_head_bias`: the shim TRL's fused LM head needs under PEFT's
+  trainable tokens (call it on an `SFTTrainer`'s model for RCTP; `RCGRPOTrainer` applies it itself).
 - `rctp_rows`, `label_row`: (prompt, completion, reward) rows as reward-token-labelled SFT rows (RCTP-FT).
 - `measure_controllability`, `q_stats`, `gap_stats`: does the model read its token (RC-GRPO's premise)?
 - `format_goal`, `place_goal`, `DEFAULT_LEVELS`, `GOAL_TEMPLATE`: the goal text and where it goes.
@@ -29,6 +30,7 @@ _WHERE = {
     "add_reward_tokens": "rcgrpo.tokens",
     "reward_token_indices": "rcgrpo.tokens",
     "reward_token_lora_config": "rcgrpo.tokens",
+    "expose_head_bias": "rcgrpo.tokens",
     "rctp_rows": "rcgrpo.rctp",
     "label_row": "rcgrpo.rctp",
     "measure_controllability": "rcgrpo.controllability",
@@ -41,6 +43,7 @@ _WHERE = {
 }
 __all__ = [
     "RCGRPOConfig", "RCGRPOTrainer", "add_reward_tokens", "reward_token_indices", "reward_token_lora_config",
+    "expose_head_bias",
     "rctp_rows", "label_row", "measure_controllability", "q_stats", "gap_stats", "format_goal", "place_goal",
     "DEFAULT_LEVELS", "GOAL_TEMPLATE", "__version__",
 ]
@@ -64,5 +67,5 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from rcgrpo.controllability import gap_stats, measure_controllability, q_stats
     from rcgrpo.goal import DEFAULT_LEVELS, GOAL_TEMPLATE, format_goal, place_goal
     from rcgrpo.rctp import label_row, rctp_rows
-    from rcgrpo.tokens import add_reward_tokens, reward_token_indices, reward_token_lora_config
+    from rcgrpo.tokens import add_reward_tokens, expose_head_bias, reward_token_indices, reward_token_lora_config
     from rcgrpo.trainer import RCGRPOTrainer

@@ -183,7 +183,9 @@ def reward_token_lora_config(model, tokenizer, tokens: Sequence[str] = DEFAULT_L
 
 def expose_head_bias(model) -> None:
     """TRL's fused LM head reads `lm_head.weight` and `lm_head.bias`; PEFT's trainable-tokens wrapper
-    serves `.weight` (merged with the trained rows) but raises on `.bias`. Give it the base layer's bias."""
+    serves `.weight` (merged with the trained rows) but raises on `.bias`. Give it the base layer's bias.
+    Call it on a PEFT model with reward-token rows before TRL's SFTTrainer trains it (TRL 1.16, PEFT 0.21);
+    `RCGRPOTrainer` calls it itself."""
     head = model.get_output_embeddings()
     adapter = getattr(head, "token_adapter", None)
     if adapter is not None and "bias" not in vars(head):

@@ -87,6 +87,16 @@ class _Prepared:
         self.inputs = inputs
 
 
+def check_reward_tokens(tokenizer, levels) -> None:
+    """Each level must be one token of `tokenizer` (an RCTP model has them; `add_reward_tokens` adds them):
+    otherwise the goal would be text the model never learned to read. ValueError naming the missing ones."""
+    missing = [t for t in levels if len(tokenizer(t, add_special_tokens=False)["input_ids"]) != 1
+               or tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
+    if missing:
+        raise ValueError(f"reward tokens {missing} are not single tokens of the tokenizer: start RC-GRPO from an RCTP "
+                         f"model (docs/library.md), or call rcgrpo.add_reward_tokens(model, tokenizer) first")
+
+
 class RCGRPOTrainer(OffPolicyMixin, GRPOTrainer):
     """Reward-Conditioned GRPO (arXiv 2602.03025) on TRL's `GRPOTrainer`, called exactly like it (module
     docstring). `args` must be an [`RCGRPOConfig`]; `None` builds one named after the model."""
@@ -127,6 +137,8 @@ class RCGRPOTrainer(OffPolicyMixin, GRPOTrainer):
                          reward_processing_classes=reward_processing_classes, callbacks=callbacks, optimizers=optimizers,
                          quantization_config=quantization_config, peft_config=peft_config, tools=tools,
                          rollout_func=rollout_func, environment_factory=environment_factory)
+        if args.conditioning != "none":
+            check_reward_tokens(self._tokenizer, args.reward_tokens)
         self.reward_tokens: list[str | None] = []
         """This process's rollouts' tokens in the latest generation batch, in row order (empty under `none`)."""
         self.last_generation: Generation | None = None
