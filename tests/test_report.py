@@ -10,10 +10,11 @@ import pytest
 
 from rcgrpo_tasks.evaluation import report_tables
 from rcgrpo_tasks.evaluation import results_table as report
+from rcgrpo_tasks.evaluation.plots import accuracy_figure, accuracy_plot, probe_plot
+from rcgrpo_tasks.evaluation.stats import paired_bootstrap_ci
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import write_jsonl
-from rcgrpo_tasks.ops.plots import accuracy_figure, accuracy_plot, probe_plot
-from rcgrpo_tasks.ops.stats import bootstrap_ci, paired_bootstrap_ci
+from rcgrpo_tasks.ops.stats import bootstrap_ci
 
 
 def _eval_dir(tmp_path, label, acc_by_cat, n=20, seed=0):
@@ -63,7 +64,7 @@ def test_report_rows_order_paper_column_and_outputs(tmp_path):
     assert "RCTP+RC-GRPO" in md and "85.00" in md and "7B, GPU" in md
     assert md.index("## Outcome") < md.index("## RL") < md.index("## Controllability")
     png = tmp_path / "out" / "acc.png"
-    accuracy_plot(rows, png)
+    accuracy_plot(rows, png, None, "BFCL v4 multi_turn, held-out split")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -87,7 +88,7 @@ def test_accuracy_plot_is_readable_at_zero_and_at_85(acc, ci):
     import matplotlib.pyplot as plt
 
     rows = [_row("base", acc, ci, 0.25, paper=11.25), _row("rctp-rc_grpo", acc, ci, 0.5, paper=85.0)]
-    fig = accuracy_figure(rows, {"base": "Base"})
+    fig = accuracy_figure(rows, {"base": "Base"}, "BFCL v4 multi_turn, held-out split")
     ax, bx = fig.axes
     texts = [t.get_text() for t in ax.texts]
     assert texts.count(f"{acc:.1f}%") == 2
@@ -156,7 +157,7 @@ def test_rl_rows_carry_the_probe_and_the_rl_table_shows_it(tmp_path):
     assert "0.250 -> 0.375 -> 0.500 (steps 0, 5, 10)" in md and "+0.250 [+0.125, +0.375] (2 prompts x 4)" in md
     assert "| no; skipped at steps 3, 7 |" in md
     png = tmp_path / "probe.png"
-    probe_plot([row], png)
+    probe_plot([row], png, None, "RL: the fixed probe")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -1,5 +1,5 @@
-"""The RC-GRPO paper's grid (`INITS` x `ALGOS`), reference numbers and the report's row names (arXiv
-2602.03025, Table 1).
+"""The RC-GRPO paper's reference numbers (arXiv 2602.03025, Table 1) and the report's row names; the grid's
+vocabulary (`INITS`, `ALGOS`) is `ops.names`.
 
 Qwen2.5-7B-Instruct, BFCL v4 multi-turn, 80 held-out entries, overall accuracy (%). Only the cells the
 paper reports; every other row, and every row of another task, is n/a. A reference for the shape of the result, not a target for the
@@ -8,11 +8,6 @@ embedded 135M model.
 
 from __future__ import annotations
 
-INITS: tuple[str, ...] = ("sft", "rctp")
-"""The models RL starts from: the SFT and the RCTP fine-tunes (the `sft` stage's variants)."""
-ALGOS: tuple[str, ...] = ("grpo", "rc_grpo", "dynamic")
-"""The RL algorithms: GRPO, RC-GRPO, and GRPO with DAPO's dynamic sampling (zero-variance groups dropped and
-refilled: `train.rl.rollout.EngineRollout`), which the paper does not run. An RL cell is `<init>-<algo>`."""
 ROWS: tuple[tuple[str, str], ...] = (
     ("base", "Base"), ("sft", "SFT"), ("rctp", "RCTP"), ("sft-grpo", "SFT+GRPO"),
     ("sft-rc_grpo", "SFT+RC-GRPO"), ("sft-dynamic", "SFT+GRPO+DS"), ("rctp-grpo", "RCTP+GRPO"),

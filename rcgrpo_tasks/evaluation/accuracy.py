@@ -24,11 +24,11 @@ from rcgrpo_tasks.env.contract import Entry
 from rcgrpo_tasks.env.paper import ROWS
 from rcgrpo_tasks.env.prompt import DEFAULT_REWARD_TOKENS, PromptConfig
 from rcgrpo_tasks.env.tasks import ALL_CATEGORIES, get_task, paper_overall, task_of
+from rcgrpo_tasks.evaluation.plots import accuracy_plot
 from rcgrpo_tasks.ops.cli import Progress
 from rcgrpo_tasks.ops.config import flat_field
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import write_jsonl, write_text
-from rcgrpo_tasks.ops.plots import accuracy_plot
 from rcgrpo_tasks.ops.stats import bootstrap_ci, check_n_boot
 
 

@@ -19,9 +19,10 @@ from rcgrpo_tasks.env.entries import check_categories, split_entries, stratified
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.tasks import task_of_entries
 from rcgrpo_tasks.evaluation.accuracy import RLSampling, check_side
+from rcgrpo_tasks.evaluation.stats import paired_bootstrap_ci
 from rcgrpo_tasks.ops.config import flat_field
 from rcgrpo_tasks.ops.inputs import InputError
-from rcgrpo_tasks.ops.stats import check_n_boot, mcnemar_exact, mean, paired_bootstrap_ci
+from rcgrpo_tasks.ops.stats import check_n_boot, mcnemar_exact, mean
 
 DECODE_KEYS = ("max_outputs", "max_new_tokens", "batch_rows", "dtype")
 

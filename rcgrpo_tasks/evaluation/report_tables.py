@@ -16,19 +16,8 @@ Nothing is printed as an interval that is not one: a missing value is `n/a`.
 
 from __future__ import annotations
 
-import math
-
 from rcgrpo_tasks.env.paper import row_name
-
-
-def _n(v, spec: str = ".2f") -> str:
-    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
-
-
-def _ci(v, ci, spec: str = "+.3f") -> str:
-    if v is None or ci is None or any(x is None or math.isnan(x) for x in (v, *ci)):
-        return "n/a"
-    return f"{format(v, spec)} [{format(ci[0], spec)}, {format(ci[1], spec)}]"
+from rcgrpo_tasks.evaluation.formats import ci, num
 
 
 def _versus(vs: dict | None) -> tuple[str, str]:
@@ -36,13 +25,13 @@ def _versus(vs: dict | None) -> tuple[str, str]:
     if not vs or not vs["n"]:
         return "", ""
     who = f" vs {row_name(vs['init'])}"
-    greedy = _ci(vs["diff"], vs["ci"], "+.1f") + f"{who} ({vs['up']} up, {vs['down']} down, p = {vs['p']:.2g})"
+    greedy = ci(vs["diff"], vs["ci"], "+.1f") + f"{who} ({vs['up']} up, {vs['down']} down, p = {vs['p']:.2g})"
     p = vs.get("pass1")
-    return greedy, (_ci(p["diff"], p["ci"], "+.1f") + f"{who} (p = {p['p']:.2g})") if p else "n/a"
+    return greedy, (ci(p["diff"], p["ci"], "+.1f") + f"{who} (p = {p['p']:.2g})") if p else "n/a"
 
 
 def _pct(c: dict | None) -> str:
-    return "n/a" if not c else _ci(c["accuracy"], c["ci"], ".1f")
+    return "n/a" if not c else ci(c["accuracy"], c["ci"], ".1f")
 
 
 def outcome_table(rows: list[dict]) -> str:
@@ -55,7 +44,7 @@ def outcome_table(rows: list[dict]) -> str:
         greedy, sampled = _versus(r.get("vs_init"))
         paper = r.get("paper_table1_overall")
         lines.append(f"| {row_name(r['label'])} | {_pct(o)} | {_pct(o.get('pass1'))} | {r['n']} | {greedy} | "
-                     f"{sampled} | {_n(paper, '.2f') if paper is not None else ''} |")
+                     f"{sampled} | {num(paper, '.2f') if paper is not None else ''} |")
     for r in rows:  # RC-GRPO against GRPO from the same init: the paper's comparison
         if r.get("vs_grpo"):
             greedy, sampled = _versus(r["vs_grpo"])
@@ -89,7 +78,7 @@ def _probe(p: dict | None) -> tuple[str, str]:
         return "n/a", "n/a"
     c = p["change"]
     curve = " -> ".join(f"{x:.3f}" for x in p["reward"])
-    return f"{curve} (steps {', '.join(map(str, p['steps']))})", f"{_ci(c['mean'], [c['ci_low'], c['ci_high']])} ({c['prompts']} prompts x {p['samples']})"
+    return f"{curve} (steps {', '.join(map(str, p['steps']))})", f"{ci(c['mean'], [c['ci_low'], c['ci_high']])} ({c['prompts']} prompts x {p['samples']})"
 
 
 def _paired(cell: dict | None, rc: bool) -> str:
@@ -112,16 +101,16 @@ def rl_table(rows: list[dict], contrast: dict) -> str:
             continue
         init, algo = r["label"].split("-", 1)
         curve, change = _probe(r.get("rl_probe"))
-        flat = _n(r.get("rl_mean_frac_zero_std"), ".2f")
+        flat = num(r.get("rl_mean_frac_zero_std"), ".2f")
         if r.get("rl_mean_frac_flat_fail") is not None:
-            flat += f" ({_n(r['rl_mean_frac_flat_fail'])} / {_n(r.get('rl_mean_frac_flat_success'))})"
+            flat += f" ({num(r['rl_mean_frac_flat_fail'], '.2f')} / {num(r.get('rl_mean_frac_flat_success'), '.2f')})"
         paired = _paired(contrast.get(init), algo == "rc_grpo") if algo in ("grpo", "rc_grpo") else ""
         div, skipped = r.get("rl_diverged"), r.get("rl_nonfinite_grad_steps")
         fate = div["reason"] + ", rolled back to step " + str(div["restored_step"]) if div else "no"
         if skipped:
             fate += f"; skipped at step{'s' if len(skipped) > 1 else ''} {', '.join(map(str, skipped))}"
         lines.append(f"| {row_name(r['label'])} | {curve} | {change} | {flat} | {paired} | "
-                     f"{_n(r.get('rl_rollouts_per_useful_group'), '.1f')} | {fate} |")
+                     f"{num(r.get('rl_rollouts_per_useful_group'), '.1f')} | {fate} |")
     return "\n".join(lines) + "\n"
 
 
@@ -135,10 +124,10 @@ def controllability_table(rows: list[dict]) -> str:
         s, g, z = r.get("ctl_gap_sampled"), r.get("ctl_gap_greedy"), r.get("ctl_zero_var")
         if not (m or s or g):
             continue
-        cells = [_ci(m["gap"], m["ci"]) + f" ({m['n']} entries)" if m else "n/a",
-                 _ci(real["gap"], real["ci"]) if real else "n/a",
-                 _ci(s["gap"], s["ci"]) if s else "n/a", _ci(g["gap"], g["ci"]) if g else "n/a",
-                 f"{_n(z['all_high'], '.3f')} / {_n(z['mixed'], '.3f')} (G={z['G']})" if z else "n/a"]
+        cells = [ci(m["gap"], m["ci"]) + f" ({m['n']} entries)" if m else "n/a",
+                 ci(real["gap"], real["ci"]) if real else "n/a",
+                 ci(s["gap"], s["ci"]) if s else "n/a", ci(g["gap"], g["ci"]) if g else "n/a",
+                 f"{num(z['all_high'], '.3f')} / {num(z['mixed'], '.3f')} (G={z['G']})" if z else "n/a"]
         lines.append(f"| {row_name(r['label'])} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from rcgrpo_tasks.env.paper import NO_TOKEN, ROWS
 from rcgrpo_tasks.env.tasks import ALL_CATEGORIES, paper_overall, task_of_id
+from rcgrpo_tasks.evaluation.stats import paired_binary, paired_mean, wilson_ci
 from rcgrpo_tasks.ops.inputs import InputError, read_json, read_jsonl
-from rcgrpo_tasks.ops.stats import bootstrap_ci, mcnemar_exact, mean, paired_binary, paired_mean, wilson_ci
+from rcgrpo_tasks.ops.stats import bootstrap_ci, mcnemar_exact, mean
 
 RESULT_FILES = ("results.jsonl",)  # the evaluate stage's per-entry file
 
@@ -189,8 +190,8 @@ def compared_with(label: str) -> str | None:
 def versus(res: EvalResult, init: EvalResult, seed: int = 0) -> dict:
     """Greedy accuracy (%) of a row minus the row it is compared with (`rctp-rc_grpo` vs `rctp`) on the entries
     both evaluated: the entries each got right alone (`up`, `down`), the exact McNemar p and Tango's 95 %
-    interval (`ops.stats.paired_binary`: never a point where 0-2 entries differ); and the same difference in
-    pass@1 (`pass1`; a t interval over entries and the sign-flip p, `ops.stats.paired_mean`; None where either
+    interval (`evaluation.stats.paired_binary`: never a point where 0-2 entries differ); and the same difference in
+    pass@1 (`pass1`; a t interval over entries and the sign-flip p, `evaluation.stats.paired_mean`; None where either
     row was not sampled)."""
     mine = {e["entry_id"]: e for e in res.entries}
     theirs = {e["entry_id"]: e for e in init.entries}

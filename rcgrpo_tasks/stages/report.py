@@ -35,6 +35,7 @@ from rcgrpo_tasks.evaluation.agreement import cross_check
 from rcgrpo_tasks.evaluation.endpoints import EndpointsConfig
 from rcgrpo_tasks.evaluation.grid import GridConfig
 from rcgrpo_tasks.evaluation.mechanism import plot_mechanism
+from rcgrpo_tasks.evaluation.plots import accuracy_plot, probe_plot
 from rcgrpo_tasks.evaluation.report_tables import report_markdown
 from rcgrpo_tasks.evaluation.results_table import build_report, rc_versus_grpo
 from rcgrpo_tasks.evaluation.seeded import Roots, endpoint_results, load_seed, pooled_rows, premise
@@ -44,7 +45,6 @@ from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import load_config
 from rcgrpo_tasks.ops.inputs import InputError, read_json
 from rcgrpo_tasks.ops.outputs import write_json, write_text
-from rcgrpo_tasks.ops.plots import accuracy_plot, probe_plot
 
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
 

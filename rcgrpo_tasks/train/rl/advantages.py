@@ -29,8 +29,8 @@ import random
 from collections.abc import Sequence
 from typing import Literal
 
-from rcgrpo_tasks.env.paper import ALGOS
 from rcgrpo_tasks.env.prompt import check_reward_tokens
+from rcgrpo_tasks.ops.names import ALGOS
 from rcgrpo_tasks.train.rl.config import TokenDraw
 
 Conditioning = Literal["rc", "fixed", "none"]

@@ -1,0 +1,151 @@
+"""The report's statistics over entries, groups and seeds, on the bootstrap primitives of `ops.stats`.
+
+- `paired_bootstrap_ci` resamples entry indices once for both arms, so per-entry differences (candidate vs
+  champion, high vs low token) keep their pairing;
+- `wilson_ci` and Tango's paired score interval (`tango_paired_ci`, `paired_binary`) never collapse to a
+  point on small samples where a percentile bootstrap does;
+- `paired_mean` (t interval, sign-flip p) for per-unit rates such as pass@1; `two_level_bootstrap` pools over
+  seeds and units; `z_power` gives each test's minimum detectable effect.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+
+from rcgrpo_tasks.ops.stats import N_BOOT, bootstrap_ci, mcnemar_exact, percentiles
+
+
+def paired_bootstrap_ci(a: Sequence[float], b: Sequence[float], n_boot: int = N_BOOT, seed: int = 0,
+                        level: float = 0.95) -> tuple[float, float, float]:
+    """(mean(a - b), CI low, CI high) over paired units (same index = same entry)."""
+    if len(a) != len(b):
+        raise ValueError(f"paired samples differ in length: {len(a)} vs {len(b)}")
+    diffs = [float(x) - float(y) for x, y in zip(a, b)]
+    if not diffs:
+        return (float("nan"), float("nan"), float("nan"))
+    lo, hi = bootstrap_ci(diffs, n_boot=n_boot, seed=seed, level=level)
+    return (sum(diffs) / len(diffs), lo, hi)
+
+
+def wilson_ci(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval of a proportion (95 % by default): never [0, 0] at 0/n, unlike a bootstrap
+    of n zeros; (NaN, NaN) for n = 0."""
+    if n <= 0:
+        return (float("nan"), float("nan"))
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def _tango_z(b: int, c: int, n: int, delta: float) -> float:
+    """Tango's score statistic of p1 - p2 = `delta` (p12 - p21 with b = only-first, c = only-second pairs of
+    n), under the restricted maximum-likelihood p21 (the positive root of 2n p^2 - B p - c delta (1 - delta))."""
+    big_b = b + c + (b - c) * delta - 2 * n * delta
+    p21 = (big_b + math.sqrt(big_b ** 2 + 8 * n * c * delta * (1 - delta))) / (4 * n)
+    var = n * (2 * p21 + delta - delta ** 2)
+    return (b - c - n * delta) / math.sqrt(var) if var > 0 else math.copysign(math.inf, b - c - n * delta)
+
+
+def tango_paired_ci(b: int, c: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95 % score interval of p1 - p2 for n paired binary outcomes, b of them positive under the first arm
+    only and c under the second only (Tango 1998): the deltas whose score statistic lies within +-z, found by
+    bisection. Never a point: with b = c = 0 it is +-z^2 / (n + z^2), where a percentile bootstrap gives [0, 0]."""
+    if n <= 0 or b + c > n:
+        return (float("nan"), float("nan"))
+    est = (b - c) / n
+
+    def solve(lo: float, hi: float, target: float) -> float:
+        for _ in range(100):  # Z falls as delta rises
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if _tango_z(b, c, n, mid) > target else (lo, mid)
+        return (lo + hi) / 2
+
+    eps = 1e-12
+    return (solve(-1 + eps, est, z) if est > -1 + eps else -1.0, solve(est, 1 - eps, -z) if est < 1 - eps else 1.0)
+
+
+def z_power(alpha: float = 0.05, power: float = 0.8) -> float:
+    """z_(1 - alpha/2) + z_power: the factor of a two-sided test's minimum detectable effect (2.80 at 0.05, 0.8)."""
+    from statistics import NormalDist
+
+    return NormalDist().inv_cdf(1 - alpha / 2) + NormalDist().inv_cdf(power)
+
+
+def paired_binary(x: Sequence[float], y: Sequence[float], alpha: float = 0.05, power: float = 0.8) -> dict:
+    """Paired 0/1 outcomes (same units under two arms): the difference of the two rates, its Tango score
+    interval, the discordant counts, the exact McNemar p and the minimum detectable difference at `power`
+    for these n units at the observed discordance (normal approximation: z_power x sqrt(psi / n), psi =
+    the discordant share, at least 1/n)."""
+    if len(x) != len(y):
+        raise ValueError(f"paired samples differ in length: {len(x)} vs {len(y)}")
+    pairs = [(bool(round(u)), bool(round(v))) for u, v in zip(x, y)]
+    b = sum(1 for p, q in pairs if p and not q)
+    c = sum(1 for p, q in pairs if q and not p)
+    n = len(pairs)
+    lo, hi = tango_paired_ci(b, c, n)
+    psi = max(b + c, 1) / n if n else float("nan")
+    return {"n": n, "diff": (b - c) / n if n else float("nan"), "ci": [lo, hi], "only_first": b, "only_second": c,
+            "p": mcnemar_exact(b, c), "test": "exact McNemar, Tango interval",
+            "mde": z_power(alpha, power) * math.sqrt(psi / n) if n else float("nan")}
+
+
+def sign_flip_p(diffs: Sequence[float], n_perm: int = 20000, seed: int = 0) -> float:
+    """Two-sided p of mean(diffs) = 0 by flipping the signs of paired differences: exact over every sign
+    pattern when at most 16 differences are non-zero, else `n_perm` random patterns (seeded)."""
+    nz = [float(v) for v in diffs if v != 0]
+    if not nz:
+        return 1.0
+    obs = abs(sum(nz))
+    if len(nz) <= 16:
+        hits = sum(abs(sum(v if (m >> i) & 1 else -v for i, v in enumerate(nz))) >= obs - 1e-12
+                   for m in range(2 ** len(nz)))
+        return hits / 2 ** len(nz)
+    rng = random.Random(seed)
+    hits = sum(abs(sum(v if rng.random() < 0.5 else -v for v in nz)) >= obs - 1e-12 for _ in range(n_perm))
+    return (hits + 1) / (n_perm + 1)
+
+
+def paired_mean(diffs: Sequence[float], alpha: float = 0.05, power: float = 0.8, seed: int = 0) -> dict:
+    """Mean of paired differences with a t interval over units, the sign-flip p (`sign_flip_p`) and the
+    minimum detectable mean difference at `power` (z_power x sd / sqrt(n)); for per-unit rates (pass@1)."""
+    from scipy.stats import t as student_t
+
+    d = [float(v) for v in diffs]
+    n = len(d)
+    if n < 2:
+        return {"n": n, "diff": d[0] if d else float("nan"), "ci": [float("nan")] * 2, "p": float("nan"),
+                "mde": float("nan"), "test": "sign-flip permutation, t interval"}
+    m = sum(d) / n
+    sd = math.sqrt(sum((v - m) ** 2 for v in d) / (n - 1))
+    half = student_t.ppf(1 - alpha / 2, n - 1) * sd / math.sqrt(n)
+    return {"n": n, "diff": m, "ci": [m - half, m + half], "p": sign_flip_p(d, seed=seed),
+            "mde": z_power(alpha, power) * sd / math.sqrt(n), "test": "sign-flip permutation, t interval"}
+
+
+def two_level_bootstrap(groups: Sequence[Sequence[float]], n_boot: int = N_BOOT, seed: int = 0,
+                        alpha: float = 0.05, power: float = 0.8) -> dict:
+    """A pooled mean over seeds and units: `groups` holds one list per seed (its per-unit paired differences,
+    units in the same order in every seed). Each resample draws seeds with replacement, then units with
+    replacement (the same unit indices in every drawn seed: units are paired across seeds too), and takes
+    the mean: the interval includes training variance (between seeds) and sampling variance (between
+    units). Its standard error gives the minimum detectable effect at `power` (z_power x se)."""
+    groups = [[float(v) for v in g] for g in groups if g]
+    if not groups:
+        return {"seeds": 0, "n": 0, "diff": float("nan"), "ci": [float("nan")] * 2, "se": float("nan"),
+                "mde": float("nan"), "per_seed": []}
+    n = min(len(g) for g in groups)
+    rng = random.Random(seed)
+    means = []
+    for _ in range(n_boot):
+        seeds = [groups[rng.randrange(len(groups))] for _ in groups]
+        units = [rng.randrange(n) for _ in range(n)]
+        means.append(sum(g[u] for g in seeds for u in units) / (len(seeds) * n))
+    mu = sum(means) / len(means)
+    se = math.sqrt(sum((v - mu) ** 2 for v in means) / (len(means) - 1))
+    lo, hi = percentiles(means, 1 - alpha)
+    return {"seeds": len(groups), "n": n, "diff": sum(sum(g[:n]) for g in groups) / (len(groups) * n), "ci": [lo, hi],
+            "se": se, "mde": z_power(alpha, power) * se, "per_seed": [sum(g[:n]) / n for g in groups],
+            "test": "two-level bootstrap (seeds, then units)"}
