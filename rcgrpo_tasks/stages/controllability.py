@@ -102,10 +102,11 @@ def main(
         compute = resolve_compute(load_compute(params), decode=cfg.decode.dtype, model_dir=model_dir)
         backend = load_policy(model_dir, adapter_dir, compute.decode_dtype, (tokens[-1], tokens[0]),
                               compute.device)  # before MLflow
-    typer.echo(f"controllability: decoding on {backend.describe().get('device')}")
+    stage = tracking_log.stage_name("controllability", "rctp", grid_seed)  # the run's name: its DVC stage's
+    typer.echo(f"{stage}: decoding on {backend.describe().get('device')}")
     run_params = {"controllability": as_dict(cfg), "prompt": as_dict(prompt), "rl": rl_record(rl, groups),
                   "adapter": str(adapter_dir), "tokens": list(tokens), "side": side}
-    with tracking.published_run("controllability", run_params, outputs=(metrics, trajectories),
+    with tracking.published_run(stage, run_params, outputs=(metrics, trajectories),
                                 tags=tracking_log.grid_tags("rctp", grid_seed)) as (_, staged):
         result, trajs = measure(cfg, prompt, tokens, backend, picked, rl, groups,
                                 {"model": str(model_dir), "adapter": str(adapter_dir)}, margin_set)

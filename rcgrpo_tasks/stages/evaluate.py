@@ -110,13 +110,14 @@ def main(
         backend = load_backend(cfg.decode.backend, model, adapter or None, **compute.backend_kwargs())
         if guidance_of(cfg, reward_token or None):  # a model without reward tokens fails here, before any run
             reward_pair_ids(backend.tokenizer, (tokens[-1], tokens[0]))
-    typer.echo(f"evaluate@{label}: decoding on {backend.describe().get('device', cfg.decode.backend)}")
+    stage = tracking_log.stage_name("evaluate", label, grid_seed)  # the run's name: its DVC stage's
+    typer.echo(f"{stage}: decoding on {backend.describe().get('device', cfg.decode.backend)}")
     token = reward_token or None
     settings = {"model": str(model), "adapter": adapter or None, "reward_token": token, "side": side,
                 "grid_seed": grid_seed, **as_dict(cfg),
                 "prompt": as_dict(prompt), "backend_info": backend.describe()}
     run_params = {k: v for k, v in settings.items() if k != "backend_info"}
-    with tracking.published_run("evaluate", run_params, outputs=(out,),
+    with tracking.published_run(stage, run_params, outputs=(out,),
                                 tags={"rcgrpo.eval_label": label, **tracking_log.grid_tags(label, grid_seed)}) as (_, staged):
         trajs, rows, summary = run_eval(cfg, prompt, backend, held_out, token, label, tokens, sampled)
         pair = (tokens[-1], tokens[0])
