@@ -1,6 +1,6 @@
 """The report as a reader takes it in: three Markdown tables over the rows of `results_table.build_report`.
 
-1. Outcome: held-out greedy accuracy with its 95 % Wilson interval and pass@1 with its bootstrap interval
+1. Outcome: greedy accuracy (on the side of the split the rows measured) with its 95 % Wilson interval and pass@1 with its bootstrap interval
    (n entries, the same entry set in every row), each row's paired difference in both to its init (an RL
    row) or to the same model under its token (a no-token row), RC-GRPO against GRPO from the same init
    paired over entries, the paper's Table 1 number beside it (7B, GPU, multi-turn: a reference, not
@@ -17,7 +17,7 @@ Nothing is printed as an interval that is not one: a missing value is `n/a`.
 from __future__ import annotations
 
 from rcgrpo_tasks.env.paper import row_name
-from rcgrpo_tasks.evaluation.formats import ci, num
+from rcgrpo_tasks.evaluation.formats import ci, num, side_name
 
 
 def _versus(vs: dict | None) -> tuple[str, str]:
@@ -132,24 +132,29 @@ def controllability_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-NOTE = (
-    "Accuracy: the evaluate stage's success (single_turn: BFCL's AST checker; multi_turn: the paper's binary reward "
-    "under the paper protocol) on the held-out entries, greedy; pass@1: the mean over entries of the share of "
-    "the entry's answers sampled as RL samples them that succeed (the same row seeds in every model); "
-    "intervals: 95 % Wilson score (greedy), 95 % bootstrap over entries (pass@1); differences: the same entries "
-    "paired; greedy: the entries only this row / only the other got right (up, down), exact McNemar p, Tango's "
-    "95 % score interval; pass@1: a t interval over entries, the sign-flip permutation p. The paper's numbers are Qwen2.5-7B-Instruct on BFCL v4 "
-    "multi-turn (80 held-out entries): the shape of the result, not a target here. Probe: the run's fixed "
-    "prompts x samples at the rollouts' temperature, the same seeds at every checkpoint and in every cell of an "
-    "init, conditioned as the cell is evaluated; its change is paired over prompts. Zero-std: groups whose "
-    "reward has no spread (no learning signal); paired: GRPO and RC-GRPO groups of the same step and slot (the "
-    "same entry and seeds). Margin: [lp(expert|high) - lp(expert|low)] - [lp(near miss|high) - lp(near "
-    "miss|low)], 95 % bootstrap over held-out entries; without the empty answer: the kinds a model must read "
-    "its task to separate. Gaps: E[R|high] - E[R|low] on held-out entries, paired over entries.\n")
+def note(side: str) -> str:
+    """The report's closing note: what each number is, on the `side` of the split its rows measured."""
+    entries = f"{side_name(side)} entries"
+    return (
+        "Accuracy: the evaluate stage's success (single_turn: BFCL's AST checker; multi_turn: the paper's binary "
+        f"reward under the paper protocol) on the {entries}, greedy; pass@1: the mean over entries of the share of "
+        "the entry's answers sampled as RL samples them that succeed (the same row seeds in every model); "
+        "intervals: 95 % Wilson score (greedy), 95 % bootstrap over entries (pass@1); differences: the same "
+        "entries paired; greedy: the entries only this row / only the other got right (up, down), exact McNemar p, "
+        "Tango's 95 % score interval; pass@1: a t interval over entries, the sign-flip permutation p. The paper's "
+        "numbers are Qwen2.5-7B-Instruct on BFCL v4 multi-turn (its 80 test entries): the shape of the result, not "
+        "a target here. Probe: the run's fixed prompts x samples at the rollouts' temperature, the same seeds at "
+        "every checkpoint and in every cell of an init, conditioned as the cell is evaluated; its change is paired "
+        "over prompts. Zero-std: groups whose reward has no spread (no learning signal); paired: GRPO and RC-GRPO "
+        "groups of the same step and slot (the same entry and seeds). Margin: [lp(expert|high) - lp(expert|low)] "
+        f"- [lp(near miss|high) - lp(near miss|low)], 95 % bootstrap over {entries}; without the empty answer: the "
+        f"kinds a model must read its task to separate. Gaps: E[R|high] - E[R|low] on {entries}, paired over "
+        "entries.\n")
 
 
-def report_markdown(rows: list[dict], contrast: dict, checks: list[dict] = ()) -> str:
-    """The three tables with their headings, the per-category table, the cross-stage checks and the note."""
+def report_markdown(rows: list[dict], contrast: dict, side: str, checks: list[dict] = ()) -> str:
+    """The three tables with their headings, the per-category table, the cross-stage checks and the note, on
+    the `side` of the split the rows measured (`results_table.one_side`)."""
     return ("## Outcome\n\n" + outcome_table(rows) + agreement_lines(list(checks))
             + "\n### Per category\n\n" + category_table(rows) + "\n## RL\n\n" + rl_table(rows, contrast)
-            + "\n## Controllability\n\n" + controllability_table(rows) + "\n" + NOTE)
+            + "\n## Controllability\n\n" + controllability_table(rows) + "\n" + note(side))

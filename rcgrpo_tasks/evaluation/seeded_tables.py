@@ -5,16 +5,17 @@ rows pooled over seeds, RL learning per seed and cell, controllability per seed,
 from __future__ import annotations
 
 from rcgrpo_tasks.env.paper import row_name
-from rcgrpo_tasks.evaluation.formats import ci, missing, num
+from rcgrpo_tasks.evaluation.formats import ci, missing, num, side_name
 from rcgrpo_tasks.evaluation.report_tables import agreement_lines, category_table, outcome_table, rl_table
 
 
-def premise_lines(gates: list[dict]) -> str:
-    """The run's first line: did every seed's RCTP model read its token as RC-GRPO needs?"""
+def premise_lines(gates: list[dict], side: str) -> str:
+    """The run's first line: did every seed's RCTP model read its token as RC-GRPO needs (on the `side` of
+    the split the controllability checks measured)?"""
     if not gates:
         return "**RCTP premise gate: not measured** (no controllability metrics).\n"
     missed = [g for g in gates if not g["passed"]]
-    rule = f"q >= {gates[0]['min_q']} and the sampled gap's 95 % CI above 0, on the held-out entries"
+    rule = f"q >= {gates[0]['min_q']} and the sampled gap's 95 % CI above 0, on the {side_name(side)} entries"
     if missed:
         why = "; ".join(f"seed {g['seed']}: {g['why']}" for g in missed)
         head = (f"**RCTP premise gate MISSED in {len(missed)} of {len(gates)} seeds ({rule}): {why}. Where the RCTP "
@@ -99,11 +100,12 @@ def learning_table(seeds: list) -> str:
 
 
 def seeded_markdown(gates: list[dict], results: list[dict], pooled: list[dict], seeds: list, alpha: float,
-                    power: float, checks: dict[int, list[dict]], side: str = "held-out") -> str:
-    """The whole report: premise gate, endpoints, pooled rows, learning, then each seed's tables."""
-    parts = ["## RCTP's premise\n\n" + premise_lines(gates),
+                    power: float, checks: dict[int, list[dict]], side: str) -> str:
+    """The whole report: premise gate, endpoints, pooled rows, learning, then each seed's tables, on the `side`
+    of the split every row measured (`results_table.one_side`)."""
+    parts = ["## RCTP's premise\n\n" + premise_lines(gates, side),
              "## Endpoints\n\n" + endpoints_table(results, alpha, power, len(seeds)),
-             f"## Outcome pooled over seeds ({side} entries)\n\n" + pooled_table(pooled),
+             f"## Outcome pooled over seeds ({side_name(side)} entries)\n\n" + pooled_table(pooled),
              "## Learning where RL trains\n\n" + learning_table(seeds)]
     for s in seeds:
         parts.append(f"## Seed {s.seed}\n\n" + outcome_table(s.rows) + agreement_lines(checks.get(s.seed, []))

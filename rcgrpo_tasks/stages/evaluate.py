@@ -1,8 +1,9 @@
-"""evaluate stage: greedy rollouts of one model on the held-out split, and pass@1 from answers sampled as RL
+"""evaluate stage: greedy rollouts of one model on one side of the split (`--side`: test, held out, what is
+reported; dev, what designs are chosen on), and pass@1 from answers sampled as RL
 samples them (`evaluate.pass_samples` per entry at `rl.temperature` / `rl.top_p`); metrics, report, plot, MLflow.
 
 Reads: `params.yaml:evaluate`, a model folder (`--model`), an optional adapter / fine-tuned folder
-(`--adapter`), the split (`--split data/split.json`, side `test`) and entries (`--entries`, default
+(`--adapter`), the split (`--split data/split.json`, `--side`) and entries (`--entries`, default
 bfcl-eval). `--reward-token` conditions every rollout (`<|high_reward|>` for reward-conditioned models;
 empty for base/SFT). One definition serves every model through DVC `foreach` (`evaluate@base`, ...).
 Writes `--out` (atomically; replaced as a whole):
@@ -57,6 +58,7 @@ from rcgrpo_tasks.evaluation.accuracy import (
     run_eval,
     write_outputs,
 )
+from rcgrpo_tasks.evaluation.formats import split_title
 from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config, load_keys
@@ -94,7 +96,7 @@ def main(
     pass1: bool = typer.Option(True, help="--no-pass1: greedy only, whatever `evaluate.pass_samples` says (the base "
                                "model answers in prose: its samples would cost minutes to score 0)."),
 ) -> None:
-    """Evaluate a model on the held-out split: metrics, report, plot."""
+    """Evaluate a model on one side of the split (held out by default): metrics, report, plot."""
     label = name or out.name
     with cli_errors():
         cfg = load_config(EvaluateConfig, params, "evaluate")
@@ -130,9 +132,10 @@ def main(
             o_trajs, o_rows, official = run_eval(cfg, PromptConfig(**{**as_dict(prompt), "protocol": "official"}), backend,
                                                 list(pool.values()), token, label, tokens)
         tmp = staged.dir(out)
-        write_outputs(tmp, trajs, rows, summary)
-        if official:
-            write_outputs(tmp / "official", o_trajs, o_rows, official)
+        write_outputs(tmp, trajs, rows, summary, split_title(summary["task"], side))
+        if official:  # BFCL's official protocol on every prepared entry, whatever the side
+            write_outputs(tmp / "official", o_trajs, o_rows, official,
+                          f"BFCL v4 {official['task']}, every entry, official protocol")
         summary["dtype"] = compute.record()
         write_json(tmp / "metrics.json", {**summary, "settings": settings,
                                           **({"official": official} if official else {})})
