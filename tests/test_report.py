@@ -289,3 +289,13 @@ def test_an_evaluation_that_does_not_say_its_split_is_refused(tmp_path):
     (d / "metrics.json").unlink()
     with pytest.raises(InputError, match="metrics.json: not found"):
         report.load_eval("x", d)
+
+
+@pytest.mark.parametrize("value,interval", [(None, [0.1, 0.2]), (0.1, None), (0.1, [float("nan"), 0.2]),
+                                            (float("nan"), [0.1, 0.2]), (0.1, [0.1]), (0.1, [])])
+def test_nothing_is_printed_as_an_interval_that_is_not_one(value, interval):
+    from rcgrpo_tasks.evaluation.formats import ci, num
+
+    assert ci(value, interval) == "n/a"
+    assert ci(0.25, [0.125, 0.5]) == "+0.250 [+0.125, +0.500]" and ci(25.0, (12.5, 50.0), ".1f") == "25.0 [12.5, 50.0]"
+    assert num(None) == num(float("nan")) == "n/a" and num(0.5, ".2f") == "0.50"
