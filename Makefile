@@ -89,7 +89,8 @@ test: venv
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -m "not slow" --durations=15 $(XDIST)
 
 # The architecture and style checks CI runs beside the tests (config in pyproject.toml): the import layers
-# (cli -> stages -> evaluation -> train -> data -> engine -> env -> ops; train's two wings apart) and ruff.
+# (cli -> stages -> sweep -> evaluation | train -> data -> engine -> env -> ops, evaluation and train independent
+# siblings; train's two wings apart) and ruff.
 lint: venv
 	$(BIN)/ruff check .
 	cd $(CURDIR) && $(BIN)/lint-imports

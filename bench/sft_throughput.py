@@ -30,8 +30,8 @@ from rcgrpo.tokens import add_reward_tokens, expose_head_bias  # noqa: E402
 from rcgrpo_tasks.engine.compute import load_compute  # noqa: E402
 from rcgrpo_tasks.engine.rollout import replay_calls  # noqa: E402
 from rcgrpo_tasks.env.multi_turn import entries as multi_turn  # noqa: E402
-from rcgrpo_tasks.env.prompt import ProtocolConfig  # noqa: E402
-from rcgrpo_tasks.ops.config import as_dict, from_dict  # noqa: E402
+from rcgrpo_tasks.env.prompt import PromptConfig  # noqa: E402
+from rcgrpo_tasks.ops.config import as_dict, from_dict, load_config  # noqa: E402
 from rcgrpo_tasks.ops.inputs import read_jsonl  # noqa: E402
 from rcgrpo_tasks.train.sft import config as sft_config  # noqa: E402
 from rcgrpo_tasks.train.sft import rows as sft_rows  # noqa: E402
@@ -39,11 +39,13 @@ from rcgrpo_tasks.train.sft import run as sft_run  # noqa: E402
 from rcgrpo_tasks.train.sft import trainer as sft_trainer  # noqa: E402
 
 
-def replay_rows(model_dir: Path, n: int) -> list[dict]:
+def replay_rows(model_dir: Path, n: int, params: Path) -> list[dict]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    cfg = ProtocolConfig(protocol="paper", doc_style="compact")
+    # the pipeline's prompt section under the paper protocol (the one the multi-turn replays are written in)
+    prompt = load_config(PromptConfig, params, "prompt")
+    cfg = PromptConfig("paper", prompt.doc_style, prompt.system_prompt).protocol_config(20)
     rows = []
     for entry in multi_turn.load_entries(["base"])[:n]:
         traj = replay_calls(entry, cfg, entry.ground_truth, tokenizer)
@@ -54,7 +56,7 @@ def replay_rows(model_dir: Path, n: int) -> list[dict]:
 def load_rows(args) -> tuple[list[dict], str]:
     if args.data and Path(args.data).is_file():
         return read_jsonl(args.data)[: args.rows], str(args.data)
-    return replay_rows(args.model_dir, args.rows), f"replayed gold calls of {args.rows} base entries"
+    return replay_rows(args.model_dir, args.rows, args.params), f"replayed gold calls of {args.rows} base entries"
 
 
 def step_timer():

@@ -28,7 +28,8 @@ def mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def _percentiles(means: list[float], level: float) -> tuple[float, float]:
+def percentiles(means: list[float], level: float) -> tuple[float, float]:
+    """The central `level` interval of bootstrap statistics `means` (sorted in place)."""
     means.sort()
     n = len(means)
     lo = means[int(math.floor((1 - level) / 2 * n))]
@@ -52,7 +53,7 @@ def bootstrap_ci(values: Sequence[float], strata: Sequence[str] | None = None, n
         for vs in groups.values():
             total += sum(vs[rng.randrange(len(vs))] for _ in vs)
         means.append(total / n)
-    return _percentiles(means, level)
+    return percentiles(means, level)
 
 
 def paired_bootstrap_ci(a: Sequence[float], b: Sequence[float], n_boot: int = N_BOOT, seed: int = 0,

@@ -66,7 +66,7 @@ def _report(tmp_path, other_lps: list[float]):
     ev = tmp_path / "eval"
     write_jsonl(ev / "results.jsonl", [{"id": "simple_python_0", "category": "simple_python", "valid": True,
                                         "official_valid": True, "partial_credit": 1.0, "paper_reward": 1.0}])
-    write_json(ev / "metrics.json", {"settings": {"reward_token": HIGH}})
+    write_json(ev / "metrics.json", {"settings": {"reward_token": HIGH, "side": "test"}})
     write_trajectories(ev / "trajectories.jsonl", [_traj("simple_python_0", [5, 6], [-0.1, -0.2])])
     other = tmp_path / "ctl.jsonl"
     write_trajectories(other, [_traj("simple_python_0", [5, 6], other_lps),
@@ -92,7 +92,7 @@ def test_the_report_fails_and_writes_nothing_when_two_stages_disagree(tmp_path):
 def test_a_check_with_no_shared_entry_is_an_error(tmp_path):
     with pytest.raises(agreement.InputError, match="no entry"):
         ev = tmp_path / "eval"
-        write_json(ev / "metrics.json", {"settings": {"reward_token": HIGH}})
+        write_json(ev / "metrics.json", {"settings": {"reward_token": HIGH, "side": "test"}})
         write_trajectories(ev / "trajectories.jsonl", [_traj("a", [1], [-0.1])])
         write_trajectories(tmp_path / "o.jsonl", [_traj("b", [1], [-0.1])])
         agreement.cross_check(ev, tmp_path / "o.jsonl")
@@ -100,7 +100,7 @@ def test_a_check_with_no_shared_entry_is_an_error(tmp_path):
 
 def test_runs_with_other_budgets_are_not_compared(tmp_path):
     ev = tmp_path / "eval"
-    write_json(ev / "metrics.json", {"settings": {"reward_token": HIGH}})
+    write_json(ev / "metrics.json", {"settings": {"reward_token": HIGH, "side": "test"}})
     write_trajectories(ev / "trajectories.jsonl", [_traj("a", [1], [-0.1])])
     other = dataclasses.replace(_traj("a", [1], [-0.1]), provenance={"arm": "greedy", "sampling": {"max_new_tokens": 4}})
     write_trajectories(tmp_path / "o.jsonl", [other])

@@ -301,6 +301,7 @@ def test_report_table_carries_the_controllability_columns(tmp_path):
         write_jsonl(tmp_path / label / "results.jsonl", [
             {"id": f"multi_turn_base_{i}", "category": "base", "valid": i == 0, "paper_reward": float(i == 0),
              "partial_credit": 0.0} for i in range(3)])
+        write_json(tmp_path / label / "metrics.json", {"settings": {"side": "test"}})
     ctl_json = {"sampled": {"gap": 0.25, "gap_ci": [0.05, 0.5]}, "greedy": {"gap": 0.0, "gap_ci": [0.0, 0.0]},
                 "zero_variance": {"G": 5, "all_high": 0.92, "mixed": 0.61}}
     write_json(tmp_path / "ctl.json", ctl_json)

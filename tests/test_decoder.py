@@ -15,11 +15,11 @@ from rcgrpo_tasks.engine.kvcache import ALIGN, GROWTH, plan_capacity
 from rcgrpo_tasks.engine.prefix_layout import ragged_segments
 from rcgrpo_tasks.engine.rollout import run_group, run_groups
 from rcgrpo_tasks.engine.sampling import mix32, mix64, mix64_tensor, row_seed, uniform_noise
-from rcgrpo_tasks.env.prompt import ProtocolConfig
+from rcgrpo_tasks.env.prompt import PromptConfig
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 50, 51, 52], [1, 2, 3, 4, 5, 6, 7, 8, 10], [1, 2, 3, 50, 51, 53, 54],
            [99], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]]
-OFFICIAL = ProtocolConfig(protocol="official")
+OFFICIAL = PromptConfig("official", "compact", "bfcl").protocol_config(20)
 
 
 def _argmax_decode(model, prompt, n):

@@ -166,6 +166,7 @@ def _eval(folder, correct: dict):
     (folder / "results.jsonl").write_text("".join(
         json.dumps({"id": i, "valid": bool(v), "category": "simple_python", "task": "single_turn"}) + "\n"
         for i, v in correct.items()))
+    (folder / "metrics.json").write_text(json.dumps({"settings": {"side": "dev"}}))
 
 
 def test_replicates_pool_per_entry_and_compare_paired_with_the_init_and_the_default(tmp_path):

@@ -36,9 +36,27 @@ DOTTED = re.compile(r"^(?:rcgrpo_tasks\.)?([a-z_]+)((?:\.[A-Za-z_]\w*)+)$")
 
 
 def spans(path: Path) -> list[tuple[int, str]]:
-    out = []
+    """(line, text) of every backticked span; a span may run over a line break inside a paragraph (joined by
+    one space), never out of a code block."""
+    out, para, fence = [], [], False
+
+    def flush():
+        text = " ".join(line.strip() for _, line in para)
+        starts = [n for n, line in para for _ in range(len(line.strip()) + 1)]
+        out.extend((starts[m.start()], m.group(1).strip()) for m in re.finditer(r"`([^`]+)`", text))
+        para.clear()
+
     for n, line in enumerate(path.read_text().splitlines(), 1):
-        out += [(n, s.strip()) for s in SPAN.findall(line)]
+        if line.lstrip().startswith("```"):
+            flush()
+            fence = not fence
+        elif fence or not line.strip() or line.lstrip().startswith("|"):
+            flush()
+            if line.lstrip().startswith("|"):
+                out += [(n, t.strip()) for t in SPAN.findall(line)]
+        else:
+            para.append((n, line))
+    flush()
     return out
 
 
@@ -145,3 +163,188 @@ def test_a_planted_false_name_is_found(plant, tmp_path):
     doc = tmp_path / "planted.md"
     doc.write_text(f"A claim: {plant}, beside true ones: `rl_rctp@<seed>-rc_grpo`, `docs/rl.md`.\n")
     assert len(problems([doc])) == 1, plant
+
+
+# ------------------------------------------------------------------------------------- values and signatures
+
+KV = re.compile(r"^([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*):\s+(\S.*)$")
+OPTIONS = {
+    "protocol: official", "official_full: true", "vllm_mode: server", "loss_on: divergent", "minibatches: 4",
+    'compute.cpu_bf16: "auto"', "compute.processes: 2", "compute: {device: cpu, processes: 2}", "lora_r: 0",
+    "source: policy",
+}
+"""Backticked `key: value` spans that name a value as an option, an example or bad input (or a trajectory
+field that shares a params key's name), not as what a profile sets: each is a value params accept or the
+doc says it fails."""
+
+
+def _leaves(data, path=()):
+    if isinstance(data, dict):
+        for k, v in data.items():
+            yield from _leaves(v, (*path, str(k)))
+    else:
+        yield path, data
+
+
+@cache
+def resolved() -> tuple[list, ...]:
+    """Every leaf (path, value) of the pristine params and of every profile as it is run
+    (`sweep.profiles.PROFILES`), each fine-tune variant as it trains."""
+    from rcgrpo_tasks.ops.profiles import resolve_profile
+    from rcgrpo_tasks.stages.params import effective
+    from rcgrpo_tasks.sweep.profiles import PROFILES
+
+    return tuple(list(_leaves(effective(resolve_profile(p, REPO_ROOT).merged, p))) for p in PROFILES)
+
+
+def claims(span: str) -> list[tuple[str, object]]:
+    """(dotted key, value) of a backticked `key: value` (several joined by `, `; a flow mapping is one claim
+    per key); none for an alternative (`a | b`) or a placeholder (`<x>`, `N`, `k`)."""
+    out = []
+    for part in [span] if "{" in span else re.split(r",\s+(?=[a-z_][\w.]*:\s)", span):
+        m = KV.match(part.strip())
+        if not m or re.search(r"[|<>]", m.group(2)) or re.fullmatch(r"[A-Za-z]", m.group(2).split()[0]):
+            continue
+        try:
+            value = yaml.safe_load(m.group(2))
+        except yaml.YAMLError:
+            continue
+        items = value.items() if isinstance(value, dict) else [("", value)]
+        out += [(f"{m.group(1)}.{k}" if k else m.group(1), v) for k, v in items]
+    return out
+
+
+def value_ok(key: str, value) -> bool | None:
+    """True where some resolved profile holds `value` at a params path ending in `key`, False where such a
+    path exists and none holds it, None where `key` names no params key (not a params claim)."""
+    parts, found = tuple(key.split(".")), False
+    for leaves in resolved():
+        for path, v in leaves:
+            if path[-len(parts):] == parts:
+                found = True
+                if v == value:
+                    return True
+    return False if found else None
+
+
+CALL = re.compile(r"^((?:[A-Za-z_]\w*\.)*)([A-Za-z_]\w*)\((.*)\)(?:\s*->.*)?$")
+
+
+@cache
+def definitions() -> dict[str, list[tuple[str, str]]]:
+    """name -> [(module, qualified name)] of every top-level function and class of the package and every
+    method of its classes (by `Class.method`)."""
+    import ast
+
+    out: dict[str, list[tuple[str, str]]] = {}
+    for path in (REPO_ROOT / "rcgrpo_tasks").rglob("*.py"):
+        module = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                out.setdefault(node.name, []).append((module, node.name))
+            if isinstance(node, ast.ClassDef):
+                for sub in node.body:
+                    if isinstance(sub, ast.FunctionDef):
+                        out.setdefault(sub.name, []).append((module, f"{node.name}.{sub.name}"))
+    return out
+
+
+def _args(text: str) -> list[str]:
+    """Top-level comma-separated arguments (brackets and quotes kept whole)."""
+    out, depth, quote, cur = [], 0, None, ""
+    for ch in text:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+            continue
+        cur += ch
+    return [a for a in [*out, cur.strip()] if a]
+
+
+def signature_problem(span: str) -> str | None:
+    """Why a backticked call `a.b.name(args)` does not fit the package's `name` (None where it fits or names
+    nothing of the package): every keyword is a parameter, no more positional arguments than it takes,
+    every required parameter given unless `...` stands for the rest, and `kw=a|b` within a Literal's values."""
+    import importlib
+    import inspect
+    import typing
+
+    m = CALL.match(span)
+    if not m or re.search(r"\)\s*\.", span):  # a chain (`a().b()`): not one call
+        return None
+    prefix, name, args = m.group(1).rstrip("."), m.group(2), _args(m.group(3))
+    found = definitions().get(name, [])
+    if prefix:
+        found = [(mod, q) for mod, q in found if f"{mod}.{q}".endswith(f"{prefix}.{name}")
+                 or (f"{mod}.{q}").endswith(f"{prefix.split('.')[-1]}.{q}")]
+        if not found:
+            return None if prefix.split(".")[0] not in PACKAGES and prefix.split(".")[0] != "rcgrpo_tasks" \
+                and not definitions().get(prefix.split(".")[-1]) else f"no {prefix}.{name} in the package"
+    if not found:
+        return None
+    why = []
+    for mod, qual in found:
+        obj = importlib.import_module(mod)
+        for part in qual.split("."):
+            obj = getattr(obj, part)
+        sig = inspect.signature(obj)
+        params = list(sig.parameters.values())
+        if "." in qual and inspect.isfunction(obj) and params and params[0].name in ("self", "cls"):
+            params = params[1:]
+        by_name = {p.name: p for p in params}
+        var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        given_pos = [a for a in args if not re.match(r"^\w+=", a) and a not in ("...", "…") and not a.startswith("*")]
+        kws = dict(a.split("=", 1) for a in args if re.match(r"^\w+=", a))
+        bad = [k for k in kws if k not in by_name and not var_kw]
+        if len(given_pos) > len(positional) and not any(p.kind is p.VAR_POSITIONAL for p in params):
+            bad.append(f"{len(given_pos)} positional arguments, it takes {len(positional)}")
+        if "..." not in args and "…" not in args:
+            named = {p.name for p in positional[:len(given_pos)]} | set(kws)
+            bad += [f"missing {p.name}" for p in params if p.default is p.empty
+                    and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in named]
+        hints = typing.get_type_hints(obj) if not inspect.isclass(obj) else {}
+        for k, v in kws.items():
+            allowed = typing.get_args(hints.get(k)) if typing.get_origin(hints.get(k)) is typing.Literal else ()
+            if allowed and "|" in v and not {x.strip().strip("\"'") for x in v.split("|")} <= set(allowed):
+                bad.append(f"{k} takes {list(allowed)}")
+        if not bad:
+            return None
+        why.append(f"{mod}.{qual}{sig}: {'; '.join(bad)}")
+    return " / ".join(why)
+
+
+def value_problems(docs: list[Path] = DOCS) -> list[str]:
+    found = []
+    for doc, line, span in ((d, n, s) for d in docs for n, s in spans(d)):
+        where = f"{rel(doc)}:{line}: `{span}`"
+        if span not in OPTIONS:
+            found += [f"{where}: no profile sets {k} to {v!r}" for k, v in claims(span) if value_ok(k, v) is False]
+        why = signature_problem(span)
+        if why:
+            found.append(f"{where}: {why}")
+    return found
+
+
+def test_docs_values_and_signatures_are_the_codes():
+    """Every backticked `key: value` names a value the params or a profile resolve to (or is a listed
+    option), and every backticked call fits the signature of the package's function or class it names."""
+    assert value_problems() == []
+
+
+@pytest.mark.parametrize("plant", ["`rl.max_steps: 7`", "`evaluate.limit: 9`", "`max_steps: 36, lr_scheduler: cosin`",
+                                   "`HFBackend(model_dir, dtype=float32, colour=red)`",
+                                   "`ops.config.load_config(Cls)`", "`resolve_profile(a, b, c, d, e)`"])
+def test_a_planted_false_value_or_signature_is_found(plant, tmp_path):
+    doc = tmp_path / "planted.md"
+    doc.write_text(f"A claim: {plant}, beside true ones: `rl.max_steps: 15`, `init: sft`, "
+                   "`load_trained(base, adapter, dtype=\"float32\")`.\n")
+    assert len(value_problems([doc])) == 1, value_problems([doc])

@@ -12,10 +12,10 @@ from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.rollout import replay_calls, run_group, run_rollouts
 from rcgrpo_tasks.engine.trajectory import Trajectory
 from rcgrpo_tasks.env.multi_turn import entries as multi_turn
-from rcgrpo_tasks.env.prompt import ProtocolConfig
+from rcgrpo_tasks.env.prompt import PromptConfig
 
-OFFICIAL = ProtocolConfig(protocol="official")
-PAPER = ProtocolConfig(protocol="paper", max_outputs=4)
+OFFICIAL = PromptConfig("official", "compact", "bfcl").protocol_config(20)
+PAPER = PromptConfig("paper", "compact", "bfcl").protocol_config(4)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_gold_replay_scores_100_percent_on_all_800_official(tok):
 @pytest.mark.slow
 def test_gold_replay_paper_reward_100_percent_on_all_800(tok):
     failed = [e.id for e in multi_turn.load_entries()
-              if replay_calls(e, ProtocolConfig(protocol="paper"), e.ground_truth, tok).score["paper_reward"] != 1.0]
+              if replay_calls(e, PromptConfig("paper", "compact", "bfcl").protocol_config(20), e.ground_truth, tok).score["paper_reward"] != 1.0]
     assert not failed, failed[:5]
 
 

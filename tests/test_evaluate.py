@@ -216,5 +216,5 @@ def test_single_turn_evaluation_scores_bfcl_ast_verdicts(tok):
         assert r["task"] == "single_turn" and r["valid"] is (r["id"] in right) and r["n_steps"] == 1
         assert r["error_type"] == (None if r["id"] in right else "ast_decoder:decoder_failed")
         assert r["partial_credit_kind"] == "gold_calls_matched" and r["partial_credit"] == float(r["valid"])
-    md = evaluate.report_markdown(summary, {}, None)
-    assert "`single_turn` task" in md and "AST checker" in md
+    md = evaluate.report_markdown(summary, {"side": "test"}, None)
+    assert "`single_turn` task" in md and "AST checker" in md and "## Held-out split" in md

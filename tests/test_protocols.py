@@ -15,10 +15,10 @@ from rcgrpo_tasks.engine.rollout import replay_calls, run_episodes, run_group
 from rcgrpo_tasks.env.multi_turn import entries as multi_turn
 from rcgrpo_tasks.env.multi_turn.calls import parse_call_string
 from rcgrpo_tasks.env.multi_turn.episode import PAPER_INSTRUCTION, Episode, initial_messages, system_prompt
-from rcgrpo_tasks.env.prompt import BFCL_CLASSIC, BFCL_MAX_STEPS_PER_TURN, ProtocolConfig, format_reward_goal
+from rcgrpo_tasks.env.prompt import BFCL_CLASSIC, BFCL_MAX_STEPS_PER_TURN, PromptConfig, format_reward_goal
 
-OFFICIAL = ProtocolConfig(protocol="official")
-PAPER = ProtocolConfig(protocol="paper", max_outputs=6)
+OFFICIAL = PromptConfig("official", "compact", "bfcl").protocol_config(20)
+PAPER = PromptConfig("paper", "compact", "bfcl").protocol_config(6)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=512)
 
 
@@ -46,7 +46,7 @@ def test_official_system_prompt_is_bfcl_default():
 
     entry = get_entry("multi_turn_base_0")
     docs = multi_turn.entry_docs(entry)[0]
-    got = system_prompt(docs, ProtocolConfig(protocol="official", doc_style="official"))
+    got = system_prompt(docs, PromptConfig("official", "official", "bfcl").protocol_config(20))
     t = dp.PROMPT_STYLE_TEMPLATES["classic"]
     want = dp.PROMPT_TEMPLATE_MAPPING["plaintext"].format(
         persona=t["persona"], task=t["task"],
@@ -108,7 +108,7 @@ def test_miss_func_doc_injection_official(tok):
     assert all(injected.startswith(f"{n}(") or f"\n{n}(" in injected for n in names)
     assert traj.score["valid"]
     # official doc style injects BFCL's exact text: str() of the doc list
-    official = ProtocolConfig(protocol="official", doc_style="official")
+    official = PromptConfig("official", "official", "bfcl").protocol_config(20)
     traj = replay_calls(entry, official, entry.ground_truth, tok)
     held = multi_turn.entry_docs(entry)[1][held_turn]
     assert [m for m in traj.messages if m["role"] == "user"][held_turn]["content"] == \

@@ -8,15 +8,16 @@ import random
 
 import pytest
 
+from rcgrpo.stats import bootstrap_ci
 from rcgrpo_tasks.evaluation import report_tables
 from rcgrpo_tasks.evaluation import results_table as report
+from rcgrpo_tasks.evaluation.plots import accuracy_figure, accuracy_plot, probe_plot
+from rcgrpo_tasks.evaluation.stats import paired_bootstrap_ci
 from rcgrpo_tasks.ops.inputs import InputError
-from rcgrpo_tasks.ops.outputs import write_jsonl
-from rcgrpo_tasks.ops.plots import accuracy_figure, accuracy_plot, probe_plot
-from rcgrpo_tasks.ops.stats import bootstrap_ci, paired_bootstrap_ci
+from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
 
 
-def _eval_dir(tmp_path, label, acc_by_cat, n=20, seed=0):
+def _eval_dir(tmp_path, label, acc_by_cat, n=20, seed=0, side="test"):
     rng = random.Random(seed)
     rows = []
     for cat, acc in acc_by_cat.items():
@@ -30,6 +31,7 @@ def _eval_dir(tmp_path, label, acc_by_cat, n=20, seed=0):
                          "paper_reward": float(ok)})
     d = tmp_path / label
     write_jsonl(d / "results.jsonl", rows)
+    write_json(d / "metrics.json", {"settings": {"side": side}})
     return d
 
 
@@ -59,11 +61,11 @@ def test_report_rows_order_paper_column_and_outputs(tmp_path):
     assert top["official_accuracy"] < top["overall"]["accuracy"]
     assert top["paper_table1_overall"] == 85.0 and rows[1]["paper_table1_overall"] is None
     assert top["rl_mean_frac_zero_std"] == 0.25
-    md = report_tables.report_markdown(rows, {})
+    md = report_tables.report_markdown(rows, {}, "test")
     assert "RCTP+RC-GRPO" in md and "85.00" in md and "7B, GPU" in md
     assert md.index("## Outcome") < md.index("## RL") < md.index("## Controllability")
     png = tmp_path / "out" / "acc.png"
-    accuracy_plot(rows, png)
+    accuracy_plot(rows, png, None, "BFCL v4 multi_turn, held-out split")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -87,7 +89,7 @@ def test_accuracy_plot_is_readable_at_zero_and_at_85(acc, ci):
     import matplotlib.pyplot as plt
 
     rows = [_row("base", acc, ci, 0.25, paper=11.25), _row("rctp-rc_grpo", acc, ci, 0.5, paper=85.0)]
-    fig = accuracy_figure(rows, {"base": "Base"})
+    fig = accuracy_figure(rows, {"base": "Base"}, "BFCL v4 multi_turn, held-out split")
     ax, bx = fig.axes
     texts = [t.get_text() for t in ax.texts]
     assert texts.count(f"{acc:.1f}%") == 2
@@ -108,12 +110,13 @@ def test_paired_bootstrap_ci_keeps_pairs():
         paired_bootstrap_ci([1.0], [1.0, 0.0])
 
 
-def _single_turn_dir(tmp_path, label, flags):
+def _single_turn_dir(tmp_path, label, flags, side="test"):
     rows = [{"id": f"simple_python_{i}", "task": "single_turn", "category": "simple_python", "valid": bool(ok),
              "official_valid": bool(ok), "partial_credit": float(ok), "paper_reward": float(ok)}
             for i, ok in enumerate(flags)]
     d = tmp_path / label
     write_jsonl(d / "results.jsonl", rows)
+    write_json(d / "metrics.json", {"settings": {"side": side}})
     return d
 
 
@@ -156,7 +159,7 @@ def test_rl_rows_carry_the_probe_and_the_rl_table_shows_it(tmp_path):
     assert "0.250 -> 0.375 -> 0.500 (steps 0, 5, 10)" in md and "+0.250 [+0.125, +0.375] (2 prompts x 4)" in md
     assert "| no; skipped at steps 3, 7 |" in md
     png = tmp_path / "probe.png"
-    probe_plot([row], png)
+    probe_plot([row], png, None, "RL: the fixed probe")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -183,7 +186,7 @@ def test_no_token_rows_rc_versus_grpo_paired_by_group_and_the_margin_columns(tmp
     (tmp_path / "rctp-rc_grpo" / "metrics.json").write_text(json.dumps(
         {"margin": {"margin": 0.5, "ci": [0.25, 0.75], "n_entries": 20, "share_positive": 0.8,
                     "realistic": {"margin": 0.125, "ci": [0.0625, 0.25], "n_entries": 20, "share_positive": 0.6}},
-         "token_rows": {"ratio": 0.6}}))
+         "token_rows": {"ratio": 0.6}, "settings": {"side": "test"}}))
     rl = tmp_path / "rl.json"
     rl.write_text(json.dumps({"mean_frac_zero_std": 0.5, "mean_frac_flat_fail": 0.125,
                               "mean_frac_flat_success": 0.375}))
@@ -228,6 +231,7 @@ def test_pass_at_1_rows_and_paired_differences(tmp_path):
         rows = [{"id": f"simple_python_{i}", "category": "simple_python", "valid": bool(g), "official_valid": bool(g),
                  "partial_credit": 0.0, "paper_reward": float(g), "pass1": p} for i, (g, p) in enumerate(zip(greedy, pass1))]
         write_jsonl(tmp_path / label / "results.jsonl", rows)
+        write_json(tmp_path / label / "metrics.json", {"settings": {"side": "test"}})
         return label, tmp_path / label
 
     rows = {r["label"]: r for r in report.build_report(
@@ -238,7 +242,60 @@ def test_pass_at_1_rows_and_paired_differences(tmp_path):
     vs = rows["sft-grpo"]["vs_init"]
     assert vs["pass1"]["diff"] == pytest.approx(25.0 * (0.25 + 0.5) / 1)  # (0.25 + 0.5) / 4 entries, in %
     assert (vs["diff"], vs["up"], vs["down"]) == (pytest.approx(0.0), 1, 1)
-    md = report_tables.report_markdown(list(rows.values()), {})
+    md = report_tables.report_markdown(list(rows.values()), {}, "test")
     assert "+18.8" in md and "simple_python: greedy / pass@1 %" in md
     plain = report.build_report([("sft", _eval_dir(tmp_path, "plain", {"base": 0.5}))], [])[0]
     assert plain["overall"]["pass1"] is None and "| n/a |" in report_tables.outcome_table([plain])
+
+
+@pytest.mark.parametrize("side,name", [("dev", "dev"), ("test", "held-out")])
+def test_an_explicit_report_and_an_evaluation_name_their_split(tmp_path, monkeypatch, side, name):
+    """The dev sweep's report (`--eval` one by one) and an evaluation's report.md and plot say the split their
+    entries come from: on dev nothing says held-out. A report over two sides fails naming them, writes nothing."""
+    from typer.testing import CliRunner
+
+    from rcgrpo_tasks.evaluation import accuracy
+    from rcgrpo_tasks.stages import report as report_stage
+
+    titles = []
+    real = report_stage.accuracy_plot
+    monkeypatch.setattr(report_stage, "accuracy_plot", lambda *a: (titles.append(a[3]), real(*a)))
+    dirs = {label: _single_turn_dir(tmp_path, label, [1, 0, 1, 0], side) for label in ("rctp", "rctp-grpo")}
+    out = tmp_path / "out"
+    args = [*(a for label, d in dirs.items() for a in ("--eval", f"{label}={d}")), "--table", str(out / "t.md"),
+            "--json", str(out / "r.json"), "--plot", str(out / "a.png"), "--no-track"]
+    res = CliRunner().invoke(report_stage.app, args)
+    assert res.exit_code == 0, res.output
+    text = (out / "t.md").read_text() + (out / "r.json").read_text() + titles[0]
+    assert ("held-out" in text) == (side == "test") and "held out" not in text
+    assert f"on the {name} entries" in text and titles == [f"BFCL v4 single_turn, {name} split"]
+    md = accuracy.report_markdown({"label": "x", "task": "single_turn", "protocol": "paper", "categories": {},
+                                   "overall": {"n": 0, "accuracy": 0.0, "ci": [0.0, 0.0], "partial_credit": 0.0,
+                                               "paper_reward": 0.0}, "partial_credit_kind": "k", "terminations": {},
+                                   "mean_steps": 1.0, "n_model_tokens": 0, "wall_time_s": 0.0,
+                                   "model_tokens_per_s": 0.0, "rollouts_per_s": 0.0}, {"side": side}, None)
+    assert f"## {name.capitalize()} split" in md and ("held-out" in md.lower()) == (side == "test")
+    other = _single_turn_dir(tmp_path, "other", [1, 1, 1, 1], "dev" if side == "test" else "test")
+    res = CliRunner().invoke(report_stage.app, [*args[:2], "--eval", f"sft={other}", *args[4:]])
+    assert res.exit_code == 2 and "a report reads one side of the split" in res.output
+    assert f"{side} (rctp)" in res.output and "(sft)" in res.output
+
+
+def test_an_evaluation_that_does_not_say_its_split_is_refused(tmp_path):
+    d = _single_turn_dir(tmp_path, "x", [1, 0])
+    write_json(d / "metrics.json", {"settings": {}})
+    with pytest.raises(InputError, match=r"metrics.json: settings.side must be one of \['dev', 'test'\], got None"):
+        report.load_eval("x", d)
+    (d / "metrics.json").unlink()
+    with pytest.raises(InputError, match="metrics.json: not found"):
+        report.load_eval("x", d)
+
+
+@pytest.mark.parametrize("value,interval", [(None, [0.1, 0.2]), (0.1, None), (0.1, [float("nan"), 0.2]),
+                                            (float("nan"), [0.1, 0.2]), (0.1, [0.1]), (0.1, [])])
+def test_nothing_is_printed_as_an_interval_that_is_not_one(value, interval):
+    from rcgrpo_tasks.evaluation.formats import ci, num
+
+    assert ci(value, interval) == "n/a"
+    assert ci(0.25, [0.125, 0.5]) == "+0.250 [+0.125, +0.500]" and ci(25.0, (12.5, 50.0), ".1f") == "25.0 [12.5, 50.0]"
+    assert num(None) == num(float("nan")) == "n/a" and num(0.5, ".2f") == "0.50"

@@ -10,18 +10,19 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from rcgrpo.stats import mcnemar_exact
 from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
-from rcgrpo_tasks.ops.stats import mcnemar_exact
 from rcgrpo_tasks.stages import report as report_stage
 
 N = 20
 CELLS = ("rctp-grpo", "rctp-rc_grpo")
 
 
-def _results(folder, correct: list[int], pass1: list[float]) -> None:
+def _results(folder, correct: list[int], pass1: list[float], side: str = "test") -> None:
     write_jsonl(folder / "results.jsonl", [
         {"id": f"simple_python_{i}", "category": "simple_python", "valid": bool(c), "official_valid": bool(c),
          "partial_credit": float(c), "paper_reward": float(c), "pass1": p} for i, (c, p) in enumerate(zip(correct, pass1))])
+    write_json(folder / "metrics.json", {"settings": {"side": side}})
 
 
 def _steps(path) -> None:
@@ -46,7 +47,7 @@ def _probe(up: int, down: int) -> dict:
                                           "per_entry": {}}}
 
 
-def _grid(tmp_path, seeds=(0, 1), gate_q=(0.45, 0.2)):
+def _grid(tmp_path, seeds=(0, 1), gate_q=(0.45, 0.2), side="test"):
     """A two-seed grid's outputs: GRPO flat in 12 of 30 paired groups, RC-GRPO in 4 (every seed); RC-GRPO's
     pass@1 +0.25 on the first 8 entries; pool learning 7 up / 1 down per cell and seed."""
     root = tmp_path / "out"
@@ -60,12 +61,12 @@ def _grid(tmp_path, seeds=(0, 1), gate_q=(0.45, 0.2)):
                                           {"measure": "transfer", "cell": "rctp-rc_grpo"}]}}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     base = [i % 2 for i in range(N)]
-    _results(root / "eval" / "sft", base, [0.25] * N)
+    _results(root / "eval" / "sft", base, [0.25] * N, side)
     for s, q in zip(seeds, gate_q):
-        _results(root / "eval" / str(s) / "rctp", base, [0.25] * N)
-        _results(root / "eval" / str(s) / "rctp-grpo", base, [0.25] * N)
+        _results(root / "eval" / str(s) / "rctp", base, [0.25] * N, side)
+        _results(root / "eval" / str(s) / "rctp-grpo", base, [0.25] * N, side)
         _results(root / "eval" / str(s) / "rctp-rc_grpo", [1 if i < 3 else c for i, c in enumerate(base)],
-                 [0.5 if i < 8 else 0.25 for i in range(N)])
+                 [0.5 if i < 8 else 0.25 for i in range(N)], side)
         grpo, rc = _groups(12, 4)
         for cell, groups in zip(CELLS, (grpo, rc)):
             metrics = {"groups": groups, "pool": {"ids": ["a"], "size": 17, "step0_success": 0.5},
@@ -74,7 +75,7 @@ def _grid(tmp_path, seeds=(0, 1), gate_q=(0.45, 0.2)):
             write_json(root / "rl" / str(s) / cell / "metrics.json", metrics)
             _steps(root / "rl" / str(s) / cell / "steps.tsv")
         write_json(root / "ctl" / f"{s}.json", {
-            "premise_gate": {"min_q": 0.3, "q": q, "gap_ci_low": 0.01, "passed": q >= 0.3,
+            "side": side, "premise_gate": {"min_q": 0.3, "q": q, "gap_ci_low": 0.01, "passed": q >= 0.3,
                              "why": "met" if q >= 0.3 else f"q {q:.3f} < 0.3"},
             "sampled": {"gap": 0.1, "gap_ci": [0.01, 0.2], "success_rate_high": 0.3, "success_rate_low": 0.2,
                         "premise": {"q": q, "q_ci": [q - 0.1, q + 0.1]}}})
@@ -130,6 +131,31 @@ def test_a_run_whose_seeds_all_pass_the_gate_says_so_and_its_run_is_tracked(tmp_
     assert "premise gate passed in all 2 seeds" in (root / "t.md").read_text()
     (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list")
     assert run.data.metrics["rctp-rc_grpo/seed1/overall_acc"] == pytest.approx(60.0)
+
+
+@pytest.mark.parametrize("side,name", [("dev", "dev"), ("test", "held-out")])
+def test_a_grid_report_names_its_split_and_a_mix_of_sides_is_refused(tmp_path, monkeypatch, side, name):
+    """A report names the split its evaluations and checks read (their `settings.side` / `side`) in its notes,
+    headings and plot titles (on dev, nothing says held-out); one evaluation of another side fails the stage
+    naming both sides and who read each, and writes nothing."""
+    titles = []
+    for plot in ("accuracy_plot", "probe_plot"):
+        real = getattr(report_stage, plot)
+        monkeypatch.setattr(report_stage, plot, lambda *a, _real=real, **k: (titles.append(a[3]), _real(*a, **k)))
+    params, root = _grid(tmp_path, side=side)
+    res = _run(params, root, "--probe", str(root / "p.png"))
+    assert res.exit_code == 0, res.output
+    text = (root / "t.md").read_text() + (root / "r.json").read_text() + "".join(titles) + res.output
+    assert ("held-out" in text) == (side == "test") and "held out" not in text
+    assert f"on the {name} entries" in text and f"## Outcome pooled over seeds ({name} entries)" in text
+    assert json.loads((root / "r.json").read_text())["side"] == side
+    assert titles[0] == f"BFCL v4 single_turn, {name} split" and len(titles) == 2
+    other = "test" if side == "dev" else "dev"
+    _results(root / "eval" / "1" / "rctp", [0] * N, [0.25] * N, other)
+    (root / "t.md").unlink()
+    res = _run(params, root)
+    assert res.exit_code == 2 and not (root / "t.md").exists()
+    assert f"{side} (sft, rctp@0, rctp-grpo@0" in res.output and f"{other} (rctp@1)" in res.output, res.output
 
 
 def test_a_missing_seed_or_an_endpoint_on_an_unrun_cell_fails_clearly_and_writes_nothing(tmp_path):

@@ -4,6 +4,7 @@ and bad params / inputs failing before training."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -279,12 +280,13 @@ def test_mlflow_run_logs_params_steps_and_loadable_model(datasets, tiny_model_di
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "test-sft")
     monkeypatch.delenv("RCGRPO_PARENT_RUN_ID", raising=False)
     monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")  # sampling thread: not in a 3 s run
-    s = spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl")
+    s = dataclasses.replace(spec(tmp_path, tiny_model_dir, "rctp", datasets / "rctp.jsonl"), grid_seed=2)
     sft_run.train_variant(tiny_sft_config(max_steps=3, log_model=True), LEVELS, s, track=True, compute=compute_from_params())
 
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
     run = mlflow.search_runs(experiment_names=["test-sft"], output_format="list")[0]
-    assert run.info.run_name == "sft@rctp" and run.info.status == "FINISHED"
+    assert run.info.run_name == "rctp@2" and run.info.status == "FINISHED"  # its DVC stage: rctp@<grid seed>
+    assert (run.data.tags["rcgrpo.cell"], run.data.tags["rcgrpo.seed"]) == ("rctp", "2")
     assert run.data.params["sft.learning_rate"] == "0.01"
     assert run.data.params["inputs.data_md5"] == checkpoints.file_md5(s.data)
     assert on_test_device(run.data.params["placement.device"]) and run.data.params["compute.device"] == "auto"

@@ -6,7 +6,7 @@ import random
 import pytest
 from helpers import config_from_params
 
-from rcgrpo_tasks.env.prompt import ProtocolConfig
+from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.single_turn import entries as single_turn
 from rcgrpo_tasks.env.single_turn.episode import initial_messages
 from rcgrpo_tasks.env.single_turn.perturb import PERTURBATIONS, expert_answer, expert_calls, perturb
@@ -68,13 +68,13 @@ def test_prompt_is_bfcl_prompting_mode():
     reward goal on the first user message; `short` keeps the format rule and the docs only."""
     entries = single_turn.load_entries(["live_simple"])
     e = next(x for x in entries if x.question[0]["role"] == "system")
-    msgs = initial_messages(e, ProtocolConfig(doc_style="official"), "<|high_reward|>")
+    msgs = initial_messages(e, PromptConfig("paper", "official", "bfcl").protocol_config(20), "<|high_reward|>")
     assert [m["role"] for m in msgs] == [m["role"] for m in e.question]
     assert msgs[0]["content"].startswith("You are an expert in composing functions.")
     assert msgs[0]["content"].endswith("\n\n" + e.question[0]["content"])
     assert json.dumps(single_turn.hinted(e.functions), indent=4) in msgs[0]["content"]
     assert msgs[1]["content"] == e.question[1]["content"] + "\n\n[Reward Goal: <|high_reward|>]"
-    short = initial_messages(e, ProtocolConfig(doc_style="compact", system_prompt="short"))[0]["content"]
+    short = initial_messages(e, PromptConfig("paper", "compact", "short").protocol_config(20))[0]["content"]
     assert short.startswith("You should only return the function calls") and "# Function: " in short
     assert "Note that the provided function is in Python 3 syntax." in short
 

@@ -105,6 +105,17 @@ def _check(repo: Path, stdout: str, task: str, chain: tuple[str, ...]) -> None:
     assert metrics["task"] == task and metrics["settings"]["grid_seed"] == 0, metrics
     rl = json.loads((repo / "results" / "rl" / "0" / "rctp-rc_grpo" / "metrics.json").read_text())
     assert rl["steps"] >= 1 and rl["pool"]["size"] >= 1 and rl["pool_learning"]["prompts"] >= 0, rl
+    assert set(chain) - {"prepare_data"} <= _run_names(repo.parent / "mlflow.db")  # prepare_data tracks nothing
+
+
+def _run_names(db: Path) -> set[str]:
+    """The MLflow runs' names in the chain's store: each stage's run is named as its DVC stage
+    (tests/test_run_names.py); the GX gates run inside another stage are named after it."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{db}")
+    ids = [e.experiment_id for e in client.search_experiments()]
+    return {r.info.run_name for r in client.search_runs(ids, max_results=1000)}
 
 
 def _check_report(repo: Path) -> None:

@@ -1,4 +1,4 @@
-"""Wilson intervals and the exact McNemar test (`ops.stats`) the report uses."""
+"""Wilson intervals and the exact McNemar test (`rcgrpo.stats`) the report uses."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import pytest
 
 
 def test_wilson_and_exact_mcnemar():
-    from rcgrpo_tasks.ops.stats import mcnemar_exact, wilson_ci
+    from rcgrpo.stats import mcnemar_exact
+    from rcgrpo_tasks.evaluation.stats import wilson_ci
 
     lo, hi = wilson_ci(0, 16)
     assert lo == 0.0 and 0.15 < hi < 0.25  # 0/16 is not [0, 0]
@@ -20,7 +21,7 @@ def test_wilson_and_exact_mcnemar():
 def test_tango_interval_solves_its_score_equation_and_never_collapses():
     import math
 
-    from rcgrpo_tasks.ops.stats import paired_binary, tango_paired_ci
+    from rcgrpo_tasks.evaluation.stats import paired_binary, tango_paired_ci
 
     z = 1.959964
     for n in (4, 60, 360):  # no discordant pair: +-z^2 / (n + z^2) in closed form
@@ -55,7 +56,8 @@ def test_tango_interval_solves_its_score_equation_and_never_collapses():
 def test_exact_tests_agree_with_scipy_and_enumeration():
     from scipy.stats import binomtest
 
-    from rcgrpo_tasks.ops.stats import mcnemar_exact, sign_flip_p, z_power
+    from rcgrpo.stats import mcnemar_exact
+    from rcgrpo_tasks.evaluation.stats import sign_flip_p, z_power
 
     for up, down in ((10, 1), (3, 0), (7, 9), (0, 12)):
         assert mcnemar_exact(up, down) == pytest.approx(binomtest(up, up + down, 0.5).pvalue)
@@ -66,7 +68,7 @@ def test_exact_tests_agree_with_scipy_and_enumeration():
 
 
 def test_paired_mean_and_its_minimum_detectable_effect():
-    from rcgrpo_tasks.ops.stats import paired_mean
+    from rcgrpo_tasks.evaluation.stats import paired_mean
 
     r = paired_mean([0.25, 0.0, 0.0, -0.25, 0.5, 0.0, 0.25, 0.0])
     assert r["diff"] == pytest.approx(0.09375) and r["ci"][0] < r["diff"] < r["ci"][1]
@@ -77,7 +79,7 @@ def test_paired_mean_and_its_minimum_detectable_effect():
 
 
 def test_two_level_bootstrap_widens_with_the_spread_between_seeds():
-    from rcgrpo_tasks.ops.stats import two_level_bootstrap
+    from rcgrpo_tasks.evaluation.stats import two_level_bootstrap
 
     units = [0.1 * ((i * 7) % 5 - 2) for i in range(40)]
     alike = two_level_bootstrap([units, units, units])

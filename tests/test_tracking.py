@@ -139,12 +139,14 @@ def test_runs_table_url_selects_the_model_training_view(store, monkeypatch):
     assert tracking_store.runs_table_url() == "http://127.0.0.1:5000/#/experiments/7/runs?workflowType=machine_learning"
 
 
-def test_runs_are_named_stage_at_variant(store, monkeypatch):
-    assert tracking.run_name("evaluate", "sft") == "evaluate@sft"
-    assert tracking.run_name("sft@rctp") == "sft@rctp"
-    monkeypatch.setenv("DVC_STAGE", "evaluate@rctp-rc_grpo")
-    assert tracking.run_name("evaluate") == "evaluate@rctp-rc_grpo"
-    assert tracking.run_name("report") == "report"  # another stage's key is not this one's variant
+def test_runs_are_named_as_their_dvc_stage(store, monkeypatch):
+    monkeypatch.delenv("DVC_STAGE", raising=False)
+    assert tracking.run_name("evaluate_rl_rctp@0-rc_grpo") == "evaluate_rl_rctp@0-rc_grpo"  # a stage's name
+    assert tracking.run_name("validate_trajectories", "pool_rctp@0") == "validate_trajectories@pool_rctp@0"
+    assert tracking.run_name("report") == "report"
+    monkeypatch.setenv("DVC_STAGE", "pool_rctp@0")
+    assert tracking.run_name("sample_policy") == "pool_rctp@0"  # the stage DVC runs, whatever its module
+    assert tracking.run_name("rctp@0") == "rctp@0"
     monkeypatch.setenv("DVC_STAGE", "sub/dvc.yaml:evaluate@base")
     with tracking.stage_run("evaluate", {"x": 1}) as run:
         run_id = run.info.run_id

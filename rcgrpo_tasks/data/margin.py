@@ -34,7 +34,7 @@ from itertools import groupby
 from rcgrpo_tasks.engine.rollout import replay_calls
 from rcgrpo.shared_prefix import target_hidden, trunk_and_head, trunk_tokens
 from rcgrpo_tasks.env.tasks import task_of
-from rcgrpo_tasks.ops.stats import bootstrap_ci, mean
+from rcgrpo.stats import bootstrap_ci, mean
 
 EXPERT = "expert"
 REPLAY_OUTPUTS = 64

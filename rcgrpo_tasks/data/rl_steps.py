@@ -5,7 +5,7 @@ by the report (`evaluation.mechanism`); here, below both, because training and e
 - `MECHANISM_COLUMNS`: the share of zero-variance groups, the advantage spread, the controllability gap and
   the reward, in plotting order.
 - `step_summary(rows)`: mean of each of those columns over the steps where it is defined, with a 95 %
-  percentile-bootstrap CI over steps (`ops.stats.bootstrap_ci`). Steps of one run are not independent
+  percentile-bootstrap CI over steps (`rcgrpo.stats.bootstrap_ci`). Steps of one run are not independent
   (the policy drifts, entries repeat), so the CI describes the spread of the logged steps, not a
   population; compare runs by their curves as well.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from rcgrpo_tasks.ops.stats import bootstrap_ci
+from rcgrpo.stats import bootstrap_ci
 
 MECHANISM_COLUMNS = ("frac_zero_std", "adv_abs_mean", "adv_std", "controllability_gap", "reward")
 """Per-step columns that show the mechanism, in plotting order."""

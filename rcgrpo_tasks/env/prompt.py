@@ -44,24 +44,25 @@ class PromptConfig:
     """`bfcl`: BFCL's classic instructions; `short`: format rule + docs only (fewer tokens for tiny models)."""
 
     def protocol_config(self, max_outputs: int) -> "ProtocolConfig":
-        """The episode settings with a stage's output budget: per episode (paper) or per turn (official)."""
-        limit = {"max_outputs": max_outputs} if self.protocol == "paper" else {"max_steps_per_turn": max_outputs}
+        """THE way to the episode settings: this section with a stage's output budget, per episode (`paper`:
+        `max_outputs`) or per turn (`official`: `max_steps_per_turn`); the limit the protocol does not read
+        keeps BFCL's 20, so a trajectory's recorded protocol (`ProtocolConfig.record`) is the same whatever
+        stage wrote it."""
+        paper = self.protocol == "paper"
         return ProtocolConfig(protocol=self.protocol, doc_style=self.doc_style, system_prompt=self.system_prompt,
-                              **limit)
+                              max_outputs=max_outputs if paper else BFCL_MAX_STEPS_PER_TURN,
+                              max_steps_per_turn=BFCL_MAX_STEPS_PER_TURN if paper else max_outputs)
 
 
 @dataclass(frozen=True)
-class ProtocolConfig:
-    protocol: Literal["official", "paper"] = "paper"
-    """`official`: BFCL's turn-by-turn prompting mode; `paper`: RC-GRPO's merged steps + done()."""
-    doc_style: Literal["compact", "json", "official"] = "compact"
-    """Function docs in the system prompt: compact one-liners, one JSON object per line, or BFCL's exact JSON."""
-    max_steps_per_turn: int = BFCL_MAX_STEPS_PER_TURN
+class ProtocolConfig(PromptConfig):
+    """The episode settings: the `prompt` section's fields (inherited, no defaults) plus one stage's output
+    budget; built by `PromptConfig.protocol_config`."""
+
+    max_steps_per_turn: int
     """official: force-terminate once a turn has executed more than this many steps (BFCL: 20)."""
-    max_outputs: int = 20
+    max_outputs: int
     """paper: model outputs per episode before `step_limit`."""
-    system_prompt: Literal["bfcl", "short"] = "bfcl"
-    """`bfcl`: BFCL's classic instructions; `short`: format rule + docs only (fewer tokens for tiny models)."""
 
     def __post_init__(self) -> None:
         if self.max_steps_per_turn < 1 or self.max_outputs < 1:

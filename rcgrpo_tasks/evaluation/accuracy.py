@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rcgrpo.stats import bootstrap_ci, check_n_boot
 from rcgrpo_tasks.engine.backend import SamplingParams, reward_pair_ids
 from rcgrpo_tasks.engine.decoding import MAX_OUTPUTS, DecodeConfig, check_sampling
 from rcgrpo_tasks.engine.rollout import run_rollouts
@@ -24,12 +25,12 @@ from rcgrpo_tasks.env.contract import Entry
 from rcgrpo_tasks.env.paper import ROWS
 from rcgrpo_tasks.env.prompt import DEFAULT_REWARD_TOKENS, PromptConfig
 from rcgrpo_tasks.env.tasks import ALL_CATEGORIES, get_task, paper_overall, task_of
+from rcgrpo_tasks.evaluation.formats import SIDES, side_name
+from rcgrpo_tasks.evaluation.plots import accuracy_plot
 from rcgrpo_tasks.ops.cli import Progress
 from rcgrpo_tasks.ops.config import flat_field
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import write_jsonl, write_text
-from rcgrpo_tasks.ops.plots import accuracy_plot
-from rcgrpo_tasks.ops.stats import bootstrap_ci, check_n_boot
 
 
 @dataclass(frozen=True)
@@ -144,8 +145,8 @@ def summarize(rows: list[dict], label: str, n_boot: int, seed: int) -> dict:
 def check_side(side: str) -> str:
     """The split side a measurement reads: test (held out: what is reported) | dev (what designs are chosen
     on); anything else (train included) is an InputError."""
-    if side not in ("test", "dev"):
-        raise InputError(f"--side must be test or dev, got {side!r}")
+    if side not in SIDES:
+        raise InputError(f"--side must be {' or '.join(SIDES)}, got {side!r}")
     return side
 
 
@@ -206,7 +207,9 @@ def run_eval(cfg: EvaluateConfig, prompt: PromptConfig, backend, entries: list[E
     return trajs, rows, summary
 
 
-def write_outputs(folder: Path, trajs: list, rows: list[dict], summary: dict) -> None:
+def write_outputs(folder: Path, trajs: list, rows: list[dict], summary: dict, title: str) -> None:
+    """results.jsonl, trajectories.jsonl, accuracy.csv and accuracy.png under `title` (`split_title`: the task
+    and the side of the split the entries come from)."""
     write_jsonl(folder / "results.jsonl", rows)
     write_trajectories(folder / "trajectories.jsonl", as_stage_output(trajs, f"evaluate:{summary.get('label', '')}"))
     lines = ["category,accuracy,ci_low,ci_high,n"]
@@ -214,7 +217,8 @@ def write_outputs(folder: Path, trajs: list, rows: list[dict], summary: dict) ->
         lines.append(f"{cat},{c['accuracy']:.2f},{c['ci'][0]:.2f},{c['ci'][1]:.2f},{c['n']}")
     write_text(folder / "accuracy.csv", "\n".join(lines) + "\n")
     accuracy_plot([{**summary, "paper_table1_overall": paper_overall(summary["task"], summary["label"])}],
-                  folder / "accuracy.png", dict(ROWS), title=f"BFCL v4 {summary['task']}, held-out split")
+                  folder / "accuracy.png", dict(ROWS), title)
+
 
 
 def report_markdown(summary: dict, settings: dict, official: dict | None) -> str:
@@ -231,7 +235,8 @@ def report_markdown(summary: dict, settings: dict, official: dict | None) -> str
 
     lines = [f"# Evaluation: {summary['label']} ({summary['task']})", ""]
     lines += [f"- {k}: `{v}`" for k, v in settings.items()]
-    lines += ["", f"## Held-out split, `{summary['task']}` task, `{summary['protocol']}` protocol", "",
+    lines += ["", f"## {side_name(settings['side']).capitalize()} split, `{summary['task']}` task, "
+              f"`{summary['protocol']}` protocol", "",
               *table(summary), ""]
     p = summary.get("pass_at_1")
     sampled = (f"pass@1: the mean share of {p['samples']} answers per entry sampled at T = {p['temperature']}, "

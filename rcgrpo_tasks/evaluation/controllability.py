@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from rcgrpo.controllability import gap_stats, per_unit, q_stats
+from rcgrpo.stats import check_n_boot, mean
 from rcgrpo_tasks.data.margin import REPLAY_OUTPUTS, read_token
 from rcgrpo_tasks.engine.backend import SamplingParams, reward_pair_ids
 from rcgrpo_tasks.engine.decoding import DecodeConfig
@@ -19,9 +20,9 @@ from rcgrpo_tasks.env.entries import check_categories, split_entries, stratified
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.tasks import task_of_entries
 from rcgrpo_tasks.evaluation.accuracy import RLSampling, check_side
+from rcgrpo_tasks.evaluation.stats import paired_bootstrap_ci
 from rcgrpo_tasks.ops.config import flat_field
 from rcgrpo_tasks.ops.inputs import InputError
-from rcgrpo_tasks.ops.stats import check_n_boot, mean, paired_bootstrap_ci
 
 DECODE_KEYS = ("max_outputs", "max_new_tokens", "batch_rows", "dtype")
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rcgrpo_tasks.ops.stats import mcnemar_exact, paired_binary, sign_flip_p, two_level_bootstrap
+from rcgrpo.stats import mcnemar_exact
+from rcgrpo_tasks.evaluation.stats import paired_binary, sign_flip_p, two_level_bootstrap
 
 PAIRED = ("zero_variance", "pass1", "greedy")
 """Measures of a cell against another."""
@@ -65,7 +66,7 @@ def name(e: dict) -> str:
 
 def zero_variance(pairs_by_seed: list[list[tuple[bool, bool]]], alpha: float, power: float) -> dict:
     """RC-GRPO's zero-variance share minus GRPO's over paired groups (first = the cell's group flat, second =
-    the other's), pooled over seeds (`ops.stats.paired_binary`)."""
+    the other's), pooled over seeds (`evaluation.stats.paired_binary`)."""
     flat = [p for pairs in pairs_by_seed for p in pairs]
     r = paired_binary([a for a, _ in flat], [b for _, b in flat], alpha, power)
     return {**r, "cell_share": sum(a for a, _ in flat) / len(flat) if flat else float("nan"),
@@ -85,7 +86,7 @@ def rate_difference(diffs_by_seed: list[list[float]], alpha: float, power: float
 
 
 def binary_difference(pairs_by_seed: list[list[tuple[float, float]]], alpha: float, power: float) -> dict:
-    """Greedy success of a cell minus another's over seed x entry pairs (`ops.stats.paired_binary`)."""
+    """Greedy success of a cell minus another's over seed x entry pairs (`evaluation.stats.paired_binary`)."""
     flat = [p for pairs in pairs_by_seed for p in pairs]
     r = paired_binary([a for a, _ in flat], [b for _, b in flat], alpha, power)
     return {**r, "unit": "entries x seeds",

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rcgrpo_tasks.env.paper import ALGOS, INITS
+from rcgrpo_tasks.ops.names import ALGOS, INITS, SEEDED_MODELS
 
 EVAL_KEYS = ("model", "adapter", "dep", "reward_token", "flags")
-SEEDED_MODELS = ("rctp",)
-"""Models below the RL cells that are trained once per grid seed (their evaluation label)."""
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rcgrpo_tasks.data.rl_steps import MECHANISM_COLUMNS, column_summary
+from rcgrpo_tasks.evaluation.plots import save_png
 from rcgrpo_tasks.ops.inputs import read_tsv
-from rcgrpo_tasks.ops.plots import save_png
 
 TITLES = {"frac_zero_std": "zero-variance groups (share)", "adv_abs_mean": "advantage spread: mean |A|",
           "adv_std": "advantage spread: std A", "controllability_gap": "gap: R(high) - R(low)",

@@ -8,9 +8,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from rcgrpo_tasks.evaluation.stats import paired_bootstrap_ci
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.inputs import InputError, read_json, read_jsonl
-from rcgrpo_tasks.ops.stats import paired_bootstrap_ci
 
 ACC_TAG = "heldout_accuracy"
 RESULTS_ARTIFACT = "eval/results.jsonl"

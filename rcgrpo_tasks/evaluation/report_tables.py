@@ -1,6 +1,6 @@
 """The report as a reader takes it in: three Markdown tables over the rows of `results_table.build_report`.
 
-1. Outcome: held-out greedy accuracy with its 95 % Wilson interval and pass@1 with its bootstrap interval
+1. Outcome: greedy accuracy (on the side of the split the rows measured) with its 95 % Wilson interval and pass@1 with its bootstrap interval
    (n entries, the same entry set in every row), each row's paired difference in both to its init (an RL
    row) or to the same model under its token (a no-token row), RC-GRPO against GRPO from the same init
    paired over entries, the paper's Table 1 number beside it (7B, GPU, multi-turn: a reference, not
@@ -16,19 +16,8 @@ Nothing is printed as an interval that is not one: a missing value is `n/a`.
 
 from __future__ import annotations
 
-import math
-
 from rcgrpo_tasks.env.paper import row_name
-
-
-def _n(v, spec: str = ".2f") -> str:
-    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
-
-
-def _ci(v, ci, spec: str = "+.3f") -> str:
-    if v is None or ci is None or any(x is None or math.isnan(x) for x in (v, *ci)):
-        return "n/a"
-    return f"{format(v, spec)} [{format(ci[0], spec)}, {format(ci[1], spec)}]"
+from rcgrpo_tasks.evaluation.formats import ci, num, side_name
 
 
 def _versus(vs: dict | None) -> tuple[str, str]:
@@ -36,13 +25,13 @@ def _versus(vs: dict | None) -> tuple[str, str]:
     if not vs or not vs["n"]:
         return "", ""
     who = f" vs {row_name(vs['init'])}"
-    greedy = _ci(vs["diff"], vs["ci"], "+.1f") + f"{who} ({vs['up']} up, {vs['down']} down, p = {vs['p']:.2g})"
+    greedy = ci(vs["diff"], vs["ci"], "+.1f") + f"{who} ({vs['up']} up, {vs['down']} down, p = {vs['p']:.2g})"
     p = vs.get("pass1")
-    return greedy, (_ci(p["diff"], p["ci"], "+.1f") + f"{who} (p = {p['p']:.2g})") if p else "n/a"
+    return greedy, (ci(p["diff"], p["ci"], "+.1f") + f"{who} (p = {p['p']:.2g})") if p else "n/a"
 
 
 def _pct(c: dict | None) -> str:
-    return "n/a" if not c else _ci(c["accuracy"], c["ci"], ".1f")
+    return "n/a" if not c else ci(c["accuracy"], c["ci"], ".1f")
 
 
 def outcome_table(rows: list[dict]) -> str:
@@ -55,7 +44,7 @@ def outcome_table(rows: list[dict]) -> str:
         greedy, sampled = _versus(r.get("vs_init"))
         paper = r.get("paper_table1_overall")
         lines.append(f"| {row_name(r['label'])} | {_pct(o)} | {_pct(o.get('pass1'))} | {r['n']} | {greedy} | "
-                     f"{sampled} | {_n(paper, '.2f') if paper is not None else ''} |")
+                     f"{sampled} | {num(paper, '.2f') if paper is not None else ''} |")
     for r in rows:  # RC-GRPO against GRPO from the same init: the paper's comparison
         if r.get("vs_grpo"):
             greedy, sampled = _versus(r["vs_grpo"])
@@ -89,7 +78,7 @@ def _probe(p: dict | None) -> tuple[str, str]:
         return "n/a", "n/a"
     c = p["change"]
     curve = " -> ".join(f"{x:.3f}" for x in p["reward"])
-    return f"{curve} (steps {', '.join(map(str, p['steps']))})", f"{_ci(c['mean'], [c['ci_low'], c['ci_high']])} ({c['prompts']} prompts x {p['samples']})"
+    return f"{curve} (steps {', '.join(map(str, p['steps']))})", f"{ci(c['mean'], [c['ci_low'], c['ci_high']])} ({c['prompts']} prompts x {p['samples']})"
 
 
 def _paired(cell: dict | None, rc: bool) -> str:
@@ -112,16 +101,16 @@ def rl_table(rows: list[dict], contrast: dict) -> str:
             continue
         init, algo = r["label"].split("-", 1)
         curve, change = _probe(r.get("rl_probe"))
-        flat = _n(r.get("rl_mean_frac_zero_std"), ".2f")
+        flat = num(r.get("rl_mean_frac_zero_std"), ".2f")
         if r.get("rl_mean_frac_flat_fail") is not None:
-            flat += f" ({_n(r['rl_mean_frac_flat_fail'])} / {_n(r.get('rl_mean_frac_flat_success'))})"
+            flat += f" ({num(r['rl_mean_frac_flat_fail'], '.2f')} / {num(r.get('rl_mean_frac_flat_success'), '.2f')})"
         paired = _paired(contrast.get(init), algo == "rc_grpo") if algo in ("grpo", "rc_grpo") else ""
         div, skipped = r.get("rl_diverged"), r.get("rl_nonfinite_grad_steps")
         fate = div["reason"] + ", rolled back to step " + str(div["restored_step"]) if div else "no"
         if skipped:
             fate += f"; skipped at step{'s' if len(skipped) > 1 else ''} {', '.join(map(str, skipped))}"
         lines.append(f"| {row_name(r['label'])} | {curve} | {change} | {flat} | {paired} | "
-                     f"{_n(r.get('rl_rollouts_per_useful_group'), '.1f')} | {fate} |")
+                     f"{num(r.get('rl_rollouts_per_useful_group'), '.1f')} | {fate} |")
     return "\n".join(lines) + "\n"
 
 
@@ -135,32 +124,37 @@ def controllability_table(rows: list[dict]) -> str:
         s, g, z = r.get("ctl_gap_sampled"), r.get("ctl_gap_greedy"), r.get("ctl_zero_var")
         if not (m or s or g):
             continue
-        cells = [_ci(m["gap"], m["ci"]) + f" ({m['n']} entries)" if m else "n/a",
-                 _ci(real["gap"], real["ci"]) if real else "n/a",
-                 _ci(s["gap"], s["ci"]) if s else "n/a", _ci(g["gap"], g["ci"]) if g else "n/a",
-                 f"{_n(z['all_high'], '.3f')} / {_n(z['mixed'], '.3f')} (G={z['G']})" if z else "n/a"]
+        cells = [ci(m["gap"], m["ci"]) + f" ({m['n']} entries)" if m else "n/a",
+                 ci(real["gap"], real["ci"]) if real else "n/a",
+                 ci(s["gap"], s["ci"]) if s else "n/a", ci(g["gap"], g["ci"]) if g else "n/a",
+                 f"{num(z['all_high'], '.3f')} / {num(z['mixed'], '.3f')} (G={z['G']})" if z else "n/a"]
         lines.append(f"| {row_name(r['label'])} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-NOTE = (
-    "Accuracy: the evaluate stage's success (single_turn: BFCL's AST checker; multi_turn: the paper's binary reward "
-    "under the paper protocol) on the held-out entries, greedy; pass@1: the mean over entries of the share of "
-    "the entry's answers sampled as RL samples them that succeed (the same row seeds in every model); "
-    "intervals: 95 % Wilson score (greedy), 95 % bootstrap over entries (pass@1); differences: the same entries "
-    "paired; greedy: the entries only this row / only the other got right (up, down), exact McNemar p, Tango's "
-    "95 % score interval; pass@1: a t interval over entries, the sign-flip permutation p. The paper's numbers are Qwen2.5-7B-Instruct on BFCL v4 "
-    "multi-turn (80 held-out entries): the shape of the result, not a target here. Probe: the run's fixed "
-    "prompts x samples at the rollouts' temperature, the same seeds at every checkpoint and in every cell of an "
-    "init, conditioned as the cell is evaluated; its change is paired over prompts. Zero-std: groups whose "
-    "reward has no spread (no learning signal); paired: GRPO and RC-GRPO groups of the same step and slot (the "
-    "same entry and seeds). Margin: [lp(expert|high) - lp(expert|low)] - [lp(near miss|high) - lp(near "
-    "miss|low)], 95 % bootstrap over held-out entries; without the empty answer: the kinds a model must read "
-    "its task to separate. Gaps: E[R|high] - E[R|low] on held-out entries, paired over entries.\n")
+def note(side: str) -> str:
+    """The report's closing note: what each number is, on the `side` of the split its rows measured."""
+    entries = f"{side_name(side)} entries"
+    return (
+        "Accuracy: the evaluate stage's success (single_turn: BFCL's AST checker; multi_turn: the paper's binary "
+        f"reward under the paper protocol) on the {entries}, greedy; pass@1: the mean over entries of the share of "
+        "the entry's answers sampled as RL samples them that succeed (the same row seeds in every model); "
+        "intervals: 95 % Wilson score (greedy), 95 % bootstrap over entries (pass@1); differences: the same "
+        "entries paired; greedy: the entries only this row / only the other got right (up, down), exact McNemar p, "
+        "Tango's 95 % score interval; pass@1: a t interval over entries, the sign-flip permutation p. The paper's "
+        "numbers are Qwen2.5-7B-Instruct on BFCL v4 multi-turn (its 80 test entries): the shape of the result, not "
+        "a target here. Probe: the run's fixed prompts x samples at the rollouts' temperature, the same seeds at "
+        "every checkpoint and in every cell of an init, conditioned as the cell is evaluated; its change is paired "
+        "over prompts. Zero-std: groups whose reward has no spread (no learning signal); paired: GRPO and RC-GRPO "
+        "groups of the same step and slot (the same entry and seeds). Margin: [lp(expert|high) - lp(expert|low)] "
+        f"- [lp(near miss|high) - lp(near miss|low)], 95 % bootstrap over {entries}; without the empty answer: the "
+        f"kinds a model must read its task to separate. Gaps: E[R|high] - E[R|low] on {entries}, paired over "
+        "entries.\n")
 
 
-def report_markdown(rows: list[dict], contrast: dict, checks: list[dict] = ()) -> str:
-    """The three tables with their headings, the per-category table, the cross-stage checks and the note."""
+def report_markdown(rows: list[dict], contrast: dict, side: str, checks: list[dict] = ()) -> str:
+    """The three tables with their headings, the per-category table, the cross-stage checks and the note, on
+    the `side` of the split the rows measured (`results_table.one_side`)."""
     return ("## Outcome\n\n" + outcome_table(rows) + agreement_lines(list(checks))
             + "\n### Per category\n\n" + category_table(rows) + "\n## RL\n\n" + rl_table(rows, contrast)
-            + "\n## Controllability\n\n" + controllability_table(rows) + "\n" + NOTE)
+            + "\n## Controllability\n\n" + controllability_table(rows) + "\n" + note(side))

@@ -8,10 +8,12 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rcgrpo.stats import bootstrap_ci, mcnemar_exact, mean
 from rcgrpo_tasks.env.paper import NO_TOKEN, ROWS
 from rcgrpo_tasks.env.tasks import ALL_CATEGORIES, paper_overall, task_of_id
+from rcgrpo_tasks.evaluation.formats import SIDES
+from rcgrpo_tasks.evaluation.stats import paired_binary, paired_mean, wilson_ci
 from rcgrpo_tasks.ops.inputs import InputError, read_json, read_jsonl
-from rcgrpo_tasks.ops.stats import bootstrap_ci, mcnemar_exact, mean, paired_binary, paired_mean, wilson_ci
 
 RESULT_FILES = ("results.jsonl",)  # the evaluate stage's per-entry file
 
@@ -24,6 +26,8 @@ class EvalResult:
     answers that succeed; NaN where not sampled), official, partial_credit, paper_reward."""
     source: str
     task: str
+    side: str
+    """The side of the split the entries come from (the evaluation's `settings.side`: test | dev)."""
     rl: dict = field(default_factory=dict)
     controllability: dict = field(default_factory=dict)
     """The controllability stage's metrics for this model (RCTP): sampled / greedy gap, zero-variance shares."""
@@ -57,12 +61,25 @@ def _normalise(row: dict, where: str) -> dict:
             "paper_reward": float(score.get("paper_reward", float("nan")))}
 
 
+def eval_side(metrics: Path) -> str:
+    """The side of the split an evaluation measured (its metrics' `settings.side`); an evaluation that does not
+    say is an InputError: a report must name its split."""
+    if not metrics.is_file():
+        raise InputError(f"{metrics}: not found (the evaluate stage's metrics say which split it read)")
+    side = (read_json(metrics).get("settings") or {}).get("side")
+    if side not in SIDES:
+        raise InputError(f"{metrics}: settings.side must be one of {sorted(SIDES)}, got {side!r} (re-run evaluate)")
+    return side
+
+
 def load_eval(label: str, path: Path) -> EvalResult:
-    """An evaluate output folder (or a per-entry JSONL file) -> EvalResult; clear error if malformed."""
+    """An evaluate output folder (or its per-entry JSONL file, its metrics.json beside it) -> EvalResult; clear
+    error if malformed."""
     path = Path(path)
+    folder = path if path.is_dir() else path.parent
     reading = {}
-    if path.is_dir() and (path / "metrics.json").is_file():
-        reading = {k: v for k, v in read_json(path / "metrics.json").items() if k in ("margin", "token_rows")}
+    if (folder / "metrics.json").is_file():
+        reading = {k: v for k, v in read_json(folder / "metrics.json").items() if k in ("margin", "token_rows")}
     if path.is_dir():
         files = [path / f for f in RESULT_FILES if (path / f).is_file()]
         if not files:
@@ -75,7 +92,22 @@ def load_eval(label: str, path: Path) -> EvalResult:
     task = {e["task"] for e in entries}
     if len(task) != 1:
         raise InputError(f"{path}: rows of {len(task)} tasks ({sorted(task)}); an evaluation covers one task")
-    return EvalResult(label, entries, str(path), task.pop(), reading=reading)
+    return EvalResult(label, entries, str(path), task.pop(), eval_side(folder / "metrics.json"), reading=reading)
+
+
+def one_side(rows: list[dict], controllability: dict[str, str] | None = None) -> str:
+    """The one side of the split every row (`summarize_row`: its `side`) and every controllability check
+    (`{what: side}`) measured; a report over several sides is an InputError naming them, since a dev number
+    beside a held-out one would read as the same split."""
+    by: dict[str, list[str]] = {}
+    for r in rows:
+        by.setdefault(r["side"], []).append(r["label"] if r.get("seed") is None else f"{r['label']}@{r['seed']}")
+    for what, side in (controllability or {}).items():
+        by.setdefault(side, []).append(what)
+    if len(by) != 1:
+        parts = "; ".join(f"{side} ({', '.join(dict.fromkeys(names))})" for side, names in sorted(by.items(), key=lambda kv: str(kv[0])))
+        raise InputError(f"a report reads one side of the split; got {parts or 'no evaluation'}")
+    return next(iter(by))
 
 
 def _proportion(vals: list[float]) -> dict:
@@ -99,7 +131,7 @@ def summarize_row(res: EvalResult, seed: int = 0) -> dict:
     over entries (overall stratified by category), partial credit, paper reward, RL diagnostics, the fixed
     probe's curve (`train.rl.probe`)."""
     cats = sorted({e["category"] for e in res.entries}, key=lambda c: (ALL_CATEGORIES + (c,)).index(c))
-    out: dict = {"label": res.label, "task": res.task, "n": len(res.entries), "categories": {}}
+    out: dict = {"label": res.label, "task": res.task, "side": res.side, "n": len(res.entries), "categories": {}}
     for cat in cats:
         subset = [e for e in res.entries if e["category"] == cat]
         out["categories"][cat] = {**_proportion([e["correct"] for e in subset]), "pass1": _pass1(subset, seed)}
@@ -189,8 +221,8 @@ def compared_with(label: str) -> str | None:
 def versus(res: EvalResult, init: EvalResult, seed: int = 0) -> dict:
     """Greedy accuracy (%) of a row minus the row it is compared with (`rctp-rc_grpo` vs `rctp`) on the entries
     both evaluated: the entries each got right alone (`up`, `down`), the exact McNemar p and Tango's 95 %
-    interval (`ops.stats.paired_binary`: never a point where 0-2 entries differ); and the same difference in
-    pass@1 (`pass1`; a t interval over entries and the sign-flip p, `ops.stats.paired_mean`; None where either
+    interval (`evaluation.stats.paired_binary`: never a point where 0-2 entries differ); and the same difference in
+    pass@1 (`pass1`; a t interval over entries and the sign-flip p, `evaluation.stats.paired_mean`; None where either
     row was not sampled)."""
     mine = {e["entry_id"]: e for e in res.entries}
     theirs = {e["entry_id"]: e for e in init.entries}

@@ -17,8 +17,8 @@ from pathlib import Path
 from rcgrpo_tasks.evaluation import endpoints as ep
 from rcgrpo_tasks.evaluation.grid import GridConfig
 from rcgrpo_tasks.evaluation.results_table import EvalResult, build_report, load_eval, paired_groups, rc_versus_grpo
+from rcgrpo_tasks.evaluation.stats import two_level_bootstrap
 from rcgrpo_tasks.ops.inputs import InputError, read_json
-from rcgrpo_tasks.ops.stats import two_level_bootstrap
 
 
 @dataclass

@@ -4,36 +4,26 @@ rows pooled over seeds, RL learning per seed and cell, controllability per seed,
 
 from __future__ import annotations
 
-import math
-
 from rcgrpo_tasks.env.paper import row_name
+from rcgrpo_tasks.evaluation.formats import ci, missing, num, side_name
 from rcgrpo_tasks.evaluation.report_tables import agreement_lines, category_table, outcome_table, rl_table
 
 
-def _f(v, spec: str = ".3f") -> str:
-    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
-
-
-def _ci(v, ci, spec: str = "+.3f") -> str:
-    if v is None or not ci or any(x is None or (isinstance(x, float) and math.isnan(x)) for x in (v, *ci)):
-        return "n/a"
-    return f"{format(v, spec)} [{format(ci[0], spec)}, {format(ci[1], spec)}]"
-
-
-def premise_lines(gates: list[dict]) -> str:
-    """The run's first line: did every seed's RCTP model read its token as RC-GRPO needs?"""
+def premise_lines(gates: list[dict], side: str) -> str:
+    """The run's first line: did every seed's RCTP model read its token as RC-GRPO needs (on the `side` of
+    the split the controllability checks measured)?"""
     if not gates:
         return "**RCTP premise gate: not measured** (no controllability metrics).\n"
     missed = [g for g in gates if not g["passed"]]
-    rule = f"q >= {gates[0]['min_q']} and the sampled gap's 95 % CI above 0, on the held-out entries"
+    rule = f"q >= {gates[0]['min_q']} and the sampled gap's 95 % CI above 0, on the {side_name(side)} entries"
     if missed:
         why = "; ".join(f"seed {g['seed']}: {g['why']}" for g in missed)
         head = (f"**RCTP premise gate MISSED in {len(missed)} of {len(gates)} seeds ({rule}): {why}. Where the RCTP "
                 "model does not read its token, RC-GRPO's groups are GRPO's and this run does not test RC-GRPO.**\n")
     else:
         head = f"**RCTP premise gate passed in all {len(gates)} seeds** ({rule}).\n"
-    rows = "".join(f"| {g['seed']} | {_ci(g['q'], g.get('q_ci'), '.3f')} | {_f(g.get('high'))} | {_f(g.get('low'))} | "
-                   f"{_ci(g.get('gap'), g.get('gap_ci'))} | {'passed' if g['passed'] else 'missed'} |\n" for g in gates)
+    rows = "".join(f"| {g['seed']} | {ci(g['q'], g.get('q_ci'), '.3f')} | {num(g.get('high'))} | {num(g.get('low'))} | "
+                   f"{ci(g.get('gap'), g.get('gap_ci'))} | {'passed' if g['passed'] else 'missed'} |\n" for g in gates)
     return (head + "\n| seed | q = P(low fails \\| high succeeds) [95% CI] | R\\|high | R\\|low | sampled gap [95% CI] "
             "| gate |\n|---|---|---|---|---|---|\n" + rows)
 
@@ -43,16 +33,16 @@ def _estimate(r: dict) -> str:
     if m in ("pool_learning", "probe", "transfer"):
         return f"{r['up']} up, {r['down']} down of {r['n']} prompts x seeds"
     if m == "zero_variance":
-        return (f"{r['cell_share']:.3f} vs {r['versus_share']:.3f}: {_ci(r['diff'], r['ci'])} "
+        return (f"{r['cell_share']:.3f} vs {r['versus_share']:.3f}: {ci(r['diff'], r['ci'])} "
                 f"({r['only_first']} vs {r['only_second']} discordant of {r['n']} groups)")
     scale = 100
-    return (f"{_ci(scale * r['diff'], [scale * x for x in r['ci']], '+.1f')} pts"
+    return (f"{ci(scale * r['diff'], [scale * x for x in r['ci']], '+.1f')} pts"
             + (f" ({r['only_first']} up, {r['only_second']} down)" if m == "greedy" else "")
             + (f"; per seed {', '.join(f'{scale * v:+.1f}' for v in r['per_seed'])}" if r.get("per_seed") else ""))
 
 
 def _mde(r: dict) -> str:
-    if r.get("mde") is None or (isinstance(r["mde"], float) and math.isnan(r["mde"])):
+    if missing(r.get("mde")):
         return "n/a"
     scale = 1 if r["spec"]["measure"] == "zero_variance" else 100
     return f"{scale * r['mde']:.{3 if scale == 1 else 1}f}{'' if scale == 1 else ' pts'}"
@@ -68,7 +58,7 @@ def endpoints_table(results: list[dict], alpha: float, power: float, seeds: int)
              "| rank | endpoint | estimate [95% CI] | test | p | MDE (power " + f"{power}) | units |",
              "|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['rank']} | {r['name']} | {_estimate(r)} | {r['test']} | {_f(r['p'], '.3g')} | "
+        lines.append(f"| {r['rank']} | {r['name']} | {_estimate(r)} | {r['test']} | {num(r['p'], '.3g')} | "
                      f"{_mde(r)} | {r.get('unit', '')} |")
     return "\n".join(lines) + "\n"
 
@@ -81,11 +71,11 @@ def pooled_table(pooled: list[dict]) -> str:
         cells = []
         for key in ("correct", "pass1"):
             v = r.get(key)
-            cells += [_ci(v["mean"], v["ci"], ".1f"), ", ".join(f"{x:.1f}" for x in v["per_seed"])] if v else ["n/a", ""]
+            cells += [ci(v["mean"], v["ci"], ".1f"), ", ".join(f"{x:.1f}" for x in v["per_seed"])] if v else ["n/a", ""]
         vs = r.get("vs") or {}
         for key in ("correct", "pass1"):
             d = vs.get(key)
-            cells.append(f"{_ci(d['diff'], d['ci'], '+.1f')} vs {row_name(vs['init'])}" if d else "")
+            cells.append(f"{ci(d['diff'], d['ci'], '+.1f')} vs {row_name(vs['init'])}" if d else "")
         lines.append(f"| {row_name(r['label'])} ({r['seeds']} seeds) | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -99,22 +89,23 @@ def learning_table(seeds: list) -> str:
     for s in seeds:
         for cell, m in s.rl.items():
             pool, learn, probe = m.get("pool") or {}, m.get("pool_learning") or {}, m.get("probe") or {}
-            cells = [f"{pool.get('size', 'n/a')}, {_f(pool.get('step0_success'))}" if pool else "n/a",
-                     f"{learn['up']} / {learn['down']} of {learn['prompts']} ({_f(learn['sign_p'], '.3g')})"
+            cells = [f"{pool.get('size', 'n/a')}, {num(pool.get('step0_success'))}" if pool else "n/a",
+                     f"{learn['up']} / {learn['down']} of {learn['prompts']} ({num(learn['sign_p'], '.3g')})"
                      if learn else "n/a"]
             for part in (probe.get("change"), (probe.get("transfer") or {}).get("change")):
-                cells.append(f"{_ci(part['mean'], [part['ci_low'], part['ci_high']])}, {part['up']} / {part['down']} "
-                             f"({_f(part['sign_p'], '.3g')})" if part else "n/a")
+                cells.append(f"{ci(part['mean'], [part['ci_low'], part['ci_high']])}, {part['up']} / {part['down']} "
+                             f"({num(part['sign_p'], '.3g')})" if part else "n/a")
             lines.append(f"| {s.seed} | {row_name(cell)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def seeded_markdown(gates: list[dict], results: list[dict], pooled: list[dict], seeds: list, alpha: float,
-                    power: float, checks: dict[int, list[dict]], side: str = "held-out") -> str:
-    """The whole report: premise gate, endpoints, pooled rows, learning, then each seed's tables."""
-    parts = ["## RCTP's premise\n\n" + premise_lines(gates),
+                    power: float, checks: dict[int, list[dict]], side: str) -> str:
+    """The whole report: premise gate, endpoints, pooled rows, learning, then each seed's tables, on the `side`
+    of the split every row measured (`results_table.one_side`)."""
+    parts = ["## RCTP's premise\n\n" + premise_lines(gates, side),
              "## Endpoints\n\n" + endpoints_table(results, alpha, power, len(seeds)),
-             f"## Outcome pooled over seeds ({side} entries)\n\n" + pooled_table(pooled),
+             f"## Outcome pooled over seeds ({side_name(side)} entries)\n\n" + pooled_table(pooled),
              "## Learning where RL trains\n\n" + learning_table(seeds)]
     for s in seeds:
         parts.append(f"## Seed {s.seed}\n\n" + outcome_table(s.rows) + agreement_lines(checks.get(s.seed, []))

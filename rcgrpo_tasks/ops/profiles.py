@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import NamedTuple
 
 import yaml
 
@@ -104,17 +105,26 @@ def profile_layers(profile: str) -> list[str]:
     return layers
 
 
-def apply_profile(base: str | Path | None, profile: str, out: str | Path, root: str | Path | None = None) -> dict:
-    """Write `out` = pristine base params + the profile's sections deep-merged (a layered `a+b`: a, then b
-    over it; `profile_layers`); returns the merged params.
+class Resolved(NamedTuple):
+    """A profile resolved over its pristine params: `text` and `params` as written by hand (from `origin`),
+    `merged` with the overlays (`paths`, in layer order) deep-merged in."""
 
-    `root`: the project whose `configs/` holds the profiles and whose `params.yaml` is the default base
-    (default: `out`'s folder). `base` None = `pristine_params(out)`, or of `root/params.yaml` when `out` is
-    written elsewhere and does not exist yet. Everything is checked before `out` is touched: an unknown
-    profile (ConfigError listing the valid ones), an overlay section the base does not have, or an unreadable
-    file leave `out` exactly as it was. `default` writes the pristine text back byte for byte."""
-    out = Path(out)
-    root = Path(root) if root is not None else out.parent
+    text: str
+    params: dict
+    merged: dict
+    origin: str
+    paths: list[Path]
+
+
+def resolve_profile(profile: str, root: str | Path, base: str | Path | None = None,
+                    out: str | Path | None = None) -> Resolved:
+    """The profile over the pristine params, without writing anything: what `apply_profile` writes, what
+    `rcgrpo params --show` prints against the pristine params and what the profiles table
+    (`sweep.profiles`) resolves. `base` None = `pristine_params(out)`, or of `root/params.yaml` when `out` is None, elsewhere and
+    not written by hand; an unknown profile, an overlay section the base does not have or an unreadable file
+    raise ConfigError."""
+    root = Path(root)
+    out = Path(out) if out is not None else root / "params.yaml"
     if base is None:
         # A params file written outside the project by an earlier `--out` has no pristine base of its own:
         # the project's params are its base, as they were the first time.
@@ -132,10 +142,6 @@ def apply_profile(base: str | Path | None, profile: str, out: str | Path, root: 
     if not isinstance(params, dict):
         raise ConfigError(f"{origin}: top level must be a mapping")
     paths = [p for p in (profile_path(name, root, set(params)) for name in profile_layers(profile)) if p is not None]
-    if not paths:
-        if not out.is_file() or out.read_text() != text:
-            write_text(out, text)
-        return params
     merged = params
     for overlay_path in paths:
         overlay = read_params(overlay_path)
@@ -143,11 +149,47 @@ def apply_profile(base: str | Path | None, profile: str, out: str | Path, root: 
         if unknown:
             raise ConfigError(f"{overlay_path}: section(s) {unknown} are not in {origin}; sections: {sorted(params)}")
         merged = deep_merge(merged, overlay)
-    header = f"{GENERATED}{profile}` from {origin} + {' + '.join(map(str, paths))}. Edit those instead.\n"
-    if origin == str(out):  # about to replace a hand-written file: keep it as the pristine base
-        write_text(pristine_copy(out), text)
-    write_text(out, header + yaml.safe_dump(merged, sort_keys=False))
-    return merged
+    return Resolved(text, params, merged, origin, paths)
+
+
+def apply_profile(base: str | Path | None, profile: str, out: str | Path, root: str | Path | None = None) -> dict:
+    """Write `out` = pristine base params + the profile's sections deep-merged (a layered `a+b`: a, then b
+    over it; `profile_layers`); returns the merged params.
+
+    `root`: the project whose `configs/` holds the profiles and whose `params.yaml` is the default base
+    (default: `out`'s folder); the base as `resolve_profile` takes it. Everything is checked before `out` is
+    touched: an unknown profile (ConfigError listing the valid ones), an overlay section the base does not
+    have, or an unreadable file leave `out` exactly as it was. `default` writes the pristine text back byte
+    for byte."""
+    out = Path(out)
+    root = Path(root) if root is not None else out.parent
+    got = resolve_profile(profile, root, base, out)
+    if not got.paths:
+        if not out.is_file() or out.read_text() != got.text:
+            write_text(out, got.text)
+        return got.params
+    header = f"{GENERATED}{profile}` from {got.origin} + {' + '.join(map(str, got.paths))}. Edit those instead.\n"
+    if got.origin == str(out):  # about to replace a hand-written file: keep it as the pristine base
+        write_text(pristine_copy(out), got.text)
+    write_text(out, header + yaml.safe_dump(got.merged, sort_keys=False))
+    return got.merged
+
+
+UNSET = object()
+"""The value `changes` reports for a key one side does not have."""
+
+
+def changes(before: dict, after: dict, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(dotted key, value before, value after) of every leaf that differs, in `after`'s order then the keys
+    only `before` has (`UNSET` on the side that lacks it): what a profile changes."""
+    out = []
+    for key in [*after, *(k for k in before if k not in after)]:
+        a, b = before.get(key, UNSET), after.get(key, UNSET)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += changes(a, b, f"{prefix}{key}.")
+        elif a is UNSET or b is UNSET or a != b:
+            out.append((f"{prefix}{key}", a, b))
+    return out
 
 
 def current_profile(params_path: str | Path) -> str:

@@ -2,8 +2,8 @@
 the run lifecycle; `ops.tracking_store` is the store (where, the experiment, bounded calls, `preflight`) and
 `ops.tracking_log` the logging calls into a run (params, metrics, artifacts, tags).
 
-- `stage_run(stage, config, variant=...)` opens a run named `<stage>@<variant>` (the variant defaults to
-  the DVC foreach key of `$DVC_STAGE`, e.g. `evaluate_rl_rctp@0-rc_grpo`), nested under the flow's parent run
+- `stage_run(stage, config, variant=...)` opens a run named as its DVC stage (`run_name`: `rctp@0`,
+  `rl_rctp@0-rc_grpo`, `evaluate_rl_rctp@0-rc_grpo`), nested under the flow's parent run
   when `RCGRPO_PARENT_RUN_ID` is set, logging the config as flattened params plus git/DVC tags;
   `published_run` ties a stage's outputs to its run (both or neither).
 
@@ -72,15 +72,16 @@ def run_tags(stage: str, tags: Mapping[str, Any] | None = None) -> dict[str, str
 
 
 def run_name(stage: str, variant: str | None = None) -> str:
-    """`<stage>@<variant>`; without a variant, the foreach key of `$DVC_STAGE` when that stage is this
-    one (`evaluate@sft` -> `evaluate@sft`); `stage` already holding `@` is kept as is."""
+    """A stage run's name: the DVC stage it runs in (`dvc stage list`). `stage` already a stage's name (one
+    holding `@`, `ops.names.stage_name`: `rctp@0`, `evaluate_rl_rctp@0-rc_grpo`) is kept; with `variant`,
+    `<stage>@<variant>` (a run named after the stage it serves: `validate_trajectories@pool_rctp@0`); else
+    the stage `$DVC_STAGE` names when DVC runs it (`pool_rctp@0` for the sample_policy module; its file
+    prefix dropped), else `stage`."""
     if "@" in stage:
         return stage
-    if variant is None:
-        dvc_stage = os.environ.get("DVC_STAGE", "").rsplit(":", 1)[-1]
-        base, _, key = dvc_stage.partition("@")
-        variant = key if base == stage and key else None
-    return f"{stage}@{variant}" if variant else stage
+    if variant:
+        return f"{stage}@{variant}"
+    return os.environ.get("DVC_STAGE", "").rsplit(":", 1)[-1] or stage
 
 
 def describe_error(exc: BaseException) -> str:

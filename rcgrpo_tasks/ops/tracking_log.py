@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rcgrpo_tasks.ops.names import stage_name as stage_name  # a training run's name: its DVC stage's
 from rcgrpo_tasks.ops.outputs import public_path
 from rcgrpo_tasks.ops.tracking_store import TrackingError, call, mlflow_module
 
@@ -127,7 +128,7 @@ def tag_key(key: str) -> str:
 def grid_tags(model: str, seed: int | None) -> dict[str, str]:
     """The tags the MLflow UI groups and compares a grid's runs by: `rcgrpo.cell` (the model or RL cell a run
     trains or measures: sft, rctp, rctp-rc_grpo, ...) and `rcgrpo.seed` (its grid seed; absent for a model
-    every seed shares)."""
+    every seed shares). The run itself is named as its DVC stage (`stage_name`)."""
     return {"rcgrpo.cell": model, **({"rcgrpo.seed": str(seed)} if seed is not None else {})}
 
 

@@ -19,7 +19,7 @@ have reward variance. This stage measures it on held-out entries, in one run, tw
 Per arm: success rate (paper reward R) per token, the gap E[R|high] - E[R|low] and the same for partial
 credit (the shared scorer's per-turn credit; under the paper protocol, whose merged turn has no turn
 boundaries, it is ~0 for model rollouts), each with a 95 % paired percentile-bootstrap CI over entries
-(`ops.stats.paired_bootstrap_ci`: per-entry means, entries resampled).
+(`evaluation.stats.paired_bootstrap_ci`: per-entry means, entries resampled).
 Zero-variance mechanism: from each entry's sampled success rates p_h, p_l, the probability that a
 G-sized group (G = `rl.num_generations`) has all rewards equal (no GRPO signal):
 - all-high tokens (GRPO from RCTP): p_h^G + (1 - p_h)^G;
@@ -59,6 +59,7 @@ from rcgrpo_tasks.evaluation.controllability import (
     measure,
     rl_record,
 )
+from rcgrpo_tasks.evaluation.formats import ci
 from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config, load_keys
@@ -69,11 +70,6 @@ def _numbers(record: dict) -> dict:
     flat = tracking.flatten(record)
     return {k: v for k, v in flat.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)}
-
-
-def _ci(stats: dict, key: str) -> str:
-    lo, hi = stats[f"{key}_ci"]
-    return f"{stats[key]:+.3f} [{lo:+.3f}, {hi:+.3f}]"
 
 
 app = typer.Typer(add_completion=False)
@@ -106,10 +102,11 @@ def main(
         compute = resolve_compute(load_compute(params), decode=cfg.decode.dtype, model_dir=model_dir)
         backend = load_policy(model_dir, adapter_dir, compute.decode_dtype, (tokens[-1], tokens[0]),
                               compute.device)  # before MLflow
-    typer.echo(f"controllability: decoding on {backend.describe().get('device')}")
+    stage = tracking_log.stage_name("controllability", "rctp", grid_seed)  # the run's name: its DVC stage's
+    typer.echo(f"{stage}: decoding on {backend.describe().get('device')}")
     run_params = {"controllability": as_dict(cfg), "prompt": as_dict(prompt), "rl": rl_record(rl, groups),
                   "adapter": str(adapter_dir), "tokens": list(tokens), "side": side}
-    with tracking.published_run("controllability", run_params, outputs=(metrics, trajectories),
+    with tracking.published_run(stage, run_params, outputs=(metrics, trajectories),
                                 tags=tracking_log.grid_tags("rctp", grid_seed)) as (_, staged):
         result, trajs = measure(cfg, prompt, tokens, backend, picked, rl, groups,
                                 {"model": str(model_dir), "adapter": str(adapter_dir)}, margin_set)
@@ -121,11 +118,12 @@ def main(
         tracking.log_metrics(_numbers(result))
         tracking.log_dict(result, "controllability.json")
     s, z = result["sampled"], result["zero_variance"]
-    greedy = f"; greedy gap {_ci(result['greedy'], 'gap')}" if "greedy" in result else ""
-    greedy += f"; guided (w={cfg.guidance}) gap {_ci(result['guided'], 'gap')}" if "guided" in result else ""
+    arms = {arm: ci(result[arm]["gap"], result[arm]["gap_ci"]) for arm in ("greedy", "guided") if arm in result}
+    greedy = f"; greedy gap {arms['greedy']}" if "greedy" in arms else ""
+    greedy += f"; guided (w={cfg.guidance}) gap {arms['guided']}" if "guided" in arms else ""
     typer.echo(f"controllability over {result['n_entries']} {side} entries: sampled (T={s['temperature']}, "
                f"{s['samples_per_token']}/token) R|high {s['success_rate_high']:.3f} R|low {s['success_rate_low']:.3f} "
-               f"gap {_ci(s, 'gap')} ({s['identical_outputs']} of {s['pairs']} pairs identical), q "
+               f"gap {ci(s['gap'], s['gap_ci'])} ({s['identical_outputs']} of {s['pairs']} pairs identical), q "
                f"{s['premise']['q']:.3f} [{s['premise']['q_ci'][0]:.3f}, {s['premise']['q_ci'][1]:.3f}] "
                f"({s['premise']['high_only']} high-only vs {s['premise']['low_only']} low-only, exact p "
                f"{s['premise']['mcnemar_p']:.2g}){greedy}; "

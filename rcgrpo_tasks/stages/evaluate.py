@@ -1,8 +1,9 @@
-"""evaluate stage: greedy rollouts of one model on the held-out split, and pass@1 from answers sampled as RL
+"""evaluate stage: greedy rollouts of one model on one side of the split (`--side`: test, held out, what is
+reported; dev, what designs are chosen on), and pass@1 from answers sampled as RL
 samples them (`evaluate.pass_samples` per entry at `rl.temperature` / `rl.top_p`); metrics, report, plot, MLflow.
 
 Reads: `params.yaml:evaluate`, a model folder (`--model`), an optional adapter / fine-tuned folder
-(`--adapter`), the split (`--split data/split.json`, side `test`) and entries (`--entries`, default
+(`--adapter`), the split (`--split data/split.json`, `--side`) and entries (`--entries`, default
 bfcl-eval). `--reward-token` conditions every rollout (`<|high_reward|>` for reward-conditioned models;
 empty for base/SFT). One definition serves every model through DVC `foreach` (`evaluate@base`, ...).
 Writes `--out` (atomically; replaced as a whole):
@@ -57,6 +58,7 @@ from rcgrpo_tasks.evaluation.accuracy import (
     run_eval,
     write_outputs,
 )
+from rcgrpo_tasks.evaluation.formats import split_title
 from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import as_dict, load_config, load_keys
@@ -94,7 +96,7 @@ def main(
     pass1: bool = typer.Option(True, help="--no-pass1: greedy only, whatever `evaluate.pass_samples` says (the base "
                                "model answers in prose: its samples would cost minutes to score 0)."),
 ) -> None:
-    """Evaluate a model on the held-out split: metrics, report, plot."""
+    """Evaluate a model on one side of the split (held out by default): metrics, report, plot."""
     label = name or out.name
     with cli_errors():
         cfg = load_config(EvaluateConfig, params, "evaluate")
@@ -110,13 +112,14 @@ def main(
         backend = load_backend(cfg.decode.backend, model, adapter or None, **compute.backend_kwargs())
         if guidance_of(cfg, reward_token or None):  # a model without reward tokens fails here, before any run
             reward_pair_ids(backend.tokenizer, (tokens[-1], tokens[0]))
-    typer.echo(f"evaluate@{label}: decoding on {backend.describe().get('device', cfg.decode.backend)}")
+    stage = tracking_log.stage_name("evaluate", label, grid_seed)  # the run's name: its DVC stage's
+    typer.echo(f"{stage}: decoding on {backend.describe().get('device', cfg.decode.backend)}")
     token = reward_token or None
     settings = {"model": str(model), "adapter": adapter or None, "reward_token": token, "side": side,
                 "grid_seed": grid_seed, **as_dict(cfg),
                 "prompt": as_dict(prompt), "backend_info": backend.describe()}
     run_params = {k: v for k, v in settings.items() if k != "backend_info"}
-    with tracking.published_run("evaluate", run_params, outputs=(out,),
+    with tracking.published_run(stage, run_params, outputs=(out,),
                                 tags={"rcgrpo.eval_label": label, **tracking_log.grid_tags(label, grid_seed)}) as (_, staged):
         trajs, rows, summary = run_eval(cfg, prompt, backend, held_out, token, label, tokens, sampled)
         pair = (tokens[-1], tokens[0])
@@ -129,9 +132,10 @@ def main(
             o_trajs, o_rows, official = run_eval(cfg, PromptConfig(**{**as_dict(prompt), "protocol": "official"}), backend,
                                                 list(pool.values()), token, label, tokens)
         tmp = staged.dir(out)
-        write_outputs(tmp, trajs, rows, summary)
-        if official:
-            write_outputs(tmp / "official", o_trajs, o_rows, official)
+        write_outputs(tmp, trajs, rows, summary, split_title(summary["task"], side))
+        if official:  # BFCL's official protocol on every prepared entry, whatever the side
+            write_outputs(tmp / "official", o_trajs, o_rows, official,
+                          f"BFCL v4 {official['task']}, every entry, official protocol")
         summary["dtype"] = compute.record()
         write_json(tmp / "metrics.json", {**summary, "settings": settings,
                                           **({"official": official} if official else {})})

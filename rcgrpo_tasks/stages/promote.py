@@ -14,7 +14,7 @@ The gate (`paired_gate`): the champion's per-entry results (its version's record
 when the champion was just re-evaluated, as the `retrain` flow does) are paired with the candidate's by
 entry id. A different protocol, evaluation settings or entry set makes the comparison meaningless: it is
 REFUSED (alias kept, no version registered, decision `refused`, the reason names what differs). Otherwise the alias
-moves only when the lower bound of the paired bootstrap CI (ops.stats, `n_bootstrap`, `level`) of the
+moves only when the lower bound of the paired bootstrap CI (evaluation.stats, `n_bootstrap`, `level`) of the
 accuracy difference, candidate - champion in percentage points, is above `min_improvement`. No champion:
 the candidate becomes champion. A champion registered before per-entry records existed is replaced, and
 the reason says so. The decision, the reason, both accuracies and the CI go to the run (metrics + tags),

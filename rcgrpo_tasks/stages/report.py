@@ -7,7 +7,7 @@ SEED/LABEL/ for each seed's RCTP model and RL cells: the evaluate stages' folder
 seed's RCTP model) and `--agree-root` (SEED/trajectories.jsonl: its greedy arm).
 
 The Markdown (`evaluation.seeded_tables`), in the order a reviewer reads it:
-1. RCTP's premise gate per seed (q and the sampled gap on the held-out entries): a missed gate is said first;
+1. RCTP's premise gate per seed (q and the sampled gap): a missed gate is said first;
 2. the endpoints (`evaluation.endpoints`): estimate, interval, test, p and minimum detectable effect, and how
    many comparisons are reported;
 3. the seeded models pooled over seeds (two-level bootstrap intervals: seeds, then entries) beside their
@@ -16,7 +16,9 @@ The Markdown (`evaluation.seeded_tables`), in the order a reviewer reads it:
    half and its half outside the pool;
 5. each seed's own tables (`evaluation.report_tables`: greedy accuracy with Wilson intervals, pass@1, paired
    differences, per category, RL diagnostics, the paper's Table 1 beside it).
-Stages that measure the same thing must agree: per seed, evaluate_rctp's greedy answers and the controllability
+Every evaluation and controllability check read must be on one side of the split (their `settings.side` /
+`side`): it names the report's split in its notes, headings and plot titles; a mix fails the stage, naming
+the sides and who measured each, before anything is written. Stages that measure the same thing must agree: per seed, evaluate_rctp's greedy answers and the controllability
 stage's greedy arm are compared entry by entry (`evaluation.agreement`); a disagreement fails the stage, naming
 the entries, before anything is written.
 Writes: `--table` (Markdown), `--json` (DVC metrics: every number above), `--plot` (PNG: accuracy per row),
@@ -33,10 +35,12 @@ import typer
 from rcgrpo_tasks.env.paper import PAPER_TABLE1_OVERALL, row_name
 from rcgrpo_tasks.evaluation.agreement import cross_check
 from rcgrpo_tasks.evaluation.endpoints import EndpointsConfig
+from rcgrpo_tasks.evaluation.formats import split_title
 from rcgrpo_tasks.evaluation.grid import GridConfig
 from rcgrpo_tasks.evaluation.mechanism import plot_mechanism
+from rcgrpo_tasks.evaluation.plots import accuracy_plot, probe_plot
 from rcgrpo_tasks.evaluation.report_tables import report_markdown
-from rcgrpo_tasks.evaluation.results_table import build_report, rc_versus_grpo
+from rcgrpo_tasks.evaluation.results_table import build_report, one_side, rc_versus_grpo
 from rcgrpo_tasks.evaluation.seeded import Roots, endpoint_results, load_seed, pooled_rows, premise
 from rcgrpo_tasks.evaluation.seeded_tables import seeded_markdown
 from rcgrpo_tasks.ops import tracking
@@ -44,7 +48,6 @@ from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import load_config
 from rcgrpo_tasks.ops.inputs import InputError, read_json
 from rcgrpo_tasks.ops.outputs import write_json, write_text
-from rcgrpo_tasks.ops.plots import accuracy_plot, probe_plot
 
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
 
@@ -74,11 +77,13 @@ def grid_report(params: Path, eval_root: Path, rl_root: Path, ctl_root: Path | N
         for s in grid.seeds:
             checks[s] = [{"label": "rctp", **cross_check(eval_root / str(s) / "rctp",
                                                          agree_root / str(s) / "trajectories.jsonl")}]
+    side = one_side([r for s in seeds for r in s.rows],
+                    {f"controllability@{s.seed}": s.controllability.get("side") for s in seeds if s.controllability})
     results = endpoint_results(declared, seeds, seed)
     gates, pooled = premise(seeds), pooled_rows(seeds, grid.seeded_labels, seed)
-    md = seeded_markdown(gates, results, pooled, seeds, declared.alpha, declared.power, checks)
+    md = seeded_markdown(gates, results, pooled, seeds, declared.alpha, declared.power, checks, side)
     md += paper_beside(seeds[0].rows, pooled, results)
-    data = {"premise": gates, "endpoints": results, "pooled": pooled,
+    data = {"side": side, "premise": gates, "endpoints": results, "pooled": pooled,
             "seeds": {str(s.seed): {"rows": {r["label"]: r for r in s.rows}, "rc_grpo_vs_grpo": s.contrast}
                       for s in seeds},
             "stage_agreement": {str(k): v for k, v in checks.items()}}
@@ -88,15 +93,15 @@ def grid_report(params: Path, eval_root: Path, rl_root: Path, ctl_root: Path | N
 
 
 def paper_beside(rows: list[dict], pooled: list[dict], endpoints: list[dict]) -> str:
-    """The paper's Table 1 (`env.paper.PAPER_TABLE1_OVERALL`: Qwen2.5-7B-Instruct, BFCL v4 multi-turn, 80
-    held-out entries, one run, no interval) beside this run's greedy accuracy (its reading) for the rows the
+    """The paper's Table 1 (`env.paper.PAPER_TABLE1_OVERALL`: Qwen2.5-7B-Instruct, BFCL v4 multi-turn, its 80
+    test entries, one run, no interval) beside this run's greedy accuracy (its reading) for the rows the
     paper reports, and its RCTP+RC-GRPO - RCTP+GRPO beside this run's endpoints of that contrast. A reference
     for the shape of the result: the task, model and budgets differ (the header says which task ran)."""
     greedy = {r["label"]: r["overall"]["accuracy"] * 100 for r in rows if r.get("seed") is None}
     greedy.update({r["label"]: r["correct"]["mean"] for r in pooled})
     task = " / ".join(sorted({r["task"] for r in rows}))
     lines = ["", "## The paper beside", "",
-             f"arXiv 2602.03025 Table 1 (Qwen2.5-7B-Instruct, BFCL v4 multi-turn, 80 held-out entries, one run, "
+             f"arXiv 2602.03025 Table 1 (Qwen2.5-7B-Instruct, BFCL v4 multi-turn, its 80 test entries, one run, "
              f"no interval) beside this run's greedy accuracy (BFCL v4 {task}; seeded models pooled over seeds): "
              "a reference for the shape, not a target.", "",
              "| model | paper Table 1 % | this run, greedy % |", "|---|---|---|"]
@@ -124,8 +129,10 @@ def explicit_report(eval_: list[str], rl: list[str], agree: list[str], seed: int
             raise InputError(f"--agree {label}: no --eval {label}=DIR to compare")
         checks.append({"label": label, **cross_check(dirs[label], other)})
     contrast = rc_versus_grpo(rows, {label: read_json(p).get("groups") or [] for label, p in _pairs(rl, "--rl")})
-    return (report_markdown(rows, contrast, checks),
-            {"rows": {r["label"]: r for r in rows}, "rc_grpo_vs_grpo": contrast, "stage_agreement": checks}, rows, {})
+    side = one_side(rows)
+    return (report_markdown(rows, contrast, side, checks),
+            {"side": side, "rows": {r["label"]: r for r in rows}, "rc_grpo_vs_grpo": contrast,
+             "stage_agreement": checks}, rows, {})
 
 
 @app.command()
@@ -165,13 +172,13 @@ def main(
         write_text(files[0], md)
         write_json(files[1], {**data, "paper_table1_overall": PAPER_TABLE1_OVERALL})
         names = {r["label"]: _display(r["label"]) for r in rows}
-        accuracy_plot(rows, files[2], names, title=f"BFCL v4 {task}, held-out split")
+        accuracy_plot(rows, files[2], names, split_title(task, data["side"]))
         if mechanism is not None:
             files.append(staged.file(mechanism))
             plot_mechanism(steps, files[-1], title=f"RC-GRPO mechanism per step (BFCL v4 {task})")
         if probe is not None:
             files.append(staged.file(probe))
-            probe_plot(rows, files[-1], names, title=f"RL on BFCL v4 {task}: the fixed probe's reward (pool half)")
+            probe_plot(rows, files[-1], names, f"RL on BFCL v4 {task}: the fixed probe's reward (pool half)")
         if track:
             _log(rows, files)
     typer.echo(md)

@@ -7,11 +7,11 @@ What it does (one run of the grid init x algo, e.g. `rl_rctp@0-rc_grpo`; the lib
    to the RCTP model, as in the paper, not to the raw base.
 2. Trains with `GRPOTrainer(rollout_func=EngineRollout)`: the dataset rows are the ids of RL's pool (the
    split's `rl` side, prompts no fine-tuning stage saw, those whose success among the init's own samples
-   `--pool` lies in `rl.pool_band`: `train.rl.pool.train_entries`); the
-   rollout function runs the project's rollout engine on the current policy (a merged bf16 copy
-   refreshed every generation on CPU; TRL's vLLM engine on GPU); multi_turn: the environment executes the
-   model's calls between model steps, environment tokens carry no loss; single_turn: one output per
-   rollout, scored by BFCL's AST checker.
+   `--pool` lies in `rl.pool_band`: `train.rl.pool.train_entries`); the rollout function runs the
+   project's rollout engine on the current policy (on a CPU a merged copy refreshed every generation, in
+   the dtype `rl.rollout_dtype` resolves to; on a GPU TRL's vLLM engine); multi_turn: the environment
+   executes the model's calls between model steps, environment tokens carry no loss; single_turn: one
+   output per rollout, scored by BFCL's AST checker.
 3. Rewards come from the shared scorer: `reward` (params `rl.reward`, `env.rewards.Reward`: paper_reward =
    binary trajectory reward, default; official_verdict; partial_credit) drives the advantage; all three
    are logged.
@@ -24,8 +24,9 @@ What it does (one run of the grid init x algo, e.g. `rl_rctp@0-rc_grpo`; the lib
    clip fraction, completion / call / step counts, environment errors, rollout tokens/s, step time. The
    metrics JSON states the mechanism's averages (zero-variance share, advantage spread, gap, reward) with
    95 % bootstrap CIs over steps (`mechanism`); `evaluation.mechanism.plot_mechanism` draws GRPO vs RC-GRPO.
-6. Checkpoints every `save_steps` into `--checkpoints` (a DVC `persist` output); a re-run with the same
-   params, inputs and training code resumes from the last one (other runs' checkpoints are discarded).
+6. Checkpoints every `save_steps` into `--checkpoints` (machine-local resume state, not a DVC output); a
+   re-run with the same params, inputs and training code resumes from the last one (other runs'
+   checkpoints are discarded).
    SIGTERM (dvc / Prefect cancel): one line on stderr; the current step is checkpointed (or, past
    `callbacks.STOP_GRACE_S`, the run stops at once), the MLflow run ends KILLED, nothing is published, exit 143.
 7. Placement: params `compute.device` (auto | cpu | cuda); one stderr line says where it trains, the

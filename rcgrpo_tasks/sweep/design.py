@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rcgrpo_tasks.evaluation.formats import ci
 from rcgrpo_tasks.evaluation.results_table import load_eval
+from rcgrpo_tasks.evaluation.stats import paired_bootstrap_ci
 from rcgrpo_tasks.ops.inputs import read_json
-from rcgrpo_tasks.ops.stats import paired_bootstrap_ci
 from rcgrpo_tasks.sweep.run import Spec
 
 
@@ -40,10 +41,9 @@ def design_rows(out: Path, spec: Spec) -> list[dict]:
 
 def _ci(d: dict | None, key: str, spec: str) -> str:
     """`value [low, high]` of a paired difference (`ci`) or a probe change (`ci_low`, `ci_high`); n/a if none."""
-    if not d or d.get(key) is None:
+    if not d:
         return "n/a"
-    lo, hi = d["ci"] if "ci" in d else (d["ci_low"], d["ci_high"])
-    return f"{d[key]:{spec}} [{lo:{spec}}, {hi:{spec}}]"
+    return ci(d.get(key), d["ci"] if "ci" in d else (d.get("ci_low"), d.get("ci_high")), spec)
 
 
 def design_markdown(rows: list[dict]) -> str:

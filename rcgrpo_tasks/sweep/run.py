@@ -47,8 +47,8 @@ from pathlib import Path
 
 import yaml
 
-from rcgrpo_tasks.env.paper import ALGOS, INITS
 from rcgrpo_tasks.ops.config import ConfigError, deep_merge, read_params
+from rcgrpo_tasks.ops.names import ALGOS, INITS
 from rcgrpo_tasks.ops.outputs import write_json, write_text
 from rcgrpo_tasks.ops.pipeline import PlannedStage, Substitution, select, variant, write_plan
 from rcgrpo_tasks.ops.plan_runner import RunRecord, StageRun, bundle_members, run_plan, write_bundle

@@ -28,7 +28,8 @@ cfg = RCGRPOConfig("/tmp/rcgrpo-import-test", report_to=[], use_cpu=True, bf16=F
 for extra in sys.argv[2:]:
     __import__(extra)
 print(json.dumps({"loaded": sorted({m.split(".")[0] for m in sys.modules} & set(hidden)), "G": cfg.num_generations,
-                  "trainer": RCGRPOTrainer.__mro__[-3].__name__}))
+                  "subclass": issubclass(RCGRPOTrainer, __import__("trl").GRPOTrainer)
+                  and issubclass(RCGRPOConfig, __import__("trl").GRPOConfig)}))
 """
 
 
@@ -61,7 +62,7 @@ def run_child(tmp_path: Path, *extra: str) -> dict:
 
 def test_the_public_api_needs_no_mlops_package(tmp_path):
     got = run_child(tmp_path)
-    assert got == {"loaded": [], "G": 5, "trainer": "GRPOTrainer"}
+    assert got == {"loaded": [], "G": 5, "subclass": True}
 
 
 @pytest.mark.parametrize("name", HIDDEN)

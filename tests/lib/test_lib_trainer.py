@@ -253,3 +253,16 @@ def test_the_model_card_names_rc_grpo(lib_model, tmp_path):
     trainer.create_model_card()
     card = (tmp_path / "RCGRPOTrainer" / "README.md").read_text()
     assert "RC-GRPO" in card and "2602.03025" in card
+
+
+def test_a_model_without_the_reward_tokens_is_refused_unless_unconditioned(lib_tok, tmp_path):
+    from conftest import build_model
+
+    model = build_model(len(lib_tok))
+    args = RCGRPOConfig(str(tmp_path), **make_args(tmp_path))
+    with pytest.raises(ValueError, match="add_reward_tokens"):
+        RCGRPOTrainer(model=model, reward_funcs=token_reward, args=args, train_dataset=dataset(),
+                      processing_class=lib_tok, peft_config=plain_lora())
+    none = RCGRPOConfig(str(tmp_path), **make_args(tmp_path), conditioning="none")
+    RCGRPOTrainer(model=model, reward_funcs=token_reward, args=none, train_dataset=dataset(), processing_class=lib_tok,
+                  peft_config=plain_lora())

@@ -39,7 +39,7 @@ from rcgrpo.group_metrics import (  # noqa: F401  (re-exported: the library's gr
     spread_groups,
     zero_std_fraction,
 )
-from rcgrpo_tasks.env.paper import ALGOS
+from rcgrpo_tasks.ops.names import ALGOS
 
 
 def conditioning_for(init: str, algo: str) -> Conditioning:

@@ -20,10 +20,10 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from rcgrpo.stats import mcnemar_exact
 from rcgrpo_tasks.data.rl_steps import finite, step_summary
 from rcgrpo_tasks.ops.inputs import read_tsv
 from rcgrpo_tasks.ops.outputs import write_tsv
-from rcgrpo_tasks.ops.stats import mcnemar_exact
 from rcgrpo_tasks.train.rl.advantages import ZERO_STD_TOL, group_stats
 
 STEP_MARKER = "loss"

@@ -27,10 +27,10 @@ import json
 import random
 from pathlib import Path
 
+from rcgrpo.stats import bootstrap_ci, mcnemar_exact
 from rcgrpo_tasks.engine import rollout as engine_rollout
 from rcgrpo_tasks.env.rewards import reward_value
 from rcgrpo_tasks.ops.inputs import read_jsonl
-from rcgrpo_tasks.ops.stats import bootstrap_ci, mcnemar_exact
 from rcgrpo_tasks.train.rl import advantages as adv
 
 PROBE_FILE = "probe.jsonl"

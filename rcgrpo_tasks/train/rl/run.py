@@ -65,7 +65,7 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
             **tracking_log.grid_tags(spec.name, spec.grid_seed)}
     params = {"rl": as_dict(cfg), "prompt": as_dict(protocol), "tokens": list(levels),
               "run": {**tags, "adapter": str(spec.adapter_dir)}, "compute": as_dict(compute)}
-    stage = f"rl@{spec.name}"
+    stage = tracking_log.stage_name("rl", spec.name, spec.grid_seed)  # its DVC stage: rl_<init>@<seed>-<algo>
     fp = fingerprint(cfg, protocol, levels, spec)  # the requested micro-batch: a fitted one resumes the same run
     with stop_on_signal() as stop, runs.published(main_proc, track, stage, params, tags,
                                                         spec.outputs) as (_, staged):

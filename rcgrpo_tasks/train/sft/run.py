@@ -82,7 +82,7 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbac
               "compute": as_dict(compute)}
     if track:
         os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "true")
-    stage = f"sft@{spec.variant}"
+    stage = tracking_log.stage_name("sft", spec.variant, spec.grid_seed)  # its DVC stage: sft, rctp@<seed>
     main = state.is_main_process
     tags = {"sft.variant": spec.variant, **tracking_log.grid_tags(spec.variant, spec.grid_seed)}
     with stop_on_signal() as stop, runs.published(main, track, stage, params, tags, spec.outputs) as (_, staged):

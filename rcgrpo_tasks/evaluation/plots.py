@@ -1,4 +1,6 @@
-"""The accuracy plot of evaluate and report, readable at any accuracy (0 % as well as 85 %).
+"""The plots of evaluate and report: accuracy per model, readable at any accuracy (0 % as well as 85 %), and
+the RL cells' fixed-probe curves. Every title is the caller's: it names the task and the split the numbers
+come from (`evaluation.accuracy.side_name`).
 
 One horizontal bar per model: overall accuracy with its 95 % CI as an error bar and the value written on
 the bar (a 0.0 bar is a labelled line, not an empty plot), the paper's Table 1 value as a star where the
@@ -17,8 +19,7 @@ def _finite(x) -> float:
     return 0.0 if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
 
 
-def accuracy_plot(rows: list[dict], path: Path, names: dict[str, str] | None = None,
-                  title: str = "BFCL v4, held-out split") -> None:
+def accuracy_plot(rows: list[dict], path: Path, names: dict[str, str] | None, title: str) -> None:
     """Write the PNG of `accuracy_figure(rows, ...)` to `path`, atomically."""
     save_png(accuracy_figure(rows, names, title), path)
 
@@ -34,8 +35,7 @@ def save_png(fig, path: Path, dpi: int = 120) -> None:
     tmp.replace(path)
 
 
-def accuracy_figure(rows: list[dict], names: dict[str, str] | None = None,
-                    title: str = "BFCL v4, held-out split"):
+def accuracy_figure(rows: list[dict], names: dict[str, str] | None, title: str):
     """The matplotlib figure of `rows` (report/evaluate summaries: label, n, overall{accuracy, ci},
     partial_credit, paper_table1_overall)."""
     import matplotlib
@@ -79,8 +79,7 @@ def accuracy_figure(rows: list[dict], names: dict[str, str] | None = None,
     return fig
 
 
-def probe_plot(rows: list[dict], path: Path, names: dict[str, str] | None = None,
-               title: str = "RL: the fixed probe's reward") -> None:
+def probe_plot(rows: list[dict], path: Path, names: dict[str, str] | None, title: str) -> None:
     """One panel per init, one line per cell of it: the probe's mean reward at each probed step, with the
     change's 95 % paired CI in the legend (rows with `rl_probe`: `train.rl.probe.probe_summary`). Written
     atomically; an empty figure says that no run had a probe."""

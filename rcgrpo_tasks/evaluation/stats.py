@@ -1,9 +1,10 @@
-"""Bootstrap statistics shared by evaluate, report, controllability, RL diagnostics and promotion.
+"""The report's statistics over entries, groups and seeds, on the bootstrap primitives of `rcgrpo.stats`
+(percentile bootstrap, its paired form, exact McNemar: the library's, shared with every layer).
 
-Percentile bootstrap over entries (the unit BFCL scores), with a fixed seed so a rerun reproduces the
-same interval. `strata` resamples within each stratum (category), keeping the category mix fixed as the
-leaderboard's mean-of-categories view does. `paired_bootstrap_ci` resamples entry indices once for both
-arms, so per-entry differences (candidate vs champion, high vs low token) keep their pairing.
+- `wilson_ci` and Tango's paired score interval (`tango_paired_ci`, `paired_binary`) never collapse to a
+  point on small samples where a percentile bootstrap does;
+- `paired_mean` (t interval, sign-flip p) for per-unit rates such as pass@1; `two_level_bootstrap` pools over
+  seeds and units; `z_power` gives each test's minimum detectable effect.
 """
 
 from __future__ import annotations
@@ -12,73 +13,7 @@ import math
 import random
 from collections.abc import Sequence
 
-N_BOOT = 2000
-MAX_BOOT = 100_000
-"""More resamples than any CI needs (the pure-Python loop takes seconds there): a typo fails fast."""
-
-
-def check_n_boot(n_boot: int) -> None:
-    """Config check shared by every stage with bootstrap CIs: 10 <= n_boot <= MAX_BOOT."""
-    if not 10 <= n_boot <= MAX_BOOT:
-        raise ValueError(f"n_bootstrap must be in [10, {MAX_BOOT}], got {n_boot}")
-
-
-def mean(xs: Sequence[float]) -> float:
-    """Mean of the non-NaN values (NaN when there are none)."""
-    xs = [x for x in xs if not math.isnan(x)]
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
-def _percentiles(means: list[float], level: float) -> tuple[float, float]:
-    means.sort()
-    n = len(means)
-    lo = means[int(math.floor((1 - level) / 2 * n))]
-    hi = means[min(n - 1, int(math.ceil((1 + level) / 2 * n)) - 1)]
-    return (lo, hi)
-
-
-def bootstrap_ci(values: Sequence[float], strata: Sequence[str] | None = None, n_boot: int = N_BOOT,
-                 seed: int = 0, level: float = 0.95) -> tuple[float, float]:
-    """Percentile bootstrap CI of the mean of `values` (N,); resampling within `strata` when given."""
-    if not values:
-        return (float("nan"), float("nan"))
-    groups: dict[str, list[float]] = {}
-    for i, v in enumerate(values):
-        groups.setdefault(strata[i] if strata else "", []).append(float(v))
-    rng = random.Random(seed)
-    n = len(values)
-    means = []
-    for _ in range(n_boot):
-        total = 0.0
-        for vs in groups.values():
-            total += sum(vs[rng.randrange(len(vs))] for _ in vs)
-        means.append(total / n)
-    return _percentiles(means, level)
-
-
-def paired_bootstrap_ci(a: Sequence[float], b: Sequence[float], n_boot: int = N_BOOT, seed: int = 0,
-                        level: float = 0.95) -> tuple[float, float, float]:
-    """(mean(a - b), CI low, CI high) over paired units (same index = same entry)."""
-    if len(a) != len(b):
-        raise ValueError(f"paired samples differ in length: {len(a)} vs {len(b)}")
-    diffs = [float(x) - float(y) for x, y in zip(a, b)]
-    if not diffs:
-        return (float("nan"), float("nan"), float("nan"))
-    lo, hi = bootstrap_ci(diffs, n_boot=n_boot, seed=seed, level=level)
-    return (sum(diffs) / len(diffs), lo, hi)
-
-
-def difference_ci(a: Sequence[float], b: Sequence[float], n_boot: int = N_BOOT, seed: int = 0,
-                  level: float = 0.95) -> tuple[float, float, float]:
-    """(mean(a) - mean(b), CI low, CI high) of two independent samples, each resampled on its own."""
-    a, b = [float(x) for x in a], [float(x) for x in b]
-    if not a or not b:
-        return (float("nan"), float("nan"), float("nan"))
-    rng = random.Random(seed)
-    diffs = [sum(a[rng.randrange(len(a))] for _ in a) / len(a) - sum(b[rng.randrange(len(b))] for _ in b) / len(b)
-             for _ in range(n_boot)]
-    lo, hi = _percentiles(diffs, level)
-    return (sum(a) / len(a) - sum(b) / len(b), lo, hi)
+from rcgrpo.stats import N_BOOT, bootstrap_ci, mcnemar_exact, paired_bootstrap_ci, percentiles  # noqa: F401
 
 
 def wilson_ci(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -90,21 +25,6 @@ def wilson_ci(successes: int, n: int, z: float = 1.959964) -> tuple[float, float
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return (max(0.0, centre - half), min(1.0, centre + half))
-
-
-def mcnemar_exact(only_a: int, only_b: int) -> float:
-    """Two-sided exact McNemar p-value (a sign test on the discordant pairs): `only_a` units where only arm
-    A has the event, `only_b` where only B has it; 1.0 without discordant pairs."""
-    n = only_a + only_b
-    if n == 0:
-        return 1.0
-    k = min(only_a, only_b)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
-    return min(1.0, 2 * tail)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Small samples: exact tests, score intervals, two-level bootstrap, minimum detectable effects
 
 
 def _tango_z(b: int, c: int, n: int, delta: float) -> float:
@@ -212,7 +132,7 @@ def two_level_bootstrap(groups: Sequence[Sequence[float]], n_boot: int = N_BOOT,
         means.append(sum(g[u] for g in seeds for u in units) / (len(seeds) * n))
     mu = sum(means) / len(means)
     se = math.sqrt(sum((v - mu) ** 2 for v in means) / (len(means) - 1))
-    lo, hi = _percentiles(means, 1 - alpha)
+    lo, hi = percentiles(means, 1 - alpha)
     return {"seeds": len(groups), "n": n, "diff": sum(sum(g[:n]) for g in groups) / (len(groups) * n), "ci": [lo, hi],
             "se": se, "mde": z_power(alpha, power) * se, "per_seed": [sum(g[:n]) / n for g in groups],
             "test": "two-level bootstrap (seeds, then units)"}
