@@ -1,0 +1,12 @@
+"""BFCL v4 for TRL users: the project's tasks as pieces a TRL script takes.
+
+- `install_tool_chat_template` (`chat_template`): a tool-calling ChatML template for SmolLM2-Instruct, whose own
+  template cannot express tool calls, with TRL's parser for it.
+
+A layer of its own above the tasks (`env`): it uses the pipeline's tasks, scorers and readers and the `rcgrpo`
+library, and nothing of the stages, trainers or the MLOps stack.
+"""
+
+from rcgrpo_tasks.integrations.chat_template import SMOLLM2_TOOL_CHAT_TEMPLATE, install_tool_chat_template
+
+__all__ = ["SMOLLM2_TOOL_CHAT_TEMPLATE", "install_tool_chat_template"]
