@@ -72,3 +72,10 @@ def test_the_view_hides_each_package(tmp_path, name):
     code = f"import sys; sys.path[1:1] = [{str(view)!r}]\nimport {name}"
     out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "No module named" in out.stderr
+
+
+def test_bfcl_for_trl_users_needs_no_mlops_package(tmp_path):
+    """BFCL's datasets, reward and environments for TRL (`rcgrpo_tasks.integrations`) load without them too."""
+    got = run_child(tmp_path, "rcgrpo_tasks.integrations", "rcgrpo_tasks.integrations.bfcl_single_turn",
+                    "rcgrpo_tasks.integrations.bfcl_multi_turn")
+    assert got["loaded"] == []
