@@ -5,7 +5,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv pipeline study test test-all lint bench stack-up stack-down clean-venv vllm-venv test-vllm gpu-dryrun
+# (test-lib: the library at the lowest versions its ranges admit, tests/lib in its own venv)
+.PHONY: venv pipeline study test test-all test-lib lint bench stack-up stack-down clean-venv vllm-venv test-vllm gpu-dryrun
 
 venv: $(STAMP)
 
@@ -94,6 +95,25 @@ test: venv
 lint: venv
 	$(BIN)/ruff check .
 	cd $(CURDIR) && $(BIN)/lint-imports
+
+# The library's lower ends (docs/library.md "Versions"): a virtualenv holding only the core dependencies, each at
+# the lowest version pyproject.toml admits (`>=X` pinned `==X`), and tests/lib run there (their own fixtures: no
+# pipeline package, no MLOps stack, no GGUF). The upper ends are the dev venv's pins (`make test`).
+LIB_VENV ?= .venv-lib
+LIB_BIN := $(LIB_VENV)/bin
+LIB_STAMP := $(LIB_VENV)/.installed
+
+$(LIB_STAMP): pyproject.toml
+	test -x $(LIB_BIN)/python || $(PY) -m venv $(LIB_VENV)
+	$(LIB_BIN)/pip install -q --upgrade pip
+	$(LIB_BIN)/python -c "import re, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(re.sub(r'>=([^,]+)(,.*)?$$', r'==\1', d) for d in deps))" > $(LIB_VENV)/lowest.txt
+	$(LIB_BIN)/pip install -q -r $(LIB_VENV)/lowest.txt pytest
+	$(LIB_BIN)/pip install -q --no-deps -e .
+	touch $(LIB_STAMP)
+
+test-lib: $(LIB_STAMP)
+	$(LIB_BIN)/python -c "import torch, transformers, trl, peft, accelerate, datasets; print('lowest ends:', *(f'{m.__name__} {m.__version__}' for m in (torch, transformers, trl, peft, accelerate, datasets)))"
+	$(LIB_BIN)/python -m pytest -q tests/lib --confcutdir=tests/lib -p no:cacheprovider
 
 test-all: venv
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q $(XDIST)

@@ -4,6 +4,7 @@ site hooks), as on a machine that installed the package without its `pipeline` e
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -74,6 +75,7 @@ def test_the_view_hides_each_package(tmp_path, name):
     assert out.returncode != 0 and "No module named" in out.stderr
 
 
+@pytest.mark.skipif(importlib.util.find_spec("bfcl_eval") is None, reason="bfcl-eval is not installed")
 def test_bfcl_for_trl_users_needs_no_mlops_package(tmp_path):
     """BFCL's datasets, reward and environments for TRL (`rcgrpo_tasks.integrations`) load without them too."""
     got = run_child(tmp_path, "rcgrpo_tasks.integrations", "rcgrpo_tasks.integrations.bfcl_single_turn",
