@@ -99,20 +99,23 @@ lint: venv
 # The library's lower ends (docs/library.md "Versions"): a virtualenv holding only the core dependencies, each at
 # the lowest version pyproject.toml admits (`>=X` pinned `==X`), and tests/lib run there (their own fixtures: no
 # pipeline package, no MLOps stack, no GGUF). The upper ends are the dev venv's pins (`make test`).
-LIB_VENV ?= .venv-lib
+# LIB_END=highest: the newest version of every range instead (pip's own resolution of the ranges; torch 2.14.1 is
+# a CUDA build from this host's disk, ~5.5 GB: not in CI, run once per dependency change, docs/log.md "Library").
+LIB_END ?= lowest
+LIB_VENV ?= .venv-lib-$(LIB_END)
 LIB_BIN := $(LIB_VENV)/bin
 LIB_STAMP := $(LIB_VENV)/.installed
 
 $(LIB_STAMP): pyproject.toml
 	test -x $(LIB_BIN)/python || $(PY) -m venv $(LIB_VENV)
 	$(LIB_BIN)/pip install -q --upgrade pip
-	$(LIB_BIN)/python -c "import re, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(re.sub(r'>=([^,]+)(,.*)?$$', r'==\1', d) for d in deps))" > $(LIB_VENV)/lowest.txt
-	$(LIB_BIN)/pip install -q -r $(LIB_VENV)/lowest.txt pytest
+	$(LIB_BIN)/python -c "import re, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; end = '$(LIB_END)'; print('\n'.join(re.sub(r'>=([^,]+)(,.*)?$$', r'==\1', d) if end == 'lowest' else d for d in deps))" > $(LIB_VENV)/ends.txt
+	$(LIB_BIN)/pip install -q -r $(LIB_VENV)/ends.txt pytest
 	$(LIB_BIN)/pip install -q --no-deps -e .
 	touch $(LIB_STAMP)
 
 test-lib: $(LIB_STAMP)
-	$(LIB_BIN)/python -c "import torch, transformers, trl, peft, accelerate, datasets; print('lowest ends:', *(f'{m.__name__} {m.__version__}' for m in (torch, transformers, trl, peft, accelerate, datasets)))"
+	$(LIB_BIN)/python -c "import torch, transformers, trl, peft, accelerate, datasets; print('$(LIB_END) ends:', *(f'{m.__name__} {m.__version__}' for m in (torch, transformers, trl, peft, accelerate, datasets)))"
 	$(LIB_BIN)/python -m pytest -q tests/lib --confcutdir=tests/lib -p no:cacheprovider
 
 test-all: venv

@@ -24,8 +24,9 @@ GONE = ("docs/measured.md", "RCGRPO_CPU_BF16")
 """Names that no longer exist and that no doc may use."""
 MADE_OUTSIDE_DVC = ("results/study", "results/dev-sweep", "logs/")
 """Outputs of make targets and dev sweeps, not of dvc.yaml's stages."""
-ELSEWHERE = ("run/", "retrain/", "eval/", "<")
-"""Paths on a lent GPU host (`run/`), in a generated retrain project, or relative to a stage's argument."""
+ELSEWHERE = ("run/", "retrain/", "eval/", "<", "rc/")
+"""Paths on a lent GPU host (`run/`), in a generated retrain project, or relative to a stage's argument; and
+the trainer's metric names (`rc/...`), which look like paths."""
 OLD_BASES = ("sft", "rl")
 """Stage bases of names that are gone (`sft@rctp`, `rl@<cell>`): still checked, so they fail."""
 
@@ -103,16 +104,25 @@ def path_ok(text: str) -> bool:
 
 
 def module_ok(package: str, rest: str) -> bool:
-    """`rcgrpo_tasks.a.b.name`: a module or package a.b (the longest that exists) defining every name after it."""
-    parts = [package, *rest.strip(".").split(".")]
+    """`rcgrpo_tasks.a.b.name` (or the library's `rcgrpo.a.name`): a module or package a.b (the longest that
+    exists) defining every name after it."""
+    root = REPO_ROOT if package in ("rcgrpo", "rcgrpo_tasks") else REPO_ROOT / "rcgrpo_tasks"
+    parts = [package, *(p for p in rest.strip(".").split(".") if p)]
     for i in range(len(parts), 0, -1):
-        base = REPO_ROOT / "rcgrpo_tasks" / Path(*parts[:i])
+        base = root / Path(*parts[:i])
         source = base.with_suffix(".py") if base.with_suffix(".py").exists() else base / "__init__.py"
         if source.exists():
             text = source.read_text()
             return all(re.search(rf"(def|class)\s+{re.escape(n)}\b|^\s*{re.escape(n)}\s*[:=]", text, re.M)
                        or re.search(rf"\b{re.escape(n)}\b", text) for n in parts[i:])
     return False
+
+
+def library_name(name: str) -> bool:
+    """A module of the library (`rcgrpo/<name>.py`) or a name it exports (`rcgrpo.__all__`)."""
+    import rcgrpo
+
+    return (REPO_ROOT / "rcgrpo" / f"{name}.py").exists() or name in rcgrpo.__all__ or not name.islower()
 
 
 def rel(doc: Path) -> str:
@@ -138,7 +148,9 @@ def problems(docs: list[Path] = DOCS) -> list[str]:
                 if not path_ok(text):
                     found.append(f"{where}: no path {text!r}")
             elif m := DOTTED.match(text):
-                if (text.startswith("rcgrpo_tasks.") or m.group(1) in PACKAGES) and not module_ok(m.group(1),
+                if m.group(1) == "rcgrpo" and m.group(2).count(".") == 1 and not library_name(m.group(2)[1:]):
+                    continue  # `rcgrpo.cell`: an MLflow tag, not a name of the library
+                if (text.startswith("rcgrpo_tasks.") or m.group(1) in (*PACKAGES, "rcgrpo")) and not module_ok(m.group(1),
                                                                                                   m.group(2)):
                     found.append(f"{where}: no module or name {text!r}")
     for doc in docs:
@@ -237,7 +249,7 @@ def definitions() -> dict[str, list[tuple[str, str]]]:
     import ast
 
     out: dict[str, list[tuple[str, str]]] = {}
-    for path in (REPO_ROOT / "rcgrpo_tasks").rglob("*.py"):
+    for path in [*(REPO_ROOT / "rcgrpo_tasks").rglob("*.py"), *(REPO_ROOT / "rcgrpo").rglob("*.py")]:
         module = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts).removesuffix(".__init__")
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
@@ -284,9 +296,10 @@ def signature_problem(span: str) -> str | None:
     found = definitions().get(name, [])
     if prefix:
         found = [(mod, q) for mod, q in found if f"{mod}.{q}".endswith(f"{prefix}.{name}")
-                 or (f"{mod}.{q}").endswith(f"{prefix.split('.')[-1]}.{q}")]
+                 or (f"{mod}.{q}").endswith(f"{prefix.split('.')[-1]}.{q}")
+                 or (prefix == "rcgrpo" and mod.startswith("rcgrpo."))]  # the library's top-level names
         if not found:
-            return None if prefix.split(".")[0] not in PACKAGES and prefix.split(".")[0] != "rcgrpo_tasks" \
+            return None if prefix.split(".")[0] not in (*PACKAGES, "rcgrpo_tasks", "rcgrpo") \
                 and not definitions().get(prefix.split(".")[-1]) else f"no {prefix}.{name} in the package"
     if not found:
         return None
