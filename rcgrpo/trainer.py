@@ -97,6 +97,20 @@ def check_reward_tokens(tokenizer, levels) -> None:
                          f"model (docs/library.md), or call rcgrpo.add_reward_tokens(model, tokenizer) first")
 
 
+def check_reference_rows(ref_model, model) -> None:
+    """TRL loads a full fine-tune's KL reference from the model's path: a model whose reward tokens were added in
+    memory and not saved gets a reference without their rows (an index error at the first KL term). ValueError
+    saying what to do instead."""
+    def rows(m):
+        return m.get_input_embeddings().weight.shape[0]
+
+    if rows(ref_model) < rows(model):
+        raise ValueError(f"the KL reference TRL loaded from {model.config._name_or_path!r} has {rows(ref_model)} "
+                         f"embedding rows, the model {rows(model)}: save the RCTP model (with its reward tokens) and "
+                         f"pass its path, train a PEFT adapter (the reference is then the adapter disabled), or set "
+                         f"beta=0.0")
+
+
 class RCGRPOTrainer(OffPolicyMixin, GRPOTrainer):
     """Reward-Conditioned GRPO (arXiv 2602.03025) on TRL's `GRPOTrainer`, called exactly like it (module
     docstring). `args` must be an [`RCGRPOConfig`]; `None` builds one named after the model."""
@@ -139,6 +153,8 @@ class RCGRPOTrainer(OffPolicyMixin, GRPOTrainer):
                          rollout_func=rollout_func, environment_factory=environment_factory)
         if args.conditioning != "none":
             check_reward_tokens(self._tokenizer, args.reward_tokens)
+        if self.ref_model is not None:
+            check_reference_rows(self.ref_model, self.accelerator.unwrap_model(self.model))
         self.reward_tokens: list[str | None] = []
         """This process's rollouts' tokens in the latest generation batch, in row order (empty under `none`)."""
         self.last_generation: Generation | None = None
@@ -164,13 +180,15 @@ class RCGRPOTrainer(OffPolicyMixin, GRPOTrainer):
                             levels=a.reward_tokens, draw=a.token_draw, first_row=self.accelerator.process_index * rows)
 
     def condition_row(self, row: dict, token: str | None) -> dict:
-        """A copy of a dataset row conditioned on `token`: its `reward_token` column and, unless the place is
-        `external` or the row has no prompt (an environment supplies it), the goal in its prompt."""
-        out = {**row, "reward_token": token}
-        if self.args.reward_goal_place != "external" and "prompt" in row:
-            goal = format_goal(token, self.args.reward_goal_template)
-            out["prompt"] = place_goal(row["prompt"], goal, self.args.reward_goal_place)
-        return out
+        """A copy of a dataset row conditioned on `token`: its `reward_token` column, and the goal text either in
+        its prompt (the configured place) or, under `external` (or for a row without a prompt: an environment
+        supplies it), in a `reward_goal` column for the rollout function or the environment's `reset` to place;
+        `reward_goal` is '' when the prompt carries the goal already, so an environment never adds it twice."""
+        goal = format_goal(token, self.args.reward_goal_template)
+        if self.args.reward_goal_place == "external" or "prompt" not in row:
+            return {**row, "reward_token": token, "reward_goal": goal}
+        return {**row, "reward_token": token, "reward_goal": "",
+                "prompt": place_goal(row["prompt"], goal, self.args.reward_goal_place)}
 
     def record_metric(self, name: str, value: float) -> None:
         """Add a value, already reduced across processes, to the current step's metrics (averaged in `log`)."""

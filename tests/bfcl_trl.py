@@ -46,5 +46,5 @@ def grpo_args(cls, out, **kw):
     """One CPU step of G=2 rollouts of 2 prompts, no logging or saving (`kw` overrides)."""
     base = dict(max_steps=1, num_generations=2, per_device_train_batch_size=4, max_completion_length=8,
                 report_to=[], use_cpu=True, bf16=False, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                seed=0, learning_rate=1e-3)
+                seed=0, learning_rate=1e-3, beta=0.0)  # no reference model: full fine-tuning of a tiny model
     return cls(str(out), **{**base, **kw})

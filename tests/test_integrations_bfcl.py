@@ -17,7 +17,7 @@ from bfcl_trl import calls_text, grpo_args, keyword_call, sample, tools_of
 from rcgrpo.goal import DEFAULT_LEVELS, format_goal, place_goal
 from rcgrpo_tasks.env.multi_turn.entries import entries_by_id
 from rcgrpo_tasks.env.multi_turn.entries import load_entries as load_multi_turn
-from rcgrpo_tasks.env.prompt import PromptConfig, ProtocolConfig
+from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.rewards import REWARDS, reward_value
 from rcgrpo_tasks.env.single_turn.entries import CATEGORIES as ST_CATEGORIES
 from rcgrpo_tasks.env.single_turn.entries import load_entries as load_single_turn
@@ -30,6 +30,7 @@ from rcgrpo_tasks.integrations import (
     single_turn_dataset,
     single_turn_reward,
 )
+from rcgrpo_tasks.integrations.bfcl_single_turn import protocol_of
 from rcgrpo_tasks.integrations.chat_template import SMOLLM2_DEFAULT_SYSTEM
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import write_json, write_jsonl
@@ -52,7 +53,7 @@ def test_single_turn_dataset_rows_are_the_tasks_initial_messages():
         assert row["prompt"] == initial_messages(e, cfg.protocol_config(1)) and row["category"] == e.category
         assert "Reward Goal" not in json.dumps(row["prompt"])
     default = single_turn_dataset(categories=["parallel"])
-    assert default[0]["prompt"] == initial_messages(load_single_turn(("parallel",))[0], ProtocolConfig())
+    assert default[0]["prompt"] == initial_messages(load_single_turn(("parallel",))[0], protocol_of(None))
     for row, e in zip(ds.select(range(3)), entries):  # RCGRPOTrainer's default goal place is the pipeline's
         assert place_goal(row["prompt"], format_goal(HIGH)) == initial_messages(e, cfg.protocol_config(1), HIGH)
 
@@ -143,11 +144,13 @@ def test_one_step_on_single_turn(trainer_name, tiny_model_dir, tmp_path):
 
     cls = getattr(rcgrpo, trainer_name, None) or getattr(trl, trainer_name)
     config = rcgrpo.RCGRPOConfig if cls is rcgrpo.RCGRPOTrainer else trl.GRPOConfig
-    ds = single_turn_dataset(categories=["simple_python"], prompt=ProtocolConfig(system_prompt="short")).select(range(2))
-    trainer = cls(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-                  reward_funcs=[single_turn_reward("paper_reward"), single_turn_reward("partial_credit")],
-                  args=grpo_args(config, tmp_path), train_dataset=ds,
-                  processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+    short = PromptConfig(protocol="official", doc_style="compact", system_prompt="short")
+    ds = single_turn_dataset(categories=["simple_python"], prompt=short).select(range(2))
+    model, tok = AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+    if cls is rcgrpo.RCGRPOTrainer:
+        rcgrpo.add_reward_tokens(model, tok)  # RC-GRPO starts from a model that has them (an RCTP model)
+    trainer = cls(model=model, reward_funcs=[single_turn_reward("paper_reward"), single_turn_reward("partial_credit")],
+                  args=grpo_args(config, tmp_path), train_dataset=ds, processing_class=tok)
     trainer.train()
     logged = trainer.state.log_history[0]
     assert trainer.state.global_step == 1

@@ -19,7 +19,7 @@ from rcgrpo_tasks.env.multi_turn.entries import load_entries as load_multi_turn
 from rcgrpo_tasks.env.multi_turn.environment import public_methods
 from rcgrpo_tasks.env.multi_turn.episode import DONE_DOC, Episode, merged_user_message
 from rcgrpo_tasks.env.multi_turn.scoring import score_entry
-from rcgrpo_tasks.env.prompt import ProtocolConfig
+from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.single_turn.entries import load_entries as load_single_turn
 from rcgrpo_tasks.integrations import (
     install_tool_chat_template,
@@ -75,7 +75,7 @@ def test_tools_execute_as_the_pipelines_episodes():
         env = envs["bfcl_" + "_".join(entry.involved_classes)]()
         assert env.reset(entry_id=entry.id) is None
         observations = replay(env, entry, gold)
-        episode = Episode(entry, ProtocolConfig(protocol="paper", max_outputs=len(gold) + 1))
+        episode = Episode(entry, PromptConfig(protocol="paper", doc_style="compact", system_prompt="bfcl").protocol_config(len(gold) + 1))
         expected = [m["content"] for c in gold for m in episode.step(format_calls([parse_call_string(c)]))]
         assert observations == expected, entry.id
         assert env.get_reward() == 1.0 == score_entry(entry, env.result).paper_reward
@@ -150,15 +150,17 @@ def environment_trainer(tiny_model_dir, tmp_path, max_completion_length=320):
     SmolLM2's tokenizer with the shipped template; captures each scored generation batch."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rcgrpo import RCGRPOConfig, RCGRPOTrainer
+    from rcgrpo import RCGRPOConfig, RCGRPOTrainer, add_reward_tokens
 
     entries = [entries_by_id()[i] for i in STEP_ENTRIES]
     ds = multi_turn_dataset(categories=["base"], system_prompt_style="short")
     ds = ds.filter(lambda row: row["entry_id"] in STEP_ENTRIES)
     tok = install_tool_chat_template(AutoTokenizer.from_pretrained(tiny_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    add_reward_tokens(model, tok)
     args = grpo_args(RCGRPOConfig, tmp_path, reward_goal_place="external", fast_cpu_logps=True,
                      max_completion_length=max_completion_length, token_draw="stratified")
-    trainer = RCGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), args=args, train_dataset=ds,
+    trainer = RCGRPOTrainer(model=model, args=args, train_dataset=ds,
                             processing_class=tok,
                             environment_factory=multi_turn_environments(entries, short_descriptions=True))
     outputs = []

@@ -115,14 +115,19 @@ class BfclToolEnvironment:
         self._calls: list[str] = []
         self._finished = False
 
-    def reset(self, entry_id: str | None = None, reward_token: str | None = None, **row) -> str | None:
-        """Start the rollout of `entry_id` on fresh BFCL instances; the goal text of `reward_token` or None."""
+    def reset(self, entry_id: str | None = None, reward_token: str | None = None, reward_goal: str | None = None,
+              **row) -> str | None:
+        """Start the rollout of `entry_id` on fresh BFCL instances; return the goal text TRL appends to the
+        prompt: the row's `reward_goal` where `rcgrpo.RCGRPOTrainer` set one ('' when its prompt carries the
+        goal already: None then), else the goal of `reward_token` (None without a token)."""
         if entry_id not in self.entries:
             raise ValueError(f"{type(self).__name__}: entry_id {entry_id!r} is not one of its entries (BFCL classes "
                              f"{list(self.classes)}; the row's `environment` must be its entry's)")
         self.entry = self.entries[entry_id]
         self._env = BfclEnvironment(self.entry)
         self._calls, self._finished = [], False
+        if reward_goal is not None:
+            return reward_goal or None
         return format_goal(reward_token, self.goal_template) or None
 
     @property

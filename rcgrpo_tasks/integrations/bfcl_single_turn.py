@@ -28,12 +28,15 @@ from rcgrpo_tasks.env.single_turn.entries import CATEGORIES, DEFAULT_CATEGORIES,
 from rcgrpo_tasks.env.single_turn.episode import initial_messages, score_text
 from rcgrpo_tasks.integrations.sources import task_entries
 
+DEFAULT_PROMPT = PromptConfig(protocol="official", doc_style="compact", system_prompt="bfcl")
+"""The prompt without a choice: compact docs, BFCL's system prompt (one question: the protocol does not enter)."""
+
 
 def protocol_of(prompt: PromptConfig | ProtocolConfig | None) -> ProtocolConfig:
     """The episode settings a prompt is rendered with: the pipeline's `PromptConfig` (params.yaml `prompt`), a
-    `ProtocolConfig`, or None (the defaults: compact docs, BFCL's system prompt)."""
+    `ProtocolConfig`, or None (`DEFAULT_PROMPT`)."""
     if prompt is None:
-        return ProtocolConfig()
+        prompt = DEFAULT_PROMPT
     if isinstance(prompt, PromptConfig):
         return prompt.protocol_config(1)  # the output budget does not enter a prompt
     if isinstance(prompt, ProtocolConfig):

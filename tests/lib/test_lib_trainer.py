@@ -266,3 +266,20 @@ def test_a_model_without_the_reward_tokens_is_refused_unless_unconditioned(lib_t
     none = RCGRPOConfig(str(tmp_path), **make_args(tmp_path), conditioning="none")
     RCGRPOTrainer(model=model, reward_funcs=token_reward, args=none, train_dataset=dataset(), processing_class=lib_tok,
                   peft_config=plain_lora())
+
+
+def test_a_reference_without_the_reward_tokens_is_refused(lib_tok, tmp_path):
+    """Full fine-tuning with beta > 0: TRL loads the reference from the model's path; tokens added in memory only
+    would leave it without their rows."""
+    from conftest import build_model
+
+    from rcgrpo import add_reward_tokens
+
+    build_model(len(lib_tok)).save_pretrained(tmp_path / "base")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    add_reward_tokens(model, lib_tok)
+    args = RCGRPOConfig(str(tmp_path / "out"), **make_args(tmp_path))
+    with pytest.raises(ValueError, match="save the RCTP model"):
+        RCGRPOTrainer(model=model, reward_funcs=token_reward, args=args, train_dataset=dataset(), processing_class=lib_tok)
