@@ -118,11 +118,11 @@ class RCGRPOTrainer(OffPolicyMixin, GRPOTrainer):
     _tag_names = ["trl", "rc-grpo"]
     _name = "RC-GRPO"
     _paper = {
-        "title": "RC-GRPO: Reward-Conditioned Group Relative Policy Optimization for Multi-Turn Tool Calling Agents",
+        "title": "Reward-Conditioned GRPO (RC-GRPO)",
         "id": "2602.03025",
         "citation": textwrap.dedent("""\
             @article{rcgrpo2026,
-                title        = {{RC-GRPO: Reward-Conditioned Group Relative Policy Optimization for Multi-Turn Tool Calling Agents}},
+                title        = {{Reward-Conditioned GRPO (RC-GRPO)}},
                 year         = 2026,
                 eprint       = {arXiv:2602.03025},
             }"""),
