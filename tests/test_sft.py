@@ -505,3 +505,20 @@ def test_an_rctp_pair_step_updates_the_same_weights_with_and_without_the_shared_
         assert packed == ([] if shared is None else [2, 2])  # each pair's micro-batch took the shared layout
     (plain, g_plain), (shared, g_shared) = runs_["plain"], runs_["shared"]
     assert_same_adam_step(plain, shared, g_plain, g_shared)
+
+
+def test_an_rctp_run_from_the_base_model_does_not_read_the_sft_adapter(tmp_path):
+    """dvc.yaml passes `--init-adapter models/sft/sft` to every RCTP run; `init: base` (the paper profile's RCTP)
+    reads the run without it, `init: sft` with it."""
+    from dataclasses import replace
+
+    spec = sft_config.SftRun(variant="rctp", model_dir=tmp_path, data=tmp_path / "d.jsonl", out=tmp_path / "o",
+                             checkpoints=tmp_path / "c", init_adapter=tmp_path / "sft")
+    cfg = sft_run.load_sft_config(str(committed_with(tmp_path / "params.yaml")), "rctp")[0]
+    assert spec.reading(replace(cfg, init="sft")).init_adapter == tmp_path / "sft"
+    base = spec.reading(replace(cfg, init="base"))
+    assert base.init_adapter is None
+    plain = replace(cfg, init="base", margin_every=0)
+    base.check_against(plain)  # no "--init-adapter given but init is base"
+    with pytest.raises(ConfigError, match="init is base"):
+        spec.check_against(plain)

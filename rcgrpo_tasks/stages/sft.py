@@ -81,6 +81,7 @@ def main(
         prompt = load_config(PromptConfig, params, "prompt") if cfg.margin_every else None  # the margin curve's
         compute = load_compute(params)
         device = placement.train_device(compute.device)  # a device this machine lacks fails here, before anything loads
+        spec = spec.reading(cfg)
         spec.check()
         spec.check_against(cfg)
         if distributed.should_launch(compute):  # N processes: this command again, under accelerate launch

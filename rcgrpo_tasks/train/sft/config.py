@@ -242,6 +242,12 @@ class SftRun(runs.RunSpec):
         """The output is the LoRA merged into a model folder (LoRA on the merged SFT model)."""
         return self.init_adapter is not None and not cfg.full_finetune
 
+    def reading(self, cfg: SftConfig) -> SftRun:
+        """This run as `cfg` reads it: under `init: base` without the `--init-adapter` dvc.yaml hands every RCTP
+        run (the SFT output: a dep either way), so a profile that trains RCTP from the base model (the paper's)
+        runs the same stage command."""
+        return replace(self, init_adapter=None) if cfg.init == "base" else self
+
     def check_against(self, cfg: SftConfig) -> None:
         """The paths the config needs: `init: sft` an `--init-adapter`, a margin curve `--entries` and `--split`."""
         if cfg.init == "sft" and self.init_adapter is None:
