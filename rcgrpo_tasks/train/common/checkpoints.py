@@ -17,7 +17,8 @@ present are checked. `newest_intact` falls back past damaged checkpoints, and `r
 Resume: `fingerprint(config, **inputs)` hashes params, run arguments, input contents (`file_md5` = the hash DVC
 records for a file, `dir_fingerprint` for a model folder) and the training code; `last_checkpoint(folder, fp)` /
 `resume_point` (a distributed run) is the newest intact checkpoint stamped with that fingerprint (a folder of
-another run is emptied first); `train_or_restore` restores a finished run instead of training it a step further;
+another run is emptied first); `train_or_restore` restores a finished run instead of training it a step
+further; `run_loss` is a run's mean loss over every step it logged, before and after a resume;
 `clear_checkpoints` keeps only the stamp.
 """
 
@@ -250,11 +251,23 @@ def resume_point(ckpt_dir: Path, fp: str, **stamp: Any) -> str | None:
     return resume
 
 
+def run_loss(log_history: list[dict]) -> float:
+    """The run's mean training loss from the Trainer state's log history (restored on resume), each logged
+    loss weighted by the steps it averages; NaN when none was logged. The Trainer's own
+    `TrainOutput.training_loss` covers only the steps of its `train()` call, i.e. after the resume point."""
+    total, steps, last = 0.0, 0, 0
+    for entry in log_history:
+        if isinstance(entry.get("loss"), (int, float)) and isinstance(entry.get("step"), int):
+            total += entry["loss"] * (entry["step"] - last)
+            steps, last = steps + entry["step"] - last, entry["step"]
+    return total / steps if steps else float("nan")
+
+
 def train_or_restore(trainer, resume: str | None):
     """`trainer.train(resume_from_checkpoint=resume)`, except for the last checkpoint of a finished run
     (its `global_step` reached its `max_steps`): that one is loaded (weights, state) and not trained, since
     the Trainer resumed there would run one step more. Returns the Trainer's `TrainOutput` (for a restored
-    run: its step and mean logged loss). Under DeepSpeed the weights load only inside `train()`, so there it
+    run: its step and `run_loss`). Under DeepSpeed the weights load only inside `train()`, so there it
     trains as asked."""
     from transformers.trainer_callback import TrainerState
     from transformers.trainer_utils import TrainOutput
@@ -267,8 +280,7 @@ def train_or_restore(trainer, resume: str | None):
         return trainer.train(resume_from_checkpoint=resume)
     trainer._load_from_checkpoint(resume)  # the Trainer's own loader: LoRA adapter or full weights
     trainer.state = state
-    losses = [e["loss"] for e in state.log_history if isinstance(e.get("loss"), (int, float))]
-    return TrainOutput(state.global_step, sum(losses) / len(losses) if losses else float("nan"), {})
+    return TrainOutput(state.global_step, run_loss(state.log_history), {})
 
 
 def clear_checkpoints(ckpt_dir: Path, keep: tuple[str, ...] = ()) -> None:
