@@ -9,7 +9,9 @@ rerun. `damage(folder)` checks every file the Trainer loads on resume:
   a safetensors header must cover the whole file, which catches any truncation;
 - `optimizer.pt`, `scheduler.pt`, `scaler.pt` and the RNG states load with `torch.load` (memory-mapped: their
   tensors are not read, so this costs little even for a full fine-tune's optimizer); where any of them exists
-  (a run that saves more than the model), the optimizer, the scheduler and an RNG state must all exist.
+  (a run that saves more than the model), the optimizer, the scheduler and an RNG state must all exist;
+- the trainers' own resume state beside the RNG states (`rcgrpo_*.pt`: the GRPO generation in flight,
+  `rcgrpo_*.json`: SFT's token count) loads with `torch.load` / parses.
 DeepSpeed keeps its states in a `global_step*` folder of its own format: there only the files above that are
 present are checked. `newest_intact` falls back past damaged checkpoints, and `report` says which were skipped
 (one stderr line, and the active MLflow run's tags).
@@ -35,6 +37,7 @@ from rcgrpo_tasks.ops import tracking_log, tracking_store
 from rcgrpo_tasks.ops.config import as_dict
 from rcgrpo_tasks.ops.inputs import InputError, read_json
 from rcgrpo_tasks.ops.outputs import write_json
+from rcgrpo_tasks.train.common.callbacks import ResumableMixin
 
 STATE_FILE = "trainer_state.json"
 WEIGHTS = ("adapter_model.safetensors", "model.safetensors", "adapter_model.bin", "pytorch_model.bin")
@@ -132,9 +135,14 @@ def damage(folder: Path) -> str | None:
         missing = [n for n in TRAINING_STATE if not (folder / n).is_file()] + ([] if rng else ["rng_state.pth"])
         if missing:
             return f"{folder / missing[0]}: missing"
-    for path in torch_files + saved + rng:
+    for path in torch_files + saved + rng + sorted(folder.glob("rcgrpo_*.pt")):
         if reason := _torch_error(path):
             return reason
+    for path in sorted(folder.glob("rcgrpo_*.json")):
+        try:
+            read_json(path)
+        except InputError as exc:
+            return str(exc)
     return None
 
 
@@ -268,7 +276,7 @@ def train_or_restore(trainer, resume: str | None):
     (its `global_step` reached its `max_steps`): that one is loaded (weights, state) and not trained, since
     the Trainer resumed there would run one step more. Returns the Trainer's `TrainOutput` (for a restored
     run: its step and `run_loss`). Under DeepSpeed the weights load only inside `train()`, so there it
-    trains as asked."""
+    trains as asked. A restored run's resumable callbacks (`callbacks.ResumableMixin`) get their saved state."""
     from transformers.trainer_callback import TrainerState
     from transformers.trainer_utils import TrainOutput
 
@@ -280,6 +288,9 @@ def train_or_restore(trainer, resume: str | None):
         return trainer.train(resume_from_checkpoint=resume)
     trainer._load_from_checkpoint(resume)  # the Trainer's own loader: LoRA adapter or full weights
     trainer.state = state
+    for callback in trainer.callback_handler.callbacks:  # what they gathered, as a resumed run has it
+        if isinstance(callback, ResumableMixin):
+            callback.restore(state)
     return TrainOutput(state.global_step, run_loss(state.log_history), {})
 
 
