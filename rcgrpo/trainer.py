@@ -16,13 +16,18 @@ What it adds to a GRPO step, and nothing else (generation, rewards, advantages, 
 With `conditioning="none"` and the options below off, the trainer is TRL's `GRPOTrainer` (tests compare
 generated ids, rewards, advantages, loss and gradients).
 
+Resume: a checkpoint inside a generation batch (`steps_per_generation` or `num_iterations` > 1) also holds
+TRL's buffered batch and micro-step counter (`resume.GenerationStateMixin`), so a resumed run trains what the
+uninterrupted one trains, bit for bit where the kernels are deterministic.
+
 Options for rollouts that do not come from TRL's generation (`RCGRPOConfig`, off by default): the epoch-seeded
 prompt order, steps without loss skipped, CPU log-probs on completion positions only (and shared prefixes),
 the bounded KL term, truncated importance sampling of a `rollout_func`'s rollouts (`offpolicy`).
 
 Private TRL methods it wraps through `super()` (TRL >= 1.16, < 1.17; `_check_trl` fails early on another
 version): `_generate_and_score_completions`, `_calculate_rewards`, `_get_train_sampler`, `_prepare_inputs`,
-`_compute_loss`, `_get_per_token_logps_and_entropies`. vLLM's `server` mode decodes one prompt per group
+`_compute_loss`, `_get_per_token_logps_and_entropies`, and the Trainer's `_save_rng_state` / `_load_rng_state`
+(TRL's `_step` and `_buffered_inputs` read and restored there). vLLM's `server` mode decodes one prompt per group
 (`prompts[::G]`), which would give every rollout of an RC-GRPO group the first rollout's token: refused.
 """
 
@@ -31,7 +36,7 @@ from __future__ import annotations
 import os
 import textwrap
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import trl
@@ -46,6 +51,7 @@ from rcgrpo.group_metrics import generation_metrics
 from rcgrpo.kl import bounded_reference, kl_bounds
 from rcgrpo.logps import completion_logps
 from rcgrpo.offpolicy import OffPolicyMixin, loss_mask
+from rcgrpo.resume import GenerationStateMixin
 from rcgrpo.tokens import expose_head_bias
 
 TRL_RANGE = (Version("1.16.0"), Version("1.17.0"))
@@ -111,7 +117,7 @@ def check_reference_rows(ref_model, model) -> None:
                          f"beta=0.0")
 
 
-class RCGRPOTrainer(OffPolicyMixin, GRPOTrainer):
+class RCGRPOTrainer(OffPolicyMixin, GenerationStateMixin, GRPOTrainer):
     """Reward-Conditioned GRPO (arXiv 2602.03025) on TRL's `GRPOTrainer`, called exactly like it (module
     docstring). `args` must be an [`RCGRPOConfig`]; `None` builds one named after the model."""
 
@@ -189,6 +195,16 @@ class RCGRPOTrainer(OffPolicyMixin, GRPOTrainer):
             return {**row, "reward_token": token, "reward_goal": goal}
         return {**row, "reward_token": token, "reward_goal": "",
                 "prompt": place_goal(row["prompt"], goal, self.args.reward_goal_place)}
+
+    def _in_flight_extras(self) -> dict:
+        last = self.last_generation
+        return {"reward_tokens": list(self.reward_tokens), "last_generation": asdict(last) if last else None}
+
+    def _restore_in_flight_extras(self, extras: dict) -> None:
+        self.reward_tokens = list(extras["reward_tokens"])
+        last = extras["last_generation"]
+        self.last_generation = Generation(**{k: tuple(v) if isinstance(v, list) else v for k, v in last.items()}) \
+            if last else None
 
     def record_metric(self, name: str, value: float) -> None:
         """Add a value, already reduced across processes, to the current step's metrics (averaged in `log`)."""

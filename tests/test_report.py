@@ -152,12 +152,12 @@ def test_rl_rows_carry_the_probe_and_the_rl_table_shows_it(tmp_path):
              "change": {"mean": 0.25, "ci_low": 0.125, "ci_high": 0.375, "prompts": 2}, "per_entry": {}}
     rl = tmp_path / "rl.json"
     rl.write_text(json.dumps({"probe": probe, "diverged": None, "mean_frac_zero_std": 0.5,
-                              "nonfinite_grad_steps": [3, 7]}))
+                              "nonfinite_grad_steps": [3, 7], "resumed_from": "checkpoints/rl/0/x/checkpoint-4"}))
     (row,) = report.build_report(evals, [("rctp-grpo", rl)])
     assert row["rl_probe"]["change"]["mean"] == 0.25
     md = report_tables.rl_table([row], {})
     assert "0.250 -> 0.375 -> 0.500 (steps 0, 5, 10)" in md and "+0.250 [+0.125, +0.375] (2 prompts x 4)" in md
-    assert "| no; skipped at steps 3, 7 |" in md
+    assert "| no; skipped at steps 3, 7; resumed from checkpoint-4 |" in md
     png = tmp_path / "probe.png"
     probe_plot([row], png, None, "RL: the fixed probe")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

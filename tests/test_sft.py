@@ -136,8 +136,9 @@ def test_assistant_only_labels(datasets, tiny_model_dir, tmp_path):
     assert stats["assistant_tokens"] == sum(mask) + sum(assistant_token_mask(tok, rows[1]["messages"])[1])
 
 
-def test_resume_matches_uninterrupted_run(datasets, tiny_model_dir, tmp_path):
-    """Kill after step 4 (checkpoint written), re-run with the same params: same final adapter."""
+def test_a_finished_run_rerun_is_restored_not_trained_a_step_further(datasets, tiny_model_dir, tmp_path):
+    """A killed run whose last step was checkpointed, rerun: restored from it, not trained a step further.
+    (That a run cut earlier resumes to the uninterrupted run, bit for bit: tests/test_resume.py.)"""
     import torch
     from safetensors.torch import load_file
     from transformers import TrainerCallback
@@ -151,37 +152,17 @@ def test_resume_matches_uninterrupted_run(datasets, tiny_model_dir, tmp_path):
                 raise Killed("simulated kill")
 
     data = datasets / "rctp.jsonl"
-    cfg = tiny_sft_config(lora_dropout=0.1)  # dropout: the RNG state must be restored too
-    full = spec(tmp_path, tiny_model_dir, "rctp", data, "full")
-    sft_run.train_variant(cfg, LEVELS, full, track=False, compute=compute_from_params())
-
-    cut = spec(tmp_path, tiny_model_dir, "rctp", data, "cut")
-    with pytest.raises(Killed):
-        sft_run.train_variant(cfg, LEVELS, cut, callbacks=[KillAfterSave()], track=False, compute=compute_from_params())
-    assert not cut.out.exists() and (cut.checkpoints / "checkpoint-4" / "trainer_state.json").is_file()
-    summary = sft_run.train_variant(cfg, LEVELS, cut, track=False, compute=compute_from_params())
-    assert summary["resumed_from"].endswith("checkpoint-4") and summary["steps"] == 6
-
-    a = load_file(full.out / "adapter_model.safetensors")
-    b = load_file(cut.out / "adapter_model.safetensors")
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-4)
-
-    # A killed run whose last step was checkpointed, rerun: restored from it, not trained a step further.
     done = spec(tmp_path, tiny_model_dir, "rctp", data, "done")
     four = tiny_sft_config(lora_dropout=0.1, max_steps=4, keep_checkpoints=True)
     with pytest.raises(Killed):
         sft_run.train_variant(four, LEVELS, done, callbacks=[KillAfterSave()], track=False, compute=compute_from_params())
+    assert not done.out.exists()
     ckpt = load_file(done.checkpoints / "checkpoint-4" / "adapter_model.safetensors")
     summary = sft_run.train_variant(four, LEVELS, done, track=False, compute=compute_from_params())
     assert summary["resumed_from"].endswith("checkpoint-4") and summary["steps"] == 4
     assert not (done.checkpoints / "checkpoint-5").exists()
     restored = load_file(done.out / "adapter_model.safetensors")
     assert ckpt.keys() == restored.keys() and all(torch.equal(restored[k], ckpt[k]) for k in ckpt)
-    curve_full = [r.split("\t")[2] for r in full.plots.read_text().splitlines()[1:]]
-    curve_cut = [r.split("\t")[2] for r in cut.plots.read_text().splitlines()[1:]]
-    assert len(curve_cut) == 6 and [float(x) for x in curve_cut] == pytest.approx([float(x) for x in curve_full], rel=1e-3)
 
 
 def test_sigterm_checkpoints_the_current_step_and_exits_143(datasets, tiny_model_dir, tmp_path):

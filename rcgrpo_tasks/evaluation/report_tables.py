@@ -16,6 +16,8 @@ Nothing is printed as an interval that is not one: a missing value is `n/a`.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rcgrpo_tasks.env.paper import row_name
 from rcgrpo_tasks.evaluation.formats import ci, num, side_name
 
@@ -94,7 +96,7 @@ def _paired(cell: dict | None, rc: bool) -> str:
 def rl_table(rows: list[dict], contrast: dict) -> str:
     head = ["cell", "probe reward, step 0 -> end", "probe change [95% paired CI]",
             "zero-std groups trained (flat at 0 / at 1)", "zero-std paired with GRPO, same init", "rollouts / useful group",
-            "diverged / updates skipped (non-finite gradient)"]
+            "diverged / updates skipped (non-finite gradient) / resumed"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if "-" not in r["label"] or r["label"].endswith("-notoken"):
@@ -109,6 +111,8 @@ def rl_table(rows: list[dict], contrast: dict) -> str:
         fate = div["reason"] + ", rolled back to step " + str(div["restored_step"]) if div else "no"
         if skipped:
             fate += f"; skipped at step{'s' if len(skipped) > 1 else ''} {', '.join(map(str, skipped))}"
+        if r.get("rl_resumed_from"):
+            fate += f"; resumed from {Path(r['rl_resumed_from']).name}"
         lines.append(f"| {row_name(r['label'])} | {curve} | {change} | {flat} | {paired} | "
                      f"{num(r.get('rl_rollouts_per_useful_group'), '.1f')} | {fate} |")
     return "\n".join(lines) + "\n"
@@ -146,7 +150,9 @@ def note(side: str) -> str:
         "a target here. Probe: the run's fixed prompts x samples at the rollouts' temperature, the same seeds at "
         "every checkpoint and in every cell of an init, conditioned as the cell is evaluated; its change is paired "
         "over prompts. Zero-std: groups whose reward has no spread (no learning signal); paired: GRPO and RC-GRPO "
-        "groups of the same step and slot (the same entry and seeds). Margin: [lp(expert|high) - lp(expert|low)] "
+        "groups of the same step and slot (the same entry and seeds). Resumed: the run was cut and went on from that "
+        "checkpoint; on the CPU it trains bit for bit what the uncut run trains, on a GPU up to the run-to-run "
+        "variation of its kernels (docs/rl.md, Resume). Margin: [lp(expert|high) - lp(expert|low)] "
         f"- [lp(near miss|high) - lp(near miss|low)], 95 % bootstrap over {entries}; without the empty answer: the "
         f"kinds a model must read its task to separate. Gaps: E[R|high] - E[R|low] on {entries}, paired over "
         "entries.\n")

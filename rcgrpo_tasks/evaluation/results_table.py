@@ -153,6 +153,8 @@ def summarize_row(res: EvalResult, seed: int = 0) -> dict:
         out["rl_diverged"] = res.rl["diverged"]
     if res.rl.get("nonfinite_grad_steps"):
         out["rl_nonfinite_grad_steps"] = res.rl["nonfinite_grad_steps"]
+    if res.rl.get("resumed_from"):
+        out["rl_resumed_from"] = res.rl["resumed_from"]
     return out
 
 

@@ -2,6 +2,8 @@
 
 - `lazy_subclass(mixin, "trl.GRPOTrainer")`: a project subclass of a trainer or callback class that is
   imported on first use (trl / transformers are heavy; stage `--help` must not load them).
+- `ResumableMixin` / `resumable_callback`: a callback whose state travels with every checkpoint (the
+  Trainer's `ExportableState` protocol) and comes back on resume.
 - `step_metrics` (per-step metrics to MLflow, replaying the steps logged before a resume) and
   `stop_on_signal` (SIGTERM from dvc / Prefect: checkpoint the current step, stop, exit 143).
 """
@@ -9,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib
 import math
@@ -22,17 +25,58 @@ from rcgrpo_tasks.ops import stops, tracking_log
 from rcgrpo_tasks.train.common import distributed
 
 
-@functools.cache
-def lazy_subclass(mixin: type, base: str) -> type:
-    """`class Name(mixin, Base)` for `base` = "module.Class", imported here on first use; one class per pair.
+def _import(path: str) -> type:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
-    The mixin's methods override the base's and reach it through `super()`; the class is named after the
+
+@functools.cache
+def lazy_subclass(mixin: type, base: str, *more: str) -> type:
+    """`class Name(mixin, Base, *More)` for `base` (and `more`) = "module.Class", imported here on first use;
+    one class per combination.
+
+    The mixin's methods override the bases' and reach them through `super()`; the class is named after the
     mixin without its `Mixin` suffix."""
-    module, _, name = base.rpartition(".")
-    parent = getattr(importlib.import_module(module), name)
+    parents = tuple(_import(path) for path in (base, *more))
     cls_name = mixin.__name__.removesuffix("Mixin")
-    return type(cls_name, (mixin, parent), {"__module__": mixin.__module__, "__qualname__": cls_name,
-                                            "__doc__": mixin.__doc__})
+    return type(cls_name, (mixin, *parents), {"__module__": mixin.__module__, "__qualname__": cls_name,
+                                              "__doc__": mixin.__doc__})
+
+
+class ResumableMixin:
+    """A Trainer callback whose attributes named in `exported` (JSON values) are saved in every checkpoint and
+    restored on resume, so a resumed run goes on with what the cut one had gathered up to its checkpoint.
+
+    Saved through the Trainer's `ExportableState` protocol (`state()`: the Trainer writes it into the
+    checkpoint's trainer_state.json, `stateful_callbacks`); restored by `restore(state)` from the TrainerState
+    the run resumed with, at train begin (and by `checkpoints.train_or_restore` for a finished run). Not
+    through `restore_callback_states_from_checkpoint`, which rebuilds each callback from saved constructor
+    arguments: these callbacks hold paths, configs and models. Build one with `resumable_callback`."""
+
+    exported: tuple[str, ...] = ()
+
+    def state(self) -> dict:
+        return {"args": {}, "attributes": {name: getattr(self, name) for name in self.exported}}
+
+    def restore(self, state) -> None:
+        """Take the exported attributes from `state` (a TrainerState) where it holds this callback's; else
+        register this callback's current state there (the Trainer's save expects an entry per callback)."""
+        key = type(self).__name__
+        saved = state.stateful_callbacks.get(key)
+        if not isinstance(saved, dict):
+            state.stateful_callbacks[key] = self.state()
+            return
+        for name, value in saved.get("attributes", {}).items():
+            if name in self.exported:
+                setattr(self, name, copy.deepcopy(value))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.restore(state)
+
+
+def resumable_callback(mixin: type) -> type:
+    """The Trainer callback class of a `ResumableMixin` subclass (a `TrainerCallback` and an `ExportableState`)."""
+    return lazy_subclass(mixin, "transformers.TrainerCallback", "transformers.trainer_callback.ExportableState")
 
 
 def _numbers(logs: dict) -> dict:

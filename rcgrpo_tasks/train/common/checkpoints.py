@@ -9,7 +9,9 @@ rerun. `damage(folder)` checks every file the Trainer loads on resume:
   a safetensors header must cover the whole file, which catches any truncation;
 - `optimizer.pt`, `scheduler.pt`, `scaler.pt` and the RNG states load with `torch.load` (memory-mapped: their
   tensors are not read, so this costs little even for a full fine-tune's optimizer); where any of them exists
-  (a run that saves more than the model), the optimizer, the scheduler and an RNG state must all exist.
+  (a run that saves more than the model), the optimizer, the scheduler and an RNG state must all exist;
+- the trainers' own resume state beside the RNG states (`rcgrpo_*.pt`: the GRPO generation in flight,
+  `rcgrpo_*.json`: SFT's token count) loads with `torch.load` / parses.
 DeepSpeed keeps its states in a `global_step*` folder of its own format: there only the files above that are
 present are checked. `newest_intact` falls back past damaged checkpoints, and `report` says which were skipped
 (one stderr line, and the active MLflow run's tags).
@@ -17,7 +19,8 @@ present are checked. `newest_intact` falls back past damaged checkpoints, and `r
 Resume: `fingerprint(config, **inputs)` hashes params, run arguments, input contents (`file_md5` = the hash DVC
 records for a file, `dir_fingerprint` for a model folder) and the training code; `last_checkpoint(folder, fp)` /
 `resume_point` (a distributed run) is the newest intact checkpoint stamped with that fingerprint (a folder of
-another run is emptied first); `train_or_restore` restores a finished run instead of training it a step further;
+another run is emptied first); `train_or_restore` restores a finished run instead of training it a step
+further; `run_loss` is a run's mean loss over every step it logged, before and after a resume;
 `clear_checkpoints` keeps only the stamp.
 """
 
@@ -34,6 +37,7 @@ from rcgrpo_tasks.ops import tracking_log, tracking_store
 from rcgrpo_tasks.ops.config import as_dict
 from rcgrpo_tasks.ops.inputs import InputError, read_json
 from rcgrpo_tasks.ops.outputs import write_json
+from rcgrpo_tasks.train.common.callbacks import ResumableMixin
 
 STATE_FILE = "trainer_state.json"
 WEIGHTS = ("adapter_model.safetensors", "model.safetensors", "adapter_model.bin", "pytorch_model.bin")
@@ -131,9 +135,14 @@ def damage(folder: Path) -> str | None:
         missing = [n for n in TRAINING_STATE if not (folder / n).is_file()] + ([] if rng else ["rng_state.pth"])
         if missing:
             return f"{folder / missing[0]}: missing"
-    for path in torch_files + saved + rng:
+    for path in torch_files + saved + rng + sorted(folder.glob("rcgrpo_*.pt")):
         if reason := _torch_error(path):
             return reason
+    for path in sorted(folder.glob("rcgrpo_*.json")):
+        try:
+            read_json(path)
+        except InputError as exc:
+            return str(exc)
     return None
 
 
@@ -250,12 +259,24 @@ def resume_point(ckpt_dir: Path, fp: str, **stamp: Any) -> str | None:
     return resume
 
 
+def run_loss(log_history: list[dict]) -> float:
+    """The run's mean training loss from the Trainer state's log history (restored on resume), each logged
+    loss weighted by the steps it averages; NaN when none was logged. The Trainer's own
+    `TrainOutput.training_loss` covers only the steps of its `train()` call, i.e. after the resume point."""
+    total, steps, last = 0.0, 0, 0
+    for entry in log_history:
+        if isinstance(entry.get("loss"), (int, float)) and isinstance(entry.get("step"), int):
+            total += entry["loss"] * (entry["step"] - last)
+            steps, last = steps + entry["step"] - last, entry["step"]
+    return total / steps if steps else float("nan")
+
+
 def train_or_restore(trainer, resume: str | None):
     """`trainer.train(resume_from_checkpoint=resume)`, except for the last checkpoint of a finished run
     (its `global_step` reached its `max_steps`): that one is loaded (weights, state) and not trained, since
     the Trainer resumed there would run one step more. Returns the Trainer's `TrainOutput` (for a restored
-    run: its step and mean logged loss). Under DeepSpeed the weights load only inside `train()`, so there it
-    trains as asked."""
+    run: its step and `run_loss`). Under DeepSpeed the weights load only inside `train()`, so there it
+    trains as asked. A restored run's resumable callbacks (`callbacks.ResumableMixin`) get their saved state."""
     from transformers.trainer_callback import TrainerState
     from transformers.trainer_utils import TrainOutput
 
@@ -267,8 +288,10 @@ def train_or_restore(trainer, resume: str | None):
         return trainer.train(resume_from_checkpoint=resume)
     trainer._load_from_checkpoint(resume)  # the Trainer's own loader: LoRA adapter or full weights
     trainer.state = state
-    losses = [e["loss"] for e in state.log_history if isinstance(e.get("loss"), (int, float))]
-    return TrainOutput(state.global_step, sum(losses) / len(losses) if losses else float("nan"), {})
+    for callback in trainer.callback_handler.callbacks:  # what they gathered, as a resumed run has it
+        if isinstance(callback, ResumableMixin):
+            callback.restore(state)
+    return TrainOutput(state.global_step, run_loss(state.log_history), {})
 
 
 def clear_checkpoints(ckpt_dir: Path, keep: tuple[str, ...] = ()) -> None:

@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 
 from rcgrpo_tasks.ops.inputs import read_tsv
+from rcgrpo_tasks.train.common.callbacks import ResumableMixin
 from rcgrpo_tasks.train.rl.config import GuardConfig
 from rcgrpo_tasks.train.rl.diagnostics import STEP_MARKER
 
@@ -66,14 +67,17 @@ def drop_nonfinite_grads(optimizer) -> bool:
     return True
 
 
-class DivergenceGuardMixin:
+class DivergenceGuardMixin(ResumableMixin):
     """A `TrainerCallback` (`callbacks.lazy_subclass`) that checks every step row `tsv` holds (`divergence`), and on
     a divergence stops training and restores the last good checkpoint's trainable weights. `event`: None, or
     {step, reason, restored_step}. Before every optimizer step it drops a non-finite gradient
     (`drop_nonfinite_grads`, as Megatron and DeepSpeed skip such a step): the update is skipped, the weights
     never see the NaN, and the step is listed in `nonfinite_steps`. After the clip, one NaN element makes the
     whole gradient NaN, and one such update poisons every LoRA weight (measured on a GPU run: the next step's
-    rollouts were all truncated, reward 0, its KL NaN)."""
+    rollouts were all truncated, reward 0, its KL NaN). `nonfinite_steps` travels with every checkpoint
+    (`callbacks.ResumableMixin`): a resumed run still lists the steps skipped before its cut."""
+
+    exported = ("nonfinite_steps",)
 
     def __init__(self, tsv, cfg: GuardConfig):
         self.tsv, self.cfg, self.event = tsv, cfg, None

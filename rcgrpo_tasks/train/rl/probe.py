@@ -16,7 +16,7 @@ init probes the same prompts with the same seeds, and step 0 is the same policy 
 - `ProbeMixin` (a `TrainerCallback`, `callbacks.lazy_subclass`): scores the probe at the run's start (step 0),
   at `max_steps // 2` and at the end, on the same engine backend the rollouts use (the refreshed snapshot,
   the live model or vLLM; a run stopped early: at its last step), and appends each point to `PROBE_FILE` in
-  the checkpoint folder (a resumed run keeps the points it has). `probe_summary`: the run's curve, the
+  the checkpoint folder (a resumed run keeps the points up to its checkpoint and measures the later ones again). `probe_summary`: the run's curve, the
   change from step 0 to the end per half, paired over the half's prompts: the mean with a bootstrap CI, the
   prompts up and down, and their exact sign test.
 """
@@ -95,7 +95,16 @@ class ProbeMixin:
             fh.write(json.dumps(row, sort_keys=True) + "\n")
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self._forget_after(state.global_step)
         self._point(state.global_step)
+
+    def _forget_after(self, step: int) -> None:
+        """Drop the points of steps after `step` (a cut run wrote them after its last checkpoint; the resumed
+        run measures them again)."""
+        path = self.folder / PROBE_FILE
+        points = read_points(self.folder)
+        if self.trainer is not None and self.trainer.accelerator.is_main_process and any(p["step"] > step for p in points):
+            path.write_text("".join(json.dumps(p, sort_keys=True) + "\n" for p in points if p["step"] <= step))
 
     def on_step_end(self, args, state, control, **kwargs):
         self._point(state.global_step)

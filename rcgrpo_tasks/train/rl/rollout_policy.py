@@ -54,7 +54,11 @@ def policy_snapshot(model, dtype, snapshot=None):
     base = model.get_base_model() if peft else model
     fresh = snapshot is None
     if fresh:
-        with torch.device(next(base.parameters()).device):  # built there: buffers (rotary) included
+        device = next(base.parameters()).device
+        # Its random init is overwritten below; drawn from the global generators it would shift the training's
+        # random stream (TRL's batch shuffle), and a resumed run builds the copy at another step than the
+        # uninterrupted one.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
             snapshot = AutoModelForCausalLM.from_config(copy.deepcopy(base.config), dtype=dtype)
         snapshot.eval().requires_grad_(False)
         use_cpu_attention(snapshot)  # CPU only: a sampling-only copy gets the engine's faster decode attention

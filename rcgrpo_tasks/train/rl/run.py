@@ -77,11 +77,12 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
             place = placement.record_placement(trainer, stage, device, track)
             t0 = time.perf_counter()
             with runs.disk_errors(spec.checkpoints):
-                return trainer, resume, place, checkpoints.train_or_restore(trainer, resume), t0
+                checkpoints.train_or_restore(trainer, resume)
+                return trainer, resume, place, t0
 
         grad_accum = cfg.batch_size // cfg.micro_batch_size  # fit_micro_batch's bookkeeping; TRL's comes from check_world
         run, micro, _ = placement.fit_micro_batch(attempt, cfg.micro_batch_size, grad_accum, stage)
-        trainer, resume, place, result, t0 = run
+        trainer, resume, place, t0 = run
         stop.check()
         folder = staged.dir(spec.out) if main_proc else None
         provenance = {
@@ -108,7 +109,7 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
                    "pool": pool_record(list(trainer.rollout_func.entries), spec.pool),
                    "pool_learning": pool_learning(records, cfg.reward, high),
                    "resumed_from": resume, "train_s": time.perf_counter() - t0,
-                   "train_loss": result.training_loss, "placement": place, "micro_batch": micro,
+                   "train_loss": checkpoints.run_loss(trainer.state.log_history), "placement": place, "micro_batch": micro,
                    "grad_accum": trainer.args.gradient_accumulation_steps,
                    "dtype": resolved.record()}
         if trainer.rc_guard is not None and trainer.rc_guard.nonfinite_steps:  # the key only when it happened

@@ -34,7 +34,7 @@ from rcgrpo_tasks.ops.inputs import InputError, read_jsonl
 from rcgrpo_tasks.ops.outputs import atomic_dir
 from rcgrpo_tasks.train.common import checkpoints, runs
 from rcgrpo_tasks.train.common.adapters import lora_targets
-from rcgrpo_tasks.train.common.callbacks import lazy_subclass, step_metrics
+from rcgrpo_tasks.train.common.callbacks import lazy_subclass, resumable_callback, step_metrics
 from rcgrpo_tasks.train.rl import advantages as adv
 from rcgrpo_tasks.train.rl.config import RLConfig, check_deepspeed, check_reward, check_world
 from rcgrpo_tasks.train.rl.diagnostics import STEP_MARKER, DiagnosticsMixin, diag_metrics
@@ -183,7 +183,7 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     lora = None if cfg.full_finetune else rl_lora(cfg, model, tokenizer, levels, mode)
     model = _init_on_disk(model, tokenizer, spec, cfg.dtype) if cfg.full_finetune or cfg.use_vllm else model
     diagnostics = lazy_subclass(DiagnosticsMixin, "transformers.TrainerCallback")(spec.checkpoints / DIAGNOSTICS_FILE)
-    guard = lazy_subclass(DivergenceGuardMixin, "transformers.TrainerCallback")(
+    guard = resumable_callback(DivergenceGuardMixin)(
         spec.checkpoints / DIAGNOSTICS_FILE, cfg.guard) if cfg.stop_on_divergence else None
     probe = build_probe(cfg, spec, rollout, entries, mode, levels)
     log = lazy_subclass(RolloutLogMixin, "transformers.TrainerCallback")(spec.checkpoints)

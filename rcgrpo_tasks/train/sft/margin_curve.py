@@ -5,7 +5,9 @@ training on a fixed held-out contrast set, before the first step and every `ever
 the last), plus the reward-token rows' distance. Each point goes to MLflow (`margin`, `margin_ci_low`,
 `margin_ci_high`, `token_rows_ratio`, at its step) and into `points` for the run's metrics JSON. Forward
 passes only, in eval mode without gradient; training resumes unchanged (dropout state and RNG are not
-touched by a no-grad eval forward).
+touched by a no-grad eval forward). The points travel with every checkpoint (`callbacks.ResumableMixin`): a
+resumed run keeps the points measured before its cut, logs them to its own MLflow run again, and measures at
+the steps the uninterrupted run does (never at the step it resumes from).
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from rcgrpo_tasks.data.margin import REPLAY_OUTPUTS, contrast_set, teacher_force
 from rcgrpo_tasks.env.entries import split_entries, stratified
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops import tracking
-from rcgrpo_tasks.train.common.callbacks import lazy_subclass
+from rcgrpo_tasks.train.common.callbacks import ResumableMixin, resumable_callback
 
 
-class MarginCurveMixin:
+class MarginCurveMixin(ResumableMixin):
+    exported = ("points",)
+
     def __init__(self, entries: list, prompt: PromptConfig, tokens: tuple[str, str], every: int,
                  track: bool, seed: int = 0):
         self.entries, self.prompt, self.tokens, self.every = entries, prompt, tokens, every
@@ -43,12 +47,20 @@ class MarginCurveMixin:
                  "token_rows_distance": rows["distance"], "token_rows_ratio": rows["ratio"],
                  "seconds": round(time.perf_counter() - t0, 2)}
         self.points.append(point)
+        self._log(point)
+
+    def _log(self, point: dict) -> None:
         if self.track:
-            tracking.log_metrics({"margin": point["margin"], "margin_ci_low": stats["ci"][0],
-                                  "margin_ci_high": stats["ci"][1], "token_rows_ratio": rows["ratio"]}, step=step)
+            tracking.log_metrics({"margin": point["margin"], "margin_ci_low": point["ci"][0],
+                                  "margin_ci_high": point["ci"][1], "token_rows_ratio": point["token_rows_ratio"]},
+                                 step=point["step"])
 
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
-        self._measure(model, processing_class, state.global_step)
+        self.restore(state)
+        for point in self.points:  # a resumed run's MLflow run holds the whole curve
+            self._log(point)
+        if state.global_step == 0:
+            self._measure(model, processing_class, 0)
 
     def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
         if state.global_step % self.every == 0 or state.global_step >= state.max_steps:
@@ -60,5 +72,5 @@ def margin_curve(entries_path: Path, split_path: Path, n_entries: int, prompt: P
     """The callback over the first `n_entries` dev entries (round-robin over categories): the curve is what
     RCTP's step count is chosen on, so it never reads the held-out side."""
     dev = split_entries(entries_path, split_path, "dev", None)
-    return lazy_subclass(MarginCurveMixin, "transformers.TrainerCallback")(
+    return resumable_callback(MarginCurveMixin)(
         stratified(dev, n_entries), prompt, tokens, every, track, seed)

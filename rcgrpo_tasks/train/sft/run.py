@@ -101,18 +101,18 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbac
             place = placement.record_placement(trainer, stage, device, track)
             t0 = time.perf_counter()
             with runs.disk_errors(spec.checkpoints):
-                result = checkpoints.train_or_restore(trainer, resume)
-            return trainer, place, resume, result, time.perf_counter() - t0
+                checkpoints.train_or_restore(trainer, resume)
+            return trainer, place, resume, time.perf_counter() - t0
 
         run, micro, accum = placement.fit_micro_batch(attempt, cfg.batch_size, cfg.grad_accum, stage)
-        trainer, place, resume, result, seconds = run
+        trainer, place, resume, seconds = run
         tokenizer, token_ids, stats = trainer.processing_class, trainer.token_ids, trainer.data_stats
         stop.check()
         if not main:
             save_trained(trainer, spec.out, None, {}, merged=spec.merged(cfg))
             return {}
         steps = curve(trainer.state.log_history)
-        summary = {"variant": spec.variant, **summarize(trainer, result, stats, steps, seconds),
+        summary = {"variant": spec.variant, **summarize(trainer, stats, steps, seconds),
                    "resumed_from": resume, "bf16": trainer.args.bf16, "placement": place,
                    "dtype": resolved.record(),
                    "micro_batch": micro, "grad_accum": accum,
@@ -185,7 +185,7 @@ def curve(log_history: list[dict]) -> list[dict]:
     return [rows[k] for k in sorted(rows)]
 
 
-def summarize(trainer, result, stats: dict, rows: list[dict], seconds: float) -> dict:
+def summarize(trainer, stats: dict, rows: list[dict], seconds: float) -> dict:
     """Run summary: steps, epochs, loss (mean of the first / last fifth of the logged steps), tokens/s (the
     first log, which includes warm-up, left out), wall time, trainable parameters, data statistics."""
     losses = [r["loss"] for r in rows if r.get("loss") is not None]
@@ -193,7 +193,7 @@ def summarize(trainer, result, stats: dict, rows: list[dict], seconds: float) ->
     k = max(1, len(losses) // 5)
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     return {"steps": trainer.state.global_step, "epochs": round(trainer.state.epoch or 0.0, 4),
-            "train_loss": result.training_loss, "loss_first": sum(losses[:k]) / k if losses else None,
+            "train_loss": checkpoints.run_loss(trainer.state.log_history), "loss_first": sum(losses[:k]) / k if losses else None,
             "loss_last": sum(losses[-k:]) / k if losses else None,
             "tokens_per_s": sum(speeds) / len(speeds) if speeds else None, "train_s": round(seconds, 2),
             "trainable_params": trainable, "data": stats}

@@ -1,10 +1,12 @@
 """What the SFT / RCTP trainer adds to TRL's `SFTTrainer` (`RcgrpoSFTTrainerMixin`): trained tokens/s in the
 logs, the reward-token rows' own learning rate, the CPU loss over assistant positions only, the dataset's own
-order where it matters (`row_order: pairs`), small adapter saves. `trainer.build_trainer` builds it
-(`callbacks.lazy_subclass`: TRL is imported only then)."""
+order where it matters (`row_order: pairs`), small adapter saves, TRL's token count across a resume.
+`trainer.build_trainer` builds it (`callbacks.lazy_subclass`: TRL is imported only then)."""
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 from rcgrpo_tasks.train.common.adapters import (
@@ -14,6 +16,9 @@ from rcgrpo_tasks.train.common.adapters import (
     token_lr_groups,
     trainable_token_params,
 )
+
+TOKEN_COUNT_STEM = "rcgrpo_token_count"
+"""File name stem, in each checkpoint, of TRL's trained-token count (`..._<process>.json` under several processes)."""
 
 
 class RcgrpoSFTTrainerMixin:
@@ -82,6 +87,25 @@ class RcgrpoSFTTrainerMixin:
         # forward must go through the wrapped module.
         return (self.compact_lm_head and self.accelerator.num_processes == 1 and not self.is_deepspeed_enabled
                 and self.accelerator.device.type == "cpu")
+
+    def _token_count_path(self, folder: str) -> str:
+        suffix = f"_{self.args.process_index}" if self.args.world_size > 1 else ""
+        return os.path.join(folder, f"{TOKEN_COUNT_STEM}{suffix}.json")
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        # TRL's `num_tokens` log is a counter of the trainer object, not of the Trainer's state: saved with the
+        # RNG states (per process, as they are) so that a resumed run logs the uninterrupted run's counts.
+        super()._save_rng_state(output_dir)
+        with open(self._token_count_path(output_dir), "w") as fh:
+            json.dump({"total_train_tokens": self._total_train_tokens}, fh)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        path = self._token_count_path(checkpoint) if checkpoint is not None else None
+        if path is not None and os.path.isfile(path):
+            with open(path) as fh:
+                self._total_train_tokens = json.load(fh)["total_train_tokens"]
+            self._rcgrpo_tick = (self._rcgrpo_t0, self._total_train_tokens)  # tokens/s: this call's tokens only
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         with small_adapter_saves(self.accelerator.unwrap_model(self.model)):
