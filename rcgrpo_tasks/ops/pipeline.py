@@ -37,6 +37,21 @@ from rcgrpo_tasks.ops.inputs import InputError, read_json
 from rcgrpo_tasks.ops.outputs import write_json
 
 PLAN_FORMAT = 1
+ROOT_CHECK = "check_params"
+"""The pipeline's root stage: the whole params file checked before any other stage works (`rcgrpo check-params`).
+Where a project's dvc.yaml declares it, `rcgrpo plan`, `rcgrpo params` and the flow run the same check first."""
+
+
+def declares_root_check(repo_dir: str | Path) -> bool:
+    """Whether `repo_dir`/dvc.yaml declares the root check stage (`ROOT_CHECK`); read as YAML, in milliseconds."""
+    import yaml
+
+    path = Path(repo_dir) / "dvc.yaml"
+    try:
+        stages = (yaml.safe_load(path.read_text()) or {}).get("stages") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return False
+    return isinstance(stages, dict) and ROOT_CHECK in stages
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ restores the pristine file; an unknown profile fails listing the valid ones and 
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -104,7 +105,8 @@ def profile_layers(profile: str) -> list[str]:
     return layers
 
 
-def apply_profile(base: str | Path | None, profile: str, out: str | Path, root: str | Path | None = None) -> dict:
+def apply_profile(base: str | Path | None, profile: str, out: str | Path, root: str | Path | None = None,
+                  check: Callable[[dict, str], object] | None = None) -> dict:
     """Write `out` = pristine base params + the profile's sections deep-merged (a layered `a+b`: a, then b
     over it; `profile_layers`); returns the merged params.
 
@@ -112,7 +114,9 @@ def apply_profile(base: str | Path | None, profile: str, out: str | Path, root: 
     (default: `out`'s folder). `base` None = `pristine_params(out)`, or of `root/params.yaml` when `out` is
     written elsewhere and does not exist yet. Everything is checked before `out` is touched: an unknown
     profile (ConfigError listing the valid ones), an overlay section the base does not have, or an unreadable
-    file leave `out` exactly as it was. `default` writes the pristine text back byte for byte."""
+    file leave `out` exactly as it was. `default` writes the pristine text back byte for byte. `check(params,
+    where)`: run on what is about to be written (the whole-file check, `sweep.params_check`); its error also
+    leaves `out` as it was."""
     out = Path(out)
     root = Path(root) if root is not None else out.parent
     if base is None:
@@ -133,6 +137,8 @@ def apply_profile(base: str | Path | None, profile: str, out: str | Path, root: 
         raise ConfigError(f"{origin}: top level must be a mapping")
     paths = [p for p in (profile_path(name, root, set(params)) for name in profile_layers(profile)) if p is not None]
     if not paths:
+        if check is not None:
+            check(params, str(out) if origin == str(out) else f"{out} (from {origin})")
         if not out.is_file() or out.read_text() != text:
             write_text(out, text)
         return params
@@ -143,6 +149,8 @@ def apply_profile(base: str | Path | None, profile: str, out: str | Path, root: 
         if unknown:
             raise ConfigError(f"{overlay_path}: section(s) {unknown} are not in {origin}; sections: {sorted(params)}")
         merged = deep_merge(merged, overlay)
+    if check is not None:
+        check(merged, f"{out} (profile {profile}: {' + '.join(map(str, paths))} over {origin})")
     header = f"{GENERATED}{profile}` from {origin} + {' + '.join(map(str, paths))}. Edit those instead.\n"
     if origin == str(out):  # about to replace a hand-written file: keep it as the pristine base
         write_text(pristine_copy(out), text)

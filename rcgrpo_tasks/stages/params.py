@@ -1,5 +1,7 @@
 """`rcgrpo params --profile NAME`: write a profile (configs/<name>.yaml) over the pristine params into
-params.yaml, so DVC reruns exactly the stages whose sections changed (`ops.profiles.apply_profile`)."""
+params.yaml, so DVC reruns exactly the stages whose sections changed (`ops.profiles.apply_profile`); what it
+would write is checked whole first where dvc.yaml declares the root check (`sweep.params_check`): a bad value
+writes nothing."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ from pathlib import Path
 import typer
 
 from rcgrpo_tasks.ops.config import ConfigError
+from rcgrpo_tasks.ops.pipeline import declares_root_check
 from rcgrpo_tasks.ops.profiles import apply_profile
+from rcgrpo_tasks.sweep.params_check import check_params
 
 app = typer.Typer(add_completion=False, help="Materialize a profile overlay into a params file.")
 
@@ -26,7 +30,8 @@ def main(
     """Write OUT = pristine base + the profile's sections (DVC then reruns what changed). Applying one
     profile after another never mixes them: the base is always the pristine params."""
     try:
-        merged = apply_profile(base, profile, out, root=Path.cwd())
+        check = check_params if declares_root_check(Path.cwd()) else None  # the pipeline's own check, first
+        merged = apply_profile(base, profile, out, root=Path.cwd(), check=check)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
