@@ -66,7 +66,8 @@ def main(
                     else:
                         carried.append(rel)
             lines.append(f"{s.name:<28} {'up to date' if s.done else 'to run'}{note}")
-        meta = {"profile": current_profile(repo / "params.yaml"), "commit": _commit(repo), "carried": carried}
+        meta = {"profile": current_profile(repo / "params.yaml"), "commit": _commit(repo), "carried": carried,
+                **pipeline.plan_state(repo)}  # what `run-plan` compares with dvc.lock before it runs
         with atomic_outputs() as staged:  # the plan and its archive are published together or not at all
             if outputs_archive is not None:
                 with tarfile.open(staged.file(outputs_archive), "w:gz") as tar:
