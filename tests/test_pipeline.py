@@ -326,6 +326,19 @@ def test_a_stage_recorded_since_the_plan_counts_as_rerun_for_what_depends_on_it(
         "recorded since the plan was made, but its output is missing here: a.txt")
 
 
+def test_the_root_check_re_running_reruns_nothing_after_it(tmp_path):
+    """Its output holds the same bytes whatever the params say: the stages after it run for their own reasons
+    only (as under DVC), run or recorded since the plan."""
+    root = pipeline.ROOT_CHECK
+    stages = [_stage(root, ["true"], records=[".rcgrpo/params-checked"]),
+              _stage("a", ["echo A > a.txt"], ["a.txt"], [root], done=True),
+              _stage("b", ["cat a.txt > b.txt"], ["b.txt"], ["a"], done=False)]
+    (tmp_path / "a.txt").write_text("A\n")
+    for recorded in (set(), {root}):
+        assert [r for _, r in pipeline.decide(stages, tmp_path, recorded)] == [
+            None if recorded else "stale where the plan was made", None, "stale where the plan was made"]
+
+
 def test_run_plan_started_by_its_path_runs_its_environments_commands_and_removes_nothing_it_cannot_start(tmp_path):
     """`.venv/bin/rcgrpo run-plan` with the environment off PATH: the stage commands still find `rcgrpo`; a stage
     whose command is nowhere fails with 127 and its outputs stay as they were."""

@@ -302,18 +302,21 @@ def decide(stages: list[PlannedStage], root: Path, recorded: set[str] | frozense
     """(stage, why it must run on this host, or None: skipped) for every stage of the plan, in order, by the
     rule of the module docstring. A stage that runs because it was stale (or because a stage upstream of it
     did) may change its outputs, so what depends on it runs too; an up-to-date stage that runs only to
-    rebuild a missing output writes the same bytes, so what depends on it stays up to date. A stage in
-    `recorded` (`recorded_since`) has run since the plan was made: skipped while its outputs are here, and
-    re-run for what depends on it."""
+    rebuild a missing output writes the same bytes, so what depends on it stays up to date; so does the root
+    check (`ROOT_CHECK`), whose output holds the same bytes whatever it checked (DVC, which compares hashes,
+    reruns nothing after it either). A stage in `recorded` (`recorded_since`) has run since the plan was made:
+    skipped while its outputs are here, and re-run for what depends on it."""
     changed: set[str] = set()
     out = []
     for stage in stages:
         upstream = [u for u in stage.upstream if u in changed]
         missing = [o for o in stage.outs if not (root / o).exists()]
+        changes = stage.name != ROOT_CHECK
         if stage.name in recorded:
             reason = f"recorded since the plan was made, but its output is missing here: {missing[0]}" if missing \
                 else None
-            changed.add(stage.name)
+            if changes:
+                changed.add(stage.name)
             out.append((stage, reason))
             continue
         if not stage.done:
@@ -324,7 +327,7 @@ def decide(stages: list[PlannedStage], root: Path, recorded: set[str] | frozense
             reason = f"output missing here: {missing[0]}"
         else:
             reason = None
-        if not stage.done or upstream:
+        if (not stage.done or upstream) and changes:
             changed.add(stage.name)
         out.append((stage, reason))
     return out
