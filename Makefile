@@ -1,5 +1,5 @@
-# rcgrpo: the README's commands. `make pipeline` runs the whole DVC pipeline on the embedded default;
-# `make test` runs the test suite. Both create/refresh the virtualenv first.
+# rcgrpo: the README's commands. `make pipeline` runs the whole DVC pipeline on the embedded default, stages side
+# by side; `make test` runs the test suite. Both create/refresh the virtualenv first.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -60,8 +60,18 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: vllm-venv
 	PATH="$(abspath $(VLLM_BIN)):$$PATH" VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/python -m pytest -q -m vllm
 
+# The pipeline: `rcgrpo plan` (the params checked whole first: a bad value fails in a second), then `rcgrpo
+# run-plan --jobs $(JOBS) --dvc-commit`: independent stages side by side, each on its share of the cores (two
+# one-thread stages on the 2-core default host outrun one two-thread stage: docs/log.md), each recorded in
+# dvc.lock as it ends, so `dvc status` is clean after and `make pipeline` again after a cut runs only the rest.
+# `dvc repro` runs the same stages one at a time.
+JOBS ?= 2
+PIPELINE_LOGS ?= logs/pipeline
 pipeline: venv
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
+	mkdir -p $(PIPELINE_LOGS)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo plan --out $(PIPELINE_LOGS)/plan.json
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo run-plan --plan $(PIPELINE_LOGS)/plan.json --jobs $(JOBS) \
+		--logs $(PIPELINE_LOGS) --dvc-commit
 
 # The study (configs/study.yaml; docs/rl.md "The study"): the pipeline on the study profile, its stages two side
 # by side on one CPU thread each (`rcgrpo run-plan --jobs 2`: on a 2-core host two 1-thread stages outrun one

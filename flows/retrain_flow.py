@@ -164,7 +164,7 @@ def retrain(profile: str = "default", repo_dir: str = ".", template: str = TEMPL
     status, tags = "FAILED", {}
     error: BaseException | None = None
     try:
-        env = stage_env(parent)
+        env = stage_env(parent_run_id=parent)
         for stage in order:
             task_ = run_stage.with_options(name=stage, task_run_name=stage, timeout_seconds=stage_timeout_s)
             results[stage] = task_(stage, repo, env, False)

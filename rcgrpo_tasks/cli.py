@@ -7,12 +7,14 @@ also runnable as `python -m rcgrpo_tasks.stages.<stage>`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib
 import os
 import sys
+from pathlib import Path
 
-from rcgrpo_tasks.ops import stops, tracking_store
+from rcgrpo_tasks.ops import recovery, rundir, stops, tracking_store
 from rcgrpo_tasks.ops.outputs import OutputError
 
 # command -> (module, one-line summary). Keep in the order of the pipeline.
@@ -33,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dev-sweep": ("rcgrpo_tasks.stages.dev_sweep", "Try RL's levers side by side and judge them on the dev split."),
     "report": ("rcgrpo_tasks.stages.report", "Assemble the results table (with CIs and the paper's numbers) and plot."),
     "promote": ("rcgrpo_tasks.stages.promote", "Register the best RL policy of the grid and move the `champion` alias if it wins."),
+    "check-params": ("rcgrpo_tasks.stages.check_params", "Check the whole params file (every section, every rule across sections): the pipeline's root stage."),
     "plan": ("rcgrpo_tasks.stages.plan", "Write the DVC pipeline as a plan that runs without DVC (for a GPU host)."),
     "run-plan": ("rcgrpo_tasks.stages.run_plan", "Run a plan from `rcgrpo plan` without DVC; bundle the results."),
     "stack": ("rcgrpo_tasks.stages.stack", "Start/stop/check the local stack: Prefect, MLflow, SeaweedFS S3."),
@@ -50,6 +53,9 @@ def _usage() -> str:
 # Commands that open an MLflow run: their tracking server is checked (seconds) before they do any work.
 TRACKED = frozenset({"prepare-model", "generate-trajectories", "validate-trajectories", "label-rewards", "sft",
                      "sample-policy", "controllability", "rl", "evaluate", "report", "promote"})
+# Commands that write pipeline outputs: each marks itself running in the checkout's run folder (ops.rundir), so
+# a kill leaves a trace the next command, and the next `dvc repro`, clears (ops.recovery).
+MARKED = TRACKED | {"prepare-data", "rollout", "score", "dev-sweep"}
 
 
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES})
@@ -57,8 +63,10 @@ DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, e
 
 
 def guarded(name: str, run) -> int:
-    """Run command `name` (`run()` returns its exit code) the way a pipeline stage must run: under DVC it
-    dies with `dvc repro` (ops.stops.die_with_parent: nothing is written after its parent is gone);
+    """Run command `name` (`run()` returns its exit code) the way a pipeline stage must run: first what a killed
+    stage left in this checkout is cleared (`ops.recovery`), and a command that writes outputs (`MARKED`) marks
+    itself running (`ops.rundir.marker`); under DVC it dies with `dvc repro` (ops.stops.die_with_parent: nothing
+    is written after its parent is gone);
     SIGTERM/SIGHUP unwind it (temp outputs removed, MLflow run KILLED); a tracked command checks its
     tracking server first; a tracking failure, an output another process holds or cannot be written
     (`ops.outputs.OutputError`, `DISK_ERRNOS`) and a stop are one line on stderr, never a traceback (exit 2, or
@@ -67,9 +75,11 @@ def guarded(name: str, run) -> int:
         stops.die_with_parent()
     handlers = stops.raise_on_terminate()
     try:
+        recovery.recover(Path.cwd(), f"rcgrpo {name}")  # what a killed stage left here, before anything else
         if name in TRACKED:
             tracking_store.preflight()
-        return run()
+        with rundir.marker(f"rcgrpo {name}") if name in MARKED else contextlib.nullcontext():
+            return run()
     except (tracking_store.TrackingError, OutputError) as exc:
         print(f"error: rcgrpo {name}: {exc}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ Uses Prefect's test harness (a temporary local API) and a temp sqlite MLflow sto
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -281,3 +282,48 @@ def test_remote_from_env_goes_to_config_local_only(tmp_path, monkeypatch):
     local = (repo / ".dvc" / "config.local").read_text()
     assert "s3://bucket/dvc" in local and "http://127.0.0.1:9" in local
     assert "SECRET-NOT-IN-CONFIG" not in local and "shared" not in (repo / ".dvc" / "config").read_text()
+
+
+def _waits_for(me: str, other: str) -> str:
+    """A command that marks itself started and succeeds only if `other` starts while it runs (<= 30 s)."""
+    return (f"bash -c 'touch out/{me}.started; for i in $(seq 300); do [ -f out/{other}.started ] && break; sleep 0.1; "
+            f"done; [ -f out/{other}.started ] && echo {me} > out/{me}.txt'")
+
+
+def test_independent_stages_run_side_by_side_and_dvc_records_every_one(tmp_path, harness, env):
+    """`jobs=2`: the two stages after `prep` succeed only if each starts while the other runs; what depends on
+    both waits for both; DVC's lineage intact after (`dvc status` clean, every stage in dvc.lock, no lock error)."""
+    import yaml
+
+    repo = make_repo(tmp_path)
+    side = {"left": {"cmd": _waits_for("left", "right"), "deps": ["out/prep.json"], "outs": ["out/left.txt"]},
+            "right": {"cmd": _waits_for("right", "left"), "deps": ["out/prep.json"], "outs": ["out/right.txt"]},
+            "both": {"cmd": "cat out/left.txt out/right.txt > out/both.txt",
+                     "deps": ["out/left.txt", "out/right.txt"], "outs": ["out/both.txt"]}}
+    pipeline = yaml.safe_load((repo / "dvc.yaml").read_text())
+    pipeline["stages"].update(side)
+    (repo / "dvc.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False))
+    result = fl.rcgrpo(stages=["both"], repo_dir=str(repo), push=False, pull=False, jobs=2)
+    assert result["stages"] == {"prep": "ran", "left": "ran", "right": "ran", "both": "ran"}
+    assert (repo / "out" / "both.txt").read_text() == "left\nright\n"
+    status = subprocess.run([str(fl.BIN / "dvc"), "status", "--with-deps", "both"], cwd=repo, capture_output=True,
+                            text=True)
+    assert "Data and pipelines are up to date." in status.stdout, status.stdout + status.stderr
+
+
+def test_a_bad_value_anywhere_fails_the_flow_before_its_mlflow_run_opens(tmp_path, harness, env):
+    """A project that declares the root check: the flow checks the params it is about to write, whole, first."""
+    import mlflow
+    import yaml
+
+    repo = make_repo(tmp_path)
+    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    params["grid"]["seeds"] = [0, 0]
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (repo / "dvc.yaml").write_text((repo / "dvc.yaml").read_text().replace(
+        "stages:\n", f"stages:\n  check_params:\n    cmd: {PY} -c pass\n", 1))
+    before = (repo / "params.yaml").read_bytes()
+    with pytest.raises(Exception, match=r"params.yaml.*:grid: seeds: distinct integers >= 0, at least one, got \[0, 0\]"):
+        fl.rcgrpo(repo_dir=str(repo), push=False, pull=False)
+    assert (repo / "params.yaml").read_bytes() == before and not (repo / "out").exists()
+    assert mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_experiment_by_name("flow-test") is None

@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import REPO_ROOT
 from typer.testing import CliRunner
 
 from rcgrpo_tasks.ops import pipeline, plan_runner
@@ -289,3 +290,69 @@ def test_a_stop_ends_the_running_stages_records_them_stopped_and_keeps_the_bundl
     with tarfile.open(bundle) as tar:
         timings = json.load(tar.extractfile("timings.json"))
     assert {k: v["status"] for k, v in timings["stages"].items()} == {"a": "stopped", "b": "stopped"}
+
+
+def test_the_same_plan_after_a_cut_skips_what_dvc_lock_recorded_since_and_refuses_a_changed_pipeline(dvc_repo, tmp_path):
+    """`run-plan --dvc-commit` cut after each@x: the same command with the same plan (no re-plan) finds each@x in
+    dvc.lock and runs only each@y; a plan whose params.yaml changed since is refused, naming the re-plan."""
+    plan = tmp_path / "plan.json"
+    assert CliRunner().invoke(plan_cli.app, ["--out", str(plan), "--repo", str(dvc_repo)]).exit_code == 0
+    logs = ["--logs", str(tmp_path / "logs")]
+    res = CliRunner().invoke(run_cli.app, ["--plan", str(plan), "--root", str(dvc_repo), "--stage", "each@x",
+                                           "--dvc-commit", *logs])
+    assert res.exit_code == 0, res.output
+    made = (dvc_repo / "x.txt").stat().st_mtime_ns
+    res = CliRunner().invoke(run_cli.app, ["--plan", str(plan), "--root", str(dvc_repo), "--dvc-commit", *logs])
+    assert res.exit_code == 0, res.output
+    assert "recorded in dvc.lock since it was made: each@x" in res.output
+    assert "[run-plan] each@x: skipped (recorded in dvc.lock since the plan was made, outputs present)" in res.output
+    assert "[run-plan] each@y: running (stale where the plan was made)" in res.output
+    assert (dvc_repo / "x.txt").stat().st_mtime_ns == made
+    assert all(s.done for s in pipeline.dvc_stages(dvc_repo))
+    (dvc_repo / "params.yaml").write_text("x: 2\n")
+    res = CliRunner().invoke(run_cli.app, ["--plan", str(plan), "--root", str(dvc_repo), *logs])
+    assert res.exit_code == 2 and "params.yaml changed since the plan was made" in res.output
+    assert f"re-plan: `rcgrpo plan --out {plan}`" in res.output and "running" not in res.output
+
+
+def test_a_stage_recorded_since_the_plan_counts_as_rerun_for_what_depends_on_it(tmp_path):
+    stages = _chain(False, True)  # a was stale, b up to date where the plan was made
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text("x\n")
+    assert [r for _, r in pipeline.decide(stages, tmp_path, {"a"})] == [None, "upstream a re-ran"]
+    assert [r for _, r in pipeline.decide(stages, tmp_path, {"a", "b"})] == [None, None]
+    (tmp_path / "a.txt").unlink()
+    assert pipeline.decide(stages, tmp_path, {"a", "b"})[0][1] == (
+        "recorded since the plan was made, but its output is missing here: a.txt")
+
+
+def test_the_root_check_re_running_reruns_nothing_after_it(tmp_path):
+    """Its output holds the same bytes whatever the params say: the stages after it run for their own reasons
+    only (as under DVC), run or recorded since the plan."""
+    root = pipeline.ROOT_CHECK
+    stages = [_stage(root, ["true"], records=[".rcgrpo/params-checked"]),
+              _stage("a", ["echo A > a.txt"], ["a.txt"], [root], done=True),
+              _stage("b", ["cat a.txt > b.txt"], ["b.txt"], ["a"], done=False)]
+    (tmp_path / "a.txt").write_text("A\n")
+    for recorded in (set(), {root}):
+        assert [r for _, r in pipeline.decide(stages, tmp_path, recorded)] == [
+            None if recorded else "stale where the plan was made", None, "stale where the plan was made"]
+
+
+def test_run_plan_started_by_its_path_runs_its_environments_commands_and_removes_nothing_it_cannot_start(tmp_path):
+    """`.venv/bin/rcgrpo run-plan` with the environment off PATH: the stage commands still find `rcgrpo`; a stage
+    whose command is nowhere fails with 127 and its outputs stay as they were."""
+    stages = [_stage("uses", ["rcgrpo --help > help.txt"], ["help.txt"]),
+              _stage("nowhere", ["no-such-tool-here --out kept.txt"], ["kept.txt"], ["uses"])]
+    plan = tmp_path / "plan.json"
+    pipeline.write_plan(stages, plan)
+    (tmp_path / "kept.txt").write_text("an earlier result\n")
+    env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run([str(Path(sys.executable).parent / "rcgrpo"), "run-plan", "--plan", str(plan), "--root",
+                           str(tmp_path), "--logs", str(tmp_path / "logs")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "stage nowhere failed (exit 127)" in done.stderr, done.stdout + done.stderr
+    assert (tmp_path / "help.txt").read_text().startswith("Usage: rcgrpo")
+    assert (tmp_path / "kept.txt").read_text() == "an earlier result\n"
+    log = (tmp_path / "logs" / "nowhere.log").read_text()
+    assert "no-such-tool-here: command not found on PATH" in log and "nothing of nowhere was removed" in log

@@ -27,7 +27,7 @@ import yaml
 from helpers import copy_tree
 
 BIN = Path(sys.executable).parent
-SHORT = ("prepare_data", "prepare_model", "generate_trajectories", "validate_trajectories", "label_rewards@sft",
+SHORT = ("check_params", "prepare_data", "prepare_model", "generate_trajectories", "validate_trajectories", "label_rewards@sft",
          "sft", "sample_policy@rctp", "label_rewards@rctp", "rctp@0", "pool_rctp@0", "controllability@0",
          "rl_rctp@0-rc_grpo", "evaluate_rl_rctp@0-rc_grpo")
 FULL = (*SHORT, "rl_rctp@0-grpo", "evaluate@base", "evaluate@sft", "evaluate_rctp@0", "evaluate_rl_rctp@0-grpo",

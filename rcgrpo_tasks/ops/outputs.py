@@ -3,12 +3,12 @@ output never both succeed.
 
 `atomic_outputs`, `atomic_path`, `atomic_dir`, `write_*`: every output is built in a temp sibling (same
 filesystem) and renamed into place when the body succeeds; `atomic_outputs` publishes several outputs
-together (datasets and metrics) and rolls the already-renamed ones back if a later rename fails. Each
-output holds an exclusive `fcntl` lock on `.<name>.lock` beside it while it is written, so a second process
-writing the same output fails at once with a message naming the holder's pid. OS errors (read-only folder,
-file too large, disk full) become OutputError naming the final path, not the temp; so do the writers that
-report a full disk without an OSError (torch's zip writer, safetensors: `disk_full`). Inputs are read by
-`ops.inputs`.
+together (datasets and metrics) and rolls the already-renamed ones back if a later rename fails. Each output
+holds an exclusive `fcntl` lock while it is written (in the checkout's run folder, `ops.rundir`; elsewhere
+`.<name>.lock` beside it), so a second writer fails at once naming the holder's pid; the lock lists the temps
+staged for the output, so the next writer removes what a killed one left. OS errors (read-only folder, file
+too large, disk full) become OutputError naming the final path, not the temp; so do the writers that report a
+full disk without an OSError (torch's zip writer, safetensors: `disk_full`). Inputs are read by `ops.inputs`.
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ import re
 import resource
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from rcgrpo_tasks.ops import rundir
 from rcgrpo_tasks.ops.inputs import InputError
 
 
@@ -114,9 +116,17 @@ def disk_full_error(paths: str | Path | list[Path], exc: BaseException) -> Outpu
 
 
 def lock_path(path: str | Path) -> Path:
-    """The lock file guarding output `path`: `.<name>.lock` in the same folder."""
+    """The lock file guarding output `path`: in its checkout's run folder (`ops.rundir.lock_file`), else
+    `.<name>.lock` in the same folder."""
     path = Path(path)
-    return path.with_name(f".{path.name}.lock")
+    return rundir.lock_file(path) or path.with_name(f".{path.name}.lock")
+
+
+def _note(output: Path, staged: Path) -> None:
+    """Record `staged` (a temp or backup of `output`) in its held lock, for the next holder after a kill."""
+    held = _HELD.get(str(lock_path(output).resolve()))
+    if held is not None:
+        rundir.note(held[0], staged)
 
 
 @contextlib.contextmanager
@@ -158,14 +168,21 @@ def output_lock(path: str | Path) -> Iterator[Path]:
                 folder.rmdir()
 
 
+SWEEP_WAIT_S = 1.0  # a busy lock is retried this long first: `rundir.sweep` holds a free one for an instant
+
+
 def _acquire(lock: Path, path: Path) -> int:
+    deadline = time.monotonic() + SWEEP_WAIT_S
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            holder = os.pread(fd, 32, 0).decode(errors="replace").split("\n")[0].strip() or "?"
             os.close(fd)
+            if time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
             raise OutputError(f"{path} is being written by another process (pid {holder}, lock {lock}); "
                               "two writers to one output are refused: wait for it or choose another output") from None
         try:
@@ -173,6 +190,7 @@ def _acquire(lock: Path, path: Path) -> int:
         except FileNotFoundError:
             same = False
         if same:
+            rundir.remove_listed(fd)  # a killed holder's half-written temps: ours to remove, we hold the lock
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             return fd
@@ -195,6 +213,7 @@ class OutputSet:
             tmp = Path(make(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
         except OSError as exc:
             raise _write_error(path, exc) from exc
+        _note(path, tmp)
         self.staged.append((path, tmp))
         _TEMPS[tmp] = path
         return tmp
@@ -251,6 +270,7 @@ def _commit(staged: list[tuple[Path, Path]]) -> None:
             backup = None
             if final.exists() or final.is_symlink():
                 backup = final.with_name(f".{final.name}.old.{os.getpid()}")
+                _note(final, backup)
                 _remove(backup)
                 os.replace(final, backup)
             try:

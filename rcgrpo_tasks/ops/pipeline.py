@@ -10,8 +10,13 @@ with no DVC:
   output too large to travel, such as the base model, is rebuilt from the same deps: the data stages are
   byte-reproducible); a stage DVC found stale always runs, once, after every stage it depends on (in plan
   order, or several side by side: `jobs`);
-- a stage's outputs are removed before it runs (as `dvc repro` does), and the first failing stage stops
-  the run (later stages would read missing inputs; the stages already running side by side finish);
+- a stage recorded in dvc.lock since the plan was made (`recorded_since`: `run-plan --dvc-commit` records each
+  stage as it ends, so the same command run again after a cut finds them) is skipped, and counts as re-run for
+  what depends on it; a plan whose params.yaml or dvc.yaml changed since is refused, naming the command that
+  re-plans;
+- a stage's outputs are removed before it runs (as `dvc repro` does), once its commands are found on PATH
+  (nothing is removed for a stage that cannot start), and the first failing stage stops the run (later
+  stages would read missing inputs; the stages already running side by side finish);
 - after every stage the bundle (`write_bundle`: per-stage wall times and logs, the plan, params, every
   `cache: false` metric/plot/table and the small cached output files) is rewritten atomically, so a lease
   that ends mid-run still returns what finished.
@@ -27,6 +32,8 @@ or dropped and arguments appended, so the command stays the one DVC resolved, ch
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shlex
 from collections.abc import Mapping, Sequence
@@ -37,6 +44,21 @@ from rcgrpo_tasks.ops.inputs import InputError, read_json
 from rcgrpo_tasks.ops.outputs import write_json
 
 PLAN_FORMAT = 1
+ROOT_CHECK = "check_params"
+"""The pipeline's root stage: the whole params file checked before any other stage works (`rcgrpo check-params`).
+Where a project's dvc.yaml declares it, `rcgrpo plan`, `rcgrpo params` and the flow run the same check first."""
+
+
+def declares_root_check(repo_dir: str | Path) -> bool:
+    """Whether `repo_dir`/dvc.yaml declares the root check stage (`ROOT_CHECK`); read as YAML, in milliseconds."""
+    import yaml
+
+    path = Path(repo_dir) / "dvc.yaml"
+    try:
+        stages = (yaml.safe_load(path.read_text()) or {}).get("stages") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return False
+    return isinstance(stages, dict) and ROOT_CHECK in stages
 
 
 @dataclass(frozen=True)
@@ -89,6 +111,50 @@ def dvc_stages(repo_dir: str | Path, with_status: bool = True, main_only: bool =
             return planned
     except DvcException as exc:  # not a DVC project, a broken dvc.yaml, ...: one line naming the project
         raise InputError(f"{repo_dir}: DVC cannot read the pipeline: {exc}") from exc
+
+
+PLANNED_FILES = ("params.yaml", "dvc.yaml")
+"""The files a plan is made from: a plan whose files changed since is refused (`recorded_since`)."""
+
+
+def _sha(blob: bytes) -> str:
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def lock_entries(repo_dir: str | Path) -> dict[str, str]:
+    """{stage: short sha256 of its dvc.lock entry (cmd, deps, params, outs hashes)}; {} without a dvc.lock.
+    Read as YAML: no DVC needed (a lent host compares a plan with its copy of the lock)."""
+    import yaml
+
+    path = Path(repo_dir) / "dvc.lock"
+    if not path.is_file():
+        return {}
+    stages = (yaml.safe_load(path.read_text()) or {}).get("stages") or {}
+    return {name: _sha(json.dumps(entry, sort_keys=True, default=str).encode()) for name, entry in stages.items()}
+
+
+def plan_state(repo_dir: str | Path) -> dict:
+    """What a plan records of the project it was made from (`meta`): the planned files' hashes and dvc.lock's
+    entries, for `recorded_since`."""
+    root = Path(repo_dir)
+    return {"files": {f: _sha((root / f).read_bytes()) for f in PLANNED_FILES if (root / f).is_file()},
+            "lock": lock_entries(root)}
+
+
+def recorded_since(stages: list[PlannedStage], meta: dict, root: str | Path, replan: str) -> set[str]:
+    """The planned stages recorded in `root`/dvc.lock since the plan was made (their entry changed: a
+    `run-plan --dvc-commit` or a `dvc repro` finished them). InputError naming `replan` (the command that
+    makes a fresh plan) when params.yaml or dvc.yaml changed since: the plan's commands and states may no
+    longer be the pipeline's. A plan without the record (`plan_state`) or a root without dvc.lock: none."""
+    if "lock" not in meta or not (Path(root) / "dvc.lock").is_file():
+        return set()
+    now = plan_state(root)
+    moved = [f for f, sha in (meta.get("files") or {}).items() if now["files"].get(f) != sha]
+    if moved:
+        raise InputError(f"{' and '.join(moved)} changed since the plan was made: its stages and their states may "
+                         f"no longer be the pipeline's; re-plan: `{replan}`")
+    then = meta["lock"]
+    return {s.name for s in stages if s.name in now["lock"] and now["lock"][s.name] != then.get(s.name)}
 
 
 def write_plan(stages: list[PlannedStage], path: str | Path, meta: dict | None = None) -> None:
@@ -231,16 +297,28 @@ def variant(stage: PlannedStage, name: str, args: Mapping[str, Substitution], ad
 
 # -- running it (no DVC needed) -----------------------------------------------------------------------------
 
-def decide(stages: list[PlannedStage], root: Path) -> list[tuple[PlannedStage, str | None]]:
+def decide(stages: list[PlannedStage], root: Path, recorded: set[str] | frozenset = frozenset()
+           ) -> list[tuple[PlannedStage, str | None]]:
     """(stage, why it must run on this host, or None: skipped) for every stage of the plan, in order, by the
     rule of the module docstring. A stage that runs because it was stale (or because a stage upstream of it
     did) may change its outputs, so what depends on it runs too; an up-to-date stage that runs only to
-    rebuild a missing output writes the same bytes, so what depends on it stays up to date."""
+    rebuild a missing output writes the same bytes, so what depends on it stays up to date; so does the root
+    check (`ROOT_CHECK`), whose output holds the same bytes whatever it checked (DVC, which compares hashes,
+    reruns nothing after it either). A stage in `recorded` (`recorded_since`) has run since the plan was made:
+    skipped while its outputs are here, and re-run for what depends on it."""
     changed: set[str] = set()
     out = []
     for stage in stages:
         upstream = [u for u in stage.upstream if u in changed]
         missing = [o for o in stage.outs if not (root / o).exists()]
+        changes = stage.name != ROOT_CHECK
+        if stage.name in recorded:
+            reason = f"recorded since the plan was made, but its output is missing here: {missing[0]}" if missing \
+                else None
+            if changes:
+                changed.add(stage.name)
+            out.append((stage, reason))
+            continue
         if not stage.done:
             reason = "stale where the plan was made"
         elif upstream:
@@ -249,12 +327,12 @@ def decide(stages: list[PlannedStage], root: Path) -> list[tuple[PlannedStage, s
             reason = f"output missing here: {missing[0]}"
         else:
             reason = None
-        if not stage.done or upstream:
+        if (not stage.done or upstream) and changes:
             changed.add(stage.name)
         out.append((stage, reason))
     return out
 
 
-def describe(stages: list[PlannedStage], root: Path) -> list[str]:
+def describe(stages: list[PlannedStage], root: Path, recorded: set[str] | frozenset = frozenset()) -> list[str]:
     """One line per stage: what `run_plan` would do here and why (a dry look, runs nothing)."""
-    return [f"{s.name}: {'run (' + reason + ')' if reason else 'skip'}" for s, reason in decide(stages, root)]
+    return [f"{s.name}: {'run (' + reason + ')' if reason else 'skip'}" for s, reason in decide(stages, root, recorded)]

@@ -7,8 +7,10 @@ from __future__ import annotations
 import io
 import json
 import os
+import shlex
 import shutil
 import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -59,16 +61,35 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+NOT_FOUND = 127
+"""A stage whose command is not on PATH ends as bash would end it (`command not found`)."""
+
+
+def unstartable(cmds: tuple[str, ...], root: Path, env: dict[str, str]) -> list[str]:
+    """The first words of `cmds` that bash would not find with `env`'s PATH in `root` (`command -v`: builtins,
+    keywords, functions and executables count): a stage with any of them cannot start."""
+    words = []
+    for cmd in cmds:
+        try:
+            first = shlex.split(cmd)[:1]
+        except ValueError:  # unbalanced quotes: bash itself will say so
+            first = []
+        words += [w for w in first if "=" not in w]  # `VAR=x cmd`: bash checks at run time
+    probe = "for w; do command -v -- \"$w\" >/dev/null || echo \"$w\"; done"
+    found = subprocess.run(["bash", "-c", probe, "_", *words], cwd=root, env=env, capture_output=True, text=True)
+    return found.stdout.split()
+
+
 class StageJob:
     """One stage's commands run in order (`bash -c`, in `root`, each in its own process group), its output
     appended to `log_path` and echoed line by line. Started and polled from the caller's thread (a child
     started from a worker thread would get its parent-death signal when that thread ends); one reader
-    thread per command copies the output. A stage's outputs are removed before it starts (as dvc does)."""
+    thread per command copies the output. A stage's outputs are removed before it starts (as dvc does), once
+    its commands are found (`unstartable`): a stage that cannot start ends at once with exit 127, nothing of
+    it removed."""
 
     def __init__(self, stage: PlannedStage, root: Path, log_path: Path, env: dict[str, str],
                  echo: Callable[[str], None]):
-        for out in (*stage.outs, *stage.records):
-            _remove(root / out)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.stage, self.root, self.env, self.echo = stage, root, env, echo
         self.log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 (closed when the stage ends)
@@ -76,6 +97,16 @@ class StageJob:
         self.t0 = time.monotonic()
         self.rc: int | None = None
         self.wall_s = 0.0
+        missing = unstartable(stage.cmds, root, env)
+        if missing:
+            line = (f"{', '.join(missing)}: command not found on PATH ({env.get('PATH', '')}); nothing of "
+                    f"{stage.name} was removed")
+            self.log.write(line + "\n")
+            echo(f"  {stage.name} | {line}")
+            self._end(NOT_FOUND)
+            return
+        for out in (*stage.outs, *stage.records):
+            _remove(root / out)
         self._next()
 
     def _next(self) -> None:
@@ -167,13 +198,29 @@ def write_bundle(out: str | Path, members: list[Path], root: Path, record: RunRe
     return out
 
 
-def stage_env(base: dict[str, str] | None = None, jobs: int = 1) -> dict[str, str]:
-    """The stages' environment: a stage dies with the runner (as under DVC) and prints as it goes; with
+BIN = Path(sys.executable).parent
+"""This environment's executables (`rcgrpo`, `dvc`): a stage command finds them first, also when the runner
+was started by its path (`.venv/bin/rcgrpo run-plan`) without the environment on PATH."""
+
+
+def stage_env(base: dict[str, str] | None = None, jobs: int = 1, parent_run_id: str | None = None
+              ) -> dict[str, str]:
+    """THE environment of a stage command, run by `run_plan` or by the flow's `dvc repro` (`base`, default this
+    process's): `BIN` first on PATH; the stage dies with whatever started it (as under DVC) and prints as it
+    goes (progress bars as a log line every 15 s); no `MLFLOW_RUN_ID` (the stage would resume that run instead
+    of nesting), and `parent_run_id`, if any, as the parent its run nests under; DVC runs a stage as `$SHELL -c
+    CMD`, and bash execs the command, so the stage's parent is dvc itself (`ops.stops.die_with_parent`); with
     `jobs` stages side by side each gets its share of the cores for its CPU threads (unless the caller set
     OMP_NUM_THREADS), so they do not oversubscribe the host."""
     env = dict(os.environ if base is None else base)
+    env.pop("MLFLOW_RUN_ID", None)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["RCGRPO_DIE_WITH_PARENT"] = "1"
-    env.setdefault("PYTHONUNBUFFERED", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["SHELL"] = shutil.which("bash") or env.get("SHELL", "/bin/sh")
+    env.setdefault("TQDM_MININTERVAL", "15")
+    if parent_run_id:
+        env["RCGRPO_PARENT_RUN_ID"] = parent_run_id
     if jobs > 1:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
     return env
@@ -210,7 +257,8 @@ def _drop_blocked(pending: list, record: RunRecord, names: set[str]) -> None:
 def run_plan(stages: list[PlannedStage], root: str | Path, logs: str | Path, bundle: str | Path | None = None,
              extra: list[Path] | None = None, env: dict[str, str] | None = None,
              echo: Callable[[str], None] | None = None, jobs: int = 1, keep_going: bool = False,
-             on_done: Callable[[PlannedStage], None] | None = None) -> RunRecord:
+             on_done: Callable[[PlannedStage], None] | None = None, recorded: set[str] | frozenset = frozenset()
+             ) -> RunRecord:
     """Run `stages` (a plan, in order) in `root` by the rule of the module docstring, at most `jobs` at a
     time: a stage starts once every stage it depends on has finished (`jobs=1`: in plan order; side by side
     those with the most stages depending on them first, `descendants`); after the first failure nothing new
@@ -221,7 +269,9 @@ def run_plan(stages: list[PlannedStage], root: str | Path, logs: str | Path, bun
     every stage and once more at the end, also after a failure or a stop (SIGTERM/SIGHUP: the running
     stages' groups are stopped, recorded as `stopped`, then `stops.Terminated` propagates). `on_done(stage)`
     is called, one stage at a time, after each stage that ran and exited 0 (`rcgrpo run-plan --dvc-commit`
-    records it in dvc.lock there, so that a plan made after a cut finds it up to date)."""
+    records it in dvc.lock there, so that a plan made after a cut finds it up to date). `recorded`: the stages
+    dvc.lock recorded since the plan was made (`pipeline.recorded_since`), skipped while their outputs are
+    here."""
     if jobs < 1:
         raise InputError(f"jobs must be >= 1, got {jobs}")
     root, logs = Path(root), Path(logs)
@@ -230,7 +280,7 @@ def run_plan(stages: list[PlannedStage], root: str | Path, logs: str | Path, bun
     record = RunRecord()
     extra = [logs, *(extra or [])]
     names = {s.name for s in stages}
-    pending = decide(stages, root)
+    pending = decide(stages, root, recorded)
     if jobs > 1:  # most dependents first; sorted() is stable, so plan order breaks ties
         weight = descendants(stages)
         pending = sorted(pending, key=lambda item: -weight[item[0].name])
@@ -251,8 +301,10 @@ def run_plan(stages: list[PlannedStage], root: str | Path, logs: str | Path, bun
                 continue
             pending.remove(item)
             if reason is None:
-                record.stages[stage.name] = StageRun("skipped", "up to date where the plan was made")
-                echo(f"[run-plan] {stage.name}: skipped (up to date where the plan was made, outputs present)")
+                why = "recorded in dvc.lock since the plan was made" if stage.name in recorded else \
+                    "up to date where the plan was made"
+                record.stages[stage.name] = StageRun("skipped", why)
+                echo(f"[run-plan] {stage.name}: skipped ({why}, outputs present)")
                 continue
             echo(f"[run-plan] {stage.name}: running ({reason})")
             log = logs / f"{stage.name}.log"

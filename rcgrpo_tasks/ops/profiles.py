@@ -10,6 +10,7 @@ restores the pristine file; an unknown profile fails listing the valid ones and 
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -152,7 +153,8 @@ def resolve_profile(profile: str, root: str | Path, base: str | Path | None = No
     return Resolved(text, params, merged, origin, paths)
 
 
-def apply_profile(base: str | Path | None, profile: str, out: str | Path, root: str | Path | None = None) -> dict:
+def apply_profile(base: str | Path | None, profile: str, out: str | Path, root: str | Path | None = None,
+                  check: Callable[[dict, str], object] | None = None) -> dict:
     """Write `out` = pristine base params + the profile's sections deep-merged (a layered `a+b`: a, then b
     over it; `profile_layers`); returns the merged params.
 
@@ -160,14 +162,19 @@ def apply_profile(base: str | Path | None, profile: str, out: str | Path, root: 
     (default: `out`'s folder); the base as `resolve_profile` takes it. Everything is checked before `out` is
     touched: an unknown profile (ConfigError listing the valid ones), an overlay section the base does not
     have, or an unreadable file leave `out` exactly as it was. `default` writes the pristine text back byte
-    for byte."""
+    for byte. `check(params, where)`: run on what is about to be written (the whole-file check,
+    `sweep.params_check`); its error also leaves `out` as it was."""
     out = Path(out)
     root = Path(root) if root is not None else out.parent
     got = resolve_profile(profile, root, base, out)
     if not got.paths:
+        if check is not None:
+            check(got.params, str(out) if got.origin == str(out) else f"{out} (from {got.origin})")
         if not out.is_file() or out.read_text() != got.text:
             write_text(out, got.text)
         return got.params
+    if check is not None:
+        check(got.merged, f"{out} (profile {profile}: {' + '.join(map(str, got.paths))} over {got.origin})")
     header = f"{GENERATED}{profile}` from {got.origin} + {' + '.join(map(str, got.paths))}. Edit those instead.\n"
     if got.origin == str(out):  # about to replace a hand-written file: keep it as the pristine base
         write_text(pristine_copy(out), got.text)

@@ -15,8 +15,9 @@ Never hangs, never silent:
   gone, the run is left to the reaper below.
 - No run stays RUNNING: SIGTERM/SIGHUP/Ctrl-C end a stage's run KILLED (ops.stops raises Terminated);
   an error ends it FAILED with `rcgrpo.error`; an atexit hook ends a run the process forgot FAILED; and
-  every run carries `rcgrpo.owner` = host:pid:start, so `reap_orphans()` (run at each stage start and at
-  the end of a flow) ends KILLED any RUNNING run whose process is gone (SIGKILL, OOM, tracking lost).
+  every run carries `rcgrpo.owner` = host:pid:start, so `reap_orphans()` ends KILLED any RUNNING run whose
+  process is gone (SIGKILL, OOM, tracking lost): at each tracked stage's start, at the start of any command
+  that finds a killed stage's marker (`ops.recovery`), and at the start and end of a flow.
 """
 
 from __future__ import annotations
@@ -191,10 +192,12 @@ def published_run(stage: str, config: Any = None, outputs: tuple = (), tags: Map
             yield run, staged
 
 
-def reap_orphans(exp_id: str | None = None, parent_run_id: str | None = None) -> list[str]:
+def reap_orphans(exp_id: str | None = None, parent_run_id: str | None = None, closed_by: str | None = None
+                 ) -> list[str]:
     """End KILLED every RUNNING run of the experiment whose owner process (same host) is gone; with
     `parent_run_id`, also every RUNNING child of that parent (the flow calls this when all its stages
-    have exited). Best effort and quick: never raises. Returns the ids it ended."""
+    have exited). The reason goes to `rcgrpo.error` (`closed_by`: who noticed). Best effort and quick:
+    never raises. Returns the ids it ended."""
     ended: list[str] = []
     try:
         client = mlflow_module().MlflowClient()
@@ -209,7 +212,8 @@ def reap_orphans(exp_id: str | None = None, parent_run_id: str | None = None) ->
                 orphan = h == host and pid.isdigit() and not stops.alive(int(pid), start or None)
                 child = parent_run_id and run.data.tags.get("mlflow.parentRunId") == parent_run_id
                 if (orphan or child) and run.info.run_id not in _OPEN_RUNS:
-                    note = "its process ended without closing it (killed, or tracking lost)"
+                    note = ("its process ended without closing it (killed, or tracking lost)"
+                            + (f"; closed by {closed_by}" if closed_by else ""))
                     with contextlib.suppress(Exception):
                         client.set_tag(run.info.run_id, ERROR_TAG, run.data.tags.get(ERROR_TAG) or note)
                         client.set_terminated(run.info.run_id, "KILLED")

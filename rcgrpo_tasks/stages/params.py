@@ -1,7 +1,9 @@
 """`rcgrpo params --profile NAME`: write a profile (configs/<name>.yaml) over the pristine params into
-params.yaml, so DVC reruns exactly the stages whose sections changed (`ops.profiles.apply_profile`);
-`--show` prints what the profile changes against the pristine params, resolved, and writes nothing;
-`--table DOC` regenerates the profiles table in DOC (`sweep.profiles`: every profile's budgets and design)."""
+params.yaml, so DVC reruns exactly the stages whose sections changed (`ops.profiles.apply_profile`); what it
+would write is checked whole first where dvc.yaml declares the root check (`sweep.params_check`): a bad value
+writes nothing. `--show` prints what the profile changes against the pristine params, resolved, and writes
+nothing; `--table DOC` regenerates the profiles table in DOC (`sweep.profiles`: every profile's budgets and
+design)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import typer
 import yaml
 
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, from_dict
+from rcgrpo_tasks.ops.pipeline import declares_root_check
 from rcgrpo_tasks.ops.profiles import UNSET, apply_profile, changes, resolve_profile
+from rcgrpo_tasks.sweep.params_check import check_params
 from rcgrpo_tasks.sweep.profiles import rewrite
 from rcgrpo_tasks.train.sft.config import SftConfig
 
@@ -69,7 +73,8 @@ def main(
         if show:
             typer.echo(shown(profile, Path.cwd(), base, out))
             return
-        merged = apply_profile(base, profile, out, root=Path.cwd())
+        check = check_params if declares_root_check(Path.cwd()) else None  # the pipeline's own check, first
+        merged = apply_profile(base, profile, out, root=Path.cwd(), check=check)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc

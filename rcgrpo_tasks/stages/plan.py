@@ -1,8 +1,10 @@
 """`rcgrpo plan --out plan.json`: the pipeline as DVC resolves it here, for `rcgrpo run-plan` on a host
 without DVC (a lent GPU machine with no package index; `ops.pipeline` states the rule it runs by).
 
-Writes every `dvc.yaml` stage (foreach/matrix expanded, topological order) with its commands, outputs and
-whether `dvc status` finds it up to date, plus the profile and git commit it was made from. With
+First the whole params file is checked, as the pipeline's root stage checks it (`sweep.params_check`): a bad
+value fails in about a second, nothing written. Then writes every `dvc.yaml` stage (foreach/matrix expanded,
+topological order) with its commands, outputs and whether `dvc status` finds it up to date, plus the profile
+and git commit it was made from. With
 `--outputs-archive`, the outputs of the up-to-date stages that exist here and are at most `--max-output-mb`
 each go into one .tar.gz to travel with the plan; larger ones (the base model) are rebuilt there.
 """
@@ -19,6 +21,7 @@ from rcgrpo_tasks.ops import pipeline
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.outputs import atomic_outputs
 from rcgrpo_tasks.ops.profiles import current_profile
+from rcgrpo_tasks.sweep.params_check import check_file
 
 app = typer.Typer(add_completion=False, help="Write the DVC pipeline as a plan that runs without DVC.")
 
@@ -46,6 +49,8 @@ def main(
 ) -> None:
     """Write the plan (and the outputs archive); print each stage's state."""
     with cli_errors():
+        if pipeline.declares_root_check(repo):  # the whole params file, before DVC hashes anything (seconds)
+            check_file(repo / "params.yaml")
         stages = pipeline.dvc_stages(repo, with_status=status)
         carried: list[str] = []
         lines = []
@@ -61,7 +66,8 @@ def main(
                     else:
                         carried.append(rel)
             lines.append(f"{s.name:<28} {'up to date' if s.done else 'to run'}{note}")
-        meta = {"profile": current_profile(repo / "params.yaml"), "commit": _commit(repo), "carried": carried}
+        meta = {"profile": current_profile(repo / "params.yaml"), "commit": _commit(repo), "carried": carried,
+                **pipeline.plan_state(repo)}  # what `run-plan` compares with dvc.lock before it runs
         with atomic_outputs() as staged:  # the plan and its archive are published together or not at all
             if outputs_archive is not None:
                 with tarfile.open(staged.file(outputs_archive), "w:gz") as tar:

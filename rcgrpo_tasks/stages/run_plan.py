@@ -1,8 +1,10 @@
 """`rcgrpo run-plan --plan plan.json --bundle run.tar.gz`: run the pipeline where DVC is not installed.
 
 Runs the plan `rcgrpo plan` wrote, in its order (`--jobs N`: up to N stages side by side, each once what it
-depends on is done), by the rule of `ops.pipeline` (a stage DVC found stale
-runs; an up-to-date one runs only if an output is missing here), stops at the first failing stage, and
+depends on is done), by the rule of `ops.pipeline` (a stage DVC found stale runs; an up-to-date one runs only
+if an output is missing here; one recorded in dvc.lock since the plan was made is skipped, and a plan whose
+params.yaml or dvc.yaml changed since is refused, naming the command that re-plans), each stage's commands
+with this environment's executables first on PATH (`plan_runner.stage_env`), stops at the first failing stage, and
 rewrites `--bundle` after every stage: per-stage wall times (`timings.json`) and logs, the plan, params.yaml,
 every metric, plot and table, and the small per-entry outputs, in one file small enough to copy back.
 `--dry-run` prints what would run and why. `--dvc-commit` (where DVC is installed) records each stage that
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import typer
 
-from rcgrpo_tasks.ops import pipeline, plan_runner
+from rcgrpo_tasks.ops import pipeline, plan_runner, recovery
 from rcgrpo_tasks.ops.cli import cli_errors, fail
 
 app = typer.Typer(add_completion=False, help="Run a plan from `rcgrpo plan` without DVC.")
@@ -45,14 +47,18 @@ def main(
         planned, meta = pipeline.read_plan(plan)
         names = set(pipeline.select({s.name: s.upstream for s in planned}, stages))
         planned = [s for s in planned if s.name in names]
+        recorded = pipeline.recorded_since(planned, meta, root, replan=f"rcgrpo plan --out {plan}")
+    if root.resolve() != Path.cwd().resolve():  # the entry point cleared the working directory's checkout
+        recovery.recover(root, "rcgrpo run-plan")
     typer.echo(f"[run-plan] {plan}: {len(planned)} stages, profile {meta.get('profile', '?')}, "
-               f"commit {meta.get('commit', '?')}")
+               f"commit {meta.get('commit', '?')}"
+               + (f"; recorded in dvc.lock since it was made: {', '.join(sorted(recorded))}" if recorded else ""))
     if dry_run:
-        typer.echo("\n".join(pipeline.describe(planned, root)))
+        typer.echo("\n".join(pipeline.describe(planned, root, recorded)))
         return
     on_done = (lambda stage: commit_stage(stage.name, root)) if dvc_commit else None
     record = plan_runner.run_plan(planned, root, logs, bundle, extra=[plan, root / "params.yaml"], jobs=jobs,
-                                  on_done=on_done)
+                                  on_done=on_done, recorded=recorded)
     typer.echo(plan_runner.timing_table(record))
     if bundle is not None:
         typer.echo(f"[run-plan] bundle: {bundle} ({bundle.stat().st_size / 2**20:.1f} MB)")
