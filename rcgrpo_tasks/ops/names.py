@@ -38,7 +38,8 @@ def stage_name(stage: str, model: str, seed: int | None = None) -> str:
     - `rl`: the cell `<init>-<algo>` -> `rl_<init>@<seed>-<algo>`;
     - `evaluate`: a seeded model -> `evaluate_rctp@<seed>`, an RL cell -> `evaluate_rl_<init>@<seed>-<algo>`,
       a model evaluated once (no seed) -> `evaluate@<label>`;
-    - `controllability` (each seed's RCTP model) -> `controllability@<seed>`;
+    - `controllability` (each seed's RCTP model) -> `controllability@<seed>`; an RL cell (its policy after RL)
+      -> `controllability_rl_<init>@<seed>-<algo>`;
     - any other module -> `<stage>@<model>`.
 
     Without a seed a seeded stage keeps its key without it (`rl_rctp@rc_grpo`, `rctp`): the stage the run
@@ -53,6 +54,8 @@ def stage_name(stage: str, model: str, seed: int | None = None) -> str:
         return f"evaluate_{model}@{at}"
     if stage == "evaluate" and seed is not None and cell:
         return f"evaluate_rl_{cell[0]}@{at}-{cell[1]}"
+    if stage == "controllability" and cell:
+        return f"controllability_rl_{cell[0]}@{at + '-' if at else ''}{cell[1]}"
     if stage == "controllability":
         return f"controllability@{at}" if at else "controllability"
     return f"{stage}@{model}"
