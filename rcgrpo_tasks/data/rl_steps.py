@@ -38,3 +38,21 @@ def column_summary(values: Sequence[float], seed: int = 0) -> dict:
 def step_summary(rows: Sequence[Mapping], columns: Sequence[str] = MECHANISM_COLUMNS, seed: int = 0) -> dict:
     """{column: column_summary} over the step rows of one run (a missing column counts as undefined)."""
     return {c: column_summary([r.get(c, float("nan")) for r in rows], seed) for c in columns}
+
+
+def thirds(rows: Sequence[Mapping], columns: Sequence[str]) -> list[dict]:
+    """The run's steps cut into thirds (ceil(n/3) and ceil(2n/3) steps: 10 / 10 / 10 of 30), each third's
+    first and last step and the mean of each column over the steps where it is defined (None where none is):
+    how a quantity moves through training, e.g. the token gap `reward_high - reward_low` as RL erodes it."""
+    rows = sorted(rows, key=lambda r: r["step"])
+    n = len(rows)
+    cuts = [0, (n + 2) // 3, (2 * n + 2) // 3, n]
+    out = []
+    for a, b in zip(cuts, cuts[1:]):
+        part = rows[a:b]
+        if not part:
+            continue
+        means = {c: finite([r.get(c, float("nan")) for r in part]) for c in columns}
+        out.append({"steps": [part[0]["step"], part[-1]["step"]],
+                    **{c: sum(v) / len(v) if v else None for c, v in means.items()}})
+    return out
