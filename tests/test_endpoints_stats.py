@@ -139,3 +139,32 @@ def test_the_mechanism_parts_of_a_hand_built_pair_of_rollout_logs():
                  "versus_fail": 62, "cell_fail": 68, "versus_success": 108, "cell_success": 69}
     other = [dict(r, entry_id="x") for r in rc[:4]] + rc[4:]  # a pair whose entries differ is not a pair
     assert crosstab(group_flags(other, "paper_reward"), group_flags(grpo, "paper_reward"))["groups"] == 359
+
+
+def test_every_profile_declares_endpoints_its_grid_can_measure():
+    """Before anything runs: each endpoint of each profile names models its grid trains or evaluates; a group
+    measure pairs two RL cells of one init; a token gap reads an RCTP model or an RCTP-init cell (they alone
+    have a premise); a transfer half needs prompts outside the pool."""
+    from helpers import REPO_ROOT
+
+    from rcgrpo_tasks.evaluation.grid import GridConfig
+    from rcgrpo_tasks.ops.config import from_dict
+    from rcgrpo_tasks.ops.profiles import resolve_profile
+    from rcgrpo_tasks.sweep.profiles import PROFILES
+
+    for profile in PROFILES:
+        params = resolve_profile(profile, REPO_ROOT).merged
+        grid = from_dict(GridConfig, params["grid"], profile)
+        declared = from_dict(ep.EndpointsConfig, params["endpoints"], profile)
+        models = {*grid.cells, *grid.seeded_labels, *grid.labels}
+        for _, e in declared.all():
+            named = [e["cell"], *([e["versus"]] if "versus" in e else [])]
+            assert set(named) <= models, (profile, e)
+            if ep.UNITS.get(e["measure"]) == "groups" or e["measure"] in ep.SINGLE:
+                assert set(named) <= set(grid.cells), (profile, e)
+            if e["measure"] == "token_gap":
+                assert all(n == "rctp" or n.startswith("rctp-") for n in named), (profile, e)
+            if e["measure"] == "transfer":
+                rl = params["rl"]
+                outside = rl["pool_band"] is not None or rl["max_entries"] is not None  # else the pool is every prompt
+                assert rl["probe_transfer_entries"] > 0 and outside, (profile, e)
