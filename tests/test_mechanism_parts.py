@@ -83,3 +83,14 @@ def test_a_failure_is_a_paper_reward_of_0_whatever_rl_trains_on(monkeypatch):
     t = SimpleNamespace(entry_id="e0", result=[[]], score={"paper_reward": 0.0, "partial_credit": 1.0, "valid": True})
     assert rl_rollout.EngineRollout.failure(rollout, t) == "wrong_function" and seen == [False]
     assert rl_rollout.EngineRollout.failure(rollout, SimpleNamespace(entry_id="e0", score=None)) is None
+
+
+def test_a_runs_steps_by_thirds():
+    from rcgrpo_tasks.data.rl_steps import thirds
+
+    rows = [{"step": s, "gap": 0.3 if s <= 10 else 0.1, "low": float("nan") if s > 25 else 0.2} for s in range(30, 0, -1)]
+    parts = thirds(rows, ("gap", "low"))
+    assert [p["steps"] for p in parts] == [[1, 10], [11, 20], [21, 30]]
+    assert [p["gap"] for p in parts] == pytest.approx([0.3, 0.1, 0.1]) and parts[2]["low"] == pytest.approx(0.2)
+    assert [len(range(a, b + 1)) for a, b in (p["steps"] for p in thirds([{"step": s} for s in range(1, 8)], ()))] == [3, 2, 2]
+    assert thirds([], ("gap",)) == [] and thirds([{"step": 1, "gap": float("nan")}], ("gap",))[0]["gap"] is None

@@ -2,8 +2,9 @@
 per-run summaries. Written by the rl stage (`train.rl.diagnostics`: the plots TSV and the run summary), drawn
 by the report (`evaluation.mechanism`); here, below both, because training and evaluation read them.
 
-- `MECHANISM_COLUMNS`: the share of zero-variance groups, the advantage spread, the controllability gap and
-  the reward, in plotting order.
+- `MECHANISM_COLUMNS`: the share of zero-variance groups, the advantage spread, the controllability gap, the
+  reward and the high-token rollouts with a learning signal, in plotting order; `thirds`: a run's columns by
+  thirds of training.
 - `step_summary(rows)`: mean of each of those columns over the steps where it is defined, with a 95 %
   percentile-bootstrap CI over steps (`rcgrpo.stats.bootstrap_ci`). Steps of one run are not independent
   (the policy drifts, entries repeat), so the CI describes the spread of the logged steps, not a
@@ -17,8 +18,9 @@ from collections.abc import Mapping, Sequence
 
 from rcgrpo.stats import bootstrap_ci
 
-MECHANISM_COLUMNS = ("frac_zero_std", "adv_abs_mean", "adv_std", "controllability_gap", "reward")
-"""Per-step columns that show the mechanism, in plotting order."""
+MECHANISM_COLUMNS = ("frac_zero_std", "adv_abs_mean", "adv_std", "controllability_gap", "reward", "nonzero_adv_high")
+"""Per-step columns that show the mechanism, in plotting order (the last: high-token rollouts with a non-zero
+advantage, the signal on the policy that is evaluated)."""
 
 
 def finite(values: Sequence[float]) -> list[float]:

@@ -18,7 +18,7 @@ from rcgrpo_tasks.ops.inputs import read_tsv
 
 TITLES = {"frac_zero_std": "zero-variance groups (share)", "adv_abs_mean": "advantage spread: mean |A|",
           "adv_std": "advantage spread: std A", "controllability_gap": "gap: R(high) - R(low)",
-          "reward": "mean reward"}
+          "reward": "mean reward", "nonzero_adv_high": "high-token rollouts with A != 0"}
 
 
 def run_groups(labels: Sequence[str]) -> dict[str, list[str]]:
