@@ -94,13 +94,18 @@ def test_the_endpoints_recompute_from_the_committed_files_and_equal_the_report(t
     p["endpoints"]["secondary"] += [{"measure": m, "cell": "rctp-rc_grpo", "versus": "rctp-grpo"}
                                     for m in ("flat_fail", "flat_success", "nonzero_adv_high")]
     p["endpoints"]["secondary"] += [{"measure": "token_gap", "cell": "rctp-rc_grpo", "versus": "rctp"},
-                                    {"measure": "probe", "cell": "rctp-grpo"}]
+                                    {"measure": "probe", "cell": "rctp-grpo"},
+                                    {"measure": "pass1", "cell": "rctp-rc_grpo", "versus": "rctp"}]
     params.write_text(yaml.safe_dump(p))
     folder = root / "endpoints"
     res = _run(params, root, "--endpoints", str(folder))
     assert res.exit_code == 0, res.output
     index = json.loads((folder / ep.INDEX).read_text())
-    assert len(index["endpoints"]) == 10 and index["seeds"] == 3
+    assert len(index["endpoints"]) == 11 and index["seeds"] == 3
+    report = json.loads((root / "r.json").read_text())  # the pooled table's "vs init" is the endpoint's procedure
+    end = next(e for e in report["endpoints"] if e["name"] == "pass1: rctp-rc_grpo vs rctp")
+    vs = next(r for r in report["pooled"] if r["label"] == "rctp-rc_grpo")["vs"]["pass1"]
+    assert vs["diff"] == pytest.approx(100 * end["diff"]) and vs["ci"] == pytest.approx([100 * x for x in end["ci"]])
     got = json.loads((folder / index["endpoints"][1]["file"]).read_text())  # pass1: 3 seeds x 20 entries
     assert got["name"] == "pass1: rctp-rc_grpo vs rctp-grpo" and [len(u) for u in got["data"]["units"]] == [20] * 3
     runner = CliRunner()

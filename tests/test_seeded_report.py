@@ -127,7 +127,7 @@ def test_the_report_leads_with_the_premise_and_the_declared_endpoints(tmp_path):
     pooled = {r["label"]: r for r in data["pooled"]}
     assert pooled["rctp-rc_grpo"]["pass1"]["mean"] == pytest.approx(100 * (0.25 + 0.25 * 8 / N))
     assert pooled["rctp-rc_grpo"]["vs"]["init"] == "rctp" and pooled["rctp"]["vs"]["init"] == "sft"
-    assert "## Seed 0" in md and "## Seed 1" in md and "| 1 | RCTP+RC-GRPO | 17, 0.500 | 7 / 1 of 10" in md
+    assert "## Seed 0" in md and "## Seed 1" in md and "| 1 | RCTP+RC-GRPO | 17, 0.500 | 6 / 1 of 10" in md
     assert set(data["seeds"]) == {"0", "1"} and "rctp-rc_grpo" in data["seeds"]["1"]["rows"]
     assert all((root / f).stat().st_size > 1000 for f in ("a.png", "p.png", "m.png"))
     beside = md[md.index("## The paper beside"):]  # pooled greedy: 12 / 20 and 10 / 20 correct in each seed

@@ -91,8 +91,8 @@ def _entries(res: EvalResult, key: str) -> dict[str, float]:
 
 def pooled_rows(seeds: list[Seed], labels: list[str], boot_seed: int = 0) -> list[dict]:
     """Per seeded label: greedy accuracy and pass@1 averaged over seeds (%), each with a two-level bootstrap
-    interval (seeds, then entries), the per-seed values, and the paired difference to its init pooled the same
-    way (`vs`: RL cell -> its init, RCTP -> SFT)."""
+    interval (seeds, then entries), the per-seed values, and the paired difference to its init (`vs`: RL cell ->
+    its init, RCTP -> SFT) by the endpoints' procedure (`_pooled_diff`)."""
     out = []
     for label in labels:
         row: dict = {"label": label, "seeds": len(seeds)}
@@ -105,29 +105,30 @@ def pooled_rows(seeds: list[Seed], labels: list[str], boot_seed: int = 0) -> lis
             row[key] = {"mean": r["diff"], "ci": r["ci"], "per_seed": r["per_seed"], "n": r["n"]}
         init = "sft" if label == "rctp" else label.split("-", 1)[0] if "-" in label else None
         if init is not None:
-            row["vs"] = {"init": init, **{key: _pooled_diff(seeds, label, init, key, boot_seed)
+            row["vs"] = {"init": init, **{key: _pooled_diff(seeds, label, init, key)
                                           for key in ("correct", "pass1")}}
         out.append(row)
     return out
 
 
-def paired_entries(seeds: list[Seed], label: str, other: str, key: str) -> list[list[tuple[float, float]]]:
-    """Per seed, (label's, other's) per-entry `key` (correct | pass1) on the entries both evaluated, in entry-id
-    order: the pairs every comparison of two models over seeds is made of."""
-    out = []
-    for s in seeds:
-        mine, theirs = _entries(s.results[label], key), _entries(s.results[other], key)
-        out.append([(mine[i], theirs[i]) for i in sorted(set(mine) & set(theirs))])
-    return out
+def _entry_units(s: Seed, label: str, other: str, key: str) -> list[tuple[str, float, float]]:
+    """(entry, label's, other's) per-entry `key` (correct | pass1) of one seed on the entries both evaluated, in
+    entry-id order: the pairs every comparison of two evaluated models is made of."""
+    mine, theirs = _entries(s.results[label], key), _entries(s.results[other], key)
+    return [(i, float(mine[i]), float(theirs[i])) for i in sorted(set(mine) & set(theirs))]
 
 
-def _pooled_diff(seeds: list[Seed], label: str, other: str, key: str, boot_seed: int) -> dict | None:
-    """label - other per entry (pts), paired within each seed, pooled by the two-level bootstrap."""
-    per = [[100 * (a - b) for a, b in pairs] for pairs in paired_entries(seeds, label, other, key)]
-    if not per or any(math.isnan(v) for p in per for v in p):
+def _pooled_diff(seeds: list[Seed], label: str, other: str, key: str) -> dict | None:
+    """label - other per entry (pts), paired within each seed, by the endpoints' own procedure
+    (`endpoints.paired_stats`: greedy the exact McNemar test with Tango's interval over entries x seeds, pass@1
+    a t over the seed-averaged entries), so a contrast declared as an endpoint reads the same in both tables."""
+    rows = [_entry_units(s, label, other, key) for s in seeds]
+    if not any(rows) or any(math.isnan(v) for r in rows for _, a, b in r for v in (a, b)):
         return None
-    r = two_level_bootstrap(per, seed=boot_seed)
-    return {"diff": r["diff"], "ci": r["ci"], "per_seed": r["per_seed"]}
+    data = {"measure": "greedy" if key == "correct" else "pass1", "units": [[u for u, _, _ in r] for r in rows],
+            "pairs": [[[a, b] for _, a, b in r] for r in rows]}
+    r = ep.paired_stats(data, 0.05, 0.8)
+    return {"diff": 100 * r["diff"], "ci": [100 * x for x in r["ci"]], "per_seed": [100 * v for v in r["per_seed"]]}
 
 
 def _flag(measure: str, group: dict) -> float:
@@ -155,12 +156,10 @@ def _paired_units(e: dict, s: Seed) -> list[tuple[str, float, float]]:
     if ep.UNITS[m] == "groups":
         pairs = paired_groups(s.rl[cell].get("groups") or [], s.rl[other].get("groups") or [])
         return [(f"{b['step']}:{b['group']}", _flag(m, a), _flag(m, b)) for b, a in pairs]
-    if m == "token_gap":
-        mine, theirs = _gaps(s, cell), _gaps(s, other)
-    else:
-        key = "pass1" if m == "pass1" else "correct"
-        mine, theirs = _entries(s.results[cell], key), _entries(s.results[other], key)
-    return [(i, float(mine[i]), float(theirs[i])) for i in sorted(set(mine) & set(theirs))]
+    if m != "token_gap":
+        return _entry_units(s, cell, other, "pass1" if m == "pass1" else "correct")
+    mine, theirs = _gaps(s, cell), _gaps(s, other)
+    return [(i, mine[i], theirs[i]) for i in sorted(set(mine) & set(theirs))]
 
 
 def endpoint_data(e: dict, seeds: list[Seed]) -> dict:

@@ -47,14 +47,16 @@ def pooled_table(pooled: list[dict]) -> str:
 
 
 def learning_table(seeds: list) -> str:
-    """Per seed and RL cell: its pool, learning on it (first vs last visit), the probe's pool half and its
-    transfer half (prompts up / down, exact sign test)."""
-    lines = ["| seed | cell | pool (prompts, init's success) | pool learning: up / down (sign p) | probe, pool half: "
-             "change [95% CI], up / down (p) | probe, outside the pool: change, up / down (p) |",
+    """Per seed and RL cell: its pool, learning on it (first vs last visit, on equal samples per visit where the
+    run says: `pool_learning_equal`), the probe's pool half and its transfer half (prompts up / down, exact sign
+    test)."""
+    lines = ["| seed | cell | pool (prompts, init's success) | pool learning, equal samples a visit: up / down (sign p) "
+             "| probe, pool half: change [95% CI], up / down (p) | probe, outside the pool: change, up / down (p) |",
              "|---|---|---|---|---|---|"]
     for s in seeds:
         for cell, m in s.rl.items():
-            pool, learn, probe = m.get("pool") or {}, m.get("pool_learning") or {}, m.get("probe") or {}
+            pool, probe = m.get("pool") or {}, m.get("probe") or {}
+            learn = m.get("pool_learning_equal") or m.get("pool_learning") or {}
             cells = [f"{pool.get('size', 'n/a')}, {num(pool.get('step0_success'))}" if pool else "n/a",
                      f"{learn['up']} / {learn['down']} of {learn['prompts']} ({num(learn['sign_p'], '.3g')})"
                      if learn else "n/a"]
