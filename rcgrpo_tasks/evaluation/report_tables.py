@@ -139,7 +139,7 @@ def note(side: str) -> str:
         "the entry's answers sampled as RL samples them that succeed (the same row seeds in every model); "
         "intervals: 95 % Wilson score (greedy), 95 % bootstrap over entries (pass@1); differences: the same "
         "entries paired; greedy: the entries only this row / only the other got right (up, down), exact McNemar p, "
-        "Tango's 95 % score interval; pass@1: a t interval over entries, the sign-flip permutation p. The paper's "
+        "Tango's 95 % score interval; pass@1: the paired t over entries (interval and p). The paper's "
         "numbers are Qwen2.5-7B-Instruct on BFCL v4 multi-turn (its 80 test entries): the shape of the result, not "
         "a target here. Probe: the run's fixed prompts x samples at the rollouts' temperature, the same seeds at "
         "every checkpoint and in every cell of an init, conditioned as the cell is evaluated; its change is paired "

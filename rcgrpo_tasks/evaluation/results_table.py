@@ -224,7 +224,7 @@ def versus(res: EvalResult, init: EvalResult, seed: int = 0) -> dict:
     """Greedy accuracy (%) of a row minus the row it is compared with (`rctp-rc_grpo` vs `rctp`) on the entries
     both evaluated: the entries each got right alone (`up`, `down`), the exact McNemar p and Tango's 95 %
     interval (`evaluation.stats.paired_binary`: never a point where 0-2 entries differ); and the same difference in
-    pass@1 (`pass1`; a t interval over entries and the sign-flip p, `evaluation.stats.paired_mean`; None where either
+    pass@1 (`pass1`; the paired t over entries, its interval and p, `evaluation.stats.paired_mean`; None where either
     row was not sampled)."""
     mine = {e["entry_id"]: e for e in res.entries}
     theirs = {e["entry_id"]: e for e in init.entries}
@@ -233,7 +233,7 @@ def versus(res: EvalResult, init: EvalResult, seed: int = 0) -> dict:
     a, b = [mine[i]["pass1"] for i in common], [theirs[i]["pass1"] for i in common]
     pass1 = None
     if common and not any(math.isnan(v) for v in a + b):
-        r = paired_mean([x - y for x, y in zip(a, b)], seed=seed)
+        r = paired_mean([x - y for x, y in zip(a, b)])
         pass1 = {"diff": 100 * r["diff"], "ci": [100 * x for x in r["ci"]], "p": r["p"]}
     return {"init": init.label, "n": len(common), "diff": 100 * greedy["diff"], "ci": [100 * x for x in greedy["ci"]],
             "p": greedy["p"], "pass1": pass1, "up": greedy["only_first"], "down": greedy["only_second"]}
