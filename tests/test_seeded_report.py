@@ -134,6 +134,7 @@ def test_the_report_leads_with_the_premise_and_the_declared_endpoints(tmp_path):
     assert "| RCTP+RC-GRPO | 85.00 | 60.0 |" in beside and "| RCTP+GRPO | 73.75 | 50.0 |" in beside
     assert "| Base | 11.25 | not run |" in beside
     assert "the paper +11.25 points; this run pass1 +10.0 [" in beside and "; greedy +10.0 [" in beside
+    assert "+15.9] (the interval includes the paper's +11.25)" in beside  # pass1 +10.0 [+4.1, +15.9]
 
 
 def test_a_run_whose_seeds_all_pass_the_gate_says_so_and_its_run_is_tracked(tmp_path, store):

@@ -42,7 +42,7 @@ from rcgrpo_tasks.env.paper import PAPER_TABLE1_OVERALL, row_name
 from rcgrpo_tasks.evaluation import mechanism_tables
 from rcgrpo_tasks.evaluation.agreement import cross_check
 from rcgrpo_tasks.evaluation.endpoints import EndpointsConfig, write_files
-from rcgrpo_tasks.evaluation.formats import split_title
+from rcgrpo_tasks.evaluation.formats import ci, split_title
 from rcgrpo_tasks.evaluation.grid import GridConfig
 from rcgrpo_tasks.evaluation.mechanism import plot_mechanism
 from rcgrpo_tasks.evaluation.plots import accuracy_plot, probe_plot
@@ -124,12 +124,20 @@ def paper_beside(rows: list[dict], pooled: list[dict], endpoints: list[dict]) ->
         ours = f"{greedy[label]:.1f}" if label in greedy else "not run"
         lines.append(f"| {row_name(label)} | {paper:.2f} | {ours} |")
     contrast = PAPER_TABLE1_OVERALL["rctp-rc_grpo"] - PAPER_TABLE1_OVERALL["rctp-grpo"]
-    ours = [f"{e['spec']['measure']} {e['diff'] * 100:+.1f} [{e['ci'][0] * 100:+.1f}, {e['ci'][1] * 100:+.1f}]"
+    ours = [f"{e['spec']['measure']} {ci(e['diff'] * 100, [x * 100 for x in e['ci']], '+.1f')} ({beside(contrast, e['ci'])})"
             for e in endpoints if e["spec"]["measure"] in ("greedy", "pass1")
             and (e["spec"]["cell"], e["spec"]["versus"]) == ("rctp-rc_grpo", "rctp-grpo")]
     lines += ["", f"RCTP+RC-GRPO - RCTP+GRPO: the paper {contrast:+.2f} points; this run "
                   f"{'; '.join(ours) or 'did not compare them'} (endpoints above).", ""]
     return "\n".join(lines)
+
+
+def beside(paper: float, interval: list) -> str:
+    """Where the paper's difference (pts) falls against this run's unit-level 95 % interval (shares)."""
+    lo, hi = (100 * x for x in interval)
+    if lo != lo or hi != hi:
+        return "no interval"
+    return f"the interval {'includes' if lo <= paper <= hi else 'excludes'} the paper's {paper:+.2f}"
 
 
 def explicit_report(eval_: list[str], rl: list[str], agree: list[str], seed: int
