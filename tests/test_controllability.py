@@ -358,7 +358,7 @@ def test_report_table_carries_the_controllability_columns(tmp_path):
     table = controllability_table(rows)
     rctp_line = next(line for line in table.splitlines() if line.startswith("| RCTP"))
     assert "sampled gap" in table and not any(line.startswith("| SFT") for line in table.splitlines())
-    assert "+0.250 [+0.050, +0.500]" in rctp_line and "+0.000 [+0.000, +0.000]" in rctp_line
+    assert "+0.250 [+0.050, +0.500]" in rctp_line and "+0.000 [no spread: no interval]" in rctp_line  # never a point
     assert "0.920 / 0.610 (G=5)" in rctp_line and rctp_line.startswith("| RCTP | n/a | n/a |")
     with pytest.raises(InputError, match="controllability metrics not found"):
         build_report([("rctp", tmp_path / "rctp")], [], 0, [("rctp", tmp_path / "none.json")])
