@@ -8,7 +8,7 @@ controllability check (13 stages: data, GX gate, labels, SFT and RCTP, on-policy
 check, rl_rctp@0-rc_grpo, its evaluation; each a process that imports torch, TRL and PEFT), which holds every
 task-specific path, then `rcgrpo dev-sweep` on its outputs (rl, evaluate on dev, report). The paper's task
 (multi_turn, `slow`: `make test-all`, which CI runs) runs the whole smoke grid (grid seed 0, the two RCTP
-cells) to the report over seeds with its endpoints (19 stages). conftest hands this module out first, so a
+cells, and the premise after RL of each) to the report over seeds with its endpoints (21 stages). conftest hands this module out first, so a
 chain runs on one core beside the rest of the suite. The report is also tested on built inputs
 (test_seeded_report.py). The whole pipeline on the real model: `dvc repro` of the default (docs/log.md
 "Pipeline runs").
@@ -31,7 +31,7 @@ SHORT = ("prepare_data", "prepare_model", "generate_trajectories", "validate_tra
          "sft", "sample_policy@rctp", "label_rewards@rctp", "rctp@0", "pool_rctp@0", "controllability@0",
          "rl_rctp@0-rc_grpo", "evaluate_rl_rctp@0-rc_grpo")
 FULL = (*SHORT, "rl_rctp@0-grpo", "evaluate@base", "evaluate@sft", "evaluate_rctp@0", "evaluate_rl_rctp@0-grpo",
-        "report")
+        "controllability_rl_rctp@0-grpo", "controllability_rl_rctp@0-rc_grpo", "report")
 TARGETS = {SHORT: ("controllability@0", "evaluate_rl_rctp@0-rc_grpo"), FULL: ("report",)}
 
 
@@ -124,3 +124,7 @@ def _check_report(repo: Path) -> None:
     assert [e["rank"] for e in report["endpoints"]][:2] == ["primary", "primary"] and report["premise"], report
     table = (repo / "results" / "report" / "table.md").read_text()
     assert table.index("RCTP's premise") < table.index("## Endpoints") < table.index("## Seed 0"), table[:2000]
+    assert "## What the injected variance is made of" in table and "(after RL)" in table
+    check = subprocess.run([str(BIN / "rcgrpo"), "endpoints", "--recompute", "results/report/endpoints", "--check",
+                            "results/report/table.md"], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0 and "equal to" in check.stdout, check.stdout + check.stderr
