@@ -25,14 +25,21 @@ def _scaled(value, scale: float):
     return None if missing(value) else scale * value
 
 
+def _interval(value, interval, spec: str) -> str:
+    """`formats.ci`, but a value without an interval (one unit or seed, or no spread) keeps its value."""
+    if not missing(value) and (not interval or any(missing(x) for x in interval)):
+        return f"{format(value, spec)} [no interval]"
+    return ci(value, interval, spec)
+
+
 def estimate(r: dict) -> str:
     """The unit-level estimate with its interval and what it is made of."""
     m = r["spec"]["measure"]
     if m in SINGLE:
         return (f"{r['up']} up, {r['down']} down of {r['prompts']} prompts x seeds; share up "
-                f"{ci(r['diff'], r['ci'], '.2f')}")
+                f"{_interval(r['diff'], r['ci'], '.2f')}")
     scale, fmt, word = _spec(m)
-    text = ci(_scaled(r["diff"], scale), [_scaled(x, scale) for x in r["ci"]], fmt) + word
+    text = _interval(_scaled(r["diff"], scale), [_scaled(x, scale) for x in r["ci"]], fmt) + word
     if m == "greedy":
         text += f" ({r['only_first']} up, {r['only_second']} down)"
     elif "only_first" in r:
@@ -46,10 +53,11 @@ def seed_level(r: dict) -> str:
     m, s = r["spec"]["measure"], r["seed_level"]
     if m in SINGLE:
         per = ", ".join(f"{u}/{d}" for u, d in r["per_seed"])
-        return f"up/down per seed {per}; net share {ci(s['diff'], s['ci'], '+.3f')}, p {num(s['p'], '.3g')}"
+        return f"up/down per seed {per}; net share {_interval(s['diff'], s['ci'], '+.3f')}, p {num(s['p'], '.3g')}"
     scale, fmt, _ = _spec(m)
     per = ", ".join(format(scale * v, fmt) for v in r["per_seed"])
-    return f"per seed {per}; {ci(_scaled(s['diff'], scale), [_scaled(x, scale) for x in s['ci']], fmt)}, p {num(s['p'], '.3g')}"
+    mean = _interval(_scaled(s["diff"], scale), [_scaled(x, scale) for x in s["ci"]], fmt)
+    return f"per seed {per}; {mean}, p {num(s['p'], '.3g')}"
 
 
 def mde(r: dict) -> str:
