@@ -328,3 +328,28 @@ def test_the_plan_runner_runs_the_sweep_and_a_failed_candidate_stops_only_itself
             "sw/logs/good/rl@rctp-grpo.log", "sw/logs/bad/rl@rctp-grpo.log", "sw/plan.json", "sw/timings.json",
             "sw/good/params.yaml", "sw/init/params.yaml", "timings.json"} <= names
     assert not any("/model/" in n for n in names)
+
+
+def test_the_ablation_sweep_plans_under_its_profile(tmp_path):
+    """configs/sweeps/ablation-dev.yaml under `study-pool+ablation-dev`, as the lead runs it: every cell's rl,
+    dev evaluation and check after RL, the init's check, on grid seed 2 (`--seed`)."""
+    import shutil
+
+    from dvc.repo import Repo
+
+    from rcgrpo_tasks.ops.profiles import resolve_profile
+
+    root = tmp_path / "repo"
+    root.mkdir()
+    Repo.init(str(root), no_scm=True)
+    shutil.copy(REPO_ROOT / "dvc.yaml", root / "dvc.yaml")
+    params = resolve_profile("study-pool+ablation-dev", REPO_ROOT).merged
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    spec = sweep.read_spec(REPO_ROOT / "configs" / "sweeps" / "ablation-dev.yaml", seed=2)
+    assert spec.premise and spec.cells == ("rctp-rc_grpo", "rctp-rc_frozen", "rctp-rc_lowmask")
+    plan = sweep.sweep_plan(pipeline.dvc_stages(root, with_status=False), spec, ["default"], tmp_path / "sw")
+    names = {s.name for s in plan}
+    assert {f"default/{k}@{c}" for c in spec.cells for k in ("rl", "evaluate", "controllability")} <= names
+    assert "init/controllability@rctp" in names and "init/evaluate@rctp" in names
+    ctl = next(s for s in plan if s.name == "default/controllability@rctp-rc_frozen")
+    assert "controllability_rl_rctp" not in ctl.cmds[0] and "--grid-seed 2" in ctl.cmds[0] and ctl.cmds[0].endswith("--side dev")
