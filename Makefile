@@ -76,19 +76,23 @@ pipeline: venv
 # The study (configs/study.yaml; docs/rl.md "The study"): the pipeline on the study profile, its stages two side
 # by side on one CPU thread each (`rcgrpo run-plan --jobs 2`: on a 2-core host two 1-thread stages outrun one
 # 2-thread stage; the report and what it needs), each stage's wall time in $(STUDY)/timings.json; `--dvc-commit` records each stage's outputs in dvc.lock as it ends;
-# the report, the per-seed RL, controllability and evaluation metrics are copied to $(STUDY). A stopped run
+# the report, the per-seed RL, controllability (before and after RL) and evaluation metrics and the per-unit
+# values behind the endpoints (`rcgrpo endpoints --recompute $(STUDY)/endpoints`) are copied to $(STUDY). A stopped run
 # resumes where it stopped (`make study` again: `--dvc-commit` recorded each finished stage in dvc.lock, so the
 # new plan skips it; RL resumes from its checkpoint; timings.json then holds the resumed part only).
+# `make study STUDY=results/study-pool PROFILE=study-pool`: the study at the paper's pool (configs/study-pool.yaml).
 STUDY ?= results/study
+PROFILE ?= study
 study: venv
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo params --profile study
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo params --profile $(PROFILE)
 	mkdir -p $(STUDY)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo plan --out $(STUDY)/plan.json
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/rcgrpo run-plan --plan $(STUDY)/plan.json --stage report --jobs 2 --logs logs/study \
 		--bundle $(STUDY)/bundle.tar.gz --dvc-commit
 	tar -xzf $(STUDY)/bundle.tar.gz -C $(STUDY) timings.json && rm $(STUDY)/bundle.tar.gz
 	cp params.yaml results/report/table.md results/report/report.json results/report/*.png $(STUDY)/
-	rm -rf $(STUDY)/rl $(STUDY)/controllability && cp -r results/rl $(STUDY)/rl && cp -r metrics/controllability $(STUDY)/controllability
+	rm -rf $(STUDY)/rl $(STUDY)/controllability $(STUDY)/endpoints && cp -r results/rl $(STUDY)/rl \
+		&& cp -r metrics/controllability $(STUDY)/controllability && cp -r results/report/endpoints $(STUDY)/endpoints
 	mkdir -p $(STUDY)/eval && cd results/eval && find . -name metrics.json -exec cp --parents {} $(CURDIR)/$(STUDY)/eval/ \;
 
 # pytest-xdist: whole modules per worker (module fixtures stay shared), at most 4 workers (memory), handed

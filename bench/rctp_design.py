@@ -6,11 +6,17 @@ of the `sft.variants.rctp` section and `seed` set, followed by the pipeline's ow
 (`rcgrpo controllability --side dev`: the sampled arm at the RL temperature, paired rollouts) on the dev entries
 (designs are chosen on dev; `--side test` only re-measures a chosen one), on the outputs `dvc repro
 label_rewards@rctp` left (data/datasets/rctp.jsonl, models/sft/sft) or another RCTP set (`--data`, per design:
-`NAME@path:...`). Each run prints one JSON line (design, seed, RCTP seconds, q with its CI and discordant pairs,
-R|high, R|low, the sampled gap with its CI, identical pairs, the premise gate, the check's seconds; the margin
-when `controllability.margin` is on); the end prints the design table: q per seed, the least q, R|high per seed
-against `--bar` (the SFT model's dev pass@1, `rcgrpo evaluate --side dev`), and whether the design meets the
-target (q >= controllability.premise_min_q in every seed and mean R|high >= the bar).
+`NAME@path:...`), or one the design builds: its `label.<key>=value` overrides go to params `label_rewards` and
+the pipeline's own `rcgrpo label-rewards --dataset rctp` writes the design's set (`<work>/<name>/rctp.jsonl`)
+from the generate set and the SFT model's samples (`data/policy`), once for all seeds. A content premise:
+`--design wrong_call:label.failures=wrong_call,label.base_failures=false` (the low side the model's own wrong
+calls, never prose: `data.pairing`). Each run prints one JSON line (design, seed, RCTP seconds, q with its CI and discordant pairs,
+R|high, R|low, the sampled gap with its CI, identical pairs, q split by the low rollout's failure kind and
+each token's failures by kind, the premise gate, the check's seconds; the margin when `controllability.margin`
+is on); the end prints the design table: q per seed, the least q, q by the low side's failure kind (mean over
+seeds: no call / wrong function / wrong arguments), R|high per seed against `--bar` (the SFT model's dev
+pass@1, `rcgrpo evaluate --side dev`), and whether the design meets the target (q >=
+controllability.premise_min_q in every seed and mean R|high >= the bar).
 
 Run: `python bench/rctp_design.py --seeds 0,1,2 --bar 0.2625 --design strat:row_order=stratified
 --design strat_ul@data/rctp64.jsonl:row_order=stratified,unlikelihood=1 --set controllability.margin=false
@@ -35,15 +41,39 @@ def _value(text: str):
     return yaml.safe_load(text)
 
 
+LABEL = "label."
+"""Prefix of a design's overrides of params `label_rewards` (the RCTP set it builds)."""
+KINDS = ("no_call", "wrong_function", "wrong_arguments")
+
+
 def design_params(base: dict, overrides: dict, sets: list[str]) -> dict:
-    """params.yaml with `overrides` on sft.variants.rctp and `section.key=value` sets."""
+    """params.yaml with `overrides` on sft.variants.rctp (`label.<key>` ones on label_rewards) and
+    `section.key=value` sets."""
     params = json.loads(json.dumps(base))
-    params["sft"]["variants"]["rctp"] = {**params["sft"]["variants"].get("rctp", {}), **overrides}
+    label = {k[len(LABEL):]: v for k, v in overrides.items() if k.startswith(LABEL)}
+    rctp = {k: v for k, v in overrides.items() if not k.startswith(LABEL)}
+    params["sft"]["variants"]["rctp"] = {**params["sft"]["variants"].get("rctp", {}), **rctp}
+    params["label_rewards"] = {**params["label_rewards"], **label}
     for item in sets:
         key, value = item.split("=", 1)
         section, name = key.split(".", 1)
         params[section][name] = _value(value)
     return params
+
+
+def build_set(name: str, overrides: dict, base: dict, sets: list[str], work: Path) -> str:
+    """The design's own RCTP set (`label.<key>` overrides), written by the pipeline's label-rewards command from
+    the generate set and the SFT model's samples; its path (built once, then read back)."""
+    out = work / name / "rctp.jsonl"
+    if not out.is_file():
+        params = work / f"{name}-label.yaml"
+        params.write_text(yaml.safe_dump(design_params(base, overrides, sets), sort_keys=False))
+        subprocess.run(["rcgrpo", "label-rewards", "--params", str(params), "--dataset", "rctp", "--trajectories",
+                        "data/trajectories.jsonl", "--validation", "data/validation", "--policy",
+                        "data/policy/trajectories.jsonl", "--policy-validation", "data/policy/validation",
+                        "--model-dir", "models/base", "--out", str(out), "--metrics", str(work / name / "label.json")],
+                       check=True, stdout=subprocess.DEVNULL)
+    return str(out)
 
 
 def run_design(name: str, overrides: dict, base: dict, sets: list[str], work: Path, data: str, side: str) -> dict:
@@ -73,7 +103,8 @@ def run_design(name: str, overrides: dict, base: dict, sets: list[str], work: Pa
            "sampled_high": round(s["success_rate_high"], 4), "sampled_low": round(s["success_rate_low"], 4),
            "sampled_gap": round(s["gap"], 4), "sampled_gap_ci": [round(x, 4) for x in s["gap_ci"]],
            "sampled_identical": f"{s['identical_outputs']}/{s['pairs']}", "gate": m["premise_gate"],
-           "check_s": round(check_s, 1)}
+           "q_by_kind": s.get("q_by_kind"), "failures_low": s.get("failures_low"),
+           "failures_high": s.get("failures_high"), "check_s": round(check_s, 1)}
     if "greedy" in m:
         row |= {"greedy_gap": m["greedy"]["gap"], "greedy_high": m["greedy"]["success_rate_high"]}
     if "margin" in m:
@@ -91,8 +122,9 @@ def parse_design(text: str) -> tuple[str, str | None, dict]:
 def table(rows: list[dict], min_q: float, bar: float | None) -> str:
     """One line per design: q and R|high per seed, the least q, the mean R|high, each half of the target (q >=
     `min_q` in every seed; mean R|high >= `bar`) met or not."""
-    lines = ["| design | data | q per seed [95% CI] | least q | R\\|high per seed | mean R\\|high | gap per seed "
-             f"| q >= {min_q} every seed | mean R\\|high >= {bar} |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| design | data | q per seed [95% CI] | least q | q by the low side's failure: no call / wrong function "
+             "/ wrong arguments (mean) | R\\|high per seed | mean R\\|high | gap per seed "
+             f"| q >= {min_q} every seed | mean R\\|high >= {bar} |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name in dict.fromkeys(r["design"].rsplit("-s", 1)[0] for r in rows):
         mine = [r for r in rows if r["design"].rsplit("-s", 1)[0] == name]
         qs = [r["q"] for r in mine]
@@ -100,10 +132,18 @@ def table(rows: list[dict], min_q: float, bar: float | None) -> str:
         q_met, high_met = min(qs) >= min_q, bar is None or high >= bar
         lines.append(f"| {name} | {'/'.join(Path(mine[0]['data']).parts[-2:])} | "
                      + ", ".join(f"{r['q']:.2f} [{r['q_ci'][0]:.2f}, {r['q_ci'][1]:.2f}]" for r in mine)
-                     + f" | {min(qs):.2f} | " + ", ".join(f"{r['sampled_high']:.3f}" for r in mine)
+                     + f" | {min(qs):.2f} | {by_kind(mine)} | " + ", ".join(f"{r['sampled_high']:.3f}" for r in mine)
                      + f" | {high:.3f} | " + ", ".join(f"{r['sampled_gap']:+.3f}" for r in mine)
                      + f" | {'met' if q_met else 'missed'} | {'met' if high_met else 'missed'} |")
     return "\n".join(lines) + "\n"
+
+
+def by_kind(rows: list[dict]) -> str:
+    """q split by the low rollout's failure kind, each the mean over `rows` (n/a where a row lacks it)."""
+    split = [r.get("q_by_kind") for r in rows]
+    if not all(split):
+        return "n/a"
+    return " / ".join(f"{sum(q[k] for q in split) / len(split):.2f}" for k in KINDS)
 
 
 def main() -> None:
@@ -123,6 +163,8 @@ def main() -> None:
     rows = []
     for text in args.design:
         name, data, overrides = parse_design(text)
+        if any(k.startswith(LABEL) for k in overrides):
+            data = build_set(name, overrides, base, args.set, work)
         for seed in (int(s) for s in args.seeds.split(",")):
             done = work / f"{name}-s{seed}.json"
             if done.is_file():  # resumable: a finished run is read back

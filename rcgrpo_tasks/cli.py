@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rl": ("rcgrpo_tasks.stages.rl", "GRPO / RC-GRPO on TRL GRPOTrainer over the project's rollout engine."),
     "dev-sweep": ("rcgrpo_tasks.stages.dev_sweep", "Try RL's levers side by side and judge them on the dev split."),
     "report": ("rcgrpo_tasks.stages.report", "Assemble the results table (with CIs and the paper's numbers) and plot."),
+    "endpoints": ("rcgrpo_tasks.stages.endpoints", "Recompute the report's endpoints table from its committed per-unit files."),
     "promote": ("rcgrpo_tasks.stages.promote", "Register the best RL policy of the grid and move the `champion` alias if it wins."),
     "check-params": ("rcgrpo_tasks.stages.check_params", "Check the whole params file (every section, every rule across sections): the pipeline's root stage."),
     "plan": ("rcgrpo_tasks.stages.plan", "Write the DVC pipeline as a plan that runs without DVC (for a GPU host)."),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -156,6 +157,12 @@ def test_obedient_policy_has_full_gap(tok, protocol):
     assert metrics["sampled"]["pairs"] == 4 and "margin" not in metrics
     premise = metrics["sampled"]["premise"]  # every high success fails under low: q = 1, the gate passes
     assert premise["q"] == 1.0 and premise["high_only"] == 4 and premise["low_only"] == 0
+    # what the low side's failures are made of: it answers nothing, so no call; q is all of that kind
+    sampled = metrics["sampled"]
+    assert sampled["failures_low"] == {"no_call": 4, "wrong_function": 0, "wrong_arguments": 0}
+    assert sum(sampled["failures_high"].values()) == 0 and sampled["high_successes"] == 4
+    assert sampled["q_by_kind"] == {"no_call": 1.0, "wrong_function": 0.0, "wrong_arguments": 0.0}
+    assert sampled["per_entry"] == {e.id: [1.0, 0.0] for e in entries}
     assert metrics["premise_gate"]["passed"] and metrics["premise_gate"]["min_q"] == cfg.premise_min_q
     # p_h = 1, p_l = 0: all-high groups never vary; mixed G=4 groups only when all 4 tokens agree (2 / 16).
     z = metrics["zero_variance"]
@@ -236,6 +243,47 @@ def test_cli_on_tiny_rctp_model(tiny_model_dir, tmp_path, monkeypatch):
     assert {r["provenance"]["guidance"] for r in guided} == {4.0}
     unguided = [r["logprobs"] for r in rows if r["provenance"]["arm"] == "sampled"]
     assert [r["logprobs"] for r in guided] != unguided
+    q = m["sampled"]["q_by_kind"]
+    assert all(math.isnan(v) for v in q.values()) if not m["sampled"]["high_successes"] else \
+        sum(q.values()) == pytest.approx(m["sampled"]["premise"]["q"])
+    assert m["cell"] == "rctp" and set(m["sampled"]["per_entry"]) <= set(m["entries"])
+
+
+def test_the_premise_after_rl_is_the_same_check_named_as_its_stage(tmp_path, monkeypatch):
+    """`--cell rctp-<algo>`: the check on an RL cell's policy, its MLflow run named as its DVC stage."""
+    import mlflow
+    from typer.testing import CliRunner
+
+    seen = {}
+    backend = SimpleNamespace(describe=lambda: {"device": "cpu"})
+    monkeypatch.setattr(ctl_stage, "load_policy", lambda *a, **k: backend)
+    monkeypatch.setattr(ctl_stage, "measure", lambda *a, **k: (seen.setdefault("m", {**_FAKE}), []))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "test-ctl-rl")
+    monkeypatch.delenv("RCGRPO_PARENT_RUN_ID", raising=False)
+    entries = multi_turn.load_entries(["base"])[:3]
+    write_jsonl(tmp_path / "entries.jsonl", (e.to_json() for e in entries))
+    write_json(tmp_path / "split.json", {"train": [entries[0].id], "test": [e.id for e in entries[1:]]})
+    write_params(tmp_path / "params.yaml", {"controllability": {"n_entries": 2, "margin": False}, "rl": RL,
+                                            "label_rewards": {"tokens": list(LEVELS)}})
+    (tmp_path / "model").mkdir()
+    res = CliRunner().invoke(ctl_stage.app, [
+        "--model-dir", str(tmp_path / "model"), "--cell", "rctp-rc_frozen", "--grid-seed", "2",
+        "--entries", str(tmp_path / "entries.jsonl"), "--split", str(tmp_path / "split.json"),
+        "--metrics", str(tmp_path / "m.json"), "--params", str(tmp_path / "params.yaml")])
+    assert res.exit_code == 0, res.output
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert m["cell"] == "rctp-rc_frozen" and m["grid_seed"] == 2
+    run, = mlflow.search_runs(experiment_names=["test-ctl-rl"], output_format="list")
+    assert run.info.run_name == "controllability_rl_rctp@2-rc_frozen"
+    assert run.data.tags["rcgrpo.cell"] == "rctp-rc_frozen"
+
+
+_FAKE = {"n_entries": 2, "rollout_s": 0.0, "premise_gate": {"min_q": 0.3, "passed": True, "why": "met"},
+         "sampled": {"temperature": 0.7, "samples_per_token": 1, "success_rate_high": 0.5, "success_rate_low": 0.0,
+                     "gap": 0.5, "gap_ci": [0.1, 0.9], "identical_outputs": 0, "pairs": 2,
+                     "premise": {"q": 1.0, "q_ci": [1.0, 1.0], "high_only": 1, "low_only": 0, "mcnemar_p": 1.0}},
+         "zero_variance": {"G": 4, "all_high": 0.5, "mixed": 0.4}}
 
 
 def test_entries_come_from_the_side_asked_for(tmp_path):
@@ -310,7 +358,7 @@ def test_report_table_carries_the_controllability_columns(tmp_path):
     table = controllability_table(rows)
     rctp_line = next(line for line in table.splitlines() if line.startswith("| RCTP"))
     assert "sampled gap" in table and not any(line.startswith("| SFT") for line in table.splitlines())
-    assert "+0.250 [+0.050, +0.500]" in rctp_line and "+0.000 [+0.000, +0.000]" in rctp_line
+    assert "+0.250 [+0.050, +0.500]" in rctp_line and "+0.000 [no spread: no interval]" in rctp_line  # never a point
     assert "0.920 / 0.610 (G=5)" in rctp_line and rctp_line.startswith("| RCTP | n/a | n/a |")
     with pytest.raises(InputError, match="controllability metrics not found"):
         build_report([("rctp", tmp_path / "rctp")], [], 0, [("rctp", tmp_path / "none.json")])

@@ -65,9 +65,11 @@ DOCUMENTED = {"rl": ({"--params", "--out", "--checkpoints", "--metrics", "--plot
               "evaluate": ({"--params", "--out", "--model"}, set(), ["--side", "dev"]),
               "report": ({"--params", "--table", "--json", "--plot"},
                          {"--eval-root", "--rl-root", "--controllability-root", "--agree-root", "--mechanism",
-                          "--probe"}, ["--no-track"])}
+                          "--probe", "--endpoints"}, ["--no-track"]),
+              "controllability": ({"--params", "--metrics", "--model-dir"}, {"--trajectories"}, ["--side", "dev"])}
 KIND = {"rl_sft": "rl", "rl_rctp": "rl", "evaluate": "evaluate", "evaluate_rctp": "evaluate",
-        "evaluate_rl_sft": "evaluate", "evaluate_rl_rctp": "evaluate", "report": "report"}
+        "evaluate_rl_sft": "evaluate", "evaluate_rl_rctp": "evaluate", "report": "report",
+        "controllability": "controllability", "controllability_rl_rctp": "controllability"}
 """dvc.yaml's stage definitions -> the substitution kind the sweep applies to them."""
 
 
@@ -101,14 +103,18 @@ def test_the_sweep_runs_dvc_yamls_commands_with_only_the_documented_substitution
     cells = tuple(f"{n.partition('@')[0][3:]}-{n.partition('-')[2]}" for n in planned
                   if n.startswith("rl_") and n.partition("@")[2].startswith("0-"))
     inits = sorted({c.partition("-")[0] for c in cells})
-    spec = sweep.Spec(cells, {}, {"a": {}, "b": {}})
+    spec = sweep.Spec(cells, {}, {"a": {}, "b": {}}, premise=True)
     out = tmp_path / "sw"
     plan = sweep.sweep_plan(list(planned.values()), spec, ["a", "b"], out)
-    assert cells and sorted(s.name for s in plan) == sorted(
-        [f"init/evaluate@{i}" for i in inits] + ["a/report", "b/report"]
-        + [f"{n}/{k}@{c}" for n in "ab" for c in cells for k in ("rl", "evaluate")])
+    rctp = [c for c in cells if c.startswith("rctp-")]
+    assert cells and rctp and sorted(s.name for s in plan) == sorted(
+        [f"init/evaluate@{i}" for i in inits] + ["a/report", "b/report", "init/controllability@rctp"]
+        + [f"{n}/{k}@{c}" for n in "ab" for c in cells for k in ("rl", "evaluate")]
+        + [f"{n}/controllability@{c}" for n in "ab" for c in rctp])
     base_of = {f"init/evaluate@{i}": spec.init_stage(i) for i in inits} | {"report": "report"}
     base_of |= {f"{k}@{c}": spec.stages(c)[k == "evaluate"] for c in cells for k in ("rl", "evaluate")}
+    base_of |= {"init/controllability@rctp": "controllability@0"}
+    base_of |= {f"controllability@{c}": f"controllability_rl_rctp@0-{c.partition('-')[2]}" for c in rctp}
     for stage in plan:
         base = planned[base_of.get(stage.name) or base_of[stage.name.partition("/")[2]]]
         moved, dropped, add = DOCUMENTED[KIND[base.name.partition("@")[0]]]
@@ -119,6 +125,8 @@ def test_the_sweep_runs_dvc_yamls_commands_with_only_the_documented_substitution
             pairs, labels = _report_inputs(pairs, out)
             assert labels == {"--eval": {*inits, *cells}, "--rl": set(cells)}
         kept = [(o, v) for o, v in _pairs(theirs[2:]) if o not in dropped]
+        if stage.name == "init/controllability@rctp":  # the init's check keeps its adapter: only the cells' move
+            moved = moved - {"--model-dir"}
         assert [(o, "*" if o in moved else v) for o, v in pairs] == [(o, "*" if o in moved else v) for o, v in kept]
         for opt, value in pairs:
             if opt in moved and (opt, value) not in kept:
@@ -143,11 +151,12 @@ def test_the_design_table_reads_each_candidate_s_report(tmp_path):
     spec = sweep.Spec(("rctp-grpo", "rctp-rc_grpo"), {}, {"a": {}, "b": {"rl": {"learning_rate": 1.0}}})
     row = {"overall": {"accuracy": 25.0}, "n": 60, "vs_init": {"diff": 5.0, "ci": [1.7, 8.3]},
            "rl_probe": {"change": {"mean": 0.25, "ci_low": 0.1, "ci_high": 0.4}}}
-    zero = {"groups": 40, "both": 10, "only_grpo": 9, "only_rc_grpo": 1, "grpo": 0.475, "rc_grpo": 0.275,
+    zero = {"groups": 40, "both": 10, "only_grpo": 9, "only_cell": 1, "grpo": 0.475, "cell": 0.275,
             "mcnemar_p": 0.021}
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "report.json").write_text(json.dumps(
-        {"rows": {"rctp-grpo": row, "rctp-rc_grpo": row}, "rc_grpo_vs_grpo": {"rctp": {"zero_std_paired": zero}}}))
+        {"rows": {"rctp-grpo": row, "rctp-rc_grpo": row},
+         "rc_grpo_vs_grpo": {"rctp-rc_grpo": {"versus": "rctp-grpo", "zero_std_paired": zero}}}))
     (tmp_path / "timings.json").write_text(json.dumps({"a/rctp-grpo": {"status": "ok", "seconds": 12.0},
                                                        "b/rctp-grpo": {"status": "failed (exit 2)", "seconds": 3.0}}))
     rows = design.design_rows(tmp_path, spec)
@@ -155,10 +164,10 @@ def test_the_design_table_reads_each_candidate_s_report(tmp_path):
                                                            ("b", "rctp-grpo"), ("b", "rctp-rc_grpo")]
     assert rows[1]["rc_grpo_vs_grpo_zero_std"] == zero and rows[0]["rc_grpo_vs_grpo_zero_std"] is None
     md = design.design_markdown(rows)
-    assert "| a | rctp-grpo | 25.0 (n=60) | +5.0 [+1.7, +8.3] | +0.250 [+0.100, +0.400] |  | 12 | ok |" in md
+    assert "| a | rctp-grpo | 25.0 (n=60) | +5.0 [+1.7, +8.3] | +0.250 [+0.100, +0.400] |  | n/a | n/a | 12 | ok |" in md
     assert "0.28 vs 0.47 over 40 groups (1 vs 9, p = 0.021)" in md
-    assert "| b | rctp-grpo | n/a | n/a | n/a |  | 3 | failed (exit 2) |" in md
-    assert "| b | rctp-rc_grpo | n/a | n/a | n/a |  | n/a | not run |" in md
+    assert "| b | rctp-grpo | n/a | n/a | n/a |  | n/a | n/a | 3 | failed (exit 2) |" in md
+    assert "| b | rctp-rc_grpo | n/a | n/a | n/a |  | n/a | n/a | n/a | not run |" in md
 
 
 def _eval(folder, correct: dict):
@@ -189,7 +198,43 @@ def test_replicates_pool_per_entry_and_compare_paired_with_the_init_and_the_defa
     lo, hi = rows["other"]["vs_baseline"]["ci"]
     assert 0.0 <= lo < 20.0 < hi
     md = design.pooled_markdown(list(rows.values()), "default")
-    assert "| other | 4 | 50.0 | 0.0 | +0.0 [+0.0, +0.0] | +20.0 [" in md
+    assert "| other | 4 | 50.0 | 0.0 | +0.0 [no spread: no interval] | +20.0 [" in md
+
+
+def _ctl(path, q: float, gap: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"sampled": {"gap": gap, "gap_ci": [gap - 0.1, gap + 0.1],
+                                            "premise": {"q": q, "q_ci": [q - 0.1, q + 0.1]}}}))
+
+
+def test_an_ablation_is_chosen_per_cell_on_the_premise_after_rl_over_seeds(tmp_path):
+    """Replicates on seeds 0 and 1 (`--seed`): per cell, dev accuracy, q before and after RL on dev, and the
+    pool's token gap in the first vs the last third of training, each a mean over runs beside the runs."""
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text("cells: [rctp-rc_grpo, rctp-rc_frozen]\npremise: true\ncandidates: {default: {}}\n")
+    spec = sweep.read_spec(spec_file, seed=1)
+    assert spec.seed == 1 and spec.premise and sweep.read_spec(spec_file).seed == 0
+    for run, (erode, keep) in (("s0", (0.1, 0.5)), ("s1", (0.2, 0.4))):
+        root = tmp_path / run
+        _ctl(root / "init" / "ctl-rctp.json", 0.7, 0.2)
+        for cell, q in (("rctp-rc_grpo", erode), ("rctp-rc_frozen", keep)):
+            _ctl(root / "default" / cell / "ctl.json", q, 0.05)
+            rows = [{"step": s, "controllability_gap": 0.3 - (0.25 if cell == "rctp-rc_grpo" else 0.05) * (s > 4)}
+                    for s in range(1, 7)]
+            (root / "default" / cell).mkdir(parents=True, exist_ok=True)
+            (root / "default" / cell / "rl.tsv").write_text(
+                "step\tcontrollability_gap\n" + "".join(f"{r['step']}\t{r['controllability_gap']}\n" for r in rows))
+        (root / "default" / "report.json").write_text(json.dumps(
+            {"rows": {c: {"overall": {"accuracy": 30.0 + i}} for i, c in enumerate(spec.cells)}}))
+    rows = {r["cell"]: r for r in design.pooled_cells([tmp_path / "s0", tmp_path / "s1"], spec)}
+    assert rows["rctp-rc_grpo"]["q_after"] == pytest.approx(0.15) and rows["rctp-rc_frozen"]["q_after"] == pytest.approx(0.45)
+    assert rows["rctp-rc_grpo"]["q_before"] == pytest.approx(0.7) and rows["rctp-rc_frozen"]["dev_accuracy"] == 31.0
+    assert rows["rctp-rc_grpo"]["gap_first"] == pytest.approx(0.3) and rows["rctp-rc_grpo"]["gap_last"] == pytest.approx(0.05)
+    md = design.cells_markdown(list(rows.values()))
+    assert "| default | rctp-rc_frozen | 2 | 31.0 (31.0, 31.0) | 0.70 (0.70, 0.70) | 0.45 (0.50, 0.40) |" in md
+    row = design.design_rows(tmp_path / "s0", spec)[1]
+    assert row["premise_after"]["q"] == 0.5 and row["gap_thirds"] == pytest.approx([0.3, 0.3, 0.25])
+    assert "0.50 [0.40, 0.60], gap +0.05 [-0.05, +0.15] (0.70 [0.60, 0.80], gap +0.20" in design.design_markdown([row])
 
 
 def test_a_candidate_with_an_unknown_section_fails_before_anything_is_written(tmp_path):
@@ -283,3 +328,28 @@ def test_the_plan_runner_runs_the_sweep_and_a_failed_candidate_stops_only_itself
             "sw/logs/good/rl@rctp-grpo.log", "sw/logs/bad/rl@rctp-grpo.log", "sw/plan.json", "sw/timings.json",
             "sw/good/params.yaml", "sw/init/params.yaml", "timings.json"} <= names
     assert not any("/model/" in n for n in names)
+
+
+def test_the_ablation_sweep_plans_under_its_profile(tmp_path):
+    """configs/sweeps/ablation-dev.yaml under `study-pool+ablation-dev`, as the lead runs it: every cell's rl,
+    dev evaluation and check after RL, the init's check, on grid seed 2 (`--seed`)."""
+    import shutil
+
+    from dvc.repo import Repo
+
+    from rcgrpo_tasks.ops.profiles import resolve_profile
+
+    root = tmp_path / "repo"
+    root.mkdir()
+    Repo.init(str(root), no_scm=True)
+    shutil.copy(REPO_ROOT / "dvc.yaml", root / "dvc.yaml")
+    params = resolve_profile("study-pool+ablation-dev", REPO_ROOT).merged
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    spec = sweep.read_spec(REPO_ROOT / "configs" / "sweeps" / "ablation-dev.yaml", seed=2)
+    assert spec.premise and spec.cells == ("rctp-rc_grpo", "rctp-rc_frozen", "rctp-rc_lowmask")
+    plan = sweep.sweep_plan(pipeline.dvc_stages(root, with_status=False), spec, ["default"], tmp_path / "sw")
+    names = {s.name for s in plan}
+    assert {f"default/{k}@{c}" for c in spec.cells for k in ("rl", "evaluate", "controllability")} <= names
+    assert "init/controllability@rctp" in names and "init/evaluate@rctp" in names
+    ctl = next(s for s in plan if s.name == "default/controllability@rctp-rc_frozen")
+    assert "controllability_rl_rctp" not in ctl.cmds[0] and "--grid-seed 2" in ctl.cmds[0] and ctl.cmds[0].endswith("--side dev")

@@ -78,6 +78,8 @@ def _rollout(monkeypatch, rule, n_entries=6, **cfg):
 
     monkeypatch.setattr(engine, "run_seeded_groups", lambda backend, groups, *a, **k: [group(*g) for g in groups])
     monkeypatch.setattr(rl_rollout.EngineRollout, "backend", lambda self, trainer: None)
+    monkeypatch.setattr(rl_rollout, "task_of", lambda entry: SimpleNamespace(  # the entries are stand-ins
+        failure_kind=lambda e, result, success: None if success else "wrong_arguments"))
     config = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "max_entries": None, "num_generations": 4, "batch_size": 8,
                                        "micro_batch_size": 4, **cfg})
     entries = {f"e{i}": SimpleNamespace(id=f"e{i}") for i in range(n_entries)}

@@ -183,6 +183,21 @@ def test_paired_rule_every_prompt_under_both_tokens(failures, expected, dropped)
     assert all(sorted(t) == ["<|high_reward|>", "<|low_reward|>"] for t in tokens.values())
 
 
+def test_the_wrong_call_rule_pairs_a_call_that_is_wrong_never_prose():
+    """`wrong_call`: the entry's first own failure that holds a call (A's third sample, not its prose first one;
+    B's first); an entry whose own failures are all prose (D here has no success either; C has no failure) is
+    dropped, near misses never stand in."""
+    calls = {("A", 0): [[]], ("A", 2): [[["f(a=2)"]]], ("B", 0): [[["g(x=1)"]]], ("B", 1): [[]], ("D", 0): [[]]}
+    policy = [{**r, "result": calls.get((r["entry_id"], int(r["trajectory_id"].rsplit(".", 1)[1])), [[["f()"]]])}
+              for r in POLICY]
+    rows, stats = rctp_rows(GENERATED, policy, "wrong_call", "paired")
+    assert _ids(rows) == ["A.on_policy.1", "A.on_policy.2", "B.expert.0", "B.on_policy.0"]
+    assert stats["dropped"] == {"no_failure": 2, "neither": 1}  # C and F: no failure; D: prose and no success
+    prose_only = [{**r, "result": [[]]} for r in policy]
+    assert rctp_rows(GENERATED, prose_only, "wrong_call", "paired")[0] == []
+    assert config_from_params(LabelConfig, "label_rewards", failures="wrong_call", base_failures=False).failures == "wrong_call"
+
+
 def test_base_failures_add_a_pair_per_unused_entry():
     """A base-model failure pairs its entry when the rule left the entry out; an entry the rule already pairs
     keeps its one pair (A), so every prompt is still under each token once."""

@@ -88,6 +88,8 @@ def _scripted_rollout(monkeypatch, draw="iid"):
 
     monkeypatch.setattr(engine, "run_seeded_groups", lambda backend, groups, *a, **k: [group(*g) for g in groups])
     monkeypatch.setattr(rl_rollout.EngineRollout, "backend", lambda self, trainer: None)
+    monkeypatch.setattr(rl_rollout, "task_of", lambda entry: SimpleNamespace(  # the entries are stand-ins
+        failure_kind=lambda e, result, success: None if success else "no_call"))
     cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "num_generations": 4, "batch_size": 16, "micro_batch_size": 4,
                                     "max_entries": None, "token_draw": draw})
     entries = {f"e{i}": SimpleNamespace(id=f"e{i}") for i in range(8)}

@@ -206,13 +206,16 @@ def test_no_token_rows_rc_versus_grpo_paired_by_group_and_the_margin_columns(tmp
           for i, g in enumerate(grpo)]
     rc.append({"step": 99, "group": 0, "entry_id": "x", "flat": None})  # unpaired: left out
     contrast = report.rc_versus_grpo(rows, {"rctp-grpo": grpo, "rctp-rc_grpo": rc})
-    z = contrast["rctp"]["zero_std_paired"]
-    assert (z["groups"], z["both"], z["only_grpo"], z["only_rc_grpo"]) == (40, 12, 18, 2)
-    assert z["grpo"] == 0.75 and z["rc_grpo"] == 0.35 and z["mcnemar_p"] < 0.001
-    assert z["rc_grpo_flat"] == {"fail": 2, "success": 12} and "sft" not in contrast
-    assert contrast["rctp"]["accuracy"]["diff"] == 50.0
+    z = contrast["rctp-rc_grpo"]["zero_std_paired"]  # keyed by the RC-family cell, against its init's GRPO
+    assert contrast["rctp-rc_grpo"]["versus"] == "rctp-grpo" and set(contrast) == {"rctp-rc_grpo"}
+    assert (z["groups"], z["both"], z["only_grpo"], z["only_cell"]) == (40, 12, 18, 2)
+    assert z["grpo"] == 0.75 and z["cell"] == 0.35 and z["mcnemar_p"] < 0.001
+    assert z["cell_flat"] == {"fail": 2, "success": 12}
+    assert contrast["rctp-rc_grpo"]["accuracy"]["diff"] == 50.0
     md = report_tables.rl_table(rows, contrast)
-    assert "0.35 vs GRPO 0.75 (40 groups; only GRPO flat 18, only RC-GRPO 2; McNemar p = " in md
+    assert "0.35 vs GRPO 0.75 (40 groups; only GRPO flat 18, only this cell flat 2; McNemar p = " in md
+    ablation = report.rc_versus_grpo(rows, {"rctp-grpo": grpo, "rctp-rc_frozen": rc})  # an ablation is an RC cell
+    assert ablation["rctp-rc_frozen"]["zero_std_paired"]["only_cell"] == 2
 
 
 def test_rctp_is_compared_with_sft_on_the_same_entries(tmp_path):
@@ -299,3 +302,5 @@ def test_nothing_is_printed_as_an_interval_that_is_not_one(value, interval):
     assert ci(value, interval) == "n/a"
     assert ci(0.25, [0.125, 0.5]) == "+0.250 [+0.125, +0.500]" and ci(25.0, (12.5, 50.0), ".1f") == "25.0 [12.5, 50.0]"
     assert num(None) == num(float("nan")) == "n/a" and num(0.5, ".2f") == "0.50"
+    # a point is not an interval: a bootstrap of equal values prints the value alone, never "[+0.000, +0.000]"
+    assert ci(0.0, [0.0, 0.0]) == "+0.000 [no spread: no interval]" and "[+0.000, +0.000]" not in ci(0.0, (0.0, 0.0))

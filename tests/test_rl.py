@@ -120,6 +120,10 @@ def test_two_rl_steps_per_mode(rl_env, scripted_rewards, monkeypatch, init, algo
         assert all(r["reward_high"] >= r["reward_low"] for r in rows if not math.isnan(r["controllability_gap"]))
     metrics = json.loads(spec.metrics.read_text())
     assert metrics["steps"] == 2 and metrics["mean_frac_zero_std"] is not None
+    # The mechanism's parts: every rollout's token level and failure kind, the rollouts with a signal.
+    assert sum(c["rollouts"] for c in metrics["failures"].values()) == len(trajs)
+    assert sum(metrics["nonzero_adv"].values()) == sum(sum(g["nonzero_adv"].values()) for g in metrics["groups"])
+    assert all(any(not math.isnan(r[f"nonzero_adv_{lv}"]) for lv in ("high", "low", "none")) for r in rows)
     # The mechanism with CIs over steps, and where it ran (`compute.device: auto`: the device under test).
     zero = metrics["mechanism"]["frac_zero_std"]
     assert zero["steps"] == 2 and zero["ci_low"] <= zero["mean"] <= zero["ci_high"]

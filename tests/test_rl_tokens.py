@@ -137,6 +137,30 @@ def test_rl_trains_the_reward_token_rows_saves_and_merges_them(qwen_env, monkeyp
         torch.testing.assert_close(reloaded(x).logits, merged(x).logits, atol=1e-4, rtol=1e-4)
 
 
+def test_rc_frozen_keeps_the_init_token_rows_and_trains_the_rest(qwen_env, monkeypatch):
+    """The ablation `rc_frozen`: RC-GRPO's groups and advantage, the RL LoRA without trainable token rows, so
+    the merged policy's reward-token rows are the init's; under full fine-tuning it is refused."""
+    from safetensors.torch import load_file
+
+    root, _, tok, ids, _ = qwen_env
+    _scripted_spread(monkeypatch)
+    cfg = config_from_params(rl_config.RLConfig, "rl", **{**TEST_RL, "categories": ("base",), "learning_rate": 0.05,
+                                                            "token_draw": "stratified", "rollout_dtype": "float32"})
+    spec = _spec(root, root / "model", "frozen", "rctp", "rc_frozen")
+    summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, track=False, compute=compute_from_params())
+    assert spec.mode == "rc" and summary["conditioning"] == "rc"
+    init, out = load_file(str(root / "model" / "model.safetensors")), load_file(str(spec.out / "model.safetensors"))
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert init[key][ids].equal(out[key][ids]), key
+    assert any(not init[k].equal(out[k]) for k in init if "q_proj" in k)
+    saved = load_file(str(spec.out / "rl_adapter" / "adapter_model.safetensors"))
+    assert not any("trainable_tokens" in k for k in saved)
+    with pytest.raises(ConfigError, match="rc_frozen"):
+        rl_run.train_rl(rl_config.replace(cfg, full_finetune=True), PROTOCOL, LEVELS,
+                        _spec(root, root / "model", "frozen-ft", "rctp", "rc_frozen"), track=False,
+                        compute=compute_from_params())
+
+
 @pytest.mark.parametrize("reward", ["official_verdict", "partial_credit"])
 def test_a_reward_undefined_under_the_protocol_is_refused(reward):
     multi = multi_turn.load_entries(["base"])[:2]

@@ -38,7 +38,7 @@ def _named(sub: str, opts: dict[str, str]) -> str:
     seed = int(opts["--grid-seed"]) if opts.get("--grid-seed") else None
     model = {"sft": lambda: opts["--variant"], "rl": lambda: f"{opts['--init']}-{opts['--algo']}",
              "evaluate": lambda: opts.get("--name") or Path(opts["--out"]).name,
-             "controllability": lambda: "rctp"}[sub]()
+             "controllability": lambda: opts.get("--cell") or "rctp"}[sub]()
     return stage_name(sub, model, seed)
 
 
@@ -92,8 +92,9 @@ def test_stage_names_are_distinct_and_round_trip_the_cell(seed):
         for algo in ALGOS:
             cell = f"{init}-{algo}"
             assert split_cell(cell) == (init, algo)
-            for stage in ("rl", "evaluate"):
+            for stage in ("rl", "evaluate", "controllability"):
                 names.setdefault(stage_name(stage, cell, seed), []).append((stage, cell))
+    names.setdefault(stage_name("controllability", "rctp", seed), []).append(("controllability", "rctp"))
     for variant in ("sft", "rctp"):
         names.setdefault(stage_name("sft", variant, seed), []).append(("sft", variant))
     assert all(len(v) == 1 for v in names.values()), names

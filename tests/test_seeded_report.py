@@ -25,17 +25,21 @@ def _results(folder, correct: list[int], pass1: list[float], side: str = "test")
     write_json(folder / "metrics.json", {"settings": {"side": side}})
 
 
-def _steps(path) -> None:
+def _steps(path, steps: int = 2) -> None:
+    """Steps whose token gap shrinks: reward_high 0.6, reward_low 0.1 -> 0.4 over the run."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    cols = ["step", "reward", "frac_zero_std", "adv_abs_mean", "adv_std", "controllability_gap"]
-    path.write_text("\t".join(cols) + "\n" + "".join(f"{s}\t0.5\t0.4\t0.3\t0.4\tnan\n" for s in (1, 2)))
+    cols = ["step", "reward", "frac_zero_std", "adv_abs_mean", "adv_std", "controllability_gap", "reward_high",
+            "reward_low"]
+    rows = [(s, 0.5, 0.4, 0.3, 0.4, 0.6 - low, 0.6, low) for s in range(1, steps + 1)
+            for low in [0.1 + 0.3 * (s - 1) / max(steps - 1, 1)]]
+    path.write_text("\t".join(cols) + "\n" + "".join("\t".join(map(str, r)) + "\n" for r in rows))
 
 
 def _groups(flat_grpo: int, flat_rc: int, n: int = 30) -> tuple[list[dict], list[dict]]:
     """n paired groups: GRPO's first `flat_grpo` flat, RC-GRPO's first `flat_rc`."""
     def run(k):
-        return [{"step": g // 4, "group": g % 4, "entry_id": f"e{g}", "flat": "success" if g < k else None}
-                for g in range(n)]
+        return [{"step": g // 4, "group": g % 4, "entry_id": f"e{g}", "flat": "success" if g < k else None,
+                 "nonzero_adv": {"high": 0 if g < k else 2}} for g in range(n)]
     return run(flat_grpo), run(flat_rc)
 
 
@@ -69,17 +73,28 @@ def _grid(tmp_path, seeds=(0, 1), gate_q=(0.45, 0.2), side="test"):
                  [0.5 if i < 8 else 0.25 for i in range(N)], side)
         grpo, rc = _groups(12, 4)
         for cell, groups in zip(CELLS, (grpo, rc)):
+            learn = {"prompts": 10, "up": 7, "down": 1, "ties": 2, "sign_p": mcnemar_exact(7, 1)}
             metrics = {"groups": groups, "pool": {"ids": ["a"], "size": 17, "step0_success": 0.5},
-                       "pool_learning": {"prompts": 10, "up": 7, "down": 1, "ties": 2, "sign_p": mcnemar_exact(7, 1)},
-                       "probe": _probe(5, 1), "steps": 2}
+                       "pool_learning": learn, "pool_learning_equal": {**learn, "up": 6, "per_visit": 2},
+                       "probe": _probe(5, 1), "steps": 2,
+                       "nonzero_adv": {"high": sum(g["nonzero_adv"]["high"] for g in groups)},
+                       "failures": {"high": {"rollouts": 40, "success": 20, "unscored": 0, "no_call": 2,
+                                             "wrong_function": 8, "wrong_arguments": 10}}}
             write_json(root / "rl" / str(s) / cell / "metrics.json", metrics)
             _steps(root / "rl" / str(s) / cell / "steps.tsv")
-        write_json(root / "ctl" / f"{s}.json", {
-            "side": side, "premise_gate": {"min_q": 0.3, "q": q, "gap_ci_low": 0.01, "passed": q >= 0.3,
-                             "why": "met" if q >= 0.3 else f"q {q:.3f} < 0.3"},
-            "sampled": {"gap": 0.1, "gap_ci": [0.01, 0.2], "success_rate_high": 0.3, "success_rate_low": 0.2,
-                        "premise": {"q": q, "q_ci": [q - 0.1, q + 0.1]}}})
+            write_json(root / "ctl" / str(s) / f"{cell}.json", _check(q - 0.15, 0.05, side))
+        write_json(root / "ctl" / f"{s}.json", _check(q, 0.1, side))
     return tmp_path / "params.yaml", root
+
+
+def _check(q: float, gap: float, side: str) -> dict:
+    """A controllability check: q, and every entry's gap `gap` (high 0.3, low 0.3 - gap)."""
+    return {"side": side, "premise_gate": {"min_q": 0.3, "q": q, "gap_ci_low": 0.01, "passed": q >= 0.3,
+                                           "why": "met" if q >= 0.3 else f"q {q:.3f} < 0.3"},
+            "sampled": {"gap": gap, "gap_ci": [gap - 0.09, gap + 0.1], "success_rate_high": 0.3,
+                        "success_rate_low": 0.3 - gap, "premise": {"q": q, "q_ci": [q - 0.1, q + 0.1]},
+                        "q_by_kind": {"no_call": q, "wrong_function": 0.0, "wrong_arguments": 0.0},
+                        "per_entry": {f"simple_python_{i}": [0.3, 0.3 - gap] for i in range(N)}}}
 
 
 def _run(params, root, *extra, track: bool = False):
@@ -103,22 +118,23 @@ def test_the_report_leads_with_the_premise_and_the_declared_endpoints(tmp_path):
     assert zero["p"] == pytest.approx(mcnemar_exact(0, 16)) and zero["ci"][1] < 0 < zero["mde"]
     assert zero["cell_share"] == pytest.approx(4 / 30) and zero["versus_share"] == pytest.approx(12 / 30)
     pass1 = ends["pass1: rctp-rc_grpo vs rctp-grpo"]
-    assert pass1["diff"] == pytest.approx(0.25 * 8 / N) and pass1["seeds"] == 2 and pass1["p"] < 0.05
+    assert pass1["diff"] == pytest.approx(0.25 * 8 / N) and pass1["n"] == N and pass1["p"] < 0.05
     greedy = ends["greedy: rctp-rc_grpo vs rctp-grpo"]
     assert (greedy["only_first"], greedy["only_second"]) == (4, 0)  # entries 0 and 2 of each seed
-    learn = ends["pool_learning: rctp-grpo"]
-    assert (learn["up"], learn["down"]) == (14, 2) and learn["p"] == pytest.approx(mcnemar_exact(14, 2))
+    learn = ends["pool_learning: rctp-grpo"]  # on equal samples per visit
+    assert (learn["up"], learn["down"]) == (12, 2) and learn["p"] == pytest.approx(mcnemar_exact(12, 2))
     assert (ends["transfer: rctp-rc_grpo"]["up"], ends["transfer: rctp-rc_grpo"]["down"]) == (2, 10)
     pooled = {r["label"]: r for r in data["pooled"]}
     assert pooled["rctp-rc_grpo"]["pass1"]["mean"] == pytest.approx(100 * (0.25 + 0.25 * 8 / N))
     assert pooled["rctp-rc_grpo"]["vs"]["init"] == "rctp" and pooled["rctp"]["vs"]["init"] == "sft"
-    assert "## Seed 0" in md and "## Seed 1" in md and "| 1 | RCTP+RC-GRPO | 17, 0.500 | 7 / 1 of 10" in md
+    assert "## Seed 0" in md and "## Seed 1" in md and "| 1 | RCTP+RC-GRPO | 17, 0.500 | 6 / 1 of 10" in md
     assert set(data["seeds"]) == {"0", "1"} and "rctp-rc_grpo" in data["seeds"]["1"]["rows"]
     assert all((root / f).stat().st_size > 1000 for f in ("a.png", "p.png", "m.png"))
     beside = md[md.index("## The paper beside"):]  # pooled greedy: 12 / 20 and 10 / 20 correct in each seed
     assert "| RCTP+RC-GRPO | 85.00 | 60.0 |" in beside and "| RCTP+GRPO | 73.75 | 50.0 |" in beside
     assert "| Base | 11.25 | not run |" in beside
     assert "the paper +11.25 points; this run pass1 +10.0 [" in beside and "; greedy +10.0 [" in beside
+    assert "+15.9] (the interval includes the paper's +11.25)" in beside  # pass1 +10.0 [+4.1, +15.9]
 
 
 def test_a_run_whose_seeds_all_pass_the_gate_says_so_and_its_run_is_tracked(tmp_path, store):

@@ -6,9 +6,10 @@ are zeros: what is checked is that the stages run, in order, on either task, and
 The default task (single_turn, `make test`) runs the chain to its RC-GRPO cell's evaluation and the
 controllability check (13 stages: data, GX gate, labels, SFT and RCTP, on-policy samples and RL's pool, the
 check, rl_rctp@0-rc_grpo, its evaluation; each a process that imports torch, TRL and PEFT), which holds every
-task-specific path, then `rcgrpo dev-sweep` on its outputs (rl, evaluate on dev, report). The paper's task
+task-specific path, then `rcgrpo dev-sweep` on its outputs (rl, evaluate on dev, the premise on dev before and
+after RL, report). The paper's task
 (multi_turn, `slow`: `make test-all`, which CI runs) runs the whole smoke grid (grid seed 0, the two RCTP
-cells) to the report over seeds with its endpoints (19 stages). conftest hands this module out first, so a
+cells, and the premise after RL of each) to the report over seeds with its endpoints (21 stages). conftest hands this module out first, so a
 chain runs on one core beside the rest of the suite. The report is also tested on built inputs
 (test_seeded_report.py). The whole pipeline on the real model: `dvc repro` of the default (docs/log.md
 "Pipeline runs").
@@ -31,7 +32,7 @@ SHORT = ("check_params", "prepare_data", "prepare_model", "generate_trajectories
          "sft", "sample_policy@rctp", "label_rewards@rctp", "rctp@0", "pool_rctp@0", "controllability@0",
          "rl_rctp@0-rc_grpo", "evaluate_rl_rctp@0-rc_grpo")
 FULL = (*SHORT, "rl_rctp@0-grpo", "evaluate@base", "evaluate@sft", "evaluate_rctp@0", "evaluate_rl_rctp@0-grpo",
-        "report")
+        "controllability_rl_rctp@0-grpo", "controllability_rl_rctp@0-rc_grpo", "report")
 TARGETS = {SHORT: ("controllability@0", "evaluate_rl_rctp@0-rc_grpo"), FULL: ("report",)}
 
 
@@ -61,7 +62,8 @@ def _check_dev_sweep(repo: Path, root: Path) -> None:
     """`rcgrpo dev-sweep` on the pipeline's own inits: the rl stage's command, then evaluate on the DEV side,
     the report and the design table; `--pool` reads the finished sweep back."""
     spec = root / "spec.yaml"
-    spec.write_text("cells: [rctp-rc_grpo]\ncommon: {evaluate: {margin: false}}\ncandidates: {default: {}}\n")
+    spec.write_text("cells: [rctp-rc_grpo]\npremise: true\ncommon: {evaluate: {margin: false}}\n"
+                    "candidates: {default: {}}\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_", "RCGRPO_"))}
     env.update({"PATH": f"{BIN}{os.pathsep}{env['PATH']}", "MLFLOW_TRACKING_URI": f"sqlite:///{root}/mlflow.db"})
     run = subprocess.run([str(BIN / "rcgrpo"), "dev-sweep", "--spec", str(spec), "--out", "sweeps/t", "--bundle",
@@ -74,6 +76,9 @@ def _check_dev_sweep(repo: Path, root: Path) -> None:
         ids = [json.loads(line)["id"] for line in (repo / folder / "results.jsonl").read_text().splitlines()]
         assert ids and set(ids) <= dev, folder
     assert design[0]["n_dev"] == len(ids) and design[0]["vs_init"]["n"] == len(ids)
+    for ctl in ("sweeps/t/init/ctl-rctp.json", "sweeps/t/default/rctp-rc_grpo/ctl.json"):  # the premise on dev
+        assert json.loads((repo / ctl).read_text())["side"] == "dev", ctl
+    assert design[0]["premise_before"] is not None and design[0]["premise_after"] is not None
     pooled = subprocess.run([str(BIN / "rcgrpo"), "dev-sweep", "--spec", str(spec), "--out", "sweeps/p", "--pool",
                              "sweeps/t"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
     assert pooled.returncode == 0 and "| default | 1 |" in pooled.stdout, pooled.stdout + pooled.stderr
@@ -124,3 +129,7 @@ def _check_report(repo: Path) -> None:
     assert [e["rank"] for e in report["endpoints"]][:2] == ["primary", "primary"] and report["premise"], report
     table = (repo / "results" / "report" / "table.md").read_text()
     assert table.index("RCTP's premise") < table.index("## Endpoints") < table.index("## Seed 0"), table[:2000]
+    assert "## What the injected variance is made of" in table and "(after RL)" in table
+    check = subprocess.run([str(BIN / "rcgrpo"), "endpoints", "--recompute", "results/report/endpoints", "--check",
+                            "results/report/table.md"], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0 and "equal to" in check.stdout, check.stdout + check.stderr

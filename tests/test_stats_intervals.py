@@ -57,13 +57,14 @@ def test_exact_tests_agree_with_scipy_and_enumeration():
     from scipy.stats import binomtest
 
     from rcgrpo.stats import mcnemar_exact
-    from rcgrpo_tasks.evaluation.stats import sign_flip_p, z_power
+    from rcgrpo_tasks.evaluation.stats import clopper_pearson, sign_summary, z_power
 
     for up, down in ((10, 1), (3, 0), (7, 9), (0, 12)):
         assert mcnemar_exact(up, down) == pytest.approx(binomtest(up, up + down, 0.5).pvalue)
-    assert sign_flip_p([1, 1, 1]) == pytest.approx(2 / 8)  # both all-positive and all-negative patterns
-    assert sign_flip_p([0, 0]) == 1.0 and sign_flip_p([1, -1]) == 1.0
-    assert sign_flip_p([0.25] * 20, seed=1) < 1e-3  # the Monte Carlo branch
+        r = sign_summary(up, down)
+        ci = binomtest(up, up + down, 0.5).proportion_ci(method="exact")
+        assert r["p"] == mcnemar_exact(up, down) and r["ci"] == pytest.approx([ci.low, ci.high], abs=1e-9)
+    assert clopper_pearson(0, 0) != clopper_pearson(0, 0)  # NaN: no changed unit
     assert z_power() == pytest.approx(2.8016, abs=1e-4)
 
 
@@ -74,8 +75,14 @@ def test_paired_mean_and_its_minimum_detectable_effect():
     assert r["diff"] == pytest.approx(0.09375) and r["ci"][0] < r["diff"] < r["ci"][1]
     from statistics import stdev
 
-    assert r["mde"] == pytest.approx(2.8016 * stdev([0.25, 0.0, 0.0, -0.25, 0.5, 0.0, 0.25, 0.0]) / 8 ** 0.5, rel=1e-4)
-    assert 0 < r["p"] <= 1
+    from scipy.stats import t as student_t
+    from scipy.stats import ttest_1samp
+
+    d = [0.25, 0.0, 0.0, -0.25, 0.5, 0.0, 0.25, 0.0]
+    se = stdev(d) / 8 ** 0.5  # the interval, p and MDE of one t model on 7 df
+    assert r["ci"] == pytest.approx([r["diff"] - student_t.ppf(0.975, 7) * se, r["diff"] + student_t.ppf(0.975, 7) * se])
+    assert r["p"] == pytest.approx(ttest_1samp(d, 0.0).pvalue)
+    assert r["mde"] == pytest.approx((student_t.ppf(0.975, 7) + student_t.ppf(0.8, 7)) * se, rel=1e-6)
 
 
 def test_two_level_bootstrap_widens_with_the_spread_between_seeds():

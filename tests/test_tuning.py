@@ -50,12 +50,13 @@ def test_a_learning_rate_change_reruns_the_rl_cells_and_what_reads_them_only(pip
     direct = {s for s, listed in named.items() if _names("rl.learning_rate", listed)}
     assert direct and all(s.startswith(("rl_sft@", "rl_rctp@")) for s in direct), direct
     rerun = direct | {r for s in direct for r in readers[s]}
-    assert all(s.startswith(("rl_sft@", "rl_rctp@", "evaluate_rl_")) or s in ("report", "promote") for s in rerun), rerun
+    assert all(s.startswith(("rl_sft@", "rl_rctp@", "evaluate_rl_", "controllability_rl_")) or s in ("report", "promote")
+               for s in rerun), rerun
     untouched = {"prepare_data", "sft", "evaluate@base", "evaluate@sft"} | {
         s for s in named if s.startswith(("rctp@", "sample_policy@", "pool_rctp@", "controllability@", "evaluate_rctp@"))}
     assert not rerun & untouched, sorted(rerun & untouched)
-    # evaluate and controllability sample as RL does: they name those keys, never the whole section
-    for stage in (s for s in named if s.startswith(("evaluate", "controllability@"))):
+    # evaluate and controllability (before and after RL) sample as RL does: they name those keys, never the section
+    for stage in (s for s in named if s.startswith(("evaluate", "controllability"))):
         assert "rl" not in named[stage] and any(p.startswith("rl.") for p in named[stage]), (stage, named[stage])
 
 

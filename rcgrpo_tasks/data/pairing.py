@@ -10,6 +10,10 @@ the design, so the data ablation (docs/data.md) can be re-run:
 - `on_policy`: the model's own first failure; entries without one are DROPPED (prompts: sampled entries);
 - `mixed`: the model's own first failure, else the entry's near-miss (the fallback); entries with neither
   are dropped (prompts: sampled entries).
+- `wrong_call`: the model's own first failure that holds a call (a wrong function or wrong arguments:
+  `env.failures.is_wrong_call`), never its prose; entries without one are DROPPED (prompts: sampled entries).
+  The low token then means "a call that is wrong", a contrast of content, where `on_policy` / `mixed` (and
+  `base_failures`' prose) let it mean "do not call". Pair it with `base_failures: false`.
 The success of an entry is always the model's own first success where it has one, else the expert replay.
 
 `base_failures` (with `paired`): every further generate-set entry with a failure of the model RCTP-FT
@@ -36,13 +40,14 @@ from collections import Counter
 from typing import Literal
 
 from rcgrpo_tasks.data.onpolicy import KIND as ON_POLICY_KIND
+from rcgrpo_tasks.env.failures import is_wrong_call
 from rcgrpo_tasks.ops.inputs import InputError
 
-FailureRule = Literal["near_miss", "on_policy", "mixed"]
+FailureRule = Literal["near_miss", "on_policy", "mixed", "wrong_call"]
 Pairing = Literal["paired", "unpaired"]
-FAILURE_RULES: tuple[str, ...] = ("near_miss", "on_policy", "mixed")
+FAILURE_RULES: tuple[str, ...] = ("near_miss", "on_policy", "mixed", "wrong_call")
 PAIRINGS: tuple[str, ...] = ("paired", "unpaired")
-SLOTS = ("own_success", "own_failure", "expert", "near_miss", "base_failure")
+SLOTS = ("own_success", "own_failure", "own_wrong_call", "expert", "near_miss", "base_failure")
 
 
 def is_success(row: dict) -> bool:
@@ -51,9 +56,9 @@ def is_success(row: dict) -> bool:
 
 
 def entry_pools(generated: list[dict], policy: list[dict]) -> dict[str, dict[str, dict | None]]:
-    """Per entry id: the first own success / own failure (sampling order), the expert row and the first
-    near-miss row and the first base-model failure (file order). Generate-set entries come first (file order),
-    then sampled-only entries."""
+    """Per entry id: the first own success / own failure / own failure that holds a call (sampling order), the
+    expert row and the first near-miss row and the first base-model failure (file order). Generate-set entries
+    come first (file order), then sampled-only entries."""
     pools: dict[str, dict[str, dict | None]] = {}
     for row in generated:
         source = row["provenance"]["source"]
@@ -66,6 +71,8 @@ def entry_pools(generated: list[dict], policy: list[dict]) -> dict[str, dict[str
         slot = "own_success" if is_success(row) else "own_failure"
         pool = pools.setdefault(row["entry_id"], dict.fromkeys(SLOTS))
         pool[slot] = pool[slot] or row
+        if slot == "own_failure" and is_wrong_call(row.get("result"), success=False):
+            pool["own_wrong_call"] = pool["own_wrong_call"] or row
     return pools
 
 
@@ -73,7 +80,7 @@ def choose(pool: dict[str, dict | None], failures: FailureRule) -> tuple[dict | 
     """(success, failure) of one entry under the failure rule (None where it has none)."""
     success = pool["own_success"] or pool["expert"]
     failure = {"near_miss": pool["near_miss"], "on_policy": pool["own_failure"],
-               "mixed": pool["own_failure"] or pool["near_miss"]}[failures]
+               "mixed": pool["own_failure"] or pool["near_miss"], "wrong_call": pool["own_wrong_call"]}[failures]
     return success, failure
 
 

@@ -2,8 +2,9 @@
 per-run summaries. Written by the rl stage (`train.rl.diagnostics`: the plots TSV and the run summary), drawn
 by the report (`evaluation.mechanism`); here, below both, because training and evaluation read them.
 
-- `MECHANISM_COLUMNS`: the share of zero-variance groups, the advantage spread, the controllability gap and
-  the reward, in plotting order.
+- `MECHANISM_COLUMNS`: the share of zero-variance groups, the advantage spread, the controllability gap, the
+  reward and the high-token rollouts with a learning signal, in plotting order; `thirds`: a run's columns by
+  thirds of training.
 - `step_summary(rows)`: mean of each of those columns over the steps where it is defined, with a 95 %
   percentile-bootstrap CI over steps (`rcgrpo.stats.bootstrap_ci`). Steps of one run are not independent
   (the policy drifts, entries repeat), so the CI describes the spread of the logged steps, not a
@@ -17,8 +18,9 @@ from collections.abc import Mapping, Sequence
 
 from rcgrpo.stats import bootstrap_ci
 
-MECHANISM_COLUMNS = ("frac_zero_std", "adv_abs_mean", "adv_std", "controllability_gap", "reward")
-"""Per-step columns that show the mechanism, in plotting order."""
+MECHANISM_COLUMNS = ("frac_zero_std", "adv_abs_mean", "adv_std", "controllability_gap", "reward", "nonzero_adv_high")
+"""Per-step columns that show the mechanism, in plotting order (the last: high-token rollouts with a non-zero
+advantage, the signal on the policy that is evaluated)."""
 
 
 def finite(values: Sequence[float]) -> list[float]:
@@ -38,3 +40,21 @@ def column_summary(values: Sequence[float], seed: int = 0) -> dict:
 def step_summary(rows: Sequence[Mapping], columns: Sequence[str] = MECHANISM_COLUMNS, seed: int = 0) -> dict:
     """{column: column_summary} over the step rows of one run (a missing column counts as undefined)."""
     return {c: column_summary([r.get(c, float("nan")) for r in rows], seed) for c in columns}
+
+
+def thirds(rows: Sequence[Mapping], columns: Sequence[str]) -> list[dict]:
+    """The run's steps cut into thirds (ceil(n/3) and ceil(2n/3) steps: 10 / 10 / 10 of 30), each third's
+    first and last step and the mean of each column over the steps where it is defined (None where none is):
+    how a quantity moves through training, e.g. the token gap `reward_high - reward_low` as RL erodes it."""
+    rows = sorted(rows, key=lambda r: r["step"])
+    n = len(rows)
+    cuts = [0, (n + 2) // 3, (2 * n + 2) // 3, n]
+    out = []
+    for a, b in zip(cuts, cuts[1:]):
+        part = rows[a:b]
+        if not part:
+            continue
+        means = {c: finite([r.get(c, float("nan")) for r in part]) for c in columns}
+        out.append({"steps": [part[0]["step"], part[-1]["step"]],
+                    **{c: sum(v) / len(v) if v else None for c, v in means.items()}})
+    return out

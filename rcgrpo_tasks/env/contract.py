@@ -106,6 +106,9 @@ class Task(Protocol):
     def partial_credit(self, entry, score: dict, result: list, protocol: str) -> tuple[float, str]: ...
     def score_result(self, entry, result, decoding: str, underscore_to_dot: bool = False) -> tuple[EntryScore, int]: ...
 
+    def failure_kind(self, entry, result: Any, success: bool) -> str | None:
+        """None for a success, else what the failure is made of (`env.failures.FAILURE_KINDS`)."""
+
     def result_steps(self, result: Any) -> Iterable[Any]:
         """The model steps of a BFCL result row, each decoded on its own (`env.results.row_kind`)."""
 

@@ -17,8 +17,9 @@ from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.rollout import run_groups
 from rcgrpo_tasks.env.entries import check_categories, split_entries, stratified
+from rcgrpo_tasks.env.failures import FAILURE_KINDS
 from rcgrpo_tasks.env.prompt import PromptConfig
-from rcgrpo_tasks.env.tasks import task_of_entries
+from rcgrpo_tasks.env.tasks import task_of, task_of_entries
 from rcgrpo_tasks.evaluation.accuracy import RLSampling, check_side
 from rcgrpo_tasks.evaluation.stats import paired_bootstrap_ci
 from rcgrpo_tasks.ops.config import flat_field
@@ -163,6 +164,39 @@ def premise_gate(sampled: dict, min_q: float) -> dict:
     return {"min_q": min_q, "q": q, "gap_ci_low": lo, "passed": not missed, "why": "; ".join(missed) or "met"}
 
 
+def failure_kinds(trajs: list, entries: list, high: str, low: str) -> dict:
+    """What each token's failures are made of (`env.failures`: a failure is a paper reward of 0), and q split by
+    the low rollout's kind: `q_by_kind[k]` = P(low fails with kind k | high succeeds) over the paired
+    rollouts (the i-th under each token), so the kinds' q add up to q. A low side that fails in prose
+    (`no_call`) is a contrast of format; wrong calls are one of content."""
+    by_id = {e.id: e for e in entries}
+
+    def kind(t) -> str | None:
+        e = by_id[t.entry_id]
+        return task_of(e).failure_kind(e, t.result, float(t.score["paper_reward"]) == 1.0)
+
+    said: dict[tuple[str, str], list] = {}
+    for t in trajs:
+        said.setdefault((t.entry_id, t.reward_token), []).append(t)
+    counts = {tok: dict.fromkeys(FAILURE_KINDS, 0) for tok in ("high", "low")}
+    for t in trajs:
+        k = kind(t)
+        if k is not None and t.reward_token in (high, low):
+            counts["high" if t.reward_token == high else "low"][k] += 1
+    pairs = [(h, w) for (entry, token), hs in said.items() if token == high for h, w in zip(hs, said.get((entry, low), []))]
+    wins = [w for h, w in pairs if kind(h) is None]
+    by_kind = {k: sum(kind(w) == k for w in wins) for k in FAILURE_KINDS}
+    return {"failures_high": counts["high"], "failures_low": counts["low"], "high_successes": len(wins),
+            "q_by_kind": {k: n / len(wins) if wins else float("nan") for k, n in by_kind.items()}}
+
+
+def per_entry_rewards(trajs: list, high: str, low: str) -> dict[str, list[float]]:
+    """{entry: [mean paper reward | high, mean | low]} for the entries sampled under both tokens, in first-seen
+    order: the units the token gap's endpoint pairs across models (`evaluation.endpoints`)."""
+    pairs = paired_rewards(trajs, high, low)
+    return {e: [sum(h for h, _ in ps) / len(ps), sum(w for _, w in ps) / len(ps)] for e, ps in pairs.items() if ps}
+
+
 def identical_outputs(trajs: list, high: str, low: str) -> int:
     """Paired rollouts (same entry, same row seed: the i-th under each token) whose assistant messages are
     the same under both tokens: the token changed nothing. Greedy: one pair per entry."""
@@ -210,7 +244,8 @@ def arm(cfg: ControllabilityConfig, backend, entries: list, proto, sampling: Sam
              "model_tokens_high": mean([t.n_model_tokens for t in trajs if t.reward_token == high]),
              "model_tokens_low": mean([t.n_model_tokens for t in trajs if t.reward_token == low]),
              "pairs": len(entries) * k, "identical_outputs": identical_outputs(trajs, high, low),
-             "premise": q_stats(paired_rewards(trajs, high, low), cfg.n_bootstrap, cfg.seed)}
+             "premise": q_stats(paired_rewards(trajs, high, low), cfg.n_bootstrap, cfg.seed),
+             **failure_kinds(trajs, entries, high, low), "per_entry": per_entry_rewards(trajs, high, low)}
     return stats, trajs
 
 

@@ -1,34 +1,52 @@
-"""The endpoints a run declares before it runs (params `endpoints`) and their statistics over seeds.
+"""The endpoints a run declares before it runs (params `endpoints`) and their statistics over seeds, computed from
+the per-unit values behind each one (`data`: what the report commits, `write_files`), so one command recomputes
+the report's table from the repository (`rcgrpo endpoints --recompute`).
 
-An endpoint is a measure of one cell against another (or of one cell), pooled over the grid's seeds:
-- `zero_variance` (cell vs other: RC-GRPO vs GRPO from the same init): the share of training groups whose
-  rewards have no spread, paired group by group (the same step and slot draw the same entry and seeds in both
-  runs of a seed), pooled over seeds; exact McNemar p on the discordant groups, Tango's interval of the
-  difference in shares, the minimum detectable difference at the observed discordance;
-- `pass1` (cell vs other, an evaluated model: an RL cell or `rctp`): held-out pass@1, per entry paired
-  within each seed; a two-level bootstrap (seeds, then entries) gives the interval and the MDE, the
-  sign-flip test of the entries' seed-averaged differences the p;
-- `greedy` (cell vs other): held-out greedy success, paired over seed x entry pairs (exact McNemar, Tango);
-- `pool_learning` (cell): pool prompts whose reward rose from their first visit to their last vs fell, summed
-  over seeds; the exact sign test (`train.rl.diagnostics.pool_learning`);
-- `probe` / `transfer` (cell): the fixed probe's pool half / its half outside the pool, prompts up vs down
-  from step 0 to the end, summed over seeds; the exact sign test.
-Every endpoint reports its n, its test, p and (where a power calculation exists) the minimum detectable effect
-at `power`; the report says how many it reports. No multiplicity correction is applied: the primary ones
-are few and named before the run, the secondary ones are read as such.
+An endpoint is a measure of one cell against another (or of one cell), pooled over the grid's seeds. Paired
+measures compare two models on the same units (`UNITS`):
+- groups (the same step and slot draw the same entry and seeds in both runs of a seed; groups are nested in
+  their seed): `zero_variance` (the group's rewards have no spread), `flat_fail` / `flat_success` (no spread,
+  all failed / all succeeded: GRPO's groups flat at failure that the cell makes informative are the rescue
+  the paper means, those flat at success a manipulation check), `nonzero_adv_high` (high-token rollouts whose
+  advantage is not 0: the signal on the policy that is evaluated);
+- entries (held out; crossed with seeds: every seed evaluates the same entries): `pass1`, `greedy`, and
+  `token_gap` (each entry's E[R|high] - E[R|low] in the controllability check: the premise after RL against
+  before it when `versus` is `rctp`).
+Measures of one cell (`SINGLE`): `pool_learning` (pool prompts up vs down from first to last visit, on equal
+samples per visit), `probe` / `transfer` (the fixed probe's pool half / its half outside the pool).
+
+Statistics, each from ONE procedure (estimate, interval, p and MDE of the same model), at two levels:
+- unit level: 0/1 measures on the pooled pairs: exact McNemar p, Tango's interval, the MDE at the observed
+  discordance; the others a paired t over units (entries: their seed-averaged differences, the design being
+  crossed; groups: every seed's groups pooled); sign measures the exact sign test with its Clopper-Pearson
+  interval. Units are taken as independent: between-seed variance is left out;
+- seed level, beside it: a t over the per-seed differences (df = seeds - 1), which holds training variance
+  and treats seeds as the replicates they are (a group's run and its paired group share one trajectory).
+The MDE is given as the range over the two variance models (`mde_range`): where they disagree the design's
+power is that uncertain. No multiplicity correction: the primary endpoints are few and named before the run.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
-from rcgrpo.stats import mcnemar_exact
-from rcgrpo_tasks.evaluation.stats import paired_binary, sign_flip_p, two_level_bootstrap
+from rcgrpo_tasks.evaluation.stats import paired_binary, sign_summary, t_summary
+from rcgrpo_tasks.ops.inputs import InputError, read_json
+from rcgrpo_tasks.ops.outputs import write_json
 
-PAIRED = ("zero_variance", "pass1", "greedy")
-"""Measures of a cell against another."""
+UNITS: dict[str, str] = {"zero_variance": "groups", "flat_fail": "groups", "flat_success": "groups",
+                         "nonzero_adv_high": "groups", "pass1": "entries", "greedy": "entries", "token_gap": "entries"}
+"""Paired measures (a cell against another) and the units they pair."""
+PAIRED = tuple(UNITS)
+BINARY = ("zero_variance", "flat_fail", "flat_success", "greedy")
+"""Paired measures that are 0/1 per unit (exact McNemar at the unit level)."""
 SINGLE = ("pool_learning", "probe", "transfer")
-"""Measures of one RL cell."""
+"""Measures of one RL cell (sign counts of prompts)."""
+INDEX = "index.json"
+"""The endpoint files' index (`write_files`): alpha, power, seeds and each endpoint's file."""
 
 
 @dataclass(frozen=True)
@@ -64,39 +82,94 @@ def name(e: dict) -> str:
     return f"{e['measure']}: {e['cell']}" + (f" vs {e['versus']}" if "versus" in e else "")
 
 
-def zero_variance(pairs_by_seed: list[list[tuple[bool, bool]]], alpha: float, power: float) -> dict:
-    """RC-GRPO's zero-variance share minus GRPO's over paired groups (first = the cell's group flat, second =
-    the other's), pooled over seeds (`evaluation.stats.paired_binary`)."""
-    flat = [p for pairs in pairs_by_seed for p in pairs]
-    r = paired_binary([a for a, _ in flat], [b for _, b in flat], alpha, power)
-    return {**r, "cell_share": sum(a for a, _ in flat) / len(flat) if flat else float("nan"),
-            "versus_share": sum(b for _, b in flat) / len(flat) if flat else float("nan"), "unit": "groups",
-            "per_seed": [sum(a for a, _ in p) / len(p) - sum(b for _, b in p) / len(p) if p else float("nan")
-                         for p in pairs_by_seed]}
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
 
 
-def rate_difference(diffs_by_seed: list[list[float]], alpha: float, power: float, seed: int = 0) -> dict:
-    """A per-entry rate (pass@1) of a cell minus another's, each seed's entries in one order: the two-level
-    bootstrap's interval and MDE, the sign-flip p of the entries' differences averaged over seeds."""
-    r = two_level_bootstrap(diffs_by_seed, seed=seed, alpha=alpha, power=power)
-    n = r["n"]
-    averaged = [sum(d[i] for d in diffs_by_seed) / len(diffs_by_seed) for i in range(n)] if n else []
-    return {**r, "p": sign_flip_p(averaged, seed=seed), "unit": "entries x seeds",
-            "test": "sign-flip permutation over entries; two-level bootstrap (seeds, then entries) interval"}
+def unit_differences(data: dict) -> list[float]:
+    """The unit level's differences: crossed units (entries: the same ids in every seed) averaged over the seeds
+    that all hold them, in id order; nested ones (groups) every seed's, pooled."""
+    if UNITS[data["measure"]] == "entries":
+        by = [dict(zip(ids, pairs)) for ids, pairs in zip(data["units"], data["pairs"])]
+        common = sorted(set.intersection(*(set(b) for b in by))) if by else []
+        return [_mean([b[u][0] - b[u][1] for b in by]) for u in common]
+    return [a - b for pairs in data["pairs"] for a, b in pairs]
 
 
-def binary_difference(pairs_by_seed: list[list[tuple[float, float]]], alpha: float, power: float) -> dict:
-    """Greedy success of a cell minus another's over seed x entry pairs (`evaluation.stats.paired_binary`)."""
-    flat = [p for pairs in pairs_by_seed for p in pairs]
-    r = paired_binary([a for a, _ in flat], [b for _, b in flat], alpha, power)
-    return {**r, "unit": "entries x seeds",
-            "per_seed": [sum(a - b for a, b in p) / len(p) if p else float("nan") for p in pairs_by_seed]}
+def _seed_level(per_seed: list[float], alpha: float, power: float) -> dict:
+    r = t_summary(per_seed, alpha, power)
+    return {k: r[k] for k in ("diff", "ci", "p", "mde", "df")} | {"test": f"t over {len(per_seed)} seed(s)"}
 
 
-def sign_counts(counts_by_seed: list[dict]) -> dict:
-    """Prompts up vs down summed over seeds (each {up, down, prompts}) and the exact sign test."""
-    up = sum(c["up"] for c in counts_by_seed)
-    down = sum(c["down"] for c in counts_by_seed)
-    return {"up": up, "down": down, "n": sum(c["prompts"] for c in counts_by_seed), "p": mcnemar_exact(up, down),
-            "diff": (up - down) / max(up + down, 1), "unit": "prompts x seeds", "test": "exact sign test",
-            "per_seed": [(c["up"], c["down"]) for c in counts_by_seed]}
+def paired_stats(data: dict, alpha: float, power: float) -> dict:
+    """A paired measure from its pairs (`data`: per seed, (cell's, versus') value per unit): the unit level,
+    the seed level beside it and the MDE range (module docstring)."""
+    m, pairs = data["measure"], data["pairs"]
+    per_seed = [_mean([a - b for a, b in p]) for p in pairs]
+    seed = _seed_level(per_seed, alpha, power)
+    unit = UNITS[m]
+    if m in BINARY:
+        flat = [p for ps in pairs for p in ps]
+        r = paired_binary([a for a, _ in flat], [b for _, b in flat], alpha, power)
+        r |= {"cell_share": _mean([a for a, _ in flat]), "versus_share": _mean([b for _, b in flat]),
+              "units": f"{unit} x seeds"}
+    else:
+        diffs = unit_differences(data)
+        r = t_summary(diffs, alpha, power)
+        crossed = unit == "entries"
+        r |= {"test": f"paired t over {'seed-averaged entries' if crossed else 'groups x seeds'}",
+              "units": unit if crossed else f"{unit} x seeds"}
+    mdes = sorted(v for v in (r["mde"], seed["mde"]) if not math.isnan(v))
+    return {**r, "per_seed": per_seed, "seed_level": seed, "mde_range": [mdes[0], mdes[-1]] if mdes else None}
+
+
+def sign_stats(data: dict, alpha: float, power: float) -> dict:
+    """A sign measure from its per-seed counts (`data["counts"]`: [up, down, prompts] per seed): the exact sign
+    test on the pooled counts (`evaluation.stats.sign_summary`) and the seed level on each seed's net share
+    (up - down) / prompts."""
+    counts = data["counts"]
+    up, down = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    r = sign_summary(up, down, alpha, power)
+    net = [(u - d) / n if n else float("nan") for u, d, n in counts]
+    seed = _seed_level([v for v in net if not math.isnan(v)], alpha, power)
+    return {**r, "up": up, "down": down, "prompts": sum(c[2] for c in counts), "units": "prompts x seeds",
+            "test": "exact sign test, Clopper-Pearson interval of the share up", "per_seed": [c[:2] for c in counts],
+            "seed_level": seed, "mde_range": None}
+
+
+def endpoint_stats(data: dict, alpha: float, power: float) -> dict:
+    """One endpoint's statistics from its per-unit values alone (what `rcgrpo endpoints --recompute` reruns)."""
+    return sign_stats(data, alpha, power) if data["measure"] in SINGLE else paired_stats(data, alpha, power)
+
+
+# ---------------------------------------------------------------- the files behind the endpoints
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-")
+
+
+def write_files(folder: Path, results: list[dict], alpha: float, power: float, seeds: int) -> None:
+    """The per-unit values of every endpoint (`results[i]["data"]`), one small JSON file each, and `INDEX`."""
+    folder = Path(folder)
+    index = {"alpha": alpha, "power": power, "seeds": seeds, "endpoints": []}
+    for i, r in enumerate(results, 1):
+        file = f"{i:02d}-{_slug(r['name'])}.json"
+        write_json(folder / file, {"rank": r["rank"], "name": r["name"], "spec": r["spec"], "data": r["data"]})
+        index["endpoints"].append({"file": file, "rank": r["rank"], "name": r["name"]})
+    write_json(folder / INDEX, index)
+
+
+def recompute(folder: Path) -> tuple[list[dict], float, float, int]:
+    """(results, alpha, power, seeds) recomputed from the files `write_files` wrote: every endpoint's statistics
+    from its per-unit values (`endpoint_stats`), in declared order."""
+    folder = Path(folder)
+    if not (folder / INDEX).is_file():
+        raise InputError(f"{folder / INDEX}: not found (the report stage writes it: results/report/endpoints)")
+    index = read_json(folder / INDEX)
+    out = []
+    for item in index["endpoints"]:
+        got = read_json(folder / item["file"])
+        out.append({"rank": got["rank"], "name": got["name"], "spec": got["spec"], "data": got["data"],
+                    **endpoint_stats(got["data"], index["alpha"], index["power"])})
+    return out, index["alpha"], index["power"], index["seeds"]

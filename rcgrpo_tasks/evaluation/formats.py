@@ -31,10 +31,15 @@ def num(value, spec: str = ".3f") -> str:
 
 
 def ci(value, interval: Sequence | None, spec: str = "+.3f") -> str:
-    """`value [low, high]` in `spec`; `n/a` where the value or either bound is missing."""
+    """`value [low, high]` in `spec`; `n/a` where the value or either bound is missing; where the interval has
+    no width at the printed precision (every unit alike: a bootstrap of equal values) the value and `[no
+    spread: no interval]`, since a point is not an interval."""
     if not interval or len(interval) != 2 or any(missing(x) for x in (value, *interval)):
         return "n/a"
-    return f"{format(value, spec)} [{format(interval[0], spec)}, {format(interval[1], spec)}]"
+    lo, hi = format(interval[0], spec), format(interval[1], spec)
+    if lo == hi:  # no width at the printed precision: float noise around a point is not an interval either
+        return f"{format(value, spec)} [no spread: no interval]"
+    return f"{format(value, spec)} [{lo}, {hi}]"
 
 
 def split_title(task: str, side: str) -> str:

@@ -18,7 +18,7 @@ from rcgrpo_tasks.ops.inputs import read_tsv
 
 TITLES = {"frac_zero_std": "zero-variance groups (share)", "adv_abs_mean": "advantage spread: mean |A|",
           "adv_std": "advantage spread: std A", "controllability_gap": "gap: R(high) - R(low)",
-          "reward": "mean reward"}
+          "reward": "mean reward", "nonzero_adv_high": "high-token rollouts with A != 0"}
 
 
 def run_groups(labels: Sequence[str]) -> dict[str, list[str]]:
@@ -33,7 +33,8 @@ def run_groups(labels: Sequence[str]) -> dict[str, list[str]]:
 def _legend(label: str, stats: dict) -> str:
     if stats["mean"] is None:
         return f"{label}: n/a"
-    return f"{label}: {stats['mean']:.3g} [{stats['ci_low']:.3g}, {stats['ci_high']:.3g}]"
+    lo, hi = f"{stats['ci_low']:.3g}", f"{stats['ci_high']:.3g}"
+    return f"{label}: {stats['mean']:.3g} " + ("(no spread)" if lo == hi else f"[{lo}, {hi}]")
 
 
 def mechanism_figure(runs: Mapping[str, Sequence[Mapping]], columns: Sequence[str] = MECHANISM_COLUMNS,

@@ -7,7 +7,7 @@
    comparable), the cross-stage checks, and both measures per category.
 2. RL: per cell, the fixed probe's mean reward at step 0 and at the end with the change and its paired CI
    over the probe's prompts (`train.rl.probe`), the zero-variance share of the groups trained on (flat at 0 /
-   at 1), RC-GRPO against GRPO from the same init paired group by group (exact McNemar p), rollouts per
+   at 1), each RC-family cell against GRPO from the same init paired group by group (exact McNemar p), rollouts per
    useful group, and whether the run diverged.
 3. Controllability: the teacher-forced margin overall and over the realistic kinds (without the empty
    answer), each with its CI over entries, and the token's sampled and greedy gaps with paired CIs.
@@ -83,14 +83,12 @@ def _probe(p: dict | None) -> tuple[str, str]:
     return f"{curve} (steps {', '.join(map(str, p['steps']))})", f"{ci(c['mean'], [c['ci_low'], c['ci_high']])} ({c['prompts']} prompts x {p['samples']})"
 
 
-def _paired(cell: dict | None, rc: bool) -> str:
+def _paired(cell: dict | None) -> str:
     if not cell:
         return ""
     z = cell["zero_std_paired"]
-    if not rc:
-        return f"{z['grpo']:.2f} of {z['groups']} groups"
-    return (f"{z['rc_grpo']:.2f} vs GRPO {z['grpo']:.2f} ({z['groups']} groups; only GRPO flat {z['only_grpo']}, "
-            f"only RC-GRPO {z['only_rc_grpo']}; McNemar p = {z['mcnemar_p']:.3g})")
+    return (f"{z['cell']:.2f} vs GRPO {z['grpo']:.2f} ({z['groups']} groups; only GRPO flat {z['only_grpo']}, "
+            f"only this cell flat {z['only_cell']}; McNemar p = {z['mcnemar_p']:.3g})")
 
 
 def rl_table(rows: list[dict], contrast: dict) -> str:
@@ -106,7 +104,7 @@ def rl_table(rows: list[dict], contrast: dict) -> str:
         flat = num(r.get("rl_mean_frac_zero_std"), ".2f")
         if r.get("rl_mean_frac_flat_fail") is not None:
             flat += f" ({num(r['rl_mean_frac_flat_fail'], '.2f')} / {num(r.get('rl_mean_frac_flat_success'), '.2f')})"
-        paired = _paired(contrast.get(init), algo == "rc_grpo") if algo in ("grpo", "rc_grpo") else ""
+        paired = _paired(contrast.get(r["label"]))
         div, skipped = r.get("rl_diverged"), r.get("rl_nonfinite_grad_steps")
         fate = div["reason"] + ", rolled back to step " + str(div["restored_step"]) if div else "no"
         if skipped:
@@ -145,7 +143,7 @@ def note(side: str) -> str:
         "the entry's answers sampled as RL samples them that succeed (the same row seeds in every model); "
         "intervals: 95 % Wilson score (greedy), 95 % bootstrap over entries (pass@1); differences: the same "
         "entries paired; greedy: the entries only this row / only the other got right (up, down), exact McNemar p, "
-        "Tango's 95 % score interval; pass@1: a t interval over entries, the sign-flip permutation p. The paper's "
+        "Tango's 95 % score interval; pass@1: the paired t over entries (interval and p). The paper's "
         "numbers are Qwen2.5-7B-Instruct on BFCL v4 multi-turn (its 80 test entries): the shape of the result, not "
         "a target here. Probe: the run's fixed prompts x samples at the rollouts' temperature, the same seeds at "
         "every checkpoint and in every cell of an init, conditioned as the cell is evaluated; its change is paired "

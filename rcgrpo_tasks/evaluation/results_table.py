@@ -14,6 +14,7 @@ from rcgrpo_tasks.env.tasks import ALL_CATEGORIES, paper_overall, task_of_id
 from rcgrpo_tasks.evaluation.formats import SIDES
 from rcgrpo_tasks.evaluation.stats import paired_binary, paired_mean, wilson_ci
 from rcgrpo_tasks.ops.inputs import InputError, read_json, read_jsonl
+from rcgrpo_tasks.ops.names import RC_ALGOS, split_cell
 
 RESULT_FILES = ("results.jsonl",)  # the evaluate stage's per-entry file
 
@@ -203,7 +204,8 @@ def build_report(evals: list[tuple[str, Path]], rl: list[tuple[str, Path]], seed
         init = by_label.get(compared_with(res.label))
         if init is not None:
             row["vs_init"] = versus(res, init, seed)
-        grpo = by_label.get(res.label.replace("-rc_grpo", "-grpo")) if res.label.endswith("-rc_grpo") else None
+        cell = split_cell(res.label)
+        grpo = by_label.get(f"{cell[0]}-grpo") if cell and cell[1] in RC_ALGOS else None
         if grpo is not None:
             row["vs_grpo"] = versus(res, grpo, seed)
     return rows
@@ -224,7 +226,7 @@ def versus(res: EvalResult, init: EvalResult, seed: int = 0) -> dict:
     """Greedy accuracy (%) of a row minus the row it is compared with (`rctp-rc_grpo` vs `rctp`) on the entries
     both evaluated: the entries each got right alone (`up`, `down`), the exact McNemar p and Tango's 95 %
     interval (`evaluation.stats.paired_binary`: never a point where 0-2 entries differ); and the same difference in
-    pass@1 (`pass1`; a t interval over entries and the sign-flip p, `evaluation.stats.paired_mean`; None where either
+    pass@1 (`pass1`; the paired t over entries, its interval and p, `evaluation.stats.paired_mean`; None where either
     row was not sampled)."""
     mine = {e["entry_id"]: e for e in res.entries}
     theirs = {e["entry_id"]: e for e in init.entries}
@@ -233,7 +235,7 @@ def versus(res: EvalResult, init: EvalResult, seed: int = 0) -> dict:
     a, b = [mine[i]["pass1"] for i in common], [theirs[i]["pass1"] for i in common]
     pass1 = None
     if common and not any(math.isnan(v) for v in a + b):
-        r = paired_mean([x - y for x, y in zip(a, b)], seed=seed)
+        r = paired_mean([x - y for x, y in zip(a, b)])
         pass1 = {"diff": 100 * r["diff"], "ci": [100 * x for x in r["ci"]], "p": r["p"]}
     return {"init": init.label, "n": len(common), "diff": 100 * greedy["diff"], "ci": [100 * x for x in greedy["ci"]],
             "p": greedy["p"], "pass1": pass1, "up": greedy["only_first"], "down": greedy["only_second"]}
@@ -248,29 +250,30 @@ def paired_groups(first: list[dict], second: list[dict]) -> list[tuple[dict, dic
 
 
 def rc_versus_grpo(rows: list[dict], groups: dict[str, list[dict]]) -> dict:
-    """Per init with both cells: RC-GRPO against GRPO from the same init, (1) zero-variance groups paired
-    group by group (the same step and slot draw the same entry and seeds in both runs; pairs whose entries
-    differ are left out): both flat, only GRPO flat, only RC-GRPO flat, neither, the two shares, flat at 0 /
-    at 1 in each, and the exact McNemar p of the discordant pairs; (2) held-out accuracy (paired over
-    entries; pts). `groups`: `diagnostics.group_flags` rows by label."""
+    """Per RC-family cell (`ops.names.RC_ALGOS`: RC-GRPO and its ablations) whose init also ran GRPO, keyed by the
+    cell: against that GRPO, (1) zero-variance groups paired group by group (the same step and slot draw the
+    same entry and seeds in both runs; pairs whose entries differ are left out): both flat, only GRPO flat,
+    only the cell flat, the two shares, flat at 0 / at 1 in each, and the exact McNemar p of the discordant
+    pairs; (2) held-out accuracy (paired over entries; pts). `groups`: `diagnostics.group_flags` rows by label."""
     by = {r["label"]: r for r in rows}
     out: dict = {}
-    for init in ("sft", "rctp"):
-        rc, grpo = f"{init}-rc_grpo", f"{init}-grpo"
-        if not groups.get(rc) or not groups.get(grpo):
+    for label in groups:
+        cell = split_cell(label)
+        grpo = f"{cell[0]}-grpo" if cell and cell[1] in RC_ALGOS else None
+        if grpo is None or not groups.get(label) or not groups.get(grpo):
             continue
-        pairs = paired_groups(groups[rc], groups[grpo])
+        pairs = paired_groups(groups[label], groups[grpo])
         only_grpo = sum(a["flat"] is not None and b["flat"] is None for a, b in pairs)
-        only_rc = sum(a["flat"] is None and b["flat"] is not None for a, b in pairs)
+        only_cell = sum(a["flat"] is None and b["flat"] is not None for a, b in pairs)
         both = sum(a["flat"] is not None and b["flat"] is not None for a, b in pairs)
         n = len(pairs)
-        cell = {"zero_std_paired": {
-            "groups": n, "both": both, "only_grpo": only_grpo, "only_rc_grpo": only_rc,
-            "grpo": (both + only_grpo) / n if n else float("nan"), "rc_grpo": (both + only_rc) / n if n else float("nan"),
+        entry = {"versus": grpo, "zero_std_paired": {
+            "groups": n, "both": both, "only_grpo": only_grpo, "only_cell": only_cell,
+            "grpo": (both + only_grpo) / n if n else float("nan"), "cell": (both + only_cell) / n if n else float("nan"),
             "grpo_flat": {f: sum(a["flat"] == f for a, _ in pairs) for f in ("fail", "success")},
-            "rc_grpo_flat": {f: sum(b["flat"] == f for _, b in pairs) for f in ("fail", "success")},
-            "mcnemar_p": mcnemar_exact(only_grpo, only_rc)}}
-        if by.get(rc, {}).get("vs_grpo"):
-            cell["accuracy"] = by[rc]["vs_grpo"]
-        out[init] = cell
+            "cell_flat": {f: sum(b["flat"] == f for _, b in pairs) for f in ("fail", "success")},
+            "mcnemar_p": mcnemar_exact(only_grpo, only_cell)}}
+        if by.get(label, {}).get("vs_grpo"):
+            entry["accuracy"] = by[label]["vs_grpo"]
+        out[label] = entry
     return out

@@ -5,7 +5,8 @@ rows pooled over seeds, RL learning per seed and cell, controllability per seed,
 from __future__ import annotations
 
 from rcgrpo_tasks.env.paper import row_name
-from rcgrpo_tasks.evaluation.formats import ci, missing, num, side_name
+from rcgrpo_tasks.evaluation.endpoint_tables import endpoints_table
+from rcgrpo_tasks.evaluation.formats import ci, num, side_name
 from rcgrpo_tasks.evaluation.report_tables import agreement_lines, category_table, outcome_table, rl_table
 
 
@@ -28,41 +29,6 @@ def premise_lines(gates: list[dict], side: str) -> str:
             "| gate |\n|---|---|---|---|---|---|\n" + rows)
 
 
-def _estimate(r: dict) -> str:
-    m = r["spec"]["measure"]
-    if m in ("pool_learning", "probe", "transfer"):
-        return f"{r['up']} up, {r['down']} down of {r['n']} prompts x seeds"
-    if m == "zero_variance":
-        return (f"{r['cell_share']:.3f} vs {r['versus_share']:.3f}: {ci(r['diff'], r['ci'])} "
-                f"({r['only_first']} vs {r['only_second']} discordant of {r['n']} groups)")
-    scale = 100
-    return (f"{ci(scale * r['diff'], [scale * x for x in r['ci']], '+.1f')} pts"
-            + (f" ({r['only_first']} up, {r['only_second']} down)" if m == "greedy" else "")
-            + (f"; per seed {', '.join(f'{scale * v:+.1f}' for v in r['per_seed'])}" if r.get("per_seed") else ""))
-
-
-def _mde(r: dict) -> str:
-    if missing(r.get("mde")):
-        return "n/a"
-    scale = 1 if r["spec"]["measure"] == "zero_variance" else 100
-    return f"{scale * r['mde']:.{3 if scale == 1 else 1}f}{'' if scale == 1 else ' pts'}"
-
-
-def endpoints_table(results: list[dict], alpha: float, power: float, seeds: int) -> str:
-    """The declared endpoints, primary first, each with its estimate, test, p and MDE."""
-    n_primary = sum(r["rank"] == "primary" for r in results)
-    lines = [f"{len(results)} comparisons reported ({n_primary} primary, {len(results) - n_primary} secondary), "
-             f"declared in params `endpoints` before the run; over {seeds} seed(s); two-sided tests at alpha = "
-             f"{alpha}, no multiplicity correction (secondary endpoints are descriptive); MDE: the smallest "
-             f"effect this n detects with power {power}.\n",
-             "| rank | endpoint | estimate [95% CI] | test | p | MDE (power " + f"{power}) | units |",
-             "|---|---|---|---|---|---|---|"]
-    for r in results:
-        lines.append(f"| {r['rank']} | {r['name']} | {_estimate(r)} | {r['test']} | {num(r['p'], '.3g')} | "
-                     f"{_mde(r)} | {r.get('unit', '')} |")
-    return "\n".join(lines) + "\n"
-
-
 def pooled_table(pooled: list[dict]) -> str:
     """Seeded models averaged over seeds, with two-level bootstrap intervals and the per-seed values."""
     lines = ["| model | greedy % [95% CI over seeds x entries] | per seed | pass@1 % [95% CI] | per seed | "
@@ -81,14 +47,16 @@ def pooled_table(pooled: list[dict]) -> str:
 
 
 def learning_table(seeds: list) -> str:
-    """Per seed and RL cell: its pool, learning on it (first vs last visit), the probe's pool half and its
-    transfer half (prompts up / down, exact sign test)."""
-    lines = ["| seed | cell | pool (prompts, init's success) | pool learning: up / down (sign p) | probe, pool half: "
-             "change [95% CI], up / down (p) | probe, outside the pool: change, up / down (p) |",
+    """Per seed and RL cell: its pool, learning on it (first vs last visit, on equal samples per visit where the
+    run says: `pool_learning_equal`), the probe's pool half and its transfer half (prompts up / down, exact sign
+    test)."""
+    lines = ["| seed | cell | pool (prompts, init's success) | pool learning, equal samples a visit: up / down (sign p) "
+             "| probe, pool half: change [95% CI], up / down (p) | probe, outside the pool: change, up / down (p) |",
              "|---|---|---|---|---|---|"]
     for s in seeds:
         for cell, m in s.rl.items():
-            pool, learn, probe = m.get("pool") or {}, m.get("pool_learning") or {}, m.get("probe") or {}
+            pool, probe = m.get("pool") or {}, m.get("probe") or {}
+            learn = m.get("pool_learning_equal") or m.get("pool_learning") or {}
             cells = [f"{pool.get('size', 'n/a')}, {num(pool.get('step0_success'))}" if pool else "n/a",
                      f"{learn['up']} / {learn['down']} of {learn['prompts']} ({num(learn['sign_p'], '.3g')})"
                      if learn else "n/a"]
@@ -100,13 +68,14 @@ def learning_table(seeds: list) -> str:
 
 
 def seeded_markdown(gates: list[dict], results: list[dict], pooled: list[dict], seeds: list, alpha: float,
-                    power: float, checks: dict[int, list[dict]], side: str) -> str:
-    """The whole report: premise gate, endpoints, pooled rows, learning, then each seed's tables, on the `side`
-    of the split every row measured (`results_table.one_side`)."""
+                    power: float, checks: dict[int, list[dict]], side: str, mechanism: str = "") -> str:
+    """The whole report: premise gate, endpoints, pooled rows, learning, the `mechanism` sections
+    (`mechanism_tables.mechanism_markdown`), then each seed's tables, on the `side` of the split every row
+    measured (`results_table.one_side`)."""
     parts = ["## RCTP's premise\n\n" + premise_lines(gates, side),
              "## Endpoints\n\n" + endpoints_table(results, alpha, power, len(seeds)),
              f"## Outcome pooled over seeds ({side_name(side)} entries)\n\n" + pooled_table(pooled),
-             "## Learning where RL trains\n\n" + learning_table(seeds)]
+             "## Learning where RL trains\n\n" + learning_table(seeds)] + ([mechanism] if mechanism else [])
     for s in seeds:
         parts.append(f"## Seed {s.seed}\n\n" + outcome_table(s.rows) + agreement_lines(checks.get(s.seed, []))
                      + "\n### Per category\n\n" + category_table(s.rows) + "\n### RL\n\n" + rl_table(s.rows, s.contrast))

@@ -3,8 +3,9 @@
 
 - `wilson_ci` and Tango's paired score interval (`tango_paired_ci`, `paired_binary`) never collapse to a
   point on small samples where a percentile bootstrap does;
-- `paired_mean` (t interval, sign-flip p) for per-unit rates such as pass@1; `two_level_bootstrap` pools over
-  seeds and units; `z_power` gives each test's minimum detectable effect.
+- `t_summary` / `paired_mean` (a t over units: interval, p and MDE of one model) for per-unit rates such as
+  pass@1 and for per-seed differences; `sign_summary` (the exact sign test with its Clopper-Pearson interval);
+  `two_level_bootstrap` pools a level over seeds and units; `z_power` gives each test's minimum detectable effect.
 """
 
 from __future__ import annotations
@@ -79,37 +80,11 @@ def paired_binary(x: Sequence[float], y: Sequence[float], alpha: float = 0.05, p
             "mde": z_power(alpha, power) * math.sqrt(psi / n) if n else float("nan")}
 
 
-def sign_flip_p(diffs: Sequence[float], n_perm: int = 20000, seed: int = 0) -> float:
-    """Two-sided p of mean(diffs) = 0 by flipping the signs of paired differences: exact over every sign
-    pattern when at most 16 differences are non-zero, else `n_perm` random patterns (seeded)."""
-    nz = [float(v) for v in diffs if v != 0]
-    if not nz:
-        return 1.0
-    obs = abs(sum(nz))
-    if len(nz) <= 16:
-        hits = sum(abs(sum(v if (m >> i) & 1 else -v for i, v in enumerate(nz))) >= obs - 1e-12
-                   for m in range(2 ** len(nz)))
-        return hits / 2 ** len(nz)
-    rng = random.Random(seed)
-    hits = sum(abs(sum(v if rng.random() < 0.5 else -v for v in nz)) >= obs - 1e-12 for _ in range(n_perm))
-    return (hits + 1) / (n_perm + 1)
-
-
-def paired_mean(diffs: Sequence[float], alpha: float = 0.05, power: float = 0.8, seed: int = 0) -> dict:
-    """Mean of paired differences with a t interval over units, the sign-flip p (`sign_flip_p`) and the
-    minimum detectable mean difference at `power` (z_power x sd / sqrt(n)); for per-unit rates (pass@1)."""
-    from scipy.stats import t as student_t
-
-    d = [float(v) for v in diffs]
-    n = len(d)
-    if n < 2:
-        return {"n": n, "diff": d[0] if d else float("nan"), "ci": [float("nan")] * 2, "p": float("nan"),
-                "mde": float("nan"), "test": "sign-flip permutation, t interval"}
-    m = sum(d) / n
-    sd = math.sqrt(sum((v - m) ** 2 for v in d) / (n - 1))
-    half = student_t.ppf(1 - alpha / 2, n - 1) * sd / math.sqrt(n)
-    return {"n": n, "diff": m, "ci": [m - half, m + half], "p": sign_flip_p(d, seed=seed),
-            "mde": z_power(alpha, power) * sd / math.sqrt(n), "test": "sign-flip permutation, t interval"}
+def paired_mean(diffs: Sequence[float], alpha: float = 0.05, power: float = 0.8) -> dict:
+    """Mean of paired differences (per-unit rates such as pass@1) by one model, the paired t over units: its
+    interval, p and minimum detectable mean difference at `power` (`t_summary`)."""
+    r = t_summary(diffs, alpha, power)
+    return {k: r[k] for k in ("n", "diff", "ci", "p", "mde")} | {"test": "paired t over entries"}
 
 
 def two_level_bootstrap(groups: Sequence[Sequence[float]], n_boot: int = N_BOOT, seed: int = 0,
@@ -136,3 +111,48 @@ def two_level_bootstrap(groups: Sequence[Sequence[float]], n_boot: int = N_BOOT,
     return {"seeds": len(groups), "n": n, "diff": sum(sum(g[:n]) for g in groups) / (len(groups) * n), "ci": [lo, hi],
             "se": se, "mde": z_power(alpha, power) * se, "per_seed": [sum(g[:n]) / n for g in groups],
             "test": "two-level bootstrap (seeds, then units)"}
+
+
+def t_summary(diffs: Sequence[float], alpha: float = 0.05, power: float = 0.8) -> dict:
+    """One-sample t over units (`diffs`: one paired difference per unit): the mean, its t interval, the two-sided
+    t-test p and the minimum detectable mean difference at `power` for this n, all from the one model (se =
+    sd / sqrt(n), df = n - 1: MDE = (t_(1 - alpha/2) + t_power) x se). NaN interval and p where there is no
+    spread to estimate (n < 2, or every difference equal: an interval of width 0 is not one)."""
+    from scipy.stats import t as student_t
+
+    d = [float(v) for v in diffs]
+    n = len(d)
+    m = sum(d) / n if n else float("nan")
+    out = {"n": n, "diff": m, "ci": [float("nan")] * 2, "p": float("nan"), "mde": float("nan"), "se": float("nan"),
+           "df": n - 1}
+    if n < 2:
+        return out
+    sd = math.sqrt(sum((v - m) ** 2 for v in d) / (n - 1))
+    if sd <= 1e-12 * max(1.0, abs(m)):  # equal differences, up to float rounding
+        return out
+    se = sd / math.sqrt(n)
+    q = student_t.ppf(1 - alpha / 2, n - 1)
+    return {**out, "ci": [float(m - q * se), float(m + q * se)], "p": float(2 * student_t.sf(abs(m) / se, n - 1)),
+            "mde": float((q + student_t.ppf(power, n - 1)) * se), "se": se}
+
+
+def clopper_pearson(k: int, n: int, alpha: float = 0.05) -> tuple[float, float]:
+    """Exact (Clopper-Pearson) interval of a binomial proportion k / n: the one that inverts the exact binomial
+    test; (NaN, NaN) for n = 0."""
+    from scipy.stats import beta
+
+    if n <= 0:
+        return (float("nan"), float("nan"))
+    lo = 0.0 if k == 0 else float(beta.ppf(alpha / 2, k, n - k + 1))
+    hi = 1.0 if k == n else float(beta.ppf(1 - alpha / 2, k + 1, n - k))
+    return (lo, hi)
+
+
+def sign_summary(up: int, down: int, alpha: float = 0.05, power: float = 0.8) -> dict:
+    """The exact sign test of `up` vs `down` units as one procedure: the share up among the changed units, its
+    exact interval (Clopper-Pearson, the test's inversion), the exact two-sided p, and the smallest share above
+    one half this many changed units detect at `power` (normal approximation of the same binomial)."""
+    m = up + down
+    lo, hi = clopper_pearson(up, m, alpha)
+    return {"n": m, "diff": up / m if m else float("nan"), "ci": [lo, hi], "p": mcnemar_exact(up, down),
+            "mde": z_power(alpha, power) * 0.5 / math.sqrt(m) if m else float("nan")}

@@ -11,9 +11,15 @@ from __future__ import annotations
 
 INITS: tuple[str, ...] = ("sft", "rctp")
 """The models RL starts from: the SFT and the RCTP fine-tunes (the `sft` stage's variants)."""
-ALGOS: tuple[str, ...] = ("grpo", "rc_grpo", "dynamic")
+ALGOS: tuple[str, ...] = ("grpo", "rc_grpo", "dynamic", "rc_frozen", "rc_lowmask")
 """The RL algorithms: GRPO, RC-GRPO, and GRPO with DAPO's dynamic sampling (zero-variance groups dropped and
-refilled: `train.rl.rollout.EngineRollout`), which the paper does not run. An RL cell is `<init>-<algo>`."""
+refilled: `train.rl.rollout.EngineRollout`), which the paper does not run; and two ablations of RC-GRPO aimed
+at its premise eroding during RL (`RC_ALGOS`). An RL cell is `<init>-<algo>`."""
+RC_ALGOS: tuple[str, ...] = ("rc_grpo", "rc_frozen", "rc_lowmask")
+"""The algorithms that condition each rollout on its own token (RC-GRPO's groups, its advantage): RC-GRPO, and
+RC-GRPO with the reward tokens' embedding rows frozen in RL (`rc_frozen`: the RL LoRA trains no token row, so
+RL cannot move what the tokens mean) or with the low token's rollouts in their group's mean and spread but out
+of the loss (`rc_lowmask`: RL never trains the low-conditioned policy, so it cannot teach it to succeed)."""
 SEEDED_MODELS: tuple[str, ...] = ("rctp",)
 """Models below the RL cells that are trained once per grid seed (their evaluation label)."""
 
@@ -32,7 +38,8 @@ def stage_name(stage: str, model: str, seed: int | None = None) -> str:
     - `rl`: the cell `<init>-<algo>` -> `rl_<init>@<seed>-<algo>`;
     - `evaluate`: a seeded model -> `evaluate_rctp@<seed>`, an RL cell -> `evaluate_rl_<init>@<seed>-<algo>`,
       a model evaluated once (no seed) -> `evaluate@<label>`;
-    - `controllability` (each seed's RCTP model) -> `controllability@<seed>`;
+    - `controllability` (each seed's RCTP model) -> `controllability@<seed>`; an RL cell (its policy after RL)
+      -> `controllability_rl_<init>@<seed>-<algo>`;
     - any other module -> `<stage>@<model>`.
 
     Without a seed a seeded stage keeps its key without it (`rl_rctp@rc_grpo`, `rctp`): the stage the run
@@ -47,6 +54,8 @@ def stage_name(stage: str, model: str, seed: int | None = None) -> str:
         return f"evaluate_{model}@{at}"
     if stage == "evaluate" and seed is not None and cell:
         return f"evaluate_rl_{cell[0]}@{at}-{cell[1]}"
+    if stage == "controllability" and cell:
+        return f"controllability_rl_{cell[0]}@{at + '-' if at else ''}{cell[1]}"
     if stage == "controllability":
         return f"controllability@{at}" if at else "controllability"
     return f"{stage}@{model}"

@@ -29,6 +29,12 @@ G-sized group (G = `rl.num_generations`) has all rewards equal (no GRPO signal):
 averaged over entries, with a paired bootstrap CI of mixed - all-high. Plug-in estimate: with few samples
 per token the rates are often 0 or 1 and both shares are biased toward 1.
 
+After RL (`--cell rctp-<algo>`, stages `controllability_rl_rctp@<seed>-<algo>`): the same check on an RL cell's
+merged policy (`--model-dir models/rl/<seed>/rctp-<algo>`, no adapter), the same entries and row seeds as its
+init's check, so q and the gap after RL sit beside the init's (does RL erode the premise?). Per arm also: each
+token's failures by kind and q split by the low rollout's kind (`failure_kinds`: prose is a contrast of
+format, wrong calls of content), and each entry's mean reward per token (`per_entry`, the token gap's units).
+
 Reads: `--model-dir` + `--adapter-dir` (an sft-stage output, loaded by `HFBackend` as evaluate does),
 `--entries` and `--split` (prepare_data; the `test` side, `--side dev` for design choices), params
 `controllability`, `prompt`, `label_rewards.tokens` and `rl.temperature` / `rl.top_p` / `rl.num_generations` / `rl.p_high`.
@@ -87,6 +93,9 @@ def main(
     params: Path = typer.Option(Path("params.yaml"), help="Params (sections `controllability`, `label_rewards`, `rl`)."),
     grid_seed: int | None = typer.Option(None, help="The grid seed of the measured model (params `grid.seeds`; "
                                          "MLflow tags rcgrpo.cell / rcgrpo.seed)."),
+    cell: str = typer.Option("rctp", help="What is measured: `rctp` (a seed's RCTP model: the premise before RL) "
+                             "or an RL cell `rctp-<algo>` (its merged policy as --model-dir: the premise after RL, "
+                             "on the same entries and seeds)."),
 ) -> None:
     """Sampled (RL settings) and greedy E[R|high] - E[R|low] of a reward-conditioned model, with CIs."""
     with cli_errors(FileNotFoundError):
@@ -102,15 +111,15 @@ def main(
         compute = resolve_compute(load_compute(params), decode=cfg.decode.dtype, model_dir=model_dir)
         backend = load_policy(model_dir, adapter_dir, compute.decode_dtype, (tokens[-1], tokens[0]),
                               compute.device)  # before MLflow
-    stage = tracking_log.stage_name("controllability", "rctp", grid_seed)  # the run's name: its DVC stage's
+    stage = tracking_log.stage_name("controllability", cell, grid_seed)  # the run's name: its DVC stage's
     typer.echo(f"{stage}: decoding on {backend.describe().get('device')}")
     run_params = {"controllability": as_dict(cfg), "prompt": as_dict(prompt), "rl": rl_record(rl, groups),
-                  "adapter": str(adapter_dir), "tokens": list(tokens), "side": side}
+                  "adapter": str(adapter_dir), "tokens": list(tokens), "side": side, "cell": cell}
     with tracking.published_run(stage, run_params, outputs=(metrics, trajectories),
-                                tags=tracking_log.grid_tags("rctp", grid_seed)) as (_, staged):
+                                tags=tracking_log.grid_tags(cell, grid_seed)) as (_, staged):
         result, trajs = measure(cfg, prompt, tokens, backend, picked, rl, groups,
                                 {"model": str(model_dir), "adapter": str(adapter_dir)}, margin_set)
-        result["grid_seed"] = grid_seed
+        result["grid_seed"], result["cell"] = grid_seed, cell
         result["side"], result["dtype"] = side, compute.record()
         write_json(staged.file(metrics), result)
         if trajectories:

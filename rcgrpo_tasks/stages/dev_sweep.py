@@ -15,7 +15,10 @@ here is reported on it by the pipeline. docs/rl.md "Chosen on dev".
 
 `--pool DIR --pool DIR ...` runs nothing: it pools finished sweeps of the same spec (replicates) into one
 table per candidate (`<out>/pooled.md`): dev accuracy over cells x runs, the spread between runs, and the
-difference to the init and to the `default` candidate, each paired over dev entries.
+difference to the init and to the `default` candidate, each paired over dev entries; and one row per
+(candidate, cell) over the replicates (`sweep.design.pooled_cells`: dev accuracy per run, the premise after RL
+on dev where the spec asks for it, the token gap on RL's pool in the last third of training): what an ablation
+of RC-GRPO is chosen on (`configs/sweeps/ablation-dev.yaml`, one replicate per `--seed`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,14 @@ import typer
 from rcgrpo_tasks.ops import pipeline
 from rcgrpo_tasks.ops.cli import cli_errors, fail
 from rcgrpo_tasks.ops.outputs import write_json, write_text
-from rcgrpo_tasks.sweep.design import design_markdown, design_rows, pooled_markdown, pooled_rows
+from rcgrpo_tasks.sweep.design import (
+    cells_markdown,
+    design_markdown,
+    design_rows,
+    pooled_cells,
+    pooled_markdown,
+    pooled_rows,
+)
 from rcgrpo_tasks.sweep.run import read_spec, run_sweep, write_sweep_bundle
 
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
@@ -56,23 +66,25 @@ def main(
                                                 "DVC) instead of dvc.yaml as DVC resolves it here."),
     pool: list[Path] | None = typer.Option(None, "--pool", help="Finished sweep folders of this spec to pool "
                                                                   "(repeatable); runs nothing."),
+    seed: int | None = typer.Option(None, help="The grid seed the cells start from, overriding the spec's (one "
+                                               "replicate per seed; `--pool` them)."),
 ) -> None:
     """Run the sweep; print the design table."""
     with cli_errors():
-        checked = read_spec(spec)
+        checked = read_spec(spec, seed)
         if pool:
             missing = [str(p) for p in pool if not p.is_dir()]
             if missing:
                 fail(f"--pool: not a folder: {missing}")
-            rows = pooled_rows(list(pool), checked)
-            write_json(out / "pooled.json", rows)
-            write_text(out / "pooled.md", pooled_markdown(rows, "default"))
+            rows, cells = pooled_rows(list(pool), checked), pooled_cells(list(pool), checked)
+            write_json(out / "pooled.json", {"candidates": rows, "cells": cells})
+            write_text(out / "pooled.md", pooled_markdown(rows, "default") + "\n" + cells_markdown(cells))
             typer.echo((out / "pooled.md").read_text())
             return
         unknown = sorted(set(only or ()) - set(checked.candidates))
         if unknown:
             fail(f"--only: unknown candidate(s) {unknown}; the spec has {list(checked.candidates)}")
-        run = run_sweep(spec, out, params, _planned(plan), jobs, only, bundle)
+        run = run_sweep(spec, out, params, _planned(plan), jobs, only, bundle, seed=seed)
         rows = [r for r in design_rows(out, run.spec) if r["candidate"] in run.names]
         write_json(out / "design.json", rows)
         write_text(out / "design.md", design_markdown(rows))

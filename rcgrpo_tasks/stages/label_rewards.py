@@ -5,7 +5,7 @@ One definition, two datasets (`--dataset`, dvc.yaml foreach `label_rewards@sft` 
   no reward token — the paper's SFT baseline. It feeds sft@sft, so it must not depend on the SFT model.
 - `rctp`: the generate set plus `--policy` (`data/policy/trajectories.jsonl`: the SFT model's own rollouts
   from `sample_policy`), chosen by the pairing rule (`data.pairing`; params `failures: near_miss |
-  on_policy | mixed`, `pairing: paired | unpaired`; `unpaired` + `near_miss` is the generate set as is),
+  on_policy | mixed | wrong_call`, `pairing: paired | unpaired`; `unpaired` + `near_miss` is the generate set as is),
   each row's reward token appended to the FIRST user message as `\\n\\n[Reward Goal: <token>]`
   (`env.prompt.format_reward_goal`, the same text RL and evaluate use).
 Rows `{"messages": [...], "trajectory_id", "entry_id", "reward_token", "reward"}` go to `--out`; `--metrics`

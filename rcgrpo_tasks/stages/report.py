@@ -21,8 +21,14 @@ Every evaluation and controllability check read must be on one side of the split
 the sides and who measured each, before anything is written. Stages that measure the same thing must agree: per seed, evaluate_rctp's greedy answers and the controllability
 stage's greedy arm are compared entry by entry (`evaluation.agreement`); a disagreement fails the stage, naming
 the entries, before anything is written.
+6. what the injected variance is made of (`evaluation.mechanism_tables`: per RC-family cell against GRPO,
+   groups rescued at success / at failure and created, high-token rollouts with a learning signal, every
+   cell's rollouts per token by failure kind) and RCTP's premise before RL beside each RL policy's after it
+   (`controllability_rl_rctp` stages), with the token gap on RL's pool by thirds of training.
 Writes: `--table` (Markdown), `--json` (DVC metrics: every number above), `--plot` (PNG: accuracy per row),
-`--probe` (PNG: the probe curves), `--mechanism` (PNG: per-step diagnostics), and logs them to MLflow.
+`--probe` (PNG: the probe curves), `--mechanism` (PNG: per-step diagnostics), `--endpoints` (a folder: the
+per-unit values behind every endpoint, which `rcgrpo endpoints --recompute` turns back into the table), and
+logs them to MLflow.
 """
 
 from __future__ import annotations
@@ -33,9 +39,10 @@ from pathlib import Path
 import typer
 
 from rcgrpo_tasks.env.paper import PAPER_TABLE1_OVERALL, row_name
+from rcgrpo_tasks.evaluation import mechanism_tables
 from rcgrpo_tasks.evaluation.agreement import cross_check
-from rcgrpo_tasks.evaluation.endpoints import EndpointsConfig
-from rcgrpo_tasks.evaluation.formats import split_title
+from rcgrpo_tasks.evaluation.endpoints import EndpointsConfig, write_files
+from rcgrpo_tasks.evaluation.formats import ci, split_title
 from rcgrpo_tasks.evaluation.grid import GridConfig
 from rcgrpo_tasks.evaluation.mechanism import plot_mechanism
 from rcgrpo_tasks.evaluation.plots import accuracy_plot, probe_plot
@@ -46,7 +53,7 @@ from rcgrpo_tasks.evaluation.seeded_tables import seeded_markdown
 from rcgrpo_tasks.ops import tracking
 from rcgrpo_tasks.ops.cli import cli_errors
 from rcgrpo_tasks.ops.config import load_config
-from rcgrpo_tasks.ops.inputs import InputError, read_json
+from rcgrpo_tasks.ops.inputs import InputError, read_json, read_tsv
 from rcgrpo_tasks.ops.outputs import write_json, write_text
 
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
@@ -64,7 +71,8 @@ def _pairs(items: list[str], what: str) -> list[tuple[str, Path]]:
 
 def grid_report(params: Path, eval_root: Path, rl_root: Path, ctl_root: Path | None, agree_root: Path | None,
                 seed: int) -> tuple[str, dict, list[dict], dict[str, Path]]:
-    """(Markdown, JSON, plot rows, per-step TSVs) of what params `grid` ran, over its seeds."""
+    """(Markdown, JSON, plot rows, per-step TSVs) of what params `grid` ran, over its seeds; the JSON's
+    `endpoint_files` holds what `endpoints.write_files` commits (each endpoint's per-unit values)."""
     grid = load_config(GridConfig, params, "grid")
     declared = load_config(EndpointsConfig, params, "endpoints")
     seeds = [load_seed(grid, Roots(eval_root, rl_root, ctl_root), s, seed) for s in grid.seeds]
@@ -79,11 +87,18 @@ def grid_report(params: Path, eval_root: Path, rl_root: Path, ctl_root: Path | N
                                                          agree_root / str(s) / "trajectories.jsonl")}]
     side = one_side([r for s in seeds for r in s.rows],
                     {f"controllability@{s.seed}": s.controllability.get("side") for s in seeds if s.controllability})
-    results = endpoint_results(declared, seeds, seed)
+    results = endpoint_results(declared, seeds)
     gates, pooled = premise(seeds), pooled_rows(seeds, grid.seeded_labels, seed)
-    md = seeded_markdown(gates, results, pooled, seeds, declared.alpha, declared.power, checks, side)
+    step_rows = {key: read_tsv(path) for key, path in steps.items()}
+    mech = {"parts": mechanism_tables.parts(seeds, grid.cells), "failures": mechanism_tables.failures(seeds, grid.cells),
+            "premise": mechanism_tables.premise(seeds, step_rows)}
+    md = seeded_markdown(gates, results, pooled, seeds, declared.alpha, declared.power, checks, side,
+                         mechanism_tables.mechanism_markdown(mech, side))
     md += paper_beside(seeds[0].rows, pooled, results)
-    data = {"side": side, "premise": gates, "endpoints": results, "pooled": pooled,
+    data = {"side": side, "premise": gates, "endpoints": [{k: v for k, v in r.items() if k != "data"} for r in results],
+            "endpoint_files": {"results": results, "alpha": declared.alpha, "power": declared.power,
+                               "seeds": len(seeds)},
+            "mechanism": mech, "pooled": pooled,
             "seeds": {str(s.seed): {"rows": {r["label"]: r for r in s.rows}, "rc_grpo_vs_grpo": s.contrast}
                       for s in seeds},
             "stage_agreement": {str(k): v for k, v in checks.items()}}
@@ -109,12 +124,20 @@ def paper_beside(rows: list[dict], pooled: list[dict], endpoints: list[dict]) ->
         ours = f"{greedy[label]:.1f}" if label in greedy else "not run"
         lines.append(f"| {row_name(label)} | {paper:.2f} | {ours} |")
     contrast = PAPER_TABLE1_OVERALL["rctp-rc_grpo"] - PAPER_TABLE1_OVERALL["rctp-grpo"]
-    ours = [f"{e['spec']['measure']} {e['diff'] * 100:+.1f} [{e['ci'][0] * 100:+.1f}, {e['ci'][1] * 100:+.1f}]"
+    ours = [f"{e['spec']['measure']} {ci(e['diff'] * 100, [x * 100 for x in e['ci']], '+.1f')} ({beside(contrast, e['ci'])})"
             for e in endpoints if e["spec"]["measure"] in ("greedy", "pass1")
             and (e["spec"]["cell"], e["spec"]["versus"]) == ("rctp-rc_grpo", "rctp-grpo")]
     lines += ["", f"RCTP+RC-GRPO - RCTP+GRPO: the paper {contrast:+.2f} points; this run "
                   f"{'; '.join(ours) or 'did not compare them'} (endpoints above).", ""]
     return "\n".join(lines)
+
+
+def beside(paper: float, interval: list) -> str:
+    """Where the paper's difference (pts) falls against this run's unit-level 95 % interval (shares)."""
+    lo, hi = (100 * x for x in interval)
+    if lo != lo or hi != hi:
+        return "no interval"
+    return f"the interval {'includes' if lo <= paper <= hi else 'excludes'} the paper's {paper:+.2f}"
 
 
 def explicit_report(eval_: list[str], rl: list[str], agree: list[str], seed: int
@@ -152,6 +175,8 @@ def main(
     json_out: Path = typer.Option(Path("results/report/report.json"), "--json", help="Output: metrics JSON."),
     plot_out: Path = typer.Option(Path("results/report/accuracy.png"), "--plot", help="Output: PNG plot."),
     mechanism: Path | None = typer.Option(None, help="Output: PNG of the per-step mechanism, GRPO beside RC-GRPO."),
+    endpoints: Path | None = typer.Option(None, help="Output: a folder of the per-unit values behind every endpoint "
+                                          "(one JSON each; `rcgrpo endpoints --recompute` reprints the table)."),
     probe: Path | None = typer.Option(None, help="Output: PNG of the RL cells' fixed-probe curves."),
     seed: int = typer.Option(0, help="Bootstrap seed."),
     track: bool = typer.Option(True, help="Log to MLflow."),
@@ -164,8 +189,11 @@ def main(
             md, data, rows, steps = grid_report(params, eval_root, rl_root, controllability_root, agree_root, seed)
         if mechanism is not None and not steps:
             raise InputError("--mechanism needs the RL runs' per-step TSVs (the grid's report, without --eval)")
+        if endpoints is not None and "endpoint_files" not in data:
+            raise InputError("--endpoints needs the declared endpoints (the grid's report, without --eval)")
+    files_of = data.pop("endpoint_files", None)
     task = " / ".join(sorted({r["task"] for r in rows}))
-    outputs = (table, json_out, plot_out, mechanism, probe)
+    outputs = (table, json_out, plot_out, mechanism, probe, endpoints)
     with tracking.published_run("report", {"params": str(params), "eval": eval_, "rl": rl, "seed": seed},
                                 outputs=outputs, track=track) as (_, staged):
         files = [staged.file(table), staged.file(json_out), staged.file(plot_out)]
@@ -176,6 +204,10 @@ def main(
         if mechanism is not None:
             files.append(staged.file(mechanism))
             plot_mechanism(steps, files[-1], title=f"RC-GRPO mechanism per step (BFCL v4 {task})")
+        if endpoints is not None:
+            folder = staged.dir(endpoints)
+            write_files(folder, files_of["results"], files_of["alpha"], files_of["power"], files_of["seeds"])
+            files += sorted(folder.iterdir())
         if probe is not None:
             files.append(staged.file(probe))
             probe_plot(rows, files[-1], names, f"RL on BFCL v4 {task}: the fixed probe's reward (pool half)")

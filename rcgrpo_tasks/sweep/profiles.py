@@ -27,9 +27,10 @@ from rcgrpo_tasks.train.rl.config import RLConfig
 from rcgrpo_tasks.train.sft.config import SftConfig
 
 PROFILES: tuple[str, ...] = ("default", "smoke", "cpu-long", "multi-turn", "multi-turn+smoke", "full-grid",
-                             "study", "gpu", "gpu+lease", "gpu+smoke+dryrun", "paper")
-"""Every profile as it is run: alone, or (`lease`, `dryrun`: last layers) over the profiles its header
-names; the smoke pipeline runs `smoke` and `multi-turn+smoke`."""
+                             "study", "study-pool", "study-pool+ablation-dev", "gpu", "gpu+lease", "gpu+smoke+dryrun",
+                             "paper")
+"""Every profile as it is run: alone, or (`lease`, `dryrun`, `ablation-dev`: last layers) over the profiles its
+header names; the smoke pipeline runs `smoke` and `multi-turn+smoke`."""
 
 PAPER_DEPARTURES: dict[str, str] = {
     "split train / dev / rl / test": "a dev split (every design choice) and RL's own prompts carved from the "

@@ -4,6 +4,7 @@ A sweep spec (YAML, e.g. `configs/sweeps/rl-dev.yaml`):
 
     cells: [rctp-grpo, rctp-rc_grpo]      # RL cells of the pipeline (params `grid.rl`)
     seed: 0                               # the grid seed whose init models the cells start from (default 0)
+    premise: false                        # also the controllability check on dev, before and after RL
     common: {evaluate: {margin: false}}   # overrides every candidate gets
     candidates:
       default: {}
@@ -27,6 +28,12 @@ planned command with only these substitutions (`rl_args`, `evaluate_args`, `repo
   `--rl-root`) and the inputs and plots the sweep does not make (`--controllability-root`, `--agree-root`,
   `--mechanism`, `--probe`) dropped; appended: `--eval` for each init and cell
   (the folders above), `--rl` for each cell (its `rl.json`), `--no-track`.
+
+With `premise: true` (the premise before and after RL, on dev): the seed's RCTP check (`controllability@<seed>`,
+as `init/controllability@rctp`: `--params` `<out>/init/params.yaml`, `--metrics` `<out>/init/ctl-rctp.json`,
+`--trajectories` dropped) and, per candidate and RCTP-init cell, the check on its policy
+(`controllability_rl_rctp@<seed>-<algo>`: `--params`, `--model-dir` that cell's model, `--metrics`
+`<out>/<candidate>/<cell>/ctl.json`), both with `--side dev` appended.
 
 Every other argument is the planned one. No sweep stage may read an output of a pipeline stage other than
 those the cells start from (`check_reads`), and those must exist before it starts (`missing_inputs`). `plan_runner.run_plan` runs the plan (`jobs` side by
@@ -64,6 +71,8 @@ class Spec:
     candidates: dict[str, dict]
     seed: int = 0
     """The grid seed whose RCTP model and pool the cells start from (its stages must be in the plan)."""
+    premise: bool = False
+    """Also the controllability check on dev: the seed's RCTP model, and every RCTP-init cell's policy."""
 
     def stages(self, cell: str) -> tuple[str, str]:
         """(rl stage, evaluate stage) of `cell` in the pipeline (dvc.yaml's names for the grid seed)."""
@@ -75,8 +84,9 @@ class Spec:
         return "evaluate@sft" if init == "sft" else f"evaluate_rctp@{self.seed}"
 
 
-def read_spec(path: Path) -> Spec:
-    """The spec file, checked: cells of the rl grid (init-algo), a mapping of candidates (names usable as folders)."""
+def read_spec(path: Path, seed: int | None = None) -> Spec:
+    """The spec file, checked: cells of the rl grid (init-algo), a mapping of candidates (names usable as folders);
+    `seed` (a replicate on another grid seed) overrides the spec's."""
     raw = read_params(path)
     cells = tuple(raw.get("cells") or ())
     bad = [c for c in cells if c.partition("-")[0] not in INITS or c.partition("-")[2] not in ALGOS]
@@ -91,13 +101,16 @@ def read_spec(path: Path) -> Spec:
             raise ConfigError(f"{path}: candidates.{name}: a folder-safe name and a mapping of overrides")
         if str(name) in RESERVED:
             raise ConfigError(f"{path}: candidates.{name}: the sweep's own folder; name it otherwise")
-    unknown = sorted(set(raw) - {"cells", "common", "candidates", "seed"})
+    unknown = sorted(set(raw) - {"cells", "common", "candidates", "seed", "premise"})
     if unknown:
-        raise ConfigError(f"{path}: unknown key(s) {unknown}; expected cells, common, candidates, seed")
-    seed = raw.get("seed", 0)
+        raise ConfigError(f"{path}: unknown key(s) {unknown}; expected cells, common, candidates, seed, premise")
+    seed = raw.get("seed", 0) if seed is None else seed
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ConfigError(f"{path}: seed must be a grid seed (an integer >= 0), got {seed!r}")
-    return Spec(cells, raw.get("common") or {}, {str(k): v or {} for k, v in candidates.items()}, seed)
+    premise = raw.get("premise", False)
+    if not isinstance(premise, bool):
+        raise ConfigError(f"{path}: premise must be true or false, got {premise!r}")
+    return Spec(cells, raw.get("common") or {}, {str(k): v or {} for k, v in candidates.items()}, seed, premise)
 
 
 def candidate_params(base: dict, spec: Spec, name: str, where: Path) -> dict:
@@ -120,11 +133,29 @@ def evaluate_args(params: Path, out: Path, model: Path | None = None) -> dict[st
     return {"--params": str(params), "--out": str(out), **({"--model": str(model)} if model else {})}
 
 
+def controllability_args(params: Path, metrics: Path, model: Path | None = None) -> dict[str, Substitution]:
+    """The controllability stage's substitutions: the params, the metrics file, and (a cell) the RL model; the
+    init's check drops its trajectories (the cross-stage check is the pipeline's)."""
+    return {"--params": str(params), "--metrics": str(metrics),
+            **({"--model-dir": str(model)} if model else {"--trajectories": None})}
+
+
+def premise_stages(by_name: dict[str, PlannedStage], spec: Spec, name: str, out: Path, rl: dict[str, str]) -> list:
+    """With `spec.premise`: the controllability check on dev of each RCTP-init cell's policy after its rl stage
+    (`rl`: cell -> the sweep's rl stage name)."""
+    folder = out / name
+    return [variant(_planned(by_name, f"controllability_rl_rctp@{spec.seed}-{cell.partition('-')[2]}"),
+                    f"{name}/controllability@{cell}",
+                    controllability_args(folder / "params.yaml", folder / cell / "ctl.json", folder / cell / "model"),
+                    EVALUATE_ADD, [rl[cell]]) for cell in spec.cells if spec.premise and cell.startswith("rctp-")]
+
+
 EVALUATE_ADD = ("--side", "dev")
 """What the sweep appends to evaluate: it judges on the dev side, never on the held-out one."""
 
 
-REPORT_DROPS = ("--eval-root", "--rl-root", "--controllability-root", "--agree-root", "--mechanism", "--probe")
+REPORT_DROPS = ("--eval-root", "--rl-root", "--controllability-root", "--agree-root", "--mechanism", "--probe",
+                "--endpoints")
 """The report's options a sweep drops: what it reads of the pipeline (the sweep appends its own `--eval` and
 `--rl`), the inputs the sweep does not make, the plots it does not need to judge."""
 
@@ -161,6 +192,9 @@ def sweep_plan(planned: list[PlannedStage], spec: Spec, names: list[str], out: P
     init_dir = out / "init"
     plan = [variant(_planned(by_name, spec.init_stage(i)), f"init/evaluate@{i}",
                     evaluate_args(init_dir / "params.yaml", init_dir / i), EVALUATE_ADD) for i in inits]
+    if spec.premise and "rctp" in inits:
+        plan.append(variant(_planned(by_name, f"controllability@{spec.seed}"), "init/controllability@rctp",
+                            controllability_args(init_dir / "params.yaml", init_dir / "ctl-rctp.json"), EVALUATE_ADD))
     for name in names:
         params, folder = out / name / "params.yaml", out / name
         for cell in spec.cells:
@@ -169,6 +203,7 @@ def sweep_plan(planned: list[PlannedStage], spec: Spec, names: list[str], out: P
             plan += [rl, variant(_planned(by_name, eval_stage), f"{name}/evaluate@{cell}",
                                  evaluate_args(params, folder / cell / "eval", folder / cell / "model"),
                                  EVALUATE_ADD, [rl.name])]
+        plan += premise_stages(by_name, spec, name, out, {c: f"{name}/rl@{c}" for c in spec.cells})
         ups = [f"init/evaluate@{i}" for i in inits] + [f"{name}/{k}@{c}" for c in spec.cells for k in ("rl", "evaluate")]
         plan.append(variant(_planned(by_name, "report"), f"{name}/report", report_args(params, folder),
                             report_add(folder, spec.cells, init_dir, inits), ups))
@@ -264,13 +299,14 @@ def _runner_lines(line: str) -> None:
 
 
 def run_sweep(spec_path: Path, out: Path, params_path: Path, planned: list[PlannedStage], jobs: int = 1,
-              only: list[str] | None = None, bundle: Path | None = None, root: Path = Path(".")) -> SweepRun:
+              only: list[str] | None = None, bundle: Path | None = None, root: Path = Path("."),
+              seed: int | None = None) -> SweepRun:
     """Every candidate x cell and each init, by `sweep_plan` from `planned` (the pipeline's plan), run in
     `root` by `plan_runner.run_plan` (`jobs` side by side, logs in `<out>/logs`, `bundle` rewritten after
     every stage, one failed chain not stopping the others); writes the candidates' params files, the sweep's
     `plan.json` and `timings.json` (`chain_timings`). Everything is checked before anything is written;
     `out` must lie inside `root` (the bundle keeps paths relative to it)."""
-    spec = read_spec(spec_path)
+    spec = read_spec(spec_path, seed)
     names = [n for n in spec.candidates if not only or n in only]
     base = read_params(params_path)
     merged = {name: candidate_params(base, spec, name, spec_path) for name in names}

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rcgrpo_tasks.env import failures
 from rcgrpo_tasks.env.contract import Perturbation, Script
 from rcgrpo_tasks.env.multi_turn import decode, perturb
 from rcgrpo_tasks.env.multi_turn.entries import (
@@ -81,6 +82,11 @@ class MultiTurnTask:
         """(scores, steps dropped undecoded) of a BFCL result row, decoded as `bfcl evaluate` decodes it."""
         turns, dropped = decode.decode_result(result, decoding)
         return score_entry(entry, turns), dropped
+
+    def failure_kind(self, entry, result: Any, success: bool) -> str | None:
+        """The paper reward allows extra calls: the called names must cover the gold's (a multiset)."""
+        gold = failures.call_names(c for turn in entry.ground_truth for c in turn)
+        return failures.failure_kind(failures.result_calls(result), gold.elements(), success, exact=False)
 
     def result_steps(self, result: Any) -> Iterable[Any]:
         """Each step of each turn; a result that is not a list (an inference error) has none."""

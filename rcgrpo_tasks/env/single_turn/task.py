@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rcgrpo_tasks.env import failures
 from rcgrpo_tasks.env.contract import Perturbation, Script
 from rcgrpo_tasks.env.prompt import ProtocolConfig
 from rcgrpo_tasks.env.rewards import EntryScore
@@ -78,6 +79,11 @@ class SingleTurnTask:
     def score_result(self, entry, result, decoding: str, underscore_to_dot: bool = False) -> tuple[EntryScore, int]:
         """(scores, 1 if the output did not decode) of a BFCL result row (`scoring.score_single_turn`)."""
         return score_single_turn(entry, result, decoding, underscore_to_dot)
+
+    def failure_kind(self, entry, result: Any, success: bool) -> str | None:
+        """BFCL's checker wants exactly the gold's calls: the called names must equal the gold's (a multiset)."""
+        gold = [next(iter(g)) for g in entry.possible_answer]
+        return failures.failure_kind(failures.result_calls(result), gold, success, exact=True)
 
     def result_steps(self, result: Any) -> Iterable[Any]:
         """A single-turn result is one step (the model's one output)."""

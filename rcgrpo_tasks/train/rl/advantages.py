@@ -39,13 +39,13 @@ from rcgrpo.group_metrics import (  # noqa: F401  (re-exported: the library's gr
     spread_groups,
     zero_std_fraction,
 )
-from rcgrpo_tasks.ops.names import ALGOS
+from rcgrpo_tasks.ops.names import ALGOS, RC_ALGOS
 
 
 def conditioning_for(init: str, algo: str) -> Conditioning:
-    """The paper's grid: RC-GRPO -> `rc`; GRPO (plain or with dynamic sampling) from an RCTP init -> `fixed`
-    (always high); from SFT -> `none`."""
-    if algo == "rc_grpo":
+    """The paper's grid: RC-GRPO (and its ablations, `RC_ALGOS`) -> `rc`; GRPO (plain or with dynamic
+    sampling) from an RCTP init -> `fixed` (always high); from SFT -> `none`."""
+    if algo in RC_ALGOS:
         return "rc"
     if algo in ("grpo", "dynamic"):
         return "fixed" if init == "rctp" else "none"

@@ -20,14 +20,21 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from rcgrpo.group_metrics import NONZERO_ADV, level_names
 from rcgrpo.stats import mcnemar_exact
 from rcgrpo_tasks.data.rl_steps import finite, step_summary
+from rcgrpo_tasks.env.failures import FAILURE_KINDS
 from rcgrpo_tasks.ops.inputs import read_tsv
 from rcgrpo_tasks.ops.outputs import write_tsv
 from rcgrpo_tasks.train.rl.advantages import ZERO_STD_TOL, group_stats
 
 STEP_MARKER = "loss"
 """A key of every optimizer step's TRL log (and of no other log): a step's row is written on it."""
+LEVELS = ("high", "low", "none")
+"""The token levels RL conditions on (`rcgrpo.group_metrics.level_names`): the columns per level."""
+FAILURE_COLUMNS = tuple(f"fail_{kind}_{level}" for level in LEVELS for kind in FAILURE_KINDS)
+"""Per token level, the share of its rollouts that failed with each kind (`env.failures`): what the spread a
+token injects is made of (a low token that answers in prose adds `no_call` failures)."""
 PLOT_COLUMNS = (
     "step", "reward", "reward_high", "reward_low", "reward_none", "controllability_gap", "frac_zero_std",
     "frac_flat_fail", "frac_flat_success", "adv_abs_mean", "adv_std", "kl", "clip_ratio", "loss", "reward_paper", "reward_official", "reward_partial",
@@ -35,11 +42,14 @@ PLOT_COLUMNS = (
     "rollouts_generated", "rollouts_trained", "groups_dropped", "useful_groups", "gen_rounds",
     "gen_tokens_per_useful_group", "frac_zero_std_generated", "step_skipped", "truncated", "logp_diff_mean",
     "logp_diff_max", "sampler_kl", "is_weight_mean", "is_weight_min", "is_capped",
+    "nonzero_adv_high", "nonzero_adv_low", "nonzero_adv_none", *FAILURE_COLUMNS,
 )
 """One row per optimizer step. A step that generated nothing (`num_iterations` or `minibatches` > 1 reuse
 a generation batch) has no rollout columns (NaN) but its own loss, KL and clip fraction. `truncated`: TRL's
 share of rollouts cut by a budget (`completions/clipped_ratio`); `logp_diff_*`, `sampler_kl`, `is_*`: the
-sampler/trainer mismatch of the step's generation batch (`offpolicy`)."""
+sampler/trainer mismatch of the step's generation batch (`offpolicy`); `nonzero_adv_<level>`: the step's
+rollouts of that token whose advantage is not 0 (the library's count: where the learning signal sits);
+`fail_<kind>_<level>`: `FAILURE_COLUMNS`."""
 PRICE_COLUMNS = ("frac_zero_std_generated", "rollouts_generated", "useful_groups", "gen_tokens_per_useful_group")
 """Per-step columns of what the learning signal cost (summarized with CIs over steps, as the mechanism)."""
 _SOURCES = {  # plot column -> key of TRL's averaged step logs
@@ -55,7 +65,8 @@ _SOURCES = {  # plot column -> key of TRL's averaged step logs
     **{c: f"rc/{c}" for c in ("rollouts_generated", "rollouts_trained", "groups_dropped", "useful_groups",
                               "gen_rounds", "gen_tokens_per_useful_group", "frac_zero_std_generated",
                               "step_skipped", "logp_diff_mean", "logp_diff_max", "sampler_kl",
-                              "is_weight_mean", "is_weight_min", "is_capped")},
+                              "is_weight_mean", "is_weight_min", "is_capped", "nonzero_adv_high",
+                              "nonzero_adv_low", "nonzero_adv_none", *FAILURE_COLUMNS)},
     "truncated": "completions/clipped_ratio",
 }
 
@@ -114,11 +125,50 @@ class DiagnosticsMixin:
         write_tsv(self.tsv, kept + [row], PLOT_COLUMNS)
 
 
-def group_flags(records: Sequence[Mapping], reward: str, tol: float = ZERO_STD_TOL) -> list[dict]:
-    """Per generated group of a run (`rollout.rollout_record`s: step, group, entry, rewards): {step, group,
-    entry_id, flat: None (reward spread) | "fail" | "success" (zero std at mean <= 0.5 / above)}, in step and
-    group order. The unit of the paired GRPO / RC-GRPO comparison (the same step and slot draw the same entry
-    and seeds in both: `rollout.EngineRollout.group_specs`)."""
+def _level(levels: Sequence[str]):
+    """reward token -> its level's name (`high`, `low`, `none`, `level<i>`; `rcgrpo.group_metrics.level_names`)."""
+    names = level_names(levels)
+    return lambda token: names.get(token, str(token))
+
+
+def failure_counts(records: Sequence[Mapping], levels: Sequence[str]) -> dict[str, dict[str, int]]:
+    """Per token level present: its rollouts, successes (paper reward 1: `failure` None on a scored rollout),
+    unscored ones and each failure kind (`rollout.rollout_record`'s `failure`), counted over `records`."""
+    level = _level(levels)
+    out: dict[str, dict[str, int]] = {}
+    for r in records:
+        c = out.setdefault(level(r.get("reward_token")), {"rollouts": 0, "success": 0, "unscored": 0,
+                                                           **dict.fromkeys(FAILURE_KINDS, 0)})
+        c["rollouts"] += 1
+        kind = r.get("failure")
+        scored = (r.get("rewards") or {}).get("paper_reward") is not None
+        c[kind if kind in FAILURE_KINDS else "success" if scored else "unscored"] += 1
+    return out
+
+
+def failure_shares(records: Sequence[Mapping], levels: Sequence[str]) -> dict[str, float]:
+    """`rc/fail_<kind>_<level>`: per token level present, the share of its rollouts failing with each kind."""
+    return {f"rc/fail_{kind}_{name}": c[kind] / c["rollouts"] for name, c in failure_counts(records, levels).items()
+            for kind in FAILURE_KINDS}
+
+
+def nonzero_advantages(records: Sequence[Mapping], levels: Sequence[str]) -> dict[str, int]:
+    """Per token level present: the rollouts whose advantage is not 0 (|A| > `NONZERO_ADV`: a learning signal)."""
+    level = _level(levels)
+    out: dict[str, int] = {}
+    for r in records:
+        name = level(r.get("reward_token"))
+        out[name] = out.get(name, 0) + (abs(float(r.get("advantage") or 0.0)) > NONZERO_ADV)
+    return out
+
+
+def group_flags(records: Sequence[Mapping], reward: str, levels: Sequence[str] = (),
+                tol: float = ZERO_STD_TOL) -> list[dict]:
+    """Per generated group of a run (`rollout.rollout_record`s: step, group, entry, rewards, advantage): {step,
+    group, entry_id, flat: None (reward spread) | "fail" | "success" (zero std at mean <= 0.5 / above), and
+    with `levels` (the reward tokens): `rollouts` and `nonzero_adv` per token level}, in step and group order.
+    The unit of the paired GRPO / RC-GRPO comparison (the same step and slot draw the same entry and seeds in
+    both: `rollout.EngineRollout.group_specs`)."""
     by: dict[tuple[int, int], list] = {}
     for r in records:
         by.setdefault((int(r["step"]), int(r["group"])), []).append(r)
@@ -126,19 +176,29 @@ def group_flags(records: Sequence[Mapping], reward: str, tol: float = ZERO_STD_T
     for (step, group), rs in sorted(by.items()):
         ((mu, sd),) = group_stats([float(r["rewards"].get(reward) or 0.0) for r in rs], len(rs))
         flat = None if sd >= tol else ("fail" if mu <= 0.5 else "success")  # as `advantages.flat_fractions`
-        out.append({"step": step, "group": group, "entry_id": rs[0]["entry_id"], "flat": flat})
+        row = {"step": step, "group": group, "entry_id": rs[0]["entry_id"], "flat": flat}
+        if levels:
+            row["rollouts"] = {k: c["rollouts"] for k, c in failure_counts(rs, levels).items()}
+            row["nonzero_adv"] = nonzero_advantages(rs, levels)
+        out.append(row)
     return out
 
 
-def pool_learning(records: Sequence[Mapping], reward: str, token: str | None = None) -> dict:
+def pool_learning(records: Sequence[Mapping], reward: str, token: str | None = None,
+                  per_visit: int | None = None) -> dict:
     """Does RL learn the prompts it trains on? Per pool prompt drawn at two steps or more, the mean reward of its
     group at its first visit vs its last (rollouts under `token` only, when given: RC-GRPO's high-token half,
-    what evaluation conditions on); the prompts that rose and fell, and the exact sign test of those counts."""
+    what evaluation conditions on); the prompts that rose and fell, and the exact sign test of those counts.
+    `per_visit`: each visit read on its first `per_visit` such rollouts, visits with fewer left out, so cells
+    that draw different numbers of high-token rollouts per visit (GRPO 4, RC-GRPO about 2) are compared on
+    equal samples."""
     visits: dict[str, dict[int, list[float]]] = {}
     for r in records:
         if token is None or r.get("reward_token") == token:
             visits.setdefault(r["entry_id"], {}).setdefault(int(r["step"]), []).append(
                 float(r["rewards"].get(reward) or 0.0))
+    if per_visit is not None:
+        visits = {e: {s: v[:per_visit] for s, v in steps.items() if len(v) >= per_visit} for e, steps in visits.items()}
     firsts, lasts = [], []
     for steps in visits.values():
         if len(steps) >= 2:
@@ -150,4 +210,4 @@ def pool_learning(records: Sequence[Mapping], reward: str, token: str | None = N
     n = len(firsts)
     return {"prompts": n, "up": up, "down": down, "ties": n - up - down, "sign_p": mcnemar_exact(up, down),
             "first_mean": sum(firsts) / n if n else float("nan"), "last_mean": sum(lasts) / n if n else float("nan"),
-            "token": token}
+            "token": token, "per_visit": per_visit}

@@ -37,9 +37,11 @@ from rcgrpo_tasks.engine.backend import stop_token_ids
 from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.env.prompt import ProtocolConfig
 from rcgrpo_tasks.env.rewards import REWARDS, reward_value
+from rcgrpo_tasks.env.tasks import task_of
 from rcgrpo_tasks.train.common import distributed
 from rcgrpo_tasks.train.rl import advantages as adv
 from rcgrpo_tasks.train.rl.config import RLConfig
+from rcgrpo_tasks.train.rl.diagnostics import failure_shares
 from rcgrpo_tasks.train.rl.rollout_policy import policy_snapshot, rollout_dtype, trl_vllm_backend
 
 
@@ -58,7 +60,9 @@ class EngineRollout:
 
     `levels`: the reward tokens (label_rewards.tokens, lowest first); `protocol`: the episode settings
     (params `prompt` with `max_outputs`); `dynamic`: drop and refill groups without reward spread (module
-    docstring).
+    docstring); `mask_low`: the lowest token's rollouts count in their group's mean and spread (the
+    advantage of every rollout is RC-GRPO's) but carry no loss (an all-0 `env_mask`), so RL never trains
+    the low-conditioned policy: the ablation that keeps the premise from eroding (algo `rc_lowmask`).
 
     Across processes: TRL hands process p the p-th contiguous share of whole groups of the step's batch and
     each process decodes its own groups (no communication while decoding). A group's reward tokens and
@@ -67,9 +71,9 @@ class EngineRollout:
     computed from every process's groups (`distributed.gather`), identically on each."""
 
     def __init__(self, cfg: RLConfig, protocol: ProtocolConfig, mode: adv.Conditioning, levels: tuple[str, ...],
-                 entries: dict, tokenizer, dynamic: bool = False):
+                 entries: dict, tokenizer, dynamic: bool = False, mask_low: bool = False):
         self.cfg, self.protocol, self.mode, self.levels = cfg, protocol, mode, tuple(levels)
-        self.entries, self.tokenizer, self.dynamic = entries, tokenizer, dynamic
+        self.entries, self.tokenizer, self.dynamic, self.mask_low = entries, tokenizer, dynamic, mask_low
         self.last: list = []  # this process's trajectories of the latest call (tests, debugging)
         self.last_kept: list[bool] = []  # per group of this process in the latest call: trained on
         self.records: list[dict] = []  # every process's rollouts of the latest call, batch order (rollout_record)
@@ -183,22 +187,38 @@ class EngineRollout:
         elapsed = time.perf_counter() - t0
         trajs = [t for grp in groups for t in grp]
         self.last, self.last_kept = trajs, kept
-        mine = [rollout_record(t, step, first + i // g, kept[i // g]) for i, t in enumerate(trajs)]
+        trained = [kept[i // g] and not self.masked(t) for i, t in enumerate(trajs)]
+        mine = [rollout_record(t, step, first + i // g, trained[i], self.failure(t)) for i, t in enumerate(trajs)]
         parts = distributed.gather((mine, elapsed, spread, kept, gen["generated"], self.generated_tokens))
         self.records = [r for p in parts for r in p[0]]
         kept_all = [k for p in parts for k in p[3]]
         for name, value in self.metrics(self.records, max(p[1] for p in parts)).items():
             trainer.record_metric(name, value)
         for name, value in self.price([s for p in parts for s in p[2]], kept_all, [f for p in parts for f in p[4]],
-                                      gen["rounds"], sum(p[5] for p in parts)).items():
+                                      gen["rounds"], sum(p[5] for p in parts),
+                                      sum(r["trained"] for r in self.records)).items():
             trainer.record_metric(name, value)
         if self.dynamic and not any(kept_all) and acc.is_main_process:
             print(f"rl: step {step + 1}: no group with reward spread after {gen['rounds']} generation round(s); "
                   "nothing to train on, the step makes no update", file=sys.stderr, flush=True)
-        return self.to_trl(trajs, [k for k in kept for _ in range(g)])
+        return self.to_trl(trajs, trained)
 
-    def price(self, spread: list[bool], kept: list[bool], flags: list[bool], rounds: int, gen_tokens: int) -> dict:
-        """What the step's learning signal cost (`rc/...`): rollouts generated (all rounds) and trained on,
+    def masked(self, t) -> bool:
+        """Whether a rollout carries no loss under `mask_low` (the lowest token's)."""
+        return self.mask_low and t.reward_token == self.levels[0]
+
+    def failure(self, t) -> str | None:
+        """What a rollout's failure is made of (`env.failures`; None: a success or an unscored rollout): a
+        failure is an answer the paper reward scores 0, whatever reward RL trains on."""
+        if not t.score:
+            return None
+        entry = self.entries[t.entry_id]
+        return task_of(entry).failure_kind(entry, t.result, reward_value(t.score, "paper_reward") == 1.0)
+
+    def price(self, spread: list[bool], kept: list[bool], flags: list[bool], rounds: int, gen_tokens: int,
+              trained: int | None = None) -> dict:
+        """What the step's learning signal cost (`rc/...`): rollouts generated (all rounds) and trained on
+        (`trained`: the rollouts with loss; None: every rollout of a kept group),
         groups dropped, useful groups (trained on, with reward spread), generation rounds, model tokens
         generated per useful group (NaN with none), and the zero-variance share of every generated group
         (`flags`: the spread of each)."""
@@ -206,7 +226,7 @@ class EngineRollout:
         useful = sum(k and s for s, k in zip(spread, kept))
         return {
             "rc/rollouts_generated": len(flags) * g,
-            "rc/rollouts_trained": sum(kept) * g,
+            "rc/rollouts_trained": sum(kept) * g if trained is None else trained,
             "rc/groups_dropped": sum(not f for f in flags) if self.dynamic else 0,
             "rc/useful_groups": useful,
             "rc/gen_rounds": rounds,
@@ -242,7 +262,8 @@ class EngineRollout:
     def metrics(self, records: list[dict], elapsed: float) -> dict:
         """Rollout diagnostics of one call over every process's rollouts (`rollout_record`s; `elapsed`: the
         slowest process's rollout time), as `rc/...`: model tokens, calls, steps, environment errors, rollout
-        speed. Rewards per token, the gap and the zero-variance shares are the trainer's (`rcgrpo.group_metrics`)."""
+        speed, and each token level's failures by kind (`diagnostics.failure_shares`: `rc/fail_<kind>_<level>`).
+        Rewards per token, the gap and the zero-variance shares are the trainer's (`rcgrpo.group_metrics`)."""
         n_tok = sum(r["model_tokens"] for r in records)
         n = len(records)
         return {
@@ -253,15 +274,18 @@ class EngineRollout:
             "rc/frac_terminated_error": sum(r["termination"] == "error" for r in records) / n,
             "rc/rollout_tokens_per_s": n_tok / elapsed if elapsed > 0 else float("nan"),
             "rc/rollout_s": elapsed,
+            **failure_shares(records, self.levels),
         }
 
 
-def rollout_record(t, step: int, group: int, kept: bool) -> dict:
+def rollout_record(t, step: int, group: int, kept: bool, failure: str | None = None) -> dict:
     """What the run logs of one rollout (`grpo.ROLLOUTS_FILE`, diagnostics): step, the group's index
     in the step's batch, entry, reward token, every reward, model tokens, calls, steps, environment errors,
-    termination, whether it was trained on, and a hash of its token ids (the same rollout on any process)."""
+    termination, whether it was trained on, what its failure is made of (`EngineRollout.failure`) and a hash
+    of its token ids (the same rollout on any process)."""
     return {"step": step, "group": group, "entry_id": t.entry_id, "reward_token": t.reward_token,
             "rewards": {name: reward_value(t.score, name) if t.score else None for name in REWARDS},
             "model_tokens": t.n_model_tokens, "calls": _n_calls(t.result), "steps": t.n_steps,
             "env_errors": _env_errors(t.messages), "termination": t.termination, "trained": kept,
+            "failure": failure,
             "tokens_sha1": hashlib.sha1(json.dumps(list(t.token_ids)).encode()).hexdigest()}

@@ -21,10 +21,24 @@ from rcgrpo_tasks.train.common import checkpoints, distributed, placement, runs
 from rcgrpo_tasks.train.common.callbacks import stop_on_signal
 from rcgrpo_tasks.train.rl import advantages as adv
 from rcgrpo_tasks.train.rl.config import RLConfig
-from rcgrpo_tasks.train.rl.diagnostics import PLOT_COLUMNS, group_flags, pool_learning, summarize
+from rcgrpo_tasks.train.rl.diagnostics import (
+    PLOT_COLUMNS,
+    failure_counts,
+    group_flags,
+    nonzero_advantages,
+    pool_learning,
+    summarize,
+)
 from rcgrpo_tasks.train.rl.grpo import ROLLOUTS_FILE
 from rcgrpo_tasks.train.rl.probe import PROBE_FILE, probe_summary, read_points
 from rcgrpo_tasks.train.rl.trainer import DIAGNOSTICS_FILE, MODEL_META_FILE, RLRun, build_trainer, fingerprint
+
+
+def equal_per_visit(cfg: RLConfig) -> int:
+    """Samples per visit `pool_learning_equal` reads in every cell: RC-GRPO draws G x p_high high-token
+    rollouts a visit on average (2 of G = 4), GRPO all G, so cells compare on equal samples
+    (`diagnostics.pool_learning`)."""
+    return max(1, round(cfg.num_generations * cfg.p_high))
 
 
 def load_rl_config(params: str | Path) -> tuple[RLConfig, ProtocolConfig, tuple[str, ...]]:
@@ -102,12 +116,14 @@ def train_rl(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], s
         points = read_points(spec.checkpoints)
         log = spec.checkpoints / ROLLOUTS_FILE
         records = [r for r in read_jsonl(log) if r["step"] < trainer.state.global_step] if log.is_file() else []
-        groups = group_flags(records, cfg.reward)
+        groups = group_flags(records, cfg.reward, levels)
         high = adv.reward_levels(levels)[1] if mode == "rc" else None  # RC-GRPO: the half it is evaluated on
         summary = {**summarize(rows), "init": spec.init, "algo": spec.algo, "conditioning": mode,
                    "diverged": diverged, "probe": probe_summary(points), "groups": groups,
+                   "failures": failure_counts(records, levels), "nonzero_adv": nonzero_advantages(records, levels),
                    "pool": pool_record(list(trainer.rollout_func.entries), spec.pool),
                    "pool_learning": pool_learning(records, cfg.reward, high),
+                   "pool_learning_equal": pool_learning(records, cfg.reward, high, equal_per_visit(cfg)),
                    "resumed_from": resume, "train_s": time.perf_counter() - t0,
                    "train_loss": checkpoints.run_loss(trainer.state.log_history), "placement": place, "micro_batch": micro,
                    "grad_accum": trainer.args.gradient_accumulation_steps,

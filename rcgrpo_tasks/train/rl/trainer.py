@@ -144,13 +144,14 @@ def _init_on_disk(model, tokenizer, spec: RLRun, dtype: str):
 # ---------------------------------------------------------------- build and save
 
 
-def rl_lora(cfg: RLConfig, model, tokenizer, levels: tuple[str, ...], mode: str):
+def rl_lora(cfg: RLConfig, model, tokenizer, levels: tuple[str, ...], mode: str, train_tokens: bool = True):
     """The RL LoRA on the merged init; under a reward-token conditioning (`rc`, `fixed`) with the reward
     tokens' embedding rows trainable (PEFT trainable tokens: input and, untied, output rows), as RCTP trains
-    them, so RL can move the tokens it conditions on. The reference (adapter disabled) keeps the init rows."""
+    them, so RL can move the tokens it conditions on, unless `train_tokens` is off (algo `rc_frozen`: the
+    rows stay the init's). The reference (adapter disabled) keeps the init rows."""
     from peft import LoraConfig
 
-    ids = [tokenizer.convert_tokens_to_ids(t) for t in levels] if mode != "none" else []
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in levels] if mode != "none" and train_tokens else []
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=lora_targets(cfg.lora_target_modules), task_type="CAUSAL_LM",
                       trainable_token_indices=token_indices(model, ids) if ids else None)
@@ -168,6 +169,9 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     from datasets import Dataset
 
     mode = spec.mode
+    if cfg.full_finetune and spec.algo == "rc_frozen":
+        raise ConfigError("algo rc_frozen freezes the reward-token rows of the RL LoRA; rl.full_finetune trains "
+                          "every weight, those rows included")
     fit = cfg if micro_batch is None else replace(cfg, micro_batch_size=micro_batch)
     grad_accum = check_world(fit, int(os.environ.get("WORLD_SIZE", "1")))
     check_deepspeed(cfg, mode)
@@ -177,10 +181,11 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     success = sampled_success_rates(read_jsonl(spec.pool)) if spec.pool is not None else None
     entries = train_entries(spec.entries, spec.split, cfg, protocol, tokenizer, success)
     rollout = EngineRollout(cfg, protocol, mode, levels, {e.id: e for e in entries}, tokenizer,
-                            dynamic=spec.algo == "dynamic")
+                            dynamic=spec.algo == "dynamic", mask_low=spec.algo == "rc_lowmask")
     # No PEFT under full fine-tuning: TRL builds its reference model from `config._name_or_path`, so that
     # path must BE the init.
-    lora = None if cfg.full_finetune else rl_lora(cfg, model, tokenizer, levels, mode)
+    lora = None if cfg.full_finetune else rl_lora(cfg, model, tokenizer, levels, mode,
+                                                  train_tokens=spec.algo != "rc_frozen")
     model = _init_on_disk(model, tokenizer, spec, cfg.dtype) if cfg.full_finetune or cfg.use_vllm else model
     diagnostics = lazy_subclass(DiagnosticsMixin, "transformers.TrainerCallback")(spec.checkpoints / DIAGNOSTICS_FILE)
     guard = resumable_callback(DivergenceGuardMixin)(
