@@ -34,13 +34,13 @@ import os
 import time
 from pathlib import Path
 
+from rcgrpo.tokens import add_reward_tokens
 from rcgrpo_tasks.engine.compute import ComputeConfig, resolve_compute
 from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.rollout import run_group, run_seeded_groups
 from rcgrpo_tasks.env import tasks
 from rcgrpo_tasks.env.prompt import DEFAULT_REWARD_TOKENS, PromptConfig
 from rcgrpo_tasks.ops.config import load_with
-from rcgrpo_tasks.train.common import adapters
 from rcgrpo_tasks.train.common.adapters import lora_targets
 from rcgrpo_tasks.train.rl import config as rl_config
 from rcgrpo_tasks.train.rl import pool as rl_pool
@@ -60,7 +60,7 @@ def lora_policy(model_dir: str, adapter: str | None, cfg: rl_config.RLConfig, mo
 
     model, tok = load_init_model(Path(model_dir), Path(adapter) if adapter else None, cfg.dtype)
     if mode != "none" and DEFAULT_REWARD_TOKENS[-1] not in tok.get_vocab():
-        adapters.add_special_tokens(tok, model, DEFAULT_REWARD_TOKENS, seed, levels=DEFAULT_REWARD_TOKENS)
+        add_reward_tokens(model, tok, DEFAULT_REWARD_TOKENS, seed=seed, levels=DEFAULT_REWARD_TOKENS)
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=lora_targets(cfg.lora_target_modules),
                       task_type="CAUSAL_LM")
     policy = get_peft_model(model, lora)

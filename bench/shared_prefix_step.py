@@ -87,14 +87,14 @@ def prepared_model(model: Path, levels: tuple[str, ...], work: Path) -> Path:
     the RCTP model has them (with `--adapter`, the adapter's tokenizer brings them)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rcgrpo_tasks.train.common import adapters
+    from rcgrpo.tokens import add_reward_tokens
 
     tok = AutoTokenizer.from_pretrained(model)
     if levels[-1] in tok.get_vocab():
         return model
     out = work / "model_with_tokens"
     m = AutoModelForCausalLM.from_pretrained(model)
-    adapters.add_special_tokens(tok, m, levels, 0, levels=levels)
+    add_reward_tokens(m, tok, levels, seed=0, levels=levels)
     m.save_pretrained(out)
     tok.save_pretrained(out)
     return out

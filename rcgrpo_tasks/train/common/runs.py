@@ -11,6 +11,7 @@ device, bf16 and micro-batch fitting in `placement`, the Trainer callbacks and l
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,22 @@ import yaml
 
 from rcgrpo_tasks.ops import tracking, tracking_log
 from rcgrpo_tasks.ops.outputs import OutputError, OutputSet, disk_full, disk_full_error, write_json, write_tsv
+
+
+@contextlib.contextmanager
+def system_metrics(on: bool) -> Iterator[None]:
+    """MLflow's system metrics (CPU, memory) sampled for the runs started inside, unless the caller's environment
+    says otherwise: MLflow's switch is an environment variable, set for this block only, so no process started
+    after it (a later stage, a test's child) inherits it."""
+    key = "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING"
+    before = os.environ.get(key)
+    if on and before is None:
+        os.environ[key] = "true"
+    try:
+        yield
+    finally:
+        if on and before is None:
+            os.environ.pop(key, None)
 
 
 def dvc_hashes(paths: list[Path], lock: Path = Path("dvc.lock")) -> dict[str, str]:

@@ -8,7 +8,6 @@ chosen device with micro-batch fitting, the trained output, metrics and MLflow r
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from dataclasses import replace
@@ -80,12 +79,11 @@ def train_variant(cfg: SftConfig, tokens: tuple[str, ...], spec: SftRun, callbac
               **{f"dvc:{k}": v for k, v in runs.dvc_hashes([spec.data, spec.model_dir]).items()}}
     params = {"sft": as_dict(cfg), "variant": spec.variant, "tokens": list(tokens), "inputs": hashes,
               "compute": as_dict(compute)}
-    if track:
-        os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "true")
     stage = tracking_log.stage_name("sft", spec.variant, spec.grid_seed)  # its DVC stage: sft, rctp@<seed>
     main = state.is_main_process
     tags = {"sft.variant": spec.variant, **tracking_log.grid_tags(spec.variant, spec.grid_seed)}
-    with stop_on_signal() as stop, runs.published(main, track, stage, params, tags, spec.outputs) as (_, staged):
+    with runs.system_metrics(track), stop_on_signal() as stop, \
+            runs.published(main, track, stage, params, tags, spec.outputs) as (_, staged):
         own = [step_metrics("loss")] if track else []
         # one process only: the curve's forwards run on the main process, which under DDP / ZeRO-3 would
         # leave the others waiting in a collective
