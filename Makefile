@@ -112,7 +112,7 @@ lint: venv
 
 # The library's lower ends (docs/library.md "Versions"): a virtualenv holding only the core dependencies, each at
 # the lowest version pyproject.toml admits (`>=X` pinned `==X`), and tests/lib run there (their own fixtures: no
-# pipeline package, no MLOps stack, no GGUF). The upper ends are the dev venv's pins (`make test`).
+# pipeline package, no MLOps stack, no GGUF).
 # LIB_END=highest: the newest version of every range instead (pip's own resolution of the ranges; torch 2.14.1 is
 # a CUDA build from this host's disk, ~5.5 GB: not in CI, run once per dependency change, docs/log.md "Library").
 LIB_END ?= lowest

@@ -27,8 +27,9 @@ the bounded KL term, truncated importance sampling of a `rollout_func`'s rollout
 Private TRL methods it wraps through `super()` (TRL >= 1.16, < 1.17; `_check_trl` fails early on another
 version): `_generate_and_score_completions`, `_calculate_rewards`, `_get_train_sampler`, `_prepare_inputs`,
 `_compute_loss`, `_get_per_token_logps_and_entropies`, and the Trainer's `_save_rng_state` / `_load_rng_state`
-(TRL's `_step` and `_buffered_inputs` read and restored there). vLLM's `server` mode decodes one prompt per group
-(`prompts[::G]`), which would give every rollout of an RC-GRPO group the first rollout's token: refused.
+(TRL's `_step` and `_buffered_inputs` read and restored there). vLLM's `server` mode under TRL's own generation
+decodes one prompt per group (`prompts[::G]`), which would give every rollout of an RC-GRPO group the first
+rollout's token: refused (a `rollout_func` gets every row's prompt: allowed).
 """
 
 from __future__ import annotations
@@ -145,10 +146,10 @@ class RCGRPOTrainer(OffPolicyMixin, GenerationStateMixin, GRPOTrainer):
         if not isinstance(args, RCGRPOConfig):
             raise TypeError(f"RCGRPOTrainer needs an RCGRPOConfig (it carries the reward conditioning), got "
                             f"{type(args).__name__}")
-        if args.conditioning == "rc" and args.use_vllm and args.vllm_mode == "server":
+        if args.conditioning == "rc" and args.use_vllm and args.vllm_mode == "server" and rollout_func is None:
             raise NotImplementedError("vLLM server mode decodes one prompt per group (prompts[::G]), so every rollout "
-                                      "of a group would get its first rollout's reward token: use vllm_mode='colocate' "
-                                      "or TRL's transformers generation")
+                                      "of a group would get its first rollout's reward token: use vllm_mode='colocate', "
+                                      "TRL's transformers generation, or a rollout_func (it gets every row's prompt)")
         if args.rollout_importance_sampling_cap is not None and args.use_vllm:
             raise ValueError("rollout_importance_sampling_cap corrects rollout_func rollouts; TRL corrects vLLM's "
                              "itself (vllm_importance_sampling_correction)")
