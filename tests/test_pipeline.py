@@ -172,6 +172,17 @@ def test_jobs_run_independent_stages_side_by_side_and_dependents_after_them(tmp_
     assert "OMP_NUM_THREADS" not in plan_runner.stage_env({}, jobs=1)
 
 
+def test_each_stage_runs_with_dvc_s_stage_variables(tmp_path):
+    # A stage names its MLflow run from $DVC_STAGE (ops.tracking.run_name): run-plan sets it as `dvc repro` does.
+    stages = [_stage("pool_rctp@0", ['echo "$DVC_STAGE $DVC_ROOT" > p.txt'], ["p.txt"]),
+              _stage("label_rewards@sft", ['echo "$DVC_STAGE" > l.txt'], ["l.txt"])]
+    rec = plan_runner.run_plan(stages, tmp_path, tmp_path / "logs", jobs=2, echo=lambda line: None,
+                               env={k: v for k, v in os.environ.items() if k != "DVC_STAGE"})
+    assert _status(rec) == {"pool_rctp@0": "ran", "label_rewards@sft": "ran"}
+    assert (tmp_path / "p.txt").read_text() == f"pool_rctp@0 {tmp_path}\n"
+    assert (tmp_path / "l.txt").read_text() == "label_rewards@sft\n"
+
+
 def test_jobs_start_the_stages_most_others_wait_for_first(tmp_path):
     stages = [_stage("leaf", ["echo l > l.txt"], ["l.txt"]),
               _stage("trunk", ["echo t > t.txt"], ["t.txt"]),

@@ -91,6 +91,9 @@ class StageJob:
     def __init__(self, stage: PlannedStage, root: Path, log_path: Path, env: dict[str, str],
                  echo: Callable[[str], None]):
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        # What `dvc repro` gives a stage's command: a stage names its MLflow run by `$DVC_STAGE`
+        # (`ops.tracking.run_name`), so the same stage run here is named as under DVC.
+        env = {**env, "DVC_STAGE": stage.name, "DVC_ROOT": str(root)}
         self.stage, self.root, self.env, self.echo = stage, root, env, echo
         self.log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 (closed when the stage ends)
         self.todo = list(stage.cmds)
