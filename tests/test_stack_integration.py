@@ -5,7 +5,7 @@ outputs, the registry alias moves (and not for a worse model), no test credentia
 param / tracked file; faults: S3 killed mid-flow -> push retried then a clear failure, re-run after
 restart skips finished stages; MLflow down at start -> clear error before any stage.
 
-Marked `integration` and `slow` (~3-4 min of a core: `make test-all` runs it, CI does not). Every process it starts is stopped in a finalizer.
+Marked `integration` and `slow` (~3-4 min of a core: `make test-all` runs it, so CI does). Every process it starts is stopped in a finalizer.
 """
 
 from __future__ import annotations
