@@ -8,8 +8,11 @@ import re
 
 from helpers import REPO_ROOT
 
-SOURCES = ("results/report/table.md", "results/study/table.md", "results/dev-sweep/rctp-design/table.md")
-"""The files README's Results quote: the default's report, the study's, RCTP's design table on dev."""
+SOURCES = ("results/report/table.md", "results/study/table.md", "results/dev-sweep/rctp-design/table.md",
+           "results/dev-sweep/rctp-content/table.md", "results/dev-sweep/rctp-content/wrong_call-s0.json",
+           "results/dev-sweep/rctp-content/wrong_call-s1.json", "results/dev-sweep/rctp-content/wrong_call-s2.json")
+"""The files README's Results quote: the default's report, the study's, RCTP's design tables on dev (the content
+design's per-seed records beside its table)."""
 NUMBER = re.compile(r"(?<![\w.])[+-]?\d+\.\d+")
 
 
