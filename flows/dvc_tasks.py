@@ -195,18 +195,19 @@ def stop_running(grace_s: float = 20.0) -> None:
 
 
 def run_stages(stages: list[PlannedStage], repo_dir: str, env: dict[str, str], force: bool, jobs: int,
-               timeout_s: float | None, failed: list[str] | None = None) -> dict[str, str]:
-    """{stage: 'ran' | 'skipped'} of `stages` (a plan, in order), each a `run_stage` task named after it, at most
-    `jobs` at a time (module docstring). After a failure nothing new starts, the stages running finish, and the
-    first failure is raised (its stage appended to `failed`). A stop (SIGTERM, Ctrl-C, a timeout of the flow)
-    stops every running stage's group before it propagates."""
+               timeout_s: float | None, results: dict[str, str] | None = None) -> dict[str, str]:
+    """{stage: 'ran' | 'skipped' | 'failed'} of `stages` (a plan, in order), each a `run_stage` task named after
+    it, at most `jobs` at a time (module docstring), filled into `results` as each stage ends (so a caller
+    holds what finished also when this raises). After a failure nothing new starts, the stages running finish,
+    and the first failure is raised. A stop (SIGTERM, Ctrl-C, a timeout of the flow) stops every running
+    stage's group before it propagates."""
     log = get_run_logger()
     names = {s.name for s in stages}
     weight = plan_runner.descendants(stages)
     pending = sorted(stages, key=lambda s: -weight[s.name]) if jobs > 1 else list(stages)
     finished: queue.Queue = queue.Queue()
     running: dict = {}
-    results: dict[str, str] = {}
+    results = {} if results is None else results
     failure: BaseException | None = None
     try:
         while pending or running:
@@ -229,10 +230,8 @@ def run_stages(stages: list[PlannedStage], repo_dir: str, env: dict[str, str], f
                 results[name] = running.pop(name).result()
                 log.info("stage %s %s", name, results[name])
             except Exception as exc:  # the stage's own error (StageFailed, a task timeout): first one wins
-                if failure is None:
-                    failure = exc
-                    if failed is not None:
-                        failed.append(name)
+                results[name] = "failed"
+                failure = failure or exc
     except BaseException:
         stop_running()
         for future in running.values():

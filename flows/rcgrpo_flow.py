@@ -50,10 +50,8 @@ from prefect.runtime import flow_run
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `flows` as a package under a deployment
 from flows.dvc_tasks import (  # noqa: E402  (names the retrain flow and the tests use, from here)
     BIN,
-    MISSING_CACHE,
     StageFailed,
     TransferFailed,
-    default_remote,
     dvc_checkout,
     dvc_transfer,
     ensure_remote,
@@ -62,13 +60,12 @@ from flows.dvc_tasks import (  # noqa: E402  (names the retrain flow and the tes
     run_stage,
     run_stages,
     stage_env,
-    stream,
 )
 from rcgrpo_tasks.ops import config, pipeline, profiles, recovery, stops, tracking, tracking_log, tracking_store  # noqa: E402
 from rcgrpo_tasks.sweep.params_check import check_params  # noqa: E402
 
-__all__ = ["BIN", "MISSING_CACHE", "StageFailed", "TransferFailed", "default_remote", "dvc_checkout", "dvc_transfer",
-           "ensure_remote", "failure_message", "missing_cache_note", "run_stage", "run_stages", "stage_env", "stream"]
+__all__ = ["BIN", "StageFailed", "TransferFailed", "dvc_checkout", "dvc_transfer", "ensure_remote", "failure_message",
+           "missing_cache_note", "run_stage", "run_stages", "stage_env"]
 
 
 # -- pure helpers (unit-tested without Prefect) ---------------------------------------------------------
@@ -141,8 +138,7 @@ def recover_checkout(repo_dir: str) -> list[str]:
     """What a killed stage left in the checkout (`ops.recovery`: stale locks and markers, half-written temps),
     and every RUNNING run whose process is gone, ended KILLED with the reason, before this run opens its own."""
     by = f"flow run {flow_run.id or '?'}"
-    found = recovery.recover(repo_dir, by, echo=get_run_logger().warning)
-    reaped = found["reaped"] + tracking.reap_orphans(closed_by=by)
+    reaped = recovery.recover(repo_dir, by, echo=get_run_logger().warning, reap=True)["reaped"]
     if reaped:
         get_run_logger().warning("ended %d run(s) left RUNNING by dead processes as KILLED: %s", len(reaped),
                                  ", ".join(reaped))
@@ -198,13 +194,12 @@ def rcgrpo(
     transfer = dvc_transfer.with_options(
         retries=transfer_retries, retry_delay_seconds=[retry_delay_s * 2**i for i in range(transfer_retries)])
     results: dict[str, str] = {}
-    status, error, failed = "FAILED", None, []
+    status, error = "FAILED", None
     try:
         if pull and remote:
             transfer("fetch", repo, order, remote, transfer_retries)
             dvc_checkout(repo, order)
-        results = run_stages(planned, repo, stage_env(jobs=jobs, parent_run_id=parent), force, jobs,
-                             stage_timeout_s, failed)
+        run_stages(planned, repo, stage_env(jobs=jobs, parent_run_id=parent), force, jobs, stage_timeout_s, results)
         if push and remote:
             transfer("push", repo, order, remote, transfer_retries)
         status = "FINISHED"
@@ -217,7 +212,8 @@ def rcgrpo(
         tags = {**lock_hashes(repo), "rcgrpo.results": json.dumps(results)}
         if error is not None:
             tags["rcgrpo.error"] = tracking.describe_error(error)[:4000]
-            if failed:
+            failed = [name for name, state in results.items() if state == "failed"]
+            if failed:  # the first to fail: the one raised
                 tags["rcgrpo.failed_stage"] = failed[0]
         with contextlib.suppress(Exception) if error is not None else contextlib.nullcontext():
             close_parent_run(parent, status, tags)
@@ -238,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stage-timeout-s", type=float)
     ap.add_argument("--jobs", type=int, default=2)
     a = ap.parse_args(argv)
-    # SIGTERM/SIGHUP unwind like Ctrl-C: the stage group is stopped (`stream`) and the interpreter exits
+    # SIGTERM/SIGHUP unwind like Ctrl-C: the stage group is stopped (`dvc_tasks.stream`) and the interpreter exits
     # normally, so Prefect's atexit hook stops the temporary API server it started (none is left behind).
     handlers = stops.raise_on_terminate()
     try:

@@ -176,6 +176,7 @@ def test_failing_stage_fails_flow_with_its_own_error(tmp_path, harness, env):
     parents = [r for r in runs if r.info.run_name == "pipeline@default"]
     assert parents[0].info.status == "FAILED" and "XYZZY" in parents[0].data.tags["rcgrpo.error"]
     assert parents[0].data.tags["rcgrpo.failed_stage"] == "bad"
+    assert json.loads(parents[0].data.tags["rcgrpo.results"]) == {"prep": "ran", "bad": "failed"}  # what finished
     bad = [r for r in runs if r.info.run_name == "bad"][0]
     assert bad.info.status == "FAILED" and "XYZZY" in bad.data.tags["rcgrpo.error"]
     assert (repo / "out/prep.json").exists() and not (repo / "out/bad.json").exists()

@@ -16,15 +16,16 @@ from pathlib import Path
 from rcgrpo_tasks.ops import rundir, tracking
 
 
-def recover(start: str | Path, by: str, echo=None) -> dict[str, list]:
+def recover(start: str | Path, by: str, echo=None, reap: bool = False) -> dict[str, list]:
     """Sweep the run folder of the checkout holding `start` and end the dead stage runs; {swept: [...],
     reaped: [run ids]} (both empty outside a checkout with a run folder, or when nothing was left). `by`
     names who did it (in the closed runs' `rcgrpo.error`); `echo` (default: stderr) gets one line when
-    anything was cleared."""
+    anything was cleared. `reap`: look for RUNNING runs of dead processes even when no stage marker was found
+    (the flow, before its parent run opens)."""
     run = rundir.find(start)
     swept = rundir.sweep(run) if run is not None else []
     reaped: list[str] = []
-    if any(s.kind == "process" for s in swept):  # MLflow is imported only when a stage process died
+    if reap or any(s.kind == "process" for s in swept):  # MLflow is imported only when there may be runs to end
         reaped = tracking.reap_orphans(closed_by=f"{by} (pid {os.getpid()})")
     if swept:
         stages = sorted({s.holder for s in swept if s.kind == "process"})

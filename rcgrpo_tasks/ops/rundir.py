@@ -1,6 +1,6 @@
 """The checkout's run folder, `.rcgrpo/run/`: what only matters while a stage runs, kept out of the folders DVC
-tracks (an output's lock beside it sat inside `models/rl/0/`, a dep of the promotion stage, and stayed there
-after a kill: `dvc status` then called that stage changed, and git listed the lock as untracked).
+tracks, so a lock a kill leaves behind never makes a stage that depends on an output's folder changed in `dvc
+status`, nor shows as an untracked file in git.
 
 - Output locks (`ops.outputs.output_lock`): `<run>/<output path relative to the checkout, quoted>.lock`; each
   names its holder's pid and every temp or backup the holder staged beside the output, so whoever finds the
