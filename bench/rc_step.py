@@ -83,12 +83,14 @@ def main(argv=None) -> dict:
     # The same shape: RC-GRPO's prompts carry the goal (about 10 tokens), so TRL's GRPO also runs on the prompts
     # with the high goal in place (what RCTP+GRPO trains on); plain GRPO, without it, is printed beside.
     goal_data = Dataset.from_list([{"prompt": place_goal(r["prompt"], format_goal(DEFAULT_LEVELS[-1]))} for r in data])
+
+    def grpo(dataset):
+        return lambda out: GRPOTrainer(model=copy.deepcopy(model), reward_funcs=reward, args=GRPOConfig(out, **common),
+                                       train_dataset=dataset, processing_class=tok, peft_config=LoraConfig(**lora))
+
     arms = {
-        "grpo": lambda out: GRPOTrainer(model=copy.deepcopy(model), reward_funcs=reward, args=GRPOConfig(out, **common),
-                                        train_dataset=data, processing_class=tok, peft_config=LoraConfig(**lora)),
-        "grpo_goal": lambda out: GRPOTrainer(model=copy.deepcopy(model), reward_funcs=reward,
-                                             args=GRPOConfig(out, **common), train_dataset=goal_data,
-                                             processing_class=tok, peft_config=LoraConfig(**lora)),
+        "grpo": grpo(data),
+        "grpo_goal": grpo(goal_data),
         "rc_grpo": lambda out: RCGRPOTrainer(model=copy.deepcopy(model), reward_funcs=reward,
                                              args=RCGRPOConfig(out, **common), train_dataset=data,
                                              processing_class=tok, peft_config=LoraConfig(**lora)),

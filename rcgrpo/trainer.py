@@ -53,7 +53,7 @@ from rcgrpo.kl import bounded_reference, kl_bounds
 from rcgrpo.logps import completion_logps
 from rcgrpo.offpolicy import OffPolicyMixin, loss_mask
 from rcgrpo.resume import GenerationStateMixin
-from rcgrpo.tokens import expose_head_bias
+from rcgrpo.tokens import embedding_rows, expose_head_bias
 
 TRL_RANGE = (Version("1.16.0"), Version("1.17.0"))
 """The TRL versions whose private methods this trainer wraps (tested at 1.16.0)."""
@@ -107,13 +107,11 @@ def check_reward_tokens(tokenizer, levels) -> None:
 def check_reference_rows(ref_model, model) -> None:
     """TRL loads a full fine-tune's KL reference from the model's path: a model whose reward tokens were added in
     memory and not saved gets a reference without their rows (an index error at the first KL term). ValueError
-    saying what to do instead."""
-    def rows(m):
-        return m.get_input_embeddings().weight.shape[0]
-
-    if rows(ref_model) < rows(model):
-        raise ValueError(f"the KL reference TRL loaded from {model.config._name_or_path!r} has {rows(ref_model)} "
-                         f"embedding rows, the model {rows(model)}: save the RCTP model (with its reward tokens) and "
+    saying what to do instead. Rows counted as `tokens.embedding_rows` counts them (ZeRO-3's full shape)."""
+    ref_rows, rows = embedding_rows(ref_model), embedding_rows(model)
+    if ref_rows < rows:
+        raise ValueError(f"the KL reference TRL loaded from {model.config._name_or_path!r} has {ref_rows} "
+                         f"embedding rows, the model {rows}: save the RCTP model (with its reward tokens) and "
                          f"pass its path, train a PEFT adapter (the reference is then the adapter disabled), or set "
                          f"beta=0.0")
 

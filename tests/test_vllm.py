@@ -60,13 +60,14 @@ def _lora(model_dir, out, reward_tokens: bool):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rcgrpo_tasks.train.common.adapters import add_special_tokens, small_adapter_saves
+    from rcgrpo.tokens import add_reward_tokens
+    from rcgrpo_tasks.train.common.adapters import small_adapter_saves
 
     torch.manual_seed(1)
     model, tok = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
     extra = {}
     if reward_tokens:
-        ids = add_special_tokens(tok, model, LEVELS, init="apart", levels=LEVELS)
+        ids = add_reward_tokens(model, tok, LEVELS, init="apart", levels=LEVELS)
         extra["trainable_token_indices"] = ids  # tied embeddings: the input rows serve the LM head too
     peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
                                             init_lora_weights=False, **extra))

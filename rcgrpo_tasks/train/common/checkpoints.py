@@ -33,11 +33,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rcgrpo.resume import GENERATION_STATE
 from rcgrpo_tasks.ops import tracking_log, tracking_store
 from rcgrpo_tasks.ops.config import as_dict
 from rcgrpo_tasks.ops.inputs import InputError, read_json
 from rcgrpo_tasks.ops.outputs import write_json
 from rcgrpo_tasks.train.common.callbacks import ResumableMixin
+
+TOKEN_COUNT_STEM = "rcgrpo_token_count"
+"""File name stem, in each checkpoint, of TRL's trained-token count (`..._<process>.json` under several processes;
+written by `train.sft.trainer_mixin`, checked by `damage`)."""
 
 STATE_FILE = "trainer_state.json"
 WEIGHTS = ("adapter_model.safetensors", "model.safetensors", "adapter_model.bin", "pytorch_model.bin")
@@ -135,10 +140,10 @@ def damage(folder: Path) -> str | None:
         missing = [n for n in TRAINING_STATE if not (folder / n).is_file()] + ([] if rng else ["rng_state.pth"])
         if missing:
             return f"{folder / missing[0]}: missing"
-    for path in torch_files + saved + rng + sorted(folder.glob("rcgrpo_*.pt")):
+    for path in torch_files + saved + rng + sorted(folder.glob(f"{GENERATION_STATE}*.pt")):
         if reason := _torch_error(path):
             return reason
-    for path in sorted(folder.glob("rcgrpo_*.json")):
+    for path in sorted(folder.glob(f"{TOKEN_COUNT_STEM}*.json")):
         try:
             read_json(path)
         except InputError as exc:
@@ -271,27 +276,26 @@ def run_loss(log_history: list[dict]) -> float:
     return total / steps if steps else float("nan")
 
 
-def train_or_restore(trainer, resume: str | None):
+def train_or_restore(trainer, resume: str | None) -> None:
     """`trainer.train(resume_from_checkpoint=resume)`, except for the last checkpoint of a finished run
     (its `global_step` reached its `max_steps`): that one is loaded (weights, state) and not trained, since
-    the Trainer resumed there would run one step more. Returns the Trainer's `TrainOutput` (for a restored
-    run: its step and `run_loss`). Under DeepSpeed the weights load only inside `train()`, so there it
+    the Trainer resumed there would run one step more. Under DeepSpeed the weights load only inside `train()`, so there it
     trains as asked. A restored run's resumable callbacks (`callbacks.ResumableMixin`) get their saved state."""
     from transformers.trainer_callback import TrainerState
-    from transformers.trainer_utils import TrainOutput
 
     state_file = Path(resume) / "trainer_state.json" if resume else None
     if state_file is None or not state_file.is_file() or trainer.is_deepspeed_enabled:
-        return trainer.train(resume_from_checkpoint=resume)
+        trainer.train(resume_from_checkpoint=resume)
+        return
     state = TrainerState.load_from_json(str(state_file))
     if not 0 < state.max_steps <= state.global_step:
-        return trainer.train(resume_from_checkpoint=resume)
+        trainer.train(resume_from_checkpoint=resume)
+        return
     trainer._load_from_checkpoint(resume)  # the Trainer's own loader: LoRA adapter or full weights
     trainer.state = state
     for callback in trainer.callback_handler.callbacks:  # what they gathered, as a resumed run has it
         if isinstance(callback, ResumableMixin):
             callback.restore(state)
-    return TrainOutput(state.global_step, run_loss(state.log_history), {})
 
 
 def clear_checkpoints(ckpt_dir: Path, keep: tuple[str, ...] = ()) -> None:

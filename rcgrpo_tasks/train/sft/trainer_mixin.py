@@ -16,9 +16,7 @@ from rcgrpo_tasks.train.common.adapters import (
     token_lr_groups,
     trainable_token_params,
 )
-
-TOKEN_COUNT_STEM = "rcgrpo_token_count"
-"""File name stem, in each checkpoint, of TRL's trained-token count (`..._<process>.json` under several processes)."""
+from rcgrpo_tasks.train.common.checkpoints import TOKEN_COUNT_STEM
 
 
 class RcgrpoSFTTrainerMixin:
