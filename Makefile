@@ -76,8 +76,9 @@ pipeline: venv
 # The study (configs/study.yaml; docs/rl.md "The study"): the pipeline on the study profile, its stages two side
 # by side on one CPU thread each (`rcgrpo run-plan --jobs 2`: on a 2-core host two 1-thread stages outrun one
 # 2-thread stage; the report and what it needs), each stage's wall time in $(STUDY)/timings.json; `--dvc-commit` records each stage's outputs in dvc.lock as it ends;
-# the report, the per-seed RL, controllability (before and after RL) and evaluation metrics and the per-unit
-# values behind the endpoints (`rcgrpo endpoints --recompute $(STUDY)/endpoints`) are copied to $(STUDY). A stopped run
+# the report, the per-seed RL summaries with every rollout (rollouts.jsonl: entry, token, reward, failure kind,
+# advantage), controllability (before and after RL) and evaluation metrics with every entry's result, and the
+# per-unit values behind the endpoints (`rcgrpo endpoints --recompute $(STUDY)/endpoints`) are copied to $(STUDY). A stopped run
 # resumes where it stopped (`make study` again: `--dvc-commit` recorded each finished stage in dvc.lock, so the
 # new plan skips it; RL resumes from its checkpoint; timings.json then holds the resumed part only).
 # `make study STUDY=results/study-pool PROFILE=study-pool`: the study at the paper's pool (configs/study-pool.yaml).
@@ -93,7 +94,9 @@ study: venv
 	cp params.yaml results/report/table.md results/report/report.json results/report/*.png $(STUDY)/
 	rm -rf $(STUDY)/rl $(STUDY)/controllability $(STUDY)/endpoints && cp -r results/rl $(STUDY)/rl \
 		&& cp -r metrics/controllability $(STUDY)/controllability && cp -r results/report/endpoints $(STUDY)/endpoints
-	mkdir -p $(STUDY)/eval && cd results/eval && find . -name metrics.json -exec cp --parents {} $(CURDIR)/$(STUDY)/eval/ \;
+	mkdir -p $(STUDY)/eval && cd results/eval && find . \( -name metrics.json -o -name results.jsonl \) \
+		-exec cp --parents {} $(CURDIR)/$(STUDY)/eval/ \;
+	cd checkpoints/rl && find . -name rollouts.jsonl -exec cp --parents {} $(CURDIR)/$(STUDY)/rl/ \;
 
 # pytest-xdist: whole modules per worker (module fixtures stay shared), at most 4 workers (memory), handed
 # out in collection order, where tests/conftest.py puts the one-test smoke pipeline first: it runs on one core

@@ -80,7 +80,7 @@ def _weights(path):
 
 
 @pytest.mark.parametrize("init,algo,mode", [("rctp", "rc_grpo", "rc"), ("rctp", "grpo", "fixed"),
-                                            ("sft", "grpo", "none")])
+                                            ("sft", "grpo", "none"), ("rctp", "rc_anchor", "rc")])
 def test_two_rl_steps_per_mode(rl_env, scripted_rewards, monkeypatch, init, algo, mode):
     import mlflow
 
@@ -108,6 +108,11 @@ def test_two_rl_steps_per_mode(rl_env, scripted_rewards, monkeypatch, init, algo
         assert sum(t.completion_mask[t.prompt_len:]) == t.n_model_tokens  # env_mask = the engine's mask
     # TRL's advantages are exactly the whole-group advantages of the rewards (RC-GRPO's, in `rc`).
     last = scripted_rewards[-1]
+    if algo == "rc_anchor":  # each rollout's KL coefficient rode with TRL's buffered batch: beta_low on the low ones
+        from rcgrpo_tasks.train.rl.anchor import KL_COEF
+
+        coefs = [float(c) for b in box["trainer"]._buffered_inputs for c in b[KL_COEF]]
+        assert sorted(coefs) == sorted(cfg.beta_low if t.reward_token == LEVELS[0] else cfg.beta for t in last)
     expected = adv.group_advantages([t.score["paper_reward"] for t in last], cfg.num_generations)
     assert list(box["trainer"].last_generation.advantages) == pytest.approx(expected, abs=1e-4)
     # Diagnostics: TSV (dvc plots) + summary + MLflow, every step.

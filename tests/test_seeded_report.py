@@ -16,6 +16,8 @@ from rcgrpo_tasks.stages import report as report_stage
 
 N = 20
 CELLS = ("rctp-grpo", "rctp-rc_grpo")
+NO_RULE = {"decisive": "unit", "sesoi": {}, "decisions": {}, "premise_kept_q": None}
+"""The decision-rule keys of params `endpoints`, none declared."""
 
 
 def _results(folder, correct: list[int], pass1: list[float], side: str = "test") -> None:
@@ -57,7 +59,7 @@ def _grid(tmp_path, seeds=(0, 1), gate_q=(0.45, 0.2), side="test"):
     root = tmp_path / "out"
     params = {"grid": {"seeds": list(seeds), "rl": {"sft": [], "rctp": list(a.split("-")[1] for a in CELLS)},
                        "evaluate": {"sft": {"model": "m", "adapter": "a", "dep": "a", "reward_token": "", "flags": ""}}},
-              "endpoints": {"alpha": 0.05, "power": 0.8,
+              "endpoints": {"alpha": 0.05, "power": 0.8, **NO_RULE,
                             "primary": [{"measure": "zero_variance", "cell": "rctp-rc_grpo", "versus": "rctp-grpo"},
                                         {"measure": "pass1", "cell": "rctp-rc_grpo", "versus": "rctp-grpo"}],
                             "secondary": [{"measure": "greedy", "cell": "rctp-rc_grpo", "versus": "rctp-grpo"},
@@ -188,16 +190,83 @@ def test_a_missing_seed_or_an_endpoint_on_an_unrun_cell_fails_clearly_and_writes
     assert res.exit_code == 2 and "sft-grpo" in res.output and not (root / "t.md").exists()
 
 
+PASS1 = {"measure": "pass1", "cell": "a", "versus": "b"}
+DECISIONS = {"gain": "g", "no_gain": "n", "inconclusive": "i"}
+
+
 @pytest.mark.parametrize("endpoints,needle", [
     ({"alpha": 0.05, "power": 0.8, "primary": [], "secondary": []}, "primary"),
     ({"alpha": 0.05, "power": 0.8, "primary": [{"measure": "pass1", "cell": "a"}], "secondary": []}, "versus"),
     ({"alpha": 0.05, "power": 0.8, "primary": [{"measure": "accuracy", "cell": "a", "versus": "b"}],
       "secondary": []}, "measure"),
     ({"alpha": 0.7, "power": 0.8, "primary": [{"measure": "probe", "cell": "a"}], "secondary": []}, "alpha"),
+    ({"alpha": 0.05, "power": 0.8, "primary": [PASS1], "secondary": [], "decisions": DECISIONS}, "sesoi for every"),
+    ({"alpha": 0.05, "power": 0.8, "primary": [PASS1], "secondary": [], "sesoi": {"pass1": 0.02},
+      "decisions": {"gain": "g"}}, "one text for each outcome"),
+    ({"alpha": 0.05, "power": 0.8, "primary": [PASS1], "secondary": [], "sesoi": {"pass1": -0.02}}, "sesoi"),
+    ({"alpha": 0.05, "power": 0.8, "primary": [PASS1], "secondary": [], "decisive": "both"}, "decisive"),
+    ({"alpha": 0.05, "power": 0.8, "primary": [PASS1], "secondary": [], "premise_kept_q": 1.5}, "premise_kept_q"),
+    ({"alpha": 0.05, "power": 0.8, "primary": [PASS1], "secondary": [], "decisions": {}}, "missing key"),
 ])
 def test_malformed_endpoints_fail_naming_the_field(endpoints, needle):
     from rcgrpo_tasks.evaluation.endpoints import EndpointsConfig
     from rcgrpo_tasks.ops.config import ConfigError, from_dict
 
+    if needle != "missing key":
+        endpoints = {**NO_RULE, **endpoints}
     with pytest.raises(ConfigError, match=needle):
         from_dict(EndpointsConfig, endpoints, "params.yaml:endpoints")
+
+
+def test_the_declared_rule_decides_each_primary_endpoint_and_recomputes(tmp_path):
+    """A declared rule (SESOI, decisive level, decisions) is printed as a table with the outcome each primary
+    endpoint reached, from its decisive interval; q after RL per cell with the premise's threshold; the table
+    recomputes from the endpoint files alone, rule included."""
+    from rcgrpo_tasks.evaluation.endpoints import outcome
+    from rcgrpo_tasks.stages import endpoints as endpoints_stage
+
+    params, root = _grid(tmp_path, gate_q=(0.6, 0.7))
+    p = yaml.safe_load(params.read_text())
+    p["endpoints"].update(sesoi={"pass1": 0.025, "zero_variance": 0.05}, decisions={
+        "gain": "{cell} gains over {versus}", "no_gain": "no gain of {cell}", "inconclusive": "more seeds"},
+        premise_kept_q=0.5)
+    p["endpoints"]["secondary"] += [{"measure": "q_after", "cell": "rctp-rc_grpo"}]
+    params.write_text(yaml.safe_dump(p))
+    res = _run(params, root, "--endpoints", str(root / "ep"))
+    assert res.exit_code == 0, res.output
+    md = (root / "t.md").read_text()
+    assert "| no_gain | its upper end below the smallest effect of interest | no gain of {cell} |" in md
+    report = json.loads((root / "r.json").read_text())
+    by = {e["name"]: e for e in report["endpoints"]}
+    rc_pass1 = by["pass1: rctp-rc_grpo vs rctp-grpo"]
+    # RC-GRPO's pass@1 is +0.25 on 8 of 20 entries in both seeds: +10 points, an interval above 0
+    assert rc_pass1["ci"][0] > 0 and outcome(rc_pass1, "unit", 0.025) == "gain"
+    assert "- pass1: rctp-rc_grpo vs rctp-grpo: **gain**" in md and "rctp-rc_grpo gains over rctp-grpo" in md
+    zero = by["zero_variance: rctp-rc_grpo vs rctp-grpo"]  # flat 4 of 30 against 12 of 30: below 0
+    assert zero["ci"][1] < 0.05 and outcome(zero, "unit", 0.05) == "no_gain" and "**no_gain**" in md
+    q = by["q_after: rctp-rc_grpo"]  # the checks after RL read q - 0.15: 0.45 and 0.55
+    assert q["per_seed"] == pytest.approx([0.45, 0.55]) and q["least"] == pytest.approx(0.45) and q["kept"] is False
+    assert "least 0.45; q >= 0.5 in every seed: no" in md
+    assert outcome({"ci": [-0.01, 0.03], "seed_level": {"ci": [0.001, 0.2]}}, "seed", 0.025) == "gain"
+    assert outcome({"ci": [-0.01, 0.03], "seed_level": {"ci": [0.001, 0.2]}}, "unit", 0.025) == "inconclusive"
+    got = CliRunner().invoke(endpoints_stage.app, ["--recompute", str(root / "ep"), "--check", str(root / "t.md")])
+    assert got.exit_code == 0 and "equal to" in got.output, got.output
+
+
+def test_the_premise_may_be_read_on_dev_beside_a_held_out_outcome(tmp_path):
+    """Controllability checks on dev, evaluations on held-out: the report names each side where it is read and
+    says the cross-stage check has no shared entry; checks of two sides are refused."""
+    params, root = _grid(tmp_path)
+    for s in (0, 1):
+        for f in [root / "ctl" / f"{s}.json", *(root / "ctl" / str(s)).glob("*.json")]:
+            write_json(f, {**json.loads(f.read_text()), "side": "dev"})
+    res = _run(params, root)
+    assert res.exit_code == 0, res.output
+    md, data = (root / "t.md").read_text(), json.loads((root / "r.json").read_text())
+    assert data["side"] == "test" and data["premise_side"] == "dev"
+    assert "on the dev entries" in md and "## Outcome pooled over seeds (held-out entries)" in md
+    assert "cross-stage check" in md and "not run" in md
+    f = root / "ctl" / "1" / "rctp-grpo.json"
+    write_json(f, {**json.loads(f.read_text()), "side": "test"})
+    res = _run(params, root)
+    assert res.exit_code == 2 and "a report reads one side of the split" in res.output

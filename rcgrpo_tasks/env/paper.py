@@ -11,14 +11,15 @@ from __future__ import annotations
 ROWS: tuple[tuple[str, str], ...] = (
     ("base", "Base"), ("sft", "SFT"), ("rctp", "RCTP"), ("sft-grpo", "SFT+GRPO"),
     ("sft-rc_grpo", "SFT+RC-GRPO"), ("sft-dynamic", "SFT+GRPO+DS"), ("rctp-grpo", "RCTP+GRPO"),
-    ("rctp-rc_grpo", "RCTP+RC-GRPO"), ("rctp-rc_frozen", "RCTP+RC-GRPO, token rows frozen"),
+    ("rctp-rc_grpo", "RCTP+RC-GRPO"), ("rctp-rc_anchor", "RCTP+RC-GRPO, low token KL-anchored"),
+    ("rctp-rc_frozen", "RCTP+RC-GRPO, token rows frozen"),
     ("rctp-rc_lowmask", "RCTP+RC-GRPO, low out of the loss"), ("rctp-dynamic", "RCTP+GRPO+DS"),
-    ("sft-rc_frozen", "SFT+RC-GRPO, token rows frozen"), ("sft-rc_lowmask", "SFT+RC-GRPO, low out of the loss"),
+    ("sft-rc_anchor", "SFT+RC-GRPO, low token KL-anchored"), ("sft-rc_frozen", "SFT+RC-GRPO, token rows frozen"), ("sft-rc_lowmask", "SFT+RC-GRPO, low out of the loss"),
     ("rctp-notoken", "RCTP, no token"), ("rctp-rc_grpo-notoken", "RCTP+RC-GRPO, no token"),
 )
 """Report rows in order; `+DS`: GRPO with dynamic sampling (DAPO's drop-and-refill of zero-variance groups),
-which the paper does not run; `token rows frozen` / `low out of the loss`: RC-GRPO's ablations (`ops.names.RC_ALGOS`),
-which it does not run either; `no token`: the model evaluated without a reward goal (the paper conditions on
+which the paper does not run; `low token KL-anchored`: RC-GRPO's variant that keeps its premise, `token rows
+frozen` / `low out of the loss`: RC-GRPO's decompositions (`ops.names.RC_ALGOS`), which it does not run either; `no token`: the model evaluated without a reward goal (the paper conditions on
 `<|high_reward|>` and does not say what it used at inference otherwise)."""
 NO_TOKEN = "-notoken"
 """Label suffix of a row evaluated without its reward goal; it is compared with the same model's row."""

@@ -7,7 +7,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from rcgrpo.controllability import gap_stats, per_unit, q_stats
 from rcgrpo.stats import check_n_boot, mean
@@ -38,8 +38,11 @@ class ControllabilityConfig:
     """Budgets and engine (`engine.decoding`; flat keys: max_outputs, max_new_tokens, batch_rows, dtype). The
     sampled arm's temperature and top_p are `rl`'s (`sampled_as` replaces the fixed placeholders); the backend
     is hf, loaded as evaluate loads a trained output."""
+    side: Literal["test", "dev"]
+    """The side of the split the check reads (`test`: held out; `dev`: what designs are chosen on, so the
+    premise gate reads entries nothing reports); the stage's `--side` overrides it (the dev sweep's)."""
     n_entries: int
-    """Held-out entries rolled: the first n of the test split taken round-robin over `categories`."""
+    """Entries rolled: the first n of `side` taken round-robin over `categories`."""
     categories: tuple[str, ...] | None
     """Categories drawn from; null = every category of the prepared entries."""
     samples_per_token: int

@@ -32,6 +32,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from rcgrpo_tasks.evaluation.stats import paired_binary, sign_summary, t_summary
 from rcgrpo_tasks.ops.inputs import InputError, read_json
@@ -45,6 +46,13 @@ BINARY = ("zero_variance", "flat_fail", "flat_success", "greedy")
 """Paired measures that are 0/1 per unit (exact McNemar at the unit level)."""
 SINGLE = ("pool_learning", "probe", "transfer")
 """Measures of one RL cell (sign counts of prompts)."""
+PREMISE = ("q_after",)
+"""Measures of one RL cell read per seed: `q_after`, q = P(low fails | high succeeds) of its policy after RL in
+its controllability check (the premise RC-GRPO needs, on the check's side of the split)."""
+OUTCOMES = ("gain", "no_gain", "inconclusive")
+"""What a primary paired endpoint's decisive interval says (`outcome`): `gain` (its lower end above 0),
+`no_gain` (its upper end below the smallest effect of interest: an effect that matters is excluded; the
+interval may lie below 0), `inconclusive` (neither)."""
 INDEX = "index.json"
 """The endpoint files' index (`write_files`): alpha, power, seeds and each endpoint's file."""
 
@@ -59,6 +67,19 @@ class EndpointsConfig:
     """The endpoints the run is judged on: {measure, cell, versus} (versus only for `PAIRED` measures)."""
     secondary: tuple[dict, ...]
     """Endpoints reported as secondary (descriptive), same form."""
+    decisive: Literal["unit", "seed"]
+    """The level whose interval decides a primary endpoint (`outcome`): `unit` (the paired test over the units,
+    e.g. the seed-averaged entries) or `seed` (the t over seeds); the other level is printed beside it as a
+    robustness reading."""
+    sesoi: dict[str, float]
+    """Smallest effect size of interest per measure, in the measure's own units (pass1: a share, 0.025 = 2.5
+    points): what `no_gain` excludes. Every primary paired measure needs one when `decisions` are declared."""
+    decisions: dict[str, str]
+    """What each outcome of a primary endpoint decides (`OUTCOMES` -> text; `{cell}` / `{versus}` name the
+    endpoint's models), declared with the endpoints before the run: the report prints the rule table and the
+    decision each primary endpoint reached. Empty: no decision rule was declared (the report says so)."""
+    premise_kept_q: float | None
+    """`q_after` endpoints: the q after RL that counts as the premise kept, in every seed; null: none declared."""
 
     def __post_init__(self) -> None:
         if not 0 < self.alpha < 0.5 or not 0.5 <= self.power < 1:
@@ -69,9 +90,23 @@ class EndpointsConfig:
             for i, e in enumerate(items):
                 measure = e.get("measure") if isinstance(e, dict) else None
                 want = {"measure", "cell", "versus"} if measure in PAIRED else {"measure", "cell"}
-                if measure not in PAIRED + SINGLE or set(e) != want:
-                    raise ValueError(f"{kind}[{i}]: {{measure, cell[, versus]}} with measure in {list(PAIRED + SINGLE)} "
-                                     f"(versus only for {list(PAIRED)}), got {e!r}")
+                if measure not in PAIRED + SINGLE + PREMISE or set(e) != want:
+                    raise ValueError(f"{kind}[{i}]: {{measure, cell[, versus]}} with measure in "
+                                     f"{list(PAIRED + SINGLE + PREMISE)} (versus only for {list(PAIRED)}), got {e!r}")
+        bad = sorted(set(self.sesoi) - set(PAIRED)) + [m for m, v in self.sesoi.items() if not isinstance(
+            v, (int, float)) or isinstance(v, bool) or not v > 0]
+        if bad:
+            raise ValueError(f"sesoi: a positive effect per paired measure {list(PAIRED)}, got {self.sesoi!r}")
+        if self.decisions:
+            if set(self.decisions) != set(OUTCOMES) or not all(isinstance(v, str) and v for v in self.decisions.values()):
+                raise ValueError(f"decisions: one text for each outcome {list(OUTCOMES)}, got {sorted(self.decisions)}")
+            lacking = [name(e) for e in self.primary if e["measure"] not in self.sesoi]
+            if lacking:
+                raise ValueError(f"decisions need sesoi for every primary endpoint's measure; missing for {lacking}")
+            if any(e["measure"] not in PAIRED for e in self.primary):
+                raise ValueError("decisions: every primary endpoint must be a paired measure (cell vs versus)")
+        if self.premise_kept_q is not None and not 0 < self.premise_kept_q <= 1:
+            raise ValueError(f"premise_kept_q must lie in (0, 1] or be null, got {self.premise_kept_q}")
 
     def all(self) -> list[tuple[str, dict]]:
         """(rank, endpoint) in declared order, primary first."""
@@ -137,9 +172,42 @@ def sign_stats(data: dict, alpha: float, power: float) -> dict:
             "seed_level": seed, "mde_range": None}
 
 
-def endpoint_stats(data: dict, alpha: float, power: float) -> dict:
+def premise_stats(data: dict, alpha: float, power: float, kept: float | None = None) -> dict:
+    """`q_after` from each seed's check (`data["q"]`, `data["q_ci"]`: the check's own bootstrap interval over
+    entries): the mean over seeds with the seed-level t interval, the least seed, and whether every seed kept
+    q >= `kept`."""
+    qs = [q for q in data["q"] if q is not None and not math.isnan(q)]
+    seed = _seed_level(qs, alpha, power) if qs else {"diff": float("nan"), "ci": [float("nan")] * 2,
+                                                       "p": float("nan"), "mde": float("nan"), "df": 0}
+    least = min(qs) if qs else float("nan")
+    return {"diff": seed["diff"], "ci": seed["ci"], "p": float("nan"), "mde": float("nan"), "least": least,
+            "kept": None if kept is None or not qs else least >= kept and len(qs) == len(data["q"]),
+            "kept_q": kept, "per_seed": data["q"], "per_seed_ci": data["q_ci"], "seed_level": seed,
+            "mde_range": None, "units": "seeds", "test": "mean over seeds, t interval; each seed's bootstrap over entries"}
+
+
+def endpoint_stats(data: dict, alpha: float, power: float, kept_q: float | None = None) -> dict:
     """One endpoint's statistics from its per-unit values alone (what `rcgrpo endpoints --recompute` reruns)."""
+    if data["measure"] in PREMISE:
+        return premise_stats(data, alpha, power, kept_q)
     return sign_stats(data, alpha, power) if data["measure"] in SINGLE else paired_stats(data, alpha, power)
+
+
+def decisive_interval(r: dict, level: str) -> list[float]:
+    """The interval that decides a paired endpoint: the unit level's, or the seed level's t interval."""
+    return list(r["seed_level"]["ci"] if level == "seed" else r["ci"])
+
+
+def outcome(r: dict, level: str, sesoi: float) -> str:
+    """`OUTCOMES` of one paired endpoint from its decisive interval (`decisive_interval`) and its measure's
+    smallest effect of interest: gain if the lower end is above 0, no_gain if the upper end is below `sesoi`,
+    inconclusive otherwise (an interval that is not one, e.g. NaN, is inconclusive)."""
+    lo, hi = decisive_interval(r, level)
+    if lo > 0:
+        return "gain"
+    if hi < sesoi:
+        return "no_gain"
+    return "inconclusive"
 
 
 # ---------------------------------------------------------------- the files behind the endpoints
@@ -149,10 +217,21 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-")
 
 
-def write_files(folder: Path, results: list[dict], alpha: float, power: float, seeds: int) -> None:
-    """The per-unit values of every endpoint (`results[i]["data"]`), one small JSON file each, and `INDEX`."""
+def rule(cfg: EndpointsConfig | None) -> dict:
+    """The declared decision rule as the endpoint files carry it (`INDEX`): decisive level, SESOI, decisions, the
+    premise's q; empty where none was declared."""
+    if cfg is None:
+        return {}
+    return {"decisive": cfg.decisive, "sesoi": dict(cfg.sesoi), "decisions": dict(cfg.decisions),
+            "premise_kept_q": cfg.premise_kept_q}
+
+
+def write_files(folder: Path, results: list[dict], alpha: float, power: float, seeds: int,
+                cfg: EndpointsConfig | None = None) -> None:
+    """The per-unit values of every endpoint (`results[i]["data"]`), one small JSON file each, and `INDEX` (with
+    the declared decision rule, `rule`)."""
     folder = Path(folder)
-    index = {"alpha": alpha, "power": power, "seeds": seeds, "endpoints": []}
+    index = {"alpha": alpha, "power": power, "seeds": seeds, **rule(cfg), "endpoints": []}
     for i, r in enumerate(results, 1):
         file = f"{i:02d}-{_slug(r['name'])}.json"
         write_json(folder / file, {"rank": r["rank"], "name": r["name"], "spec": r["spec"], "data": r["data"]})
@@ -160,9 +239,9 @@ def write_files(folder: Path, results: list[dict], alpha: float, power: float, s
     write_json(folder / INDEX, index)
 
 
-def recompute(folder: Path) -> tuple[list[dict], float, float, int]:
-    """(results, alpha, power, seeds) recomputed from the files `write_files` wrote: every endpoint's statistics
-    from its per-unit values (`endpoint_stats`), in declared order."""
+def recompute(folder: Path) -> tuple[list[dict], float, float, int, dict]:
+    """(results, alpha, power, seeds, rule) recomputed from the files `write_files` wrote: every endpoint's
+    statistics from its per-unit values (`endpoint_stats`), in declared order, and the declared rule (`rule`)."""
     folder = Path(folder)
     if not (folder / INDEX).is_file():
         raise InputError(f"{folder / INDEX}: not found (the report stage writes it: results/report/endpoints)")
@@ -171,5 +250,6 @@ def recompute(folder: Path) -> tuple[list[dict], float, float, int]:
     for item in index["endpoints"]:
         got = read_json(folder / item["file"])
         out.append({"rank": got["rank"], "name": got["name"], "spec": got["spec"], "data": got["data"],
-                    **endpoint_stats(got["data"], index["alpha"], index["power"])})
-    return out, index["alpha"], index["power"], index["seeds"]
+                    **endpoint_stats(got["data"], index["alpha"], index["power"], index.get("premise_kept_q"))})
+    declared = {k: index[k] for k in ("decisive", "sesoi", "decisions", "premise_kept_q") if k in index}
+    return out, index["alpha"], index["power"], index["seeds"], declared

@@ -168,6 +168,15 @@ def endpoint_data(e: dict, seeds: list[Seed]) -> dict:
     sign measure."""
     m = e["measure"]
     out: dict = {"measure": m, "seeds": [s.seed for s in seeds]}
+    if m in ep.PREMISE:
+        checks = [s.controllability_rl.get(e["cell"]) for s in seeds]
+        lacking = [s.seed for s, c in zip(seeds, checks) if not c]
+        if lacking:
+            raise InputError(f"endpoint {ep.name(e)}: no controllability check of {e['cell']} after RL in seed(s) "
+                             f"{lacking} (run controllability_rl_rctp@<seed>-<algo>)")
+        prem = [c["sampled"]["premise"] for c in checks]
+        return out | {"unit": "seeds", "q": [p["q"] for p in prem], "q_ci": [p.get("q_ci") for p in prem],
+                      "side": [c.get("side") for c in checks]}
     if m in ep.PAIRED:
         rows = [_paired_units(e, s) for s in seeds]
         return out | {"unit": ep.UNITS[m], "units": [[u for u, _, _ in r] for r in rows],
@@ -197,5 +206,5 @@ def endpoint_results(cfg: ep.EndpointsConfig, seeds: list[Seed]) -> list[dict]:
                 raise InputError(f"endpoints: {ep.name(e)}: {who!r} is not a model of params grid")
         data = endpoint_data(e, seeds)
         out.append({"rank": rank, "name": ep.name(e), "spec": e, "data": data,
-                    **ep.endpoint_stats(data, cfg.alpha, cfg.power)})
+                    **ep.endpoint_stats(data, cfg.alpha, cfg.power, cfg.premise_kept_q)})
     return out

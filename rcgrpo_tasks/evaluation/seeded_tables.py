@@ -67,13 +67,20 @@ def learning_table(seeds: list) -> str:
     return "\n".join(lines) + "\n"
 
 
-def seeded_markdown(gates: list[dict], results: list[dict], pooled: list[dict], seeds: list, alpha: float,
-                    power: float, checks: dict[int, list[dict]], side: str, mechanism: str = "") -> str:
-    """The whole report: premise gate, endpoints, pooled rows, learning, the `mechanism` sections
-    (`mechanism_tables.mechanism_markdown`), then each seed's tables, on the `side` of the split every row
-    measured (`results_table.one_side`)."""
-    parts = ["## RCTP's premise\n\n" + premise_lines(gates, side),
-             "## Endpoints\n\n" + endpoints_table(results, alpha, power, len(seeds)),
+def seeded_markdown(gates: list[dict], results: list[dict], pooled: list[dict], seeds: list, declared,
+                    checks: dict[int, list[dict]], side: str, mechanism: str = "", premise_side: str | None = None
+                    ) -> str:
+    """The whole report: premise gate, endpoints (`declared`: `endpoints.EndpointsConfig`) and what they decide,
+    pooled rows, learning, the `mechanism` sections (`mechanism_tables.mechanism_markdown`), then each seed's
+    tables, on the `side` of the split every row measured (`results_table.one_side`); the premise on
+    `premise_side` (the controllability checks'; default `side`)."""
+    premise_side = premise_side or side
+    agreement = "" if premise_side == side else (
+        f"\nThe premise is read on the {side_name(premise_side)} entries and the outcome on the {side_name(side)} "
+        "ones: the cross-stage check (the RCTP model's greedy answers in both stages) has no shared entry and is "
+        "not run.\n")
+    parts = ["## RCTP's premise\n\n" + premise_lines(gates, premise_side) + agreement,
+             "## Endpoints\n\n" + endpoints_table(results, declared.alpha, declared.power, len(seeds), declared),
              f"## Outcome pooled over seeds ({side_name(side)} entries)\n\n" + pooled_table(pooled),
              "## Learning where RL trains\n\n" + learning_table(seeds)] + ([mechanism] if mechanism else [])
     for s in seeds:

@@ -11,15 +11,19 @@ from __future__ import annotations
 
 INITS: tuple[str, ...] = ("sft", "rctp")
 """The models RL starts from: the SFT and the RCTP fine-tunes (the `sft` stage's variants)."""
-ALGOS: tuple[str, ...] = ("grpo", "rc_grpo", "dynamic", "rc_frozen", "rc_lowmask")
+ALGOS: tuple[str, ...] = ("grpo", "rc_grpo", "dynamic", "rc_anchor", "rc_frozen", "rc_lowmask")
 """The RL algorithms: GRPO, RC-GRPO, and GRPO with DAPO's dynamic sampling (zero-variance groups dropped and
-refilled: `train.rl.rollout.EngineRollout`), which the paper does not run; and two ablations of RC-GRPO aimed
-at its premise eroding during RL (`RC_ALGOS`). An RL cell is `<init>-<algo>`."""
-RC_ALGOS: tuple[str, ...] = ("rc_grpo", "rc_frozen", "rc_lowmask")
-"""The algorithms that condition each rollout on its own token (RC-GRPO's groups, its advantage): RC-GRPO, and
-RC-GRPO with the reward tokens' embedding rows frozen in RL (`rc_frozen`: the RL LoRA trains no token row, so
-RL cannot move what the tokens mean) or with the low token's rollouts in their group's mean and spread but out
-of the loss (`rc_lowmask`: RL never trains the low-conditioned policy, so it cannot teach it to succeed)."""
+refilled: `train.rl.rollout.EngineRollout`), which the paper does not run; a variant of RC-GRPO built so that
+its premise survives RL and two decompositions of RC-GRPO (`RC_ALGOS`). An RL cell is `<init>-<algo>`."""
+RC_ALGOS: tuple[str, ...] = ("rc_grpo", "rc_anchor", "rc_frozen", "rc_lowmask")
+"""The algorithms that condition each rollout on its own token (RC-GRPO's groups, its advantage): RC-GRPO;
+`rc_anchor`, RC-GRPO whose low-token rollouts carry the KL coefficient `rl.beta_low` (`train.rl.anchor`: the
+low-conditioned policy trains but stays near the init, where it fails); `rc_frozen`, RC-GRPO whose RL LoRA
+trains no reward-token row (the rows stay the init's; what the tokens mean can still move through the LoRA on
+every layer, and did: a negative control); `rc_lowmask`, RC-GRPO whose low-token rollouts count in their
+group's mean and spread but carry no loss (RL never trains the low-conditioned policy directly; the shared
+weights still carry the high token's gradient to it, as under GRPO; for the evaluated policy it is GRPO with
+half the high-token samples: a decomposition, not a fix)."""
 SEEDED_MODELS: tuple[str, ...] = ("rctp",)
 """Models below the RL cells that are trained once per grid seed (their evaluation label)."""
 

@@ -87,7 +87,8 @@ def main(
     adapter_dir: Path | None = typer.Option(None, help="sft-stage output (e.g. models/rctp/0)."),
     entries: Path = typer.Option(Path("data/entries.jsonl"), help="Entries JSONL (prepare_data)."),
     split: Path = typer.Option(Path("data/split.json"), help="Split JSON (prepare_data)."),
-    side: str = typer.Option("test", help="test (held out: what is reported) | dev (what designs are chosen on)."),
+    side: str | None = typer.Option(None, help="test (held out) | dev (what designs are chosen on); default: params "
+                                    "controllability.side."),
     metrics: Path = typer.Option(Path("metrics/controllability/0.json"), help="Output: metrics JSON."),
     trajectories: Path | None = typer.Option(None, help="Output: the rollouts of both arms as trajectory JSONL."),
     params: Path = typer.Option(Path("params.yaml"), help="Params (sections `controllability`, `label_rewards`, `rl`)."),
@@ -100,6 +101,7 @@ def main(
     """Sampled (RL settings) and greedy E[R|high] - E[R|low] of a reward-conditioned model, with CIs."""
     with cli_errors(FileNotFoundError):
         cfg = load_config(ControllabilityConfig, params, "controllability")
+        side = side or cfg.side
         prompt = load_config(PromptConfig, params, "prompt")
         tokens = load_reward_tokens(params)
         rl = load_keys(RLSampling, params, "rl")  # the sampled arm samples as RL does

@@ -48,8 +48,8 @@ def main(
 ) -> None:
     """Recompute the endpoints table from the per-unit files; print it (and compare it)."""
     with cli_errors():
-        results, alpha, power, seeds = recompute(recompute_dir)
-        table = endpoints_table(results, alpha, power, seeds)
+        results, alpha, power, seeds, declared = recompute(recompute_dir)
+        table = endpoints_table(results, alpha, power, seeds, declared)
         want = table_section(check.read_text()) if check is not None else None
     typer.echo(table, nl=False)
     if want is not None and want != table:

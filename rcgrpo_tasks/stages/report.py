@@ -80,24 +80,24 @@ def grid_report(params: Path, eval_root: Path, rl_root: Path, ctl_root: Path | N
     missing = [str(p) for p in steps.values() if not p.is_file()]
     if missing:
         raise InputError(f"not found: {missing} (run `dvc repro`: the grid's rl stages)")
+    side = one_side([r for s in seeds for r in s.rows])
+    premise_side = premise_side_of(seeds, side)
     checks = {}
-    if agree_root is not None:
+    if agree_root is not None and premise_side == side:  # the two stages decoded the same entries
         for s in grid.seeds:
             checks[s] = [{"label": "rctp", **cross_check(eval_root / str(s) / "rctp",
                                                          agree_root / str(s) / "trajectories.jsonl")}]
-    side = one_side([r for s in seeds for r in s.rows],
-                    {f"controllability@{s.seed}": s.controllability.get("side") for s in seeds if s.controllability})
     results = endpoint_results(declared, seeds)
     gates, pooled = premise(seeds), pooled_rows(seeds, grid.seeded_labels, seed)
     step_rows = {key: read_tsv(path) for key, path in steps.items()}
     mech = {"parts": mechanism_tables.parts(seeds, grid.cells), "failures": mechanism_tables.failures(seeds, grid.cells),
             "premise": mechanism_tables.premise(seeds, step_rows)}
-    md = seeded_markdown(gates, results, pooled, seeds, declared.alpha, declared.power, checks, side,
-                         mechanism_tables.mechanism_markdown(mech, side))
+    md = seeded_markdown(gates, results, pooled, seeds, declared, checks, side,
+                         mechanism_tables.mechanism_markdown(mech, premise_side), premise_side)
     md += paper_beside(seeds[0].rows, pooled, results)
-    data = {"side": side, "premise": gates, "endpoints": [{k: v for k, v in r.items() if k != "data"} for r in results],
+    data = {"side": side, "premise_side": premise_side, "premise": gates, "endpoints": [{k: v for k, v in r.items() if k != "data"} for r in results],
             "endpoint_files": {"results": results, "alpha": declared.alpha, "power": declared.power,
-                               "seeds": len(seeds)},
+                               "seeds": len(seeds), "declared": declared},
             "mechanism": mech, "pooled": pooled,
             "seeds": {str(s.seed): {"rows": {r["label"]: r for r in s.rows}, "rc_grpo_vs_grpo": s.contrast}
                       for s in seeds},
@@ -105,6 +105,16 @@ def grid_report(params: Path, eval_root: Path, rl_root: Path, ctl_root: Path | N
     rows = [{**r, "label": r["label"] if r.get("seed") is None else f"{r['label']}@{r['seed']}"}
             for i, s in enumerate(seeds) for r in s.rows if i == 0 or r.get("seed") is not None]
     return md, data, rows, steps
+
+
+def premise_side_of(seeds: list, side: str) -> str:
+    """The one side of the split every controllability check of the grid read (before and after RL): the
+    outcome's `side` where none ran. The premise may be read on another side than the outcome (dev or RL's
+    own prompts: what RL acts on, not what is reported); all the checks read one (`one_side`)."""
+    sides = {f"controllability@{s.seed}": s.controllability.get("side") for s in seeds if s.controllability}
+    sides |= {f"controllability_rl_{cell}@{s.seed}": m.get("side") for s in seeds
+              for cell, m in s.controllability_rl.items()}
+    return one_side([], sides) if sides else side
 
 
 def paper_beside(rows: list[dict], pooled: list[dict], endpoints: list[dict]) -> str:
@@ -206,7 +216,8 @@ def main(
             plot_mechanism(steps, files[-1], title=f"RC-GRPO mechanism per step (BFCL v4 {task})")
         if endpoints is not None:
             folder = staged.dir(endpoints)
-            write_files(folder, files_of["results"], files_of["alpha"], files_of["power"], files_of["seeds"])
+            write_files(folder, files_of["results"], files_of["alpha"], files_of["power"], files_of["seeds"],
+                        files_of["declared"])
             files += sorted(folder.iterdir())
         if probe is not None:
             files.append(staged.file(probe))

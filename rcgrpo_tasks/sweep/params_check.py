@@ -30,7 +30,7 @@ from rcgrpo_tasks.env.split import PrepareDataConfig
 from rcgrpo_tasks.env.tasks import get_task
 from rcgrpo_tasks.evaluation.accuracy import EvaluateConfig
 from rcgrpo_tasks.evaluation.controllability import ControllabilityConfig
-from rcgrpo_tasks.evaluation.endpoints import SINGLE, EndpointsConfig
+from rcgrpo_tasks.evaluation.endpoints import PREMISE, SINGLE, EndpointsConfig
 from rcgrpo_tasks.evaluation.grid import GridConfig
 from rcgrpo_tasks.evaluation.promotion import PromoteConfig
 from rcgrpo_tasks.ops.config import ConfigError, from_dict, read_params
@@ -47,8 +47,9 @@ SECTIONS: dict[str, type] = {
 """Every section of a params file and the config class its stage loads it into."""
 SFT_VARIANTS = ("sft", "rctp")
 """The `sft.variants` dvc.yaml trains (`rcgrpo sft --variant`), each resolved as its stage resolves it."""
-RL_MEASURES = ("zero_variance", *SINGLE)
-"""Endpoint measures read from RL runs: their cells must be RL cells of the grid."""
+RL_MEASURES = ("zero_variance", *SINGLE, *PREMISE)
+"""Endpoint measures read from RL runs (or, `PREMISE`, from the check of an RCTP-init cell's policy after RL):
+their cells must be RL cells of the grid."""
 
 
 def _section(name: str, data: Any, where: str) -> Any:
@@ -117,6 +118,9 @@ def endpoint_models(grid: GridConfig, endpoints: EndpointsConfig, evaluate: Eval
             if m in RL_MEASURES and who not in grid.cells:
                 raise ConfigError(f"endpoints: {field}: {who!r} is not an RL cell of params grid; {m} is measured "
                                   f"on RL cells: {grid.cells}")
+            if m in PREMISE and not who.startswith("rctp-"):
+                raise ConfigError(f"endpoints: {field}: {m} is read from the premise check after RL, which runs on "
+                                  f"the RCTP-init cells only (controllability_rl_rctp); got {who!r}")
             if m not in RL_MEASURES and who not in evaluated:
                 raise ConfigError(f"endpoints: {field}: {who!r} is not a model of params grid; {m} is measured on "
                                   f"the evaluated models: {evaluated}")

@@ -56,6 +56,10 @@ class RLConfig:
     """transformers scheduler name."""
     beta: float
     """KL coefficient to the init (SFT/RCTP) model. Paper: 0.1."""
+    beta_low: float | None
+    """Algo `rc_anchor`: the KL coefficient of the low token's rollouts (the high token's keep `beta`), so the
+    low-conditioned policy stays near the init, where it fails (`train.rl.anchor`: 1.0 is the bound at which
+    the low condition's KL-regularised optimum keeps q >= 1/2); null: no such algo can run. Other algos ignore it."""
     epsilon: float
     """PPO clip range. Paper: 0.2."""
     num_iterations: int
@@ -209,6 +213,8 @@ class RLConfig:
         for name in ("max_steps", "save_steps", "num_iterations", "minibatches", "lora_r"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.beta_low is not None and not self.beta_low > 0:
+            raise ValueError(f"beta_low must be > 0 or null, got {self.beta_low}")
         if self.learning_rate <= 0 or self.beta < 0 or not 0 < self.epsilon < 1:
             raise ValueError("need learning_rate > 0, beta >= 0 and 0 < epsilon < 1")
         if self.decode.temperature <= 0:

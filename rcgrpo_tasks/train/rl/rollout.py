@@ -62,7 +62,8 @@ class EngineRollout:
     (params `prompt` with `max_outputs`); `dynamic`: drop and refill groups without reward spread (module
     docstring); `mask_low`: the lowest token's rollouts count in their group's mean and spread (the
     advantage of every rollout is RC-GRPO's) but carry no loss (an all-0 `env_mask`), so RL never trains
-    the low-conditioned policy: the ablation that keeps the premise from eroding (algo `rc_lowmask`).
+    the low-conditioned policy directly (algo `rc_lowmask`: a decomposition of RC-GRPO; the shared weights
+    still carry the high token's gradient to the low condition, as under GRPO).
 
     Across processes: TRL hands process p the p-th contiguous share of whole groups of the step's batch and
     each process decodes its own groups (no communication while decoding). A group's reward tokens and

@@ -36,6 +36,7 @@ from rcgrpo_tasks.train.common import checkpoints, runs
 from rcgrpo_tasks.train.common.adapters import lora_targets
 from rcgrpo_tasks.train.common.callbacks import lazy_subclass, resumable_callback, step_metrics
 from rcgrpo_tasks.train.rl import advantages as adv
+from rcgrpo_tasks.train.rl.anchor import LowAnchorMixin, check_anchor
 from rcgrpo_tasks.train.rl.config import RLConfig, check_deepspeed, check_reward, check_world
 from rcgrpo_tasks.train.rl.diagnostics import STEP_MARKER, DiagnosticsMixin, diag_metrics
 from rcgrpo_tasks.train.rl.grpo import RolloutLogMixin, rc_config, reward_funcs
@@ -172,6 +173,11 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     if cfg.full_finetune and spec.algo == "rc_frozen":
         raise ConfigError("algo rc_frozen freezes the reward-token rows of the RL LoRA; rl.full_finetune trains "
                           "every weight, those rows included")
+    if spec.algo == "rc_anchor":
+        try:
+            check_anchor(cfg.beta, cfg.beta_low, cfg.loss_type)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
     fit = cfg if micro_batch is None else replace(cfg, micro_batch_size=micro_batch)
     grad_accum = check_world(fit, int(os.environ.get("WORLD_SIZE", "1")))
     check_deepspeed(cfg, mode)
@@ -194,9 +200,9 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     log = lazy_subclass(RolloutLogMixin, "transformers.TrainerCallback")(spec.checkpoints)
     own = [step_metrics(STEP_MARKER, diag_metrics)] if track else []
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is "experimental" in TRL 1.16
-    from rcgrpo.trainer import RCGRPOTrainer
-
-    trainer = RCGRPOTrainer(
+    trainer_cls = lazy_subclass(LowAnchorMixin, "rcgrpo.trainer.RCGRPOTrainer") if spec.algo == "rc_anchor" \
+        else _import_trainer()
+    trainer = trainer_cls(
         model=model, reward_funcs=reward_funcs(), args=rc_config(fit, mode, levels, spec.checkpoints, grad_accum, device),
         train_dataset=Dataset.from_list([{"prompt": e.id} for e in entries]), processing_class=tokenizer,
         peft_config=lora, rollout_func=rollout,
@@ -204,11 +210,19 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
                    *(callbacks or [])],
     )
     trainer.rc_guard = guard
+    if spec.algo == "rc_anchor":
+        trainer.rc_beta_low = cfg.beta_low
     for callback in (log, probe):
         if callback is not None:
             callback.trainer = trainer
     _finish(trainer, cfg, rollout, lora is not None)
     return trainer
+
+
+def _import_trainer():
+    from rcgrpo.trainer import RCGRPOTrainer
+
+    return RCGRPOTrainer
 
 
 def fingerprint(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], spec: RLRun) -> str:
@@ -218,6 +232,7 @@ def fingerprint(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...]
 
     return checkpoints.fingerprint(cfg, protocol=as_dict(protocol), levels=list(levels), init=spec.init,
                                    algo=spec.algo, mode=spec.mode, code=Path(__file__),
+                                   anchor=Path(__file__).with_name("anchor.py"),
                                    step_code={f.name: checkpoints.file_md5(f)  # the library's trainer
                                               for f in sorted(Path(rcgrpo.trainer.__file__).parent.glob("*.py"))},
                                    entries=Path(spec.entries),
