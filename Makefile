@@ -141,7 +141,7 @@ test-all: venv
 # TRL's own GRPO tests (tests/trl_suite/README.md: the vendored snapshot and the counts) through the hub-free
 # harness: MODE=baseline (plain trl.GRPOTrainer), none and rc (rcgrpo.RCGRPOTrainer, conditioning fixed); all three
 # by default, one after another, each under nice, then the counts and every baseline-passing test another mode
-# misses. Fails when `none` misses one. Not in `make test` (tens of minutes a mode on two cores).
+# misses. Fails when `none` misses one. Not in `make test` (about 40 min a mode on a quiet 2-core host).
 MODE ?= baseline none rc
 TRL_SUITE_OUT ?= logs/trl-suite
 # one torch thread a process: on the loaded 2-core host two threads contend (a GRPO step here: 2.2 s with two, 0.16 s with one)
