@@ -33,9 +33,9 @@ sys.path.insert(0, str(REPO))
 def stage_runs(api: str, since) -> list:
     from prefect import get_client
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    os.environ["PREFECT_API_URL"] = api
-    with get_client(sync_client=True) as client:
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["stage"])), limit=500)
     return sorted((r for r in runs if r.state and r.state.name == "Completed" and r.start_time >= since),
                   key=lambda r: r.start_time)
@@ -109,10 +109,13 @@ def main() -> None:
         since = datetime.now(timezone.utc)
         one = parent(root, "one", origin, stack, env, [*args, "--force"])
         runs_one = stage_runs(client_env["PREFECT_API_URL"], since)
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: client_env["PREFECT_API_URL"]}):  # results come through the server
+            text_two, _ = table(runs_two, runs_two[0].start_time)
+            text_one, repro_one = table(runs_one, runs_one[0].start_time)
     finally:
         st.down(stack)
-    text_two, _ = table(runs_two, runs_two[0].start_time)
-    text_one, repro_one = table(runs_one, runs_one[0].start_time)
     n = len(runs_one)
     print(f"two workers: {two:.1f} s; one worker: {one:.1f} s; ratio {two / one:.2f} ({n} stages, {a.stages}, "
           f"profile {profile})")

@@ -146,7 +146,7 @@ def pull_entries(root: str | Path, entries: dict[str, dict], paths: list[str] | 
                 raise TransferError(f"{len(result.failed)} object(s) of {name}'s outputs not in remote {remote!r}")
             fetched += len(result.transferred)
             for out, inner in _filters(stage, paths):
-                out.checkout(filter_info=inner)
+                out.checkout(filter_info=inner, force=True)  # over what git checked out, as a run would write
     return fetched
 
 

@@ -121,9 +121,9 @@ def stage_runs(lab: dict) -> list:
     """Every run of the stage deployment on the server (its tags say where it ran)."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    os.environ["PREFECT_API_URL"] = lab["env"]["PREFECT_API_URL"]
-    with get_client(sync_client=True) as client:
+    with temporary_settings({PREFECT_API_URL: lab["env"]["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
         return client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["stage"])), limit=200)
 
 
