@@ -5,10 +5,11 @@ less its stages' own `dvc repro` seconds, per stage).
 
 The project at HEAD (commit first) is cloned bare as the repository workers fetch from; `rcgrpo stack up
 --grid-workers 2` starts SeaweedFS, MLflow, Prefect and two workers of `rcgrpo-cpu`, each one stage at a time
-on one CPU thread, in its own directory. Run 1: both workers, the pool's limit 2. Run 2: one worker (the other
-stopped, the limit 1), `--force` in a fresh parent clone, so every stage runs again (the remote then holds
-their objects already and the worker's cache half of them: what run 2 saves on transfers favours the one
-worker).
+on one CPU thread, in its own directory. First the whole grid (`--stages`, both workers: its timeline is
+printed too); then the timed pair, each in a fresh parent checkout with the first's dvc.lock, under a profile
+layer that moves `rl.seed` (so what reruns is the root check and the RL cells, the independent part: 1 then 2
+added to the seed, never the same runs twice): two workers (the pool's limit 2), then one (the other stopped,
+the limit 1).
 
     python bench/grid_workers.py --stages rl_rctp --profile smoke [--model-source DIR] [--keep DIR]
 """
@@ -41,12 +42,15 @@ def stage_runs(api: str, since) -> list:
                   key=lambda r: r.start_time)
 
 
-def parent(root: Path, name: str, origin: Path, stack, env: dict, args: list[str]) -> float:
+def parent(root: Path, name: str, origin: Path, stack, env: dict, args: list[str], lock: Path | None = None) -> float:
+    """Wall seconds of a parent run across the pools in a fresh clone `root/name` (with `lock` as its dvc.lock)."""
     from rcgrpo_tasks.ops import stack as st
 
     repo = root / name
     subprocess.run(["git", "clone", "-q", str(origin), str(repo)], check=True)
     st.configure_dvc(stack, repo)
+    if lock is not None:
+        (repo / "dvc.lock").write_text(lock.read_text())
     t0 = time.monotonic()
     done = subprocess.run([sys.executable, str(REPO / "flows" / "rcgrpo_flow.py"), "--dispatch", "pools", *args],
                           cwd=repo, env={**env, "PREFECT_HOME": str(root / f"{name}-home"), "RCGRPO_DVC_REMOTE_URL": ""},
@@ -55,6 +59,15 @@ def parent(root: Path, name: str, origin: Path, stack, env: dict, args: list[str
     if done.returncode != 0:
         sys.exit(f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return wall
+
+
+def seed_layer(root: Path, profile: str, plus: int) -> str:
+    """`profile` with a layer moving `rl.seed` by `plus`: only the root check and the RL cells change."""
+    import yaml
+
+    base = yaml.safe_load((REPO / "params.yaml").read_text())["rl"]["seed"]
+    (root / f"seed{plus}.yaml").write_text(f"rl:\n  seed: {base + plus}\n")
+    return f"{profile}+{root / f'seed{plus}.yaml'}"
 
 
 def table(runs: list, t0) -> tuple[str, float]:
@@ -99,31 +112,39 @@ def main() -> None:
         client_env = st.up(stack, grid_workers=2, git_url=str(origin))
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_", "RCGRPO_"))}
         env.update({**client_env, "PATH": f"{BIN}{os.pathsep}{env['PATH']}"})
-        args = ["--profile", profile, "--stages", *a.stages, "--retry-delay-s", "2"]
+        args = ["--stages", *a.stages, "--retry-delay-s", "2"]
+        api = client_env["PREFECT_API_URL"]
         since = datetime.now(timezone.utc)
-        two = parent(root, "two", origin, stack, env, args)
-        runs_two = stage_runs(client_env["PREFECT_API_URL"], since)
+        grid = parent(root, "grid", origin, stack, env, ["--profile", profile, *args])
+        runs_grid = stage_runs(api, since)
+        since = datetime.now(timezone.utc)
+        two = parent(root, "two", origin, stack, env, ["--profile", seed_layer(root, profile, 1), *args],
+                     lock=root / "grid" / "dvc.lock")
+        runs_two = stage_runs(api, since)
         st.down(stack, only=[f"{PREFIX}w2"])
         subprocess.run([str(BIN / "prefect"), "work-pool", "set-concurrency-limit", "rcgrpo-cpu", "1"],
                        env={**env, "PREFECT_HOME": str(root / "state" / "prefect")}, check=True, capture_output=True)
         since = datetime.now(timezone.utc)
-        one = parent(root, "one", origin, stack, env, [*args, "--force"])
-        runs_one = stage_runs(client_env["PREFECT_API_URL"], since)
+        one = parent(root, "one", origin, stack, env, ["--profile", seed_layer(root, profile, 2), *args],
+                     lock=root / "grid" / "dvc.lock")
+        runs_one = stage_runs(api, since)
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
-        with temporary_settings({PREFECT_API_URL: client_env["PREFECT_API_URL"]}):  # results come through the server
+        with temporary_settings({PREFECT_API_URL: api}):  # the results come back through the server
+            text_grid, _ = table(runs_grid, runs_grid[0].start_time)
             text_two, _ = table(runs_two, runs_two[0].start_time)
             text_one, repro_one = table(runs_one, runs_one[0].start_time)
     finally:
         st.down(stack)
     n = len(runs_one)
-    print(f"two workers: {two:.1f} s; one worker: {one:.1f} s; ratio {two / one:.2f} ({n} stages, {a.stages}, "
-          f"profile {profile})")
+    print(f"the grid ({len(runs_grid)} stages, {a.stages}, profile {profile}) on two workers: {grid:.1f} s\n{text_grid}")
+    print(f"\nthe RL cells again (rl.seed moved; {n} stages): two workers {two:.1f} s, one worker {one:.1f} s, "
+          f"ratio {two / one:.2f}")
     print(f"fan-out cost per stage (one worker: wall less the stages' own dvc repro seconds, per stage): "
           f"{(one - repro_one) / n:.1f} s")
     print("\ntwo workers, seconds from the first stage run's start:\n" + text_two)
     print("\none worker:\n" + text_one)
-    (root / "bench.json").write_text(json.dumps({"two_s": two, "one_s": one, "stages": n}))
+    (root / "bench.json").write_text(json.dumps({"grid_s": grid, "two_s": two, "one_s": one, "stages": n}))
 
 
 if __name__ == "__main__":

@@ -167,8 +167,9 @@ def in_remote(root: str | Path, entry: dict, remote: str) -> list[str]:
 
 def stale_reasons(status: list, upstream_outs: list[str]) -> list[str]:
     """Why one stage's `dvc status` entry (`repo.status()[stage]`) makes it stale in a checkout that holds none
-    of the pipeline's data: what is absent there (a dependency that is an upstream stage's output, an output)
-    does not count; a changed command, a changed code or params dependency, a changed output does."""
+    of the pipeline's data: a changed command, a changed code or params dependency does; a dependency that is an
+    upstream stage's output and the stage's own outputs do not (the entry and the remote are what holds them:
+    `in_remote`; the checkout's copies of `cache: false` ones are restored from there)."""
     reasons = []
     for item in status:
         if isinstance(item, str):
@@ -176,10 +177,9 @@ def stale_reasons(status: list, upstream_outs: list[str]) -> list[str]:
             continue
         for kind, changes in item.items():
             for path, change in (changes or {}).items():
-                absent = change in ("deleted", "not in cache")
-                upstream = any(covers(o, path) for o in upstream_outs)
-                if not absent or (kind == "changed deps" and not upstream):
-                    reasons.append(f"{kind}: {path} {change if isinstance(change, str) else 'modified'}")
+                if kind == "changed outs" or kind == "changed deps" and any(covers(o, path) for o in upstream_outs):
+                    continue
+                reasons.append(f"{kind}: {path} {change if isinstance(change, str) else 'modified'}")
     return reasons
 
 

@@ -228,9 +228,9 @@ def upstream_outs(stage: PlannedStage, by_name: Mapping[str, PlannedStage]) -> l
 
 def stale(grid: Grid, stages: list[PlannedStage], entries: Mapping[str, dict]) -> dict[str, str]:
     """{stage: why it must run} for the stages whose dvc.lock entry in the parent's checkout does not hold: none,
-    a changed command, code or params dependency or output (`dvc_lock.stale_reasons` over DVC's status; what a
-    checkout without the pipeline's data lacks does not count), or outputs the remote lacks (the `cache: false`
-    ones this checkout holds at their recorded hash are pushed first: a lock a local run wrote)."""
+    a changed command, code or params dependency (`dvc_lock.stale_reasons` over DVC's status), or outputs the
+    remote lacks (the `cache: false` ones this checkout holds at their recorded hash are pushed first: a lock a
+    local run wrote). Of a stage whose entry holds, the checkout gets the `cache: false` outputs it records."""
     by_name = {s.name: s for s in stages}
     reasons: dict[str, str] = {}
     with dvc_lock.repo_at(grid.repo, locked=False) as repo:
@@ -249,6 +249,8 @@ def stale(grid: Grid, stages: list[PlannedStage], entries: Mapping[str, dict]) -
             why = [f"not in remote {grid.remote!r}: {', '.join(missing)}"] if missing else []
         if why:
             reasons[s.name] = "; ".join(why)
+        elif s.records:  # the checkout's copies of what the entry records (a clone of a lock made elsewhere)
+            dvc_lock.pull_entries(grid.repo, {s.name: entries[s.name]}, list(s.records), grid.remote)
     return reasons
 
 
