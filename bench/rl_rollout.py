@@ -34,12 +34,13 @@ import os
 import time
 from pathlib import Path
 
+from rcgrpo.goal import DEFAULT_LEVELS
 from rcgrpo.tokens import add_reward_tokens
 from rcgrpo_tasks.engine.compute import ComputeConfig, resolve_compute
 from rcgrpo_tasks.engine.hf import HFBackend
 from rcgrpo_tasks.engine.rollout import run_group, run_seeded_groups
 from rcgrpo_tasks.env import tasks
-from rcgrpo_tasks.env.prompt import DEFAULT_REWARD_TOKENS, PromptConfig
+from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.config import load_with
 from rcgrpo_tasks.train.common.adapters import lora_targets
 from rcgrpo_tasks.train.rl import config as rl_config
@@ -59,8 +60,8 @@ def lora_policy(model_dir: str, adapter: str | None, cfg: rl_config.RLConfig, mo
     from peft import LoraConfig, get_peft_model
 
     model, tok = load_init_model(Path(model_dir), Path(adapter) if adapter else None, cfg.dtype)
-    if mode != "none" and DEFAULT_REWARD_TOKENS[-1] not in tok.get_vocab():
-        add_reward_tokens(model, tok, DEFAULT_REWARD_TOKENS, seed=seed, levels=DEFAULT_REWARD_TOKENS)
+    if mode != "none" and DEFAULT_LEVELS[-1] not in tok.get_vocab():
+        add_reward_tokens(model, tok, DEFAULT_LEVELS, seed=seed, levels=DEFAULT_LEVELS)
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=lora_targets(cfg.lora_target_modules),
                       task_type="CAUSAL_LM")
     policy = get_peft_model(model, lora)
@@ -146,7 +147,7 @@ def main() -> None:
     pool.sort(key=lambda e: (rl_pool.prompt_length(e, proto, tok), e.id))
     entries = pool[: args.entries or args.groups]
     by_id = {e.id: e for e in entries}
-    rollout = rl_rollout.EngineRollout(cfg, proto, args.mode, DEFAULT_REWARD_TOKENS, by_id, tok)
+    rollout = rl_rollout.EngineRollout(cfg, proto, args.mode, DEFAULT_LEVELS, by_id, tok)
     lengths = [rl_pool.prompt_length(e, proto, tok) for e in entries]
     print(f"{args.task}: {args.groups} groups x G={args.g} from {len(entries)} entries (prompt tokens {min(lengths)}-{max(lengths)}), "
           f"mode {args.mode}, <= {args.max_outputs} outputs of <= {args.max_new_tokens} tokens, T={args.temperature}, "

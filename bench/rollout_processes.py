@@ -70,10 +70,10 @@ def group_jobs(args, levels: tuple[str, ...]) -> tuple[list[tuple], object]:
     sampling seed and reward tokens, whichever process decodes it."""
     from transformers import AutoTokenizer
 
+    from rcgrpo import draw
     from rcgrpo_tasks.engine.backend import SamplingParams
     from rcgrpo_tasks.env.prompt import PromptConfig
     from rcgrpo_tasks.ops.config import load_with
-    from rcgrpo_tasks.train.rl import advantages as adv
     from rcgrpo_tasks.train.rl import config as rl_config
     from rcgrpo_tasks.train.rl import pool as rl_pool
 
@@ -88,7 +88,7 @@ def group_jobs(args, levels: tuple[str, ...]) -> tuple[list[tuple], object]:
     jobs = []
     for k, entry in enumerate(entries[: args.groups]):
         seed = args.seed * 1000 + k
-        tokens = adv.sample_reward_tokens(args.g, args.conditioning, args.p_high, seed, levels=levels, g=args.g)
+        tokens = draw.sample_reward_tokens(args.g, args.conditioning, args.p_high, seed, levels=levels, g=args.g)
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                                   max_new_tokens=args.max_new_tokens, seed=seed)
         jobs.append((k, entry, tokens, sampling))
@@ -232,7 +232,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="a random 2-layer model built in a temp dir")
     args = ap.parse_args()
 
-    from rcgrpo_tasks.env.prompt import DEFAULT_REWARD_TOKENS
+    from rcgrpo.goal import DEFAULT_LEVELS
 
     cores = args.cores or len(os.sched_getaffinity(0))
     if args.groups % args.procs:
@@ -242,7 +242,7 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory(prefix="rollout_processes_") if args.smoke else None
     if tmp:
         args.model_dir, args.adapter_dir = str(tiny_model_dir(Path(tmp.name))), None
-    jobs, proto = group_jobs(args, DEFAULT_REWARD_TOKENS)
+    jobs, proto = group_jobs(args, DEFAULT_LEVELS)
     if len(jobs) < args.groups:
         sys.exit(f"only {len(jobs)} train entries")
     spec = {"model_dir": args.model_dir, "adapter_dir": args.adapter_dir, "dtype": args.dtype}

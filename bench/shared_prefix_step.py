@@ -1,4 +1,4 @@
-"""RL and RCTP steps with and without the shared-prefix forward (`rcgrpo.shared_prefix`), side by side in one
+"""RL and RCTP steps with and without the shared-prefix forward (`engine.shared_prefix`), side by side in one
 run, at the CPU default's shapes.
 
 - RL: the rl stage itself (`rl_run.train_rl`, RC-GRPO from `--model`, + `--adapter` merged when given) at the

@@ -106,11 +106,29 @@ def place_goal(prompt: str | list[dict], goal: str, place: str = "first_user") -
     return out
 
 
-def strip_goal(messages: list[dict], token: str | None, template: str = GOAL_TEMPLATE) -> list[dict]:
-    """A copy of a chat without the goal of `token` at the end of its first user message (if it is there)."""
-    out = copy.deepcopy(messages)
-    suffix = format_goal(token, template)
-    first = next((m for m in out if m.get("role") == "user"), None)
-    if suffix and first is not None and isinstance(first["content"], str) and first["content"].endswith(suffix):
-        first["content"] = first["content"][: -len(suffix)]
+def remove_goal(prompt: str | list[dict], goal: str) -> str | list[dict]:
+    """A copy of `prompt` without the goal text `goal` wherever it was placed (`place_goal`, or an environment's
+    reset text appended to a message): its last occurrence in a plain-text prompt and in each message's text
+    (a string content, or a text part), and a system message that holds nothing but the goal (the one
+    `place_goal` inserts) dropped. An empty goal returns the prompt unchanged."""
+    def cut(text: str) -> str:
+        i = text.rfind(goal)
+        return text if i < 0 else text[:i] + text[i + len(goal):]
+
+    if not goal:
+        return copy.deepcopy(prompt)
+    if isinstance(prompt, str):
+        return cut(prompt)
+    out = []
+    for m in prompt:
+        content = m.get("content")
+        if m.get("role") == "system" and content == goal.lstrip("\n"):
+            continue
+        if isinstance(content, str):
+            content = cut(content)
+        elif isinstance(content, list):
+            content = [{**p, "text": cut(p["text"])} if p.get("type") == "text" and isinstance(p.get("text"), str)
+                       else p for p in content]
+            content = [p for p in content if not (p.get("type") == "text" and p.get("text") == "")]
+        out.append({**copy.deepcopy(m), "content": content} if "content" in m else copy.deepcopy(m))
     return out

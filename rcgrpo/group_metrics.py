@@ -69,6 +69,14 @@ def zero_std_fraction(rewards: Sequence[float], g: int, tol: float = ZERO_STD_TO
     return sum(std < tol for _, std in stats) / len(stats) if stats else float("nan")
 
 
+def flat_kind(mean: float, std: float, threshold: float = 0.5, tol: float = ZERO_STD_TOL) -> str | None:
+    """THE classification of one group: None (its rewards have spread: std >= tol), `fail` (zero variance at a
+    common reward below `threshold`: all failed) or `success` (zero variance at or above it)."""
+    if std >= tol:
+        return None
+    return "success" if mean >= threshold else "fail"
+
+
 def flat_fractions(rewards: Sequence[float], g: int, threshold: float = 0.5,
                    tol: float = ZERO_STD_TOL) -> tuple[float, float]:
     """rewards (B,) -> (share of groups flat at failure, share flat at success): a zero-variance group whose
@@ -78,8 +86,8 @@ def flat_fractions(rewards: Sequence[float], g: int, threshold: float = 0.5,
     stats = group_stats(rewards, g)
     if not stats:
         return float("nan"), float("nan")
-    low = sum(std < tol and mu < threshold for mu, std in stats)
-    high = sum(std < tol and mu >= threshold for mu, std in stats)
+    kinds = [flat_kind(mu, std, threshold, tol) for mu, std in stats]
+    low, high = kinds.count("fail"), kinds.count("success")
     return low / len(stats), high / len(stats)
 
 

@@ -190,3 +190,90 @@ def expose_head_bias(model) -> None:
     adapter = getattr(head, "token_adapter", None)
     if adapter is not None and "bias" not in vars(head):
         head.bias = getattr(adapter.base_layer, "bias", None)
+
+
+def text_tokenizer(processing_class):
+    """The text tokenizer of a processing class (a processor's `tokenizer`, or the tokenizer itself)."""
+    return getattr(processing_class, "tokenizer", processing_class)
+
+
+def check_reward_tokens(tokenizer, levels: Sequence[str]) -> list[int]:
+    """The ids of `levels`, each of which must be one token of `tokenizer` (an RCTP model has them;
+    `add_reward_tokens` adds them): otherwise the goal would be text the model never learned to read. ValueError
+    naming the missing ones."""
+    missing = [t for t in levels if len(tokenizer(t, add_special_tokens=False)["input_ids"]) != 1
+               or tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
+    if missing:
+        raise ValueError(f"reward tokens {missing} are not single tokens of the tokenizer: start RC-GRPO from an RCTP "
+                         f"model (docs/library.md), or call rcgrpo.add_reward_tokens(model, tokenizer) first")
+    return [tokenizer.convert_tokens_to_ids(t) for t in levels]
+
+
+def check_reference_rows(ref_model, model) -> None:
+    """TRL loads a full fine-tune's KL reference from the model's path: a model whose reward tokens were added in
+    memory and not saved gets a reference without their rows (an index error at the first KL term). ValueError
+    saying what to do instead. Rows counted as `embedding_rows` counts them (ZeRO-3's full shape)."""
+    ref_rows, rows = embedding_rows(ref_model), embedding_rows(model)
+    if ref_rows < rows:
+        raise ValueError(f"the KL reference TRL loaded from {model.config._name_or_path!r} has {ref_rows} "
+                         f"embedding rows, the model {rows}: save the RCTP model (with its reward tokens) and "
+                         f"pass its path, train a PEFT adapter (the reference is then the adapter disabled), or set "
+                         f"beta=0.0")
+
+
+def identical_token_rows(model, ids: Sequence[int], tol: float = 1e-6) -> float | None:
+    """The cosine of the lowest and the highest reward token's input rows where they are one vector (cosine above
+    1 - `tol`: `mean_resizing` adds every new row at the same mean, 1e-9 noise apart), else None (and None where
+    the rows cannot be read here: a ZeRO-3-partitioned weight)."""
+    import torch
+
+    weight = model.get_input_embeddings().weight
+    if weight.numel() == 0:
+        return None
+    with torch.no_grad():
+        low, high = weight[ids[0]].float(), weight[ids[-1]].float()
+        cosine = float(torch.nn.functional.cosine_similarity(low, high, dim=0))
+    return cosine if cosine > 1 - tol else None
+
+
+def with_reward_token_rows(peft_config, model, processing_class, tokens: Sequence[str] = DEFAULT_LEVELS):
+    """A copy of a user's `peft_config` whose trainable tokens include the reward tokens' rows (PEFT trainable
+    tokens: LoRA on the weights, those rows trained whole), so RL can move what the tokens mean under any LoRA.
+
+    `trainable_token_indices` None: the reward tokens' (`token_indices` for a model object: input and, untied,
+    output rows; the input rows for a model given by its path, whose saved embeddings carry both); a list: the
+    union; a dict: the reward tokens added under the input embedding's name (`embed_tokens` when the model is a
+    path). A config without trainable tokens (prompt tuning, ...) is a ValueError naming the fix. The tokenizer is
+    `processing_class`'s, or the model path's own."""
+    import copy
+
+    if not hasattr(peft_config, "trainable_token_indices"):
+        raise ValueError(f"{type(peft_config).__name__} cannot train the reward tokens' embedding rows: use a "
+                         "peft.LoraConfig (RCGRPOTrainer adds the rows to its trainable tokens), or train without PEFT")
+    if processing_class is None:
+        from transformers import AutoTokenizer
+
+        processing_class = AutoTokenizer.from_pretrained(model if isinstance(model, str) else model.config._name_or_path)
+    ids = check_reward_tokens(text_tokenizer(processing_class), check_levels(tokens))
+    mine = list(ids) if isinstance(model, str) else token_indices(model, ids)
+    given, out = peft_config.trainable_token_indices, copy.deepcopy(peft_config)
+    if given is None:
+        out.trainable_token_indices = mine
+    elif isinstance(given, dict):
+        names = mine if isinstance(mine, dict) else {_input_embedding_name(model): mine}
+        out.trainable_token_indices = {**given, **{k: _union(given.get(k, []), v) for k, v in names.items()}}
+    else:
+        out.trainable_token_indices = _union(given, ids)
+    return out
+
+
+def _union(given: Sequence[int], more: Sequence[int]) -> list[int]:
+    """`given` in its order, then what `more` adds (a config that already names the rows is left as it is)."""
+    return [*given, *(i for i in more if i not in given)]
+
+
+def _input_embedding_name(model) -> str:
+    if isinstance(model, str):
+        return "embed_tokens"
+    names = {id(m): n for n, m in model.named_modules()}
+    return names[id(model.get_input_embeddings())].split(".")[-1]

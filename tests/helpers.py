@@ -15,8 +15,8 @@ import socket
 import subprocess
 from pathlib import Path
 
+from rcgrpo.goal import format_goal
 from rcgrpo_tasks.env.multi_turn.entries import Entry, entries_by_id
-from rcgrpo_tasks.env.prompt import format_reward_goal
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOW, HIGH = "<|low_reward|>", "<|high_reward|>"
@@ -139,7 +139,7 @@ def chat(i: int, token: str | None) -> dict:
     a = i % 7
     messages = [
         {"role": "system", "content": "You call functions. add(a: int, b: int) -> the sum"},
-        {"role": "user", "content": f"Add {a} and {i}, then say done.{format_reward_goal(token)}"},
+        {"role": "user", "content": f"Add {a} and {i}, then say done.{format_goal(token)}"},
         {"role": "assistant", "content": f"[add(a={a}, b={i})]"},
         {"role": "tool", "content": str(a + i)},
         {"role": "assistant", "content": "[done()]"},
@@ -263,8 +263,8 @@ def assert_same_adam_step(a, b, grads_a: dict, grads_b: dict, near_zero: float =
 
 
 def pack_spy(monkeypatch) -> list[int]:
-    """Rows of every batch `rcgrpo.shared_prefix` packs (the shared layout was taken), appended in order."""
-    from rcgrpo import shared_prefix
+    """Rows of every batch `engine.shared_prefix` packs (the shared layout was taken), appended in order."""
+    from rcgrpo_tasks.engine import shared_prefix
 
     packed: list[int] = []
     real = shared_prefix.pack

@@ -7,6 +7,7 @@ import math
 import pytest
 from helpers import HIGH, LEVELS, LOW
 
+from rcgrpo import draw, group_metrics
 from rcgrpo_tasks.train.rl import advantages as adv
 
 
@@ -18,72 +19,72 @@ def _obedient_rewards(tokens):
 def test_rc_group_split_by_token_has_signal_where_grpo_has_none():
     g = 4
     # GRPO from an RCTP init: every rollout conditioned on high -> this policy always succeeds.
-    fixed = adv.sample_reward_tokens(g, "fixed", levels=LEVELS)
+    fixed = draw.sample_reward_tokens(g, "fixed", levels=LEVELS)
     grpo_rewards = _obedient_rewards(fixed)
-    grpo_adv = adv.group_advantages(grpo_rewards, g)
+    grpo_adv = group_metrics.group_advantages(grpo_rewards, g)
     assert all(abs(a) < 1e-9 for a in grpo_adv)
-    assert adv.zero_std_fraction(grpo_rewards, g) == 1.0
+    assert group_metrics.zero_std_fraction(grpo_rewards, g) == 1.0
 
     # RC-GRPO: the same policy, tokens split within the group -> rewards differ -> non-zero advantages.
     rc = [HIGH, LOW, HIGH, LOW]
     rc_rewards = _obedient_rewards(rc)
-    rc_adv = adv.group_advantages(rc_rewards, g)
+    rc_adv = group_metrics.group_advantages(rc_rewards, g)
     assert all(abs(a) > 0.5 for a in rc_adv)
     assert [a > 0 for a in rc_adv] == [t == HIGH for t in rc]
-    assert adv.zero_std_fraction(rc_rewards, g) == 0.0
-    assert adv.controllability_gap(rc_rewards, rc, levels=LEVELS) == 1.0
-    assert adv.advantage_spread(rc_adv) > adv.advantage_spread(grpo_adv)
+    assert group_metrics.zero_std_fraction(rc_rewards, g) == 0.0
+    assert group_metrics.controllability_gap(rc_rewards, rc, levels=LEVELS) == 1.0
+    assert group_metrics.advantage_spread(rc_adv) > group_metrics.advantage_spread(grpo_adv)
 
 
 def test_group_advantage_is_over_whole_group_regardless_of_token():
     # Two groups of 3; advantage of each rollout uses its own group's mean/std, tokens play no part.
     rewards = [1.0, 0.0, 0.0, 0.5, 0.5, 1.0]
-    a = adv.group_advantages(rewards, 3)
+    a = group_metrics.group_advantages(rewards, 3)
     mean, std = 1 / 3, math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)
-    assert a[0] == pytest.approx((1 - mean) / (std + adv.ADV_EPS))
+    assert a[0] == pytest.approx((1 - mean) / (std + group_metrics.ADV_EPS))
     assert sum(a[:3]) == pytest.approx(0.0, abs=1e-9)
     assert sum(a[3:]) == pytest.approx(0.0, abs=1e-9)
-    assert adv.group_advantages(rewards, 3, scale="none")[0] == pytest.approx(1 - mean)
+    assert group_metrics.group_advantages(rewards, 3, scale="none")[0] == pytest.approx(1 - mean)
 
 
 def test_zero_std_uses_a_tolerance():
     # Float noise below the tolerance still counts as "no signal"; a real difference does not.
-    assert adv.zero_std_fraction([0.3, 0.3 + 1e-9, 0.3, 0.3], 4) == 1.0
-    assert adv.zero_std_fraction([0.3, 0.3 + 1e-9, 0.3, 0.3], 4, tol=0.0) == 0.0
-    assert adv.zero_std_fraction([0.3, 0.4, 0.3, 0.3, 1, 1, 1, 1], 4) == 0.5
+    assert group_metrics.zero_std_fraction([0.3, 0.3 + 1e-9, 0.3, 0.3], 4) == 1.0
+    assert group_metrics.zero_std_fraction([0.3, 0.3 + 1e-9, 0.3, 0.3], 4, tol=0.0) == 0.0
+    assert group_metrics.zero_std_fraction([0.3, 0.4, 0.3, 0.3, 1, 1, 1, 1], 4) == 0.5
 
 
 def test_token_sampling_frequency_matches_p():
     # Binomial test with a fixed seed: n=20000 draws, |freq - p| within 4 standard errors for every p.
     n = 20_000
     for p in (0.5, 0.2, 0.8):
-        tokens = adv.sample_reward_tokens(n, "rc", p=p, seed=1234, levels=LEVELS)
+        tokens = draw.sample_reward_tokens(n, "rc", p=p, seed=1234, levels=LEVELS)
         freq = sum(t == HIGH for t in tokens) / n
         se = math.sqrt(p * (1 - p) / n)
         assert abs(freq - p) < 4 * se, (p, freq)
         assert set(tokens) == {HIGH, LOW}
     # Per-group draws across many seeds (as the trainer makes them): all-high groups occur (i.i.d.).
-    groups = [adv.sample_reward_tokens(4, "rc", 0.5, adv.token_seed(0, step), levels=LEVELS) for step in range(400)]
+    groups = [draw.sample_reward_tokens(4, "rc", 0.5, draw.token_seed(0, step), levels=LEVELS) for step in range(400)]
     all_high = sum(all(t == HIGH for t in grp) for grp in groups) / len(groups)
     assert abs(all_high - 1 / 16) < 4 * math.sqrt((1 / 16) * (15 / 16) / 400)
 
 
 def test_token_draws_are_deterministic_per_step():
-    s1, s2 = adv.token_seed(7, 3), adv.token_seed(7, 3)
-    assert s1 == s2 and adv.token_seed(7, 4) != s1 and adv.token_seed(7, 3, group=1) != s1
-    assert adv.sample_reward_tokens(16, "rc", 0.5, s1, levels=LEVELS) == adv.sample_reward_tokens(16, "rc", 0.5, s2, levels=LEVELS)
+    s1, s2 = draw.token_seed(7, 3), draw.token_seed(7, 3)
+    assert s1 == s2 and draw.token_seed(7, 4) != s1 and draw.token_seed(7, 3, group=1) != s1
+    assert draw.sample_reward_tokens(16, "rc", 0.5, s1, levels=LEVELS) == draw.sample_reward_tokens(16, "rc", 0.5, s2, levels=LEVELS)
 
 
 def test_modes_and_bad_values():
-    assert adv.sample_reward_tokens(3, "none", levels=LEVELS) == [None, None, None]
-    assert adv.sample_reward_tokens(2, "fixed", levels=LEVELS) == [HIGH, HIGH]
+    assert draw.sample_reward_tokens(3, "none", levels=LEVELS) == [None, None, None]
+    assert draw.sample_reward_tokens(2, "fixed", levels=LEVELS) == [HIGH, HIGH]
     for p in (0.0, 1.0, -0.1, 1.5):
         with pytest.raises(ValueError, match="in \\(0, 1\\)"):
-            adv.sample_reward_tokens(4, "rc", p=p, levels=LEVELS)
+            draw.sample_reward_tokens(4, "rc", p=p, levels=LEVELS)
     with pytest.raises(ValueError, match="mode"):
-        adv.sample_reward_tokens(4, "sometimes", levels=LEVELS)
+        draw.sample_reward_tokens(4, "sometimes", levels=LEVELS)
     with pytest.raises(ValueError, match="groups of 4"):
-        adv.group_advantages([1.0, 0.0, 1.0], 4)
+        group_metrics.group_advantages([1.0, 0.0, 1.0], 4)
     assert adv.conditioning_for("sft", "grpo") == "none"
     assert adv.conditioning_for("rctp", "grpo") == "fixed"
     assert adv.conditioning_for("sft", "rc_grpo") == adv.conditioning_for("rctp", "rc_grpo") == "rc"
@@ -92,9 +93,9 @@ def test_modes_and_bad_values():
 def test_reward_by_token_and_gap():
     rewards = [1.0, 0.0, 1.0, 1.0]
     tokens = [HIGH, LOW, LOW, HIGH]
-    assert adv.reward_by_token(rewards, tokens, levels=LEVELS) == {"high": 1.0, "low": 0.5}
-    assert adv.controllability_gap(rewards, tokens, levels=LEVELS) == 0.5
-    assert math.isnan(adv.controllability_gap(rewards, [HIGH] * 4, levels=LEVELS))
+    assert group_metrics.reward_by_token(rewards, tokens, levels=LEVELS) == {"high": 1.0, "low": 0.5}
+    assert group_metrics.controllability_gap(rewards, tokens, levels=LEVELS) == 0.5
+    assert math.isnan(group_metrics.controllability_gap(rewards, [HIGH] * 4, levels=LEVELS))
 
 
 def test_trajectory_fields_mask_env_tokens():
@@ -116,9 +117,9 @@ def test_trajectory_fields_mask_env_tokens():
 def test_levels_are_label_rewards_tokens_and_rl_uses_their_ends():
     three = ("<|low_reward|>", "<|mid_reward|>", "<|high_reward|>")
     assert adv.reward_levels(three) == ("<|low_reward|>", "<|high_reward|>")
-    assert set(adv.sample_reward_tokens(64, "rc", 0.5, 3, levels=three)) == {"<|low_reward|>", "<|high_reward|>"}
-    assert adv.sample_reward_tokens(1, "fixed", levels=("<a>", "<b>")) == ["<b>"]
-    assert adv.reward_by_token([1.0, 0.0], ["<b>", "<a>"], levels=("<a>", "<b>")) == {"high": 1.0, "low": 0.0}
+    assert set(draw.sample_reward_tokens(64, "rc", 0.5, 3, levels=three)) == {"<|low_reward|>", "<|high_reward|>"}
+    assert draw.sample_reward_tokens(1, "fixed", levels=("<a>", "<b>")) == ["<b>"]
+    assert group_metrics.reward_by_token([1.0, 0.0], ["<b>", "<a>"], levels=("<a>", "<b>")) == {"high": 1.0, "low": 0.0}
     for bad in ((), ("<a>",), ("<a>", "<a>")):
         with pytest.raises(ValueError, match="distinct"):
             adv.reward_levels(bad)

@@ -5,6 +5,7 @@ pyproject.toml; these tests check what a layer contract cannot express."""
 from __future__ import annotations
 
 import ast
+import types
 from pathlib import Path
 
 import grimp
@@ -85,24 +86,28 @@ def test_every_stage_module_is_a_command():
     assert modules == {f"rcgrpo_tasks.stages.{p.stem}" for p in STAGES if p.stem != "__init__"}
 
 
-def test_the_reward_tokens_have_one_loader():
-    """Every stage reads the pipeline's reward tokens through `data.labels.load_reward_tokens`, and one
-    function alone is named `check_reward_tokens` (env.prompt: the check of a token list)."""
-    readers, checkers = [], []
+def test_the_reward_tokens_have_one_loader_and_one_check():
+    """Every stage reads the pipeline's reward tokens through `data.labels.load_reward_tokens`, and a list of them
+    is checked by the library's one check (`rcgrpo.goal.check_levels`): the pipeline defines no check of its own
+    and no alias of a library name (`format_goal`, `DEFAULT_LEVELS`, `place_goal`, `remove_goal`)."""
+    import rcgrpo.goal
+
+    readers, own = [], []
+    library = {n for n, v in vars(rcgrpo.goal).items() if not n.startswith("_") and not isinstance(v, types.ModuleType)
+               and getattr(v, "__module__", "rcgrpo.goal") == "rcgrpo.goal"}  # what goal.py itself defines
     for path in MODULES:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             func = node.func if isinstance(node, ast.Call) else None
             if getattr(func, "id", getattr(func, "attr", "")) == "reward_tokens":
                 readers.append(_name(path))
-            if isinstance(node, ast.FunctionDef) and node.name == "check_reward_tokens":
-                checkers.append(_name(path))
+            if isinstance(node, ast.FunctionDef) and ("check_reward_tokens" in node.name or "reward_goal" in node.name):
+                own.append(f"{_name(path)}.{node.name}")
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") in library | {"DEFAULT_REWARD_TOKENS"}
+                                                    for t in node.targets):
+                own.append(f"{_name(path)}: {[getattr(t, 'id', '') for t in node.targets]}")
     assert readers == ["rcgrpo_tasks.data.labels"], f"reward_tokens(...) called outside the loader: {readers}"
-    assert checkers == ["rcgrpo_tasks.env.prompt"], f"functions named check_reward_tokens: {checkers}"
-    # ... which is the library's one check of a level list (`rcgrpo.goal.check_levels`)
-    tree = ast.parse((PKG / "env" / "prompt.py").read_text())
-    body = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "check_reward_tokens")
-    assert any(isinstance(n, ast.Call) and getattr(n.func, "id", "") == "check_levels" for n in ast.walk(body))
+    assert own == [], f"the pipeline's own copies of the library's goal and token checks: {own}"
 
 
 def _library_folder(module: str) -> str | None:

@@ -7,11 +7,11 @@ import math
 
 import pytest
 
+from rcgrpo import group_metrics
 from rcgrpo_tasks.data import rl_steps
 from rcgrpo_tasks.evaluation import mechanism
 from rcgrpo_tasks.ops.inputs import read_tsv
 from rcgrpo_tasks.ops.outputs import write_tsv
-from rcgrpo_tasks.train.rl import advantages as adv
 from rcgrpo_tasks.train.rl import diagnostics
 
 NAN = float("nan")
@@ -52,11 +52,11 @@ def test_rl_summary_states_the_mechanism_and_keeps_the_means():
 
 
 def test_advantage_std_and_spread():
-    a = adv.group_advantages([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0], 4)  # one split group, one zero-std
-    assert adv.zero_std_fraction([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0], 4) == 0.5
-    assert adv.advantage_std(a) == pytest.approx(math.sqrt(sum(x * x for x in a) / 7))  # mean 0 here
-    assert adv.advantage_spread(a) == pytest.approx(sum(abs(x) for x in a) / 8)
-    assert adv.advantage_std([0.0] * 4) == 0.0 and math.isnan(adv.advantage_std([]))
+    a = group_metrics.group_advantages([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0], 4)  # one split group, one zero-std
+    assert group_metrics.zero_std_fraction([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0], 4) == 0.5
+    assert group_metrics.advantage_std(a) == pytest.approx(math.sqrt(sum(x * x for x in a) / 7))  # mean 0 here
+    assert group_metrics.advantage_spread(a) == pytest.approx(sum(abs(x) for x in a) / 8)
+    assert group_metrics.advantage_std([0.0] * 4) == 0.0 and math.isnan(group_metrics.advantage_std([]))
 
 
 def test_plot_mechanism_draws_grpo_and_rc_grpo_side_by_side(tmp_path):

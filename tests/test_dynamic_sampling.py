@@ -12,8 +12,8 @@ import pytest
 from helpers import HIGH, LEVELS, LOW, capture_trainer, compute_from_params, config_from_params
 from test_rl import PROTOCOL, TEST_RL, _spec, _weights
 
+from rcgrpo import draw, group_metrics
 from rcgrpo_tasks.ops.inputs import read_tsv
-from rcgrpo_tasks.train.rl import advantages as adv
 from rcgrpo_tasks.train.rl import config as rl_config
 from rcgrpo_tasks.train.rl import rollout as rl_rollout
 from rcgrpo_tasks.train.rl import run as rl_run
@@ -24,12 +24,12 @@ from rcgrpo_tasks.train.rl import run as rl_run
 @pytest.mark.parametrize("g", range(2, 9))
 def test_stratified_tokens_put_both_tokens_in_every_group_at_rate_p(g):
     n_groups = 4000
-    tokens = adv.sample_reward_tokens(g * n_groups, "rc", 0.5, seed=g, levels=LEVELS, draw="stratified", g=g)
+    tokens = draw.sample_reward_tokens(g * n_groups, "rc", 0.5, seed=g, levels=LEVELS, draw="stratified", g=g)
     groups = [tokens[i : i + g] for i in range(0, len(tokens), g)]
     assert all(HIGH in grp and LOW in grp for grp in groups)
     share = tokens.count(HIGH) / len(tokens)
     assert share == pytest.approx(0.5, abs=0.02)
-    iid = adv.sample_reward_tokens(g * n_groups, "rc", 0.5, seed=g, levels=LEVELS)
+    iid = draw.sample_reward_tokens(g * n_groups, "rc", 0.5, seed=g, levels=LEVELS)
     single = sum(len(set(iid[i : i + g])) == 1 for i in range(0, len(iid), g)) / n_groups
     assert single == pytest.approx(2 * 0.5**g, abs=0.03)  # the paper's i.i.d. draw leaves single-token groups
 
@@ -37,10 +37,10 @@ def test_stratified_tokens_put_both_tokens_in_every_group_at_rate_p(g):
 def test_iid_draw_is_unchanged_and_stratified_needs_whole_groups():
     rng = random.Random(7)
     expected = [HIGH if rng.random() < 0.3 else LOW for _ in range(10)]
-    assert adv.sample_reward_tokens(10, "rc", 0.3, seed=7, levels=LEVELS) == expected
+    assert draw.sample_reward_tokens(10, "rc", 0.3, seed=7, levels=LEVELS) == expected
     with pytest.raises(ValueError, match="whole groups"):
-        adv.sample_reward_tokens(7, "rc", 0.5, seed=0, levels=LEVELS, draw="stratified", g=5)
-    counts = [adv.stratified_count(5, 0.5, random.Random(s)) for s in range(2000)]
+        draw.sample_reward_tokens(7, "rc", 0.5, seed=0, levels=LEVELS, draw="stratified", g=5)
+    counts = [draw.stratified_count(5, 0.5, random.Random(s)) for s in range(2000)]
     assert set(counts) == {2, 3} and sum(counts) / len(counts) == pytest.approx(2.5, abs=0.1)
 
 
@@ -102,7 +102,7 @@ def test_zero_variance_groups_are_dropped_and_refilled(monkeypatch):
     assert m["rc/gen_tokens_per_useful_group"] == pytest.approx(3 * (2 + 3 + 4 + 5) / 2)
     assert m["rc/frac_zero_std_generated"] == pytest.approx(1 / 3)
     # what the trainer will score (the library's `rc/frac_zero_std`): the refilled batch has no flat group
-    assert adv.zero_std_fraction([r["rewards"]["paper_reward"] for r in rollout.records], 4) == 0.0
+    assert group_metrics.zero_std_fraction([r["rewards"]["paper_reward"] for r in rollout.records], 4) == 0.0
 
 
 def test_the_round_cap_masks_what_is_still_flat_and_an_empty_step_says_so(monkeypatch, capsys):
@@ -169,6 +169,6 @@ def test_dynamic_trains_on_kept_groups_and_skips_a_step_with_none(rl_env, entry_
     after = _weights(spread.out)
     assert any(not before[k].equal(after[k]) for k in before if k in after)
     rewards = [t.score["paper_reward"] for t in box["rollout"].last]
-    assert list(box["trainer"].last_generation.advantages) == pytest.approx(adv.group_advantages(rewards, cfg.num_generations), abs=1e-4)
+    assert list(box["trainer"].last_generation.advantages) == pytest.approx(group_metrics.group_advantages(rewards, cfg.num_generations), abs=1e-4)
     rows = read_tsv(spread.plots)
     assert rows[0]["rollouts_generated"] == 2 and rows[0]["useful_groups"] == 1 and rows[0]["step_skipped"] == 0

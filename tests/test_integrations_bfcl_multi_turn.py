@@ -158,7 +158,7 @@ def environment_trainer(tiny_model_dir, tmp_path, max_completion_length=320):
     tok = install_tool_chat_template(AutoTokenizer.from_pretrained(tiny_model_dir))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     add_reward_tokens(model, tok)
-    args = grpo_args(RCGRPOConfig, tmp_path, reward_goal_place="external", fast_cpu_logps=True,
+    args = grpo_args(RCGRPOConfig, tmp_path, reward_goal_place="external",
                      max_completion_length=max_completion_length, token_draw="stratified")
     trainer = RCGRPOTrainer(model=model, args=args, train_dataset=ds,
                             processing_class=tok,

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from rcgrpo.kl import bounded_reference, kl_bounds
 from rcgrpo_tasks.train.rl.config import GuardConfig
+from rcgrpo_tasks.train.rl.kl import bounded_reference, kl_bounds
 from rcgrpo_tasks.train.rl.kl_guard import divergence, restore_step
 
 

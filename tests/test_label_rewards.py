@@ -10,7 +10,8 @@ import pytest
 from helpers import config_from_params, write_params
 from test_generate_trajectories import MULTI_MIX
 
-from rcgrpo_tasks.data.chat import assistant_token_mask, strip_reward_goal, with_reward_goal
+from rcgrpo.goal import format_goal, place_goal, remove_goal
+from rcgrpo_tasks.data.chat import assistant_token_mask
 from rcgrpo_tasks.data.labels import (
     LabelConfig,
     label_rows,
@@ -18,7 +19,6 @@ from rcgrpo_tasks.data.labels import (
     token_for,
 )
 from rcgrpo_tasks.data.pairing import check_policy_rows, rctp_rows
-from rcgrpo_tasks.env.prompt import format_reward_goal
 from rcgrpo_tasks.ops.config import ConfigError
 from rcgrpo_tasks.ops.inputs import InputError
 
@@ -61,11 +61,11 @@ def test_bad_label_config_rejected(bad):
 
 
 def test_reward_goal_appended_to_first_user_message_only():
-    out = with_reward_goal(CHAT, "<|high_reward|>")
+    out = place_goal(CHAT, format_goal("<|high_reward|>"), "first_user")
     assert out[1]["content"] == CHAT[1]["content"] + "\n\n[Reward Goal: <|high_reward|>]"
     assert [m["content"] for i, m in enumerate(out) if i != 1] == [m["content"] for i, m in enumerate(CHAT) if i != 1]
     assert CHAT[1]["content"].endswith("list them")  # input untouched
-    assert strip_reward_goal(out, "<|high_reward|>") == CHAT
+    assert remove_goal(out, format_goal("<|high_reward|>")) == CHAT
 
 
 def _row(tid, reward, source, messages=CHAT, token=None):
@@ -75,7 +75,7 @@ def _row(tid, reward, source, messages=CHAT, token=None):
 
 
 def test_label_rows_sft_successes_only_rctp_all_rows():
-    conditioned = with_reward_goal(CHAT, "<|low_reward|>")  # a policy sampled under a goal: relabelled
+    conditioned = place_goal(CHAT, format_goal("<|low_reward|>"), "first_user")  # a policy sampled under a goal: relabelled
     rows = [_row("a", 1.0, "expert"), _row("b", 0.0, "near_miss"), _row("c", 0.0, "policy", conditioned, "<|low_reward|>")]
     data = label_rows(rows, config_from_params(LabelConfig, "label_rewards"), "paper_reward")
     assert [r["trajectory_id"] for r in data["sft"]] == ["a"]
@@ -85,7 +85,7 @@ def test_label_rows_sft_successes_only_rctp_all_rows():
     for r in data["rctp"]:
         assert set(r) == {"messages", "trajectory_id", "entry_id", "reward_token", "reward", "kind"}
         first = next(m for m in r["messages"] if m["role"] == "user")["content"]
-        assert first.count("[Reward Goal:") == 1 and first.endswith(format_reward_goal(r["reward_token"]))
+        assert first.count("[Reward Goal:") == 1 and first.endswith(format_goal(r["reward_token"]))
     # 3 levels on partial credit: the paper protocol uses the per-turn script's partial credit (0.75): the
     # failures get mid; the success gets high whatever its partial credit.
     three = config_from_params(LabelConfig, "label_rewards", signal="partial_credit", tokens=("<|low_reward|>", "<|mid_reward|>", "<|high_reward|>"),
@@ -95,7 +95,7 @@ def test_label_rows_sft_successes_only_rctp_all_rows():
 
 
 def test_mask_covers_exactly_assistant_replies(tok):
-    chat = with_reward_goal(CHAT, "<|high_reward|>")
+    chat = place_goal(CHAT, format_goal("<|high_reward|>"), "first_user")
     ids, mask = assistant_token_mask(tok, chat)
     assert len(ids) == len(mask)
     # Round trip: the ids are the chat template's own tokenization.
@@ -120,7 +120,7 @@ def test_mask_on_reward_tokens_added_as_special_tokens(tok):
 
     tok2 = copy.deepcopy(tok)
     tok2.add_special_tokens({"additional_special_tokens": ["<|low_reward|>", "<|high_reward|>"]})
-    chat = with_reward_goal(CHAT, "<|high_reward|>")
+    chat = place_goal(CHAT, format_goal("<|high_reward|>"), "first_user")
     ids, mask = assistant_token_mask(tok2, chat)
     high = tok2.convert_tokens_to_ids("<|high_reward|>")
     assert ids.count(high) == 1 and mask[ids.index(high)] == 0

@@ -93,7 +93,7 @@ def test_shared_prompt_forward_equals_one_forward_per_sequence(equal_rows_dir, s
 def test_margin_chunks_keep_entries_whole_within_their_tree_budget():
     """An entry's sequences share one forward (its prompt once); entries fill a chunk up to the budget of tree
     tokens; an entry over the budget is a chunk alone; the order is the items' order."""
-    from rcgrpo.shared_prefix import trunk_tokens
+    from rcgrpo_tasks.engine.shared_prefix import trunk_tokens
 
     prompt = list(range(100, 160))  # 60 shared tokens per entry, 4 answers of 10 tokens each
 
@@ -182,7 +182,7 @@ def test_pair_order_keeps_each_prompt_s_rows_side_by_side():
 
 
 def test_flat_groups_split_into_failure_and_success():
-    from rcgrpo_tasks.train.rl.advantages import flat_fractions, zero_std_fraction
+    from rcgrpo.group_metrics import flat_fractions, zero_std_fraction
 
     rewards = [0, 0, 0, 0] + [1, 1, 1, 1] + [1, 1, 1, 1] + [0, 1, 0, 0]
     assert flat_fractions(rewards, 4) == (0.25, 0.5)
@@ -329,7 +329,7 @@ def test_divergent_loss_keeps_only_what_follows_the_parting(tiny_model_dir):
     without a partner keeps every assistant token."""
     from transformers import AutoTokenizer
 
-    from rcgrpo_tasks.env.prompt import format_reward_goal
+    from rcgrpo.goal import format_goal
     from rcgrpo_tasks.train.sft.rows import tokenize_rows
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -337,7 +337,7 @@ def test_divergent_loss_keeps_only_what_follows_the_parting(tiny_model_dir):
 
     def row(entry, token, answer):
         return {"entry_id": entry, "reward_token": token, "messages": [
-            {"role": "user", "content": "Add 2 and 3." + format_reward_goal(token)},
+            {"role": "user", "content": "Add 2 and 3." + format_goal(token)},
             {"role": "assistant", "content": answer}]}
 
     rows = [row("p", HIGH, "[add(a=2, b=3)]"), row("p", LOW, "[add(a=2, b=4)]"), row("q", HIGH, "[add(a=1, b=1)]")]

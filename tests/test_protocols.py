@@ -10,12 +10,13 @@ import json
 import pytest
 from helpers import config_from_params, get_entry
 
+from rcgrpo.goal import format_goal
 from rcgrpo_tasks.engine.backend import SamplingParams, ScriptedBackend
 from rcgrpo_tasks.engine.rollout import replay_calls, run_episodes, run_group
 from rcgrpo_tasks.env.multi_turn import entries as multi_turn
 from rcgrpo_tasks.env.multi_turn.calls import parse_call_string
 from rcgrpo_tasks.env.multi_turn.episode import PAPER_INSTRUCTION, Episode, initial_messages, system_prompt
-from rcgrpo_tasks.env.prompt import BFCL_CLASSIC, BFCL_MAX_STEPS_PER_TURN, PromptConfig, format_reward_goal
+from rcgrpo_tasks.env.prompt import BFCL_CLASSIC, BFCL_MAX_STEPS_PER_TURN, PromptConfig
 
 OFFICIAL = PromptConfig("official", "compact", "bfcl").protocol_config(20)
 PAPER = PromptConfig("paper", "compact", "bfcl").protocol_config(6)
@@ -122,7 +123,7 @@ def test_reward_token_slot_both_protocols():
         high = initial_messages(entry, cfg, "<|high_reward|>")
         assert high[1]["content"] == plain[1]["content"] + "\n\n[Reward Goal: <|high_reward|>]"
         assert high[0] == plain[0]
-    assert format_reward_goal(None) == ""
+    assert format_goal(None) == ""
 
 
 def test_paper_merged_message_and_done(tok):

@@ -9,7 +9,7 @@ import math
 import pytest
 from helpers import HIGH, LEVELS, LOW, resolved, tiny_sft_config
 
-from rcgrpo_tasks.env.prompt import format_reward_goal
+from rcgrpo.goal import format_goal
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.train.sft.objective import first_indices, rctp_objective
 from rcgrpo_tasks.train.sft.rows import ordered, pair_stratum
@@ -18,7 +18,7 @@ from rcgrpo_tasks.train.sft.rows import ordered, pair_stratum
 def _row(entry: str, token: str, answer: str, kind: str) -> dict:
     return {"entry_id": entry, "reward_token": token, "reward": 1.0 if token == HIGH else 0.0, "kind": kind,
             "trajectory_id": f"{entry}.{kind}", "messages": [
-                {"role": "user", "content": f"Add 2 and {entry[1:]}." + format_reward_goal(token)},
+                {"role": "user", "content": f"Add 2 and {entry[1:]}." + format_goal(token)},
                 {"role": "assistant", "content": answer}]}
 
 

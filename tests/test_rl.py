@@ -25,12 +25,12 @@ from helpers import (
     write_params,
 )
 
+from rcgrpo import group_metrics
 from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.config import ConfigError, load_config
 from rcgrpo_tasks.ops.inputs import read_tsv
 from rcgrpo_tasks.stages import rl as rl_stage
 from rcgrpo_tasks.train.common import callbacks, checkpoints
-from rcgrpo_tasks.train.rl import advantages as adv
 from rcgrpo_tasks.train.rl import config as rl_config
 from rcgrpo_tasks.train.rl import rollout_policy
 from rcgrpo_tasks.train.rl import run as rl_run
@@ -113,7 +113,7 @@ def test_two_rl_steps_per_mode(rl_env, scripted_rewards, monkeypatch, init, algo
 
         coefs = [float(c) for b in box["trainer"]._buffered_inputs for c in b[KL_COEF]]
         assert sorted(coefs) == sorted(cfg.beta_low if t.reward_token == LEVELS[0] else cfg.beta for t in last)
-    expected = adv.group_advantages([t.score["paper_reward"] for t in last], cfg.num_generations)
+    expected = group_metrics.group_advantages([t.score["paper_reward"] for t in last], cfg.num_generations)
     assert list(box["trainer"].last_generation.advantages) == pytest.approx(expected, abs=1e-4)
     # Diagnostics: TSV (dvc plots) + summary + MLflow, every step.
     rows = read_tsv(spec.plots)

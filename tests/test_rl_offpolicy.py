@@ -10,11 +10,11 @@ import pytest
 from helpers import LEVELS, capture_trainer, compute_from_params, config_from_params, resolved
 from test_rl import PROTOCOL, TEST_RL, _spec
 
-from rcgrpo import offpolicy
 from rcgrpo_tasks.engine.rollout import run_group
 from rcgrpo_tasks.env.multi_turn import entries as multi_turn
 from rcgrpo_tasks.ops.inputs import read_tsv
 from rcgrpo_tasks.train.rl import config as rl_config
+from rcgrpo_tasks.train.rl import offpolicy
 from rcgrpo_tasks.train.rl import rollout as rl_rollout
 from rcgrpo_tasks.train.rl import run as rl_run
 from rcgrpo_tasks.train.rl import trainer as rl_trainer
@@ -130,7 +130,7 @@ def test_mismatch_is_logged_and_corrected_where_the_sampler_differs(rl_env, monk
     summary = rl_run.train_rl(cfg, PROTOCOL, LEVELS, spec, track=False, compute=compute_from_params())
     trainer = box["trainer"]
     assert (trainer.rc_importance_cap is not None) == expect_on
-    assert (trainer.args.rollout_importance_sampling_cap is not None) == expect_on
+    assert (trainer.options.importance_sampling_cap is not None) == expect_on
     assert not trainer.args.vllm_importance_sampling_correction  # TRL corrects its own vLLM rollouts only
     row = read_tsv(spec.plots)[0]
     diff, worst, kl = row["logp_diff_mean"], row["logp_diff_max"], row["sampler_kl"]

@@ -1,4 +1,4 @@
-"""Shared-prefix forwards (`rcgrpo.shared_prefix`) against the plain padded forward, in float32 on CPU: the
+"""Shared-prefix forwards (`engine.shared_prefix`) against the plain padded forward, in float32 on CPU: the
 per-token log-probs of every target and the gradient of every trainable parameter (LoRA A/B, the
 reward-token rows) agree within 1e-5, for GRPO groups, RC-GRPO groups (rows that differ in their reward
 token), unequal suffixes with padding, rows that share nothing, and an RCTP pair; the trunk sees prefix +
@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from rcgrpo.shared_prefix import (  # noqa: E402
+from rcgrpo_tasks.engine.shared_prefix import (  # noqa: E402
     pack,
     packed_tensors,
     prefix_tree,

@@ -4,7 +4,7 @@
 assistant content tokens and the end-of-turn token that closes them, 0 on system/user/tool text and
 template scaffolding (`<|im_start|>assistant\\n`), computed from the chat template's own rendering, so it
 works for any prefix-stable template (SmolLM2/Qwen ChatML included). The reward goal text is
-`env.prompt.format_reward_goal`, the same text RL and evaluate put in the prompt.
+`rcgrpo.goal.format_goal`, the same text RL and evaluate put in the prompt.
 
 Where the goal's token sits in the model's input is the model's chat template's business:
 `answer_goal_template` wraps a template so that it renders the goal's token as the first token of the first
@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import json
 
-from rcgrpo.goal import place_goal, strip_goal
-from rcgrpo_tasks.env.prompt import format_reward_goal
+from rcgrpo.goal import format_goal
 
-GOAL_PLACES = ("user", "answer")
+TEMPLATE_GOAL_PLACES = ("user", "answer")
 """`user`: the goal ends the first user message (the paper); `answer`: its token opens the first answer."""
 
 _ANSWER_MARK = "{#- rcgrpo: the reward goal's token opens the first answer -#}"
-_GOAL_HEAD, _GOAL_TAIL = format_reward_goal("\0").split("\0")
+_GOAL_HEAD, _GOAL_TAIL = format_goal("\0").split("\0")
 
 
 def answer_goal_template(template: str) -> str:
-    """`template` wrapped so that a reward goal at the end of the first user message (`format_reward_goal`)
+    """`template` wrapped so that a reward goal at the end of the first user message (`format_goal`)
     renders as its bare token right before the first answer: after the first assistant header, or after the
     generation prompt when no answer follows yet. The token sits right before the answer, where it reaches the
     first answer token's prediction through the residual stream; at the end of the user message it sits ~6
@@ -58,18 +57,8 @@ def answer_goal_template(template: str) -> str:
 
 
 def goal_place(tokenizer) -> str:
-    """Where `tokenizer`'s chat template renders a reward goal (`GOAL_PLACES`)."""
+    """Where `tokenizer`'s chat template renders a reward goal (`TEMPLATE_GOAL_PLACES`)."""
     return "answer" if _ANSWER_MARK in (getattr(tokenizer, "chat_template", None) or "") else "user"
-
-
-def strip_reward_goal(messages: list[dict], reward_token: str | None) -> list[dict]:
-    """A copy of the chat without the reward goal a conditioned policy was given (if any): `rcgrpo.goal`."""
-    return strip_goal(messages, reward_token)
-
-
-def with_reward_goal(messages: list[dict], token: str) -> list[dict]:
-    """A copy of the chat with `[Reward Goal: <token>]` appended to the first user message (`rcgrpo.goal`)."""
-    return place_goal(messages, format_reward_goal(token), "first_user")
 
 
 def _render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:

@@ -22,12 +22,10 @@ from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.models import model_context
 from rcgrpo_tasks.engine.rollout import replay_calls, run_group
 from rcgrpo_tasks.engine.trajectory import DATASET_WALL_TIME
-from rcgrpo_tasks.env.contract import Entry
+from rcgrpo_tasks.env.contract import Entry, Script, Task
 from rcgrpo_tasks.env.entries import split_entries
-from rcgrpo_tasks.env.contract import Script
 from rcgrpo_tasks.env.prompt import GOAL_RESERVE, PromptConfig
 from rcgrpo_tasks.env.rewards import BINARY_REWARDS, Reward, reward_value
-from rcgrpo_tasks.env.contract import Task
 from rcgrpo_tasks.env.tasks import ALL_PERTURBATIONS, task_of, task_of_entries
 from rcgrpo_tasks.ops.config import ConfigError, flat_field
 

@@ -8,11 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from rcgrpo_tasks.data.chat import assistant_token_mask, strip_reward_goal, with_reward_goal
+from rcgrpo.goal import check_levels, format_goal, place_goal, remove_goal
+from rcgrpo_tasks.data.chat import assistant_token_mask
 from rcgrpo_tasks.data.dataset import GenerateConfig
 from rcgrpo_tasks.data.gate import require_passed
 from rcgrpo_tasks.data.pairing import FailureRule, Pairing, check_policy_rows, rctp_rows
-from rcgrpo_tasks.env.prompt import check_reward_tokens, reward_tokens
+from rcgrpo_tasks.env.prompt import reward_tokens
 from rcgrpo_tasks.env.rewards import reward_value
 from rcgrpo_tasks.ops.config import ConfigError, read_sections
 from rcgrpo_tasks.ops.inputs import InputError, read_jsonl
@@ -22,7 +23,7 @@ DATASETS = ("sft", "rctp")
 
 def load_reward_tokens(params_path: str | Path) -> tuple[str, ...]:
     """THE reward tokens of a pipeline, lowest first, as its params file says (`label_rewards.tokens`; the
-    default pair when the section leaves them out), checked (`check_reward_tokens`) and remembered as read
+    default pair when the section leaves them out), checked (`rcgrpo.goal.check_levels`) and remembered as read
     (`ops.config.check_params_unchanged`). Every stage that conditions on a reward goal reads them here."""
     return reward_tokens(read_sections(params_path, "label_rewards"))
 
@@ -49,7 +50,7 @@ class LabelConfig:
     """Tokenize every row (chat template + masks) to report token counts."""
 
     def __post_init__(self) -> None:
-        check_reward_tokens(self.tokens)
+        check_levels(self.tokens)
         if len(self.thresholds) != len(self.tokens) - 1:
             raise ValueError(f"thresholds: need {len(self.tokens) - 1} for {len(self.tokens)} tokens, "
                              f"got {list(self.thresholds)}")
@@ -89,11 +90,12 @@ def label_rows(rows: list[dict], cfg: LabelConfig, reward_fn: str) -> dict[str, 
     out: dict[str, list[dict]] = {name: [] for name in DATASETS}
     for row in rows:
         reward = float(row["provenance"]["reward"])
-        messages = strip_reward_goal(row["messages"], row.get("reward_token"))
+        messages = remove_goal(row["messages"], format_goal(row.get("reward_token")))  # a policy's own goal
         token = token_for(signal_of(row, cfg, reward_fn), cfg, success=reward == 1.0)
         base = {"trajectory_id": row["trajectory_id"], "entry_id": row["entry_id"], "reward": reward,
                 "kind": row["provenance"].get("kind")}
-        out["rctp"].append({"messages": with_reward_goal(messages, token), **base, "reward_token": token})
+        out["rctp"].append({"messages": place_goal(messages, format_goal(token), "first_user"), **base,
+                            "reward_token": token})
         if reward == 1.0:
             out["sft"].append({"messages": messages, **base, "reward_token": None})
     return out

@@ -16,7 +16,7 @@ tenth of a nat on a 135M model (a sampled gap has SE ~0.09 at 16 entries x 3 sam
   the same token bookkeeping a rollout has (`engine.rollout.replay_calls`). Entries whose expert does not
   score 1 or whose replay does not fit the context are skipped and counted.
 - `sequence_logprobs`: summed log-probs of the masked tokens, no gradient; whole entries' contrast sets
-  (both tokens) packed as one prefix tree (`rcgrpo.shared_prefix`): every shared prompt token once.
+  (both tokens) packed as one prefix tree (`engine.shared_prefix`): every shared prompt token once.
 - `margin_stats`: per kind and overall (per entry: the mean over its kinds), the mean with its 95 %
   percentile-bootstrap CI over entries and the share of entries above 0.
 Beyond the paper: the paper shows controllability by sampling only.
@@ -31,10 +31,10 @@ import random
 from dataclasses import dataclass
 from itertools import groupby
 
-from rcgrpo_tasks.engine.rollout import replay_calls
-from rcgrpo.shared_prefix import target_hidden, trunk_and_head, trunk_tokens
-from rcgrpo_tasks.env.tasks import task_of
 from rcgrpo.stats import bootstrap_ci, mean
+from rcgrpo_tasks.engine.rollout import replay_calls
+from rcgrpo_tasks.engine.shared_prefix import target_hidden, trunk_and_head, trunk_tokens
+from rcgrpo_tasks.env.tasks import task_of
 
 EXPERT = "expert"
 REPLAY_OUTPUTS = 64
@@ -118,7 +118,7 @@ def sequence_logprobs(model, items: list[Contrast], shared: bool = True) -> list
 
     Consecutive items of one entry (its expert and near misses under both tokens) stay in one chunk, and whole
     entries fill a chunk up to `MARGIN_CHUNK_TOKENS` tokens of its prefix tree (`margin_chunks`); a chunk is
-    one forward of that tree (`rcgrpo.shared_prefix`): the prompt its items share runs once (the system prompt
+    one forward of that tree (`engine.shared_prefix`): the prompt its items share runs once (the system prompt
     once for the chunk's entries), each answer attends to its own prefix only, and the LM head runs on the
     masked positions only. `shared=False`: the padded forward of each chunk (bench)."""
     import torch

@@ -13,7 +13,7 @@ from rcgrpo_tasks.data.gate import PASSED_FILE, RESULT_FILE, stamp
 from rcgrpo_tasks.engine.models import model_context
 from rcgrpo_tasks.engine.trajectory import TERMINATIONS, Trajectory, TrajectoryError
 from rcgrpo_tasks.env.entries import read_split
-from rcgrpo_tasks.env.prompt import GOAL_RESERVE, PromptConfig
+from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.rewards import reward_value
 from rcgrpo_tasks.env.tasks import LEGACY_TASK
 from rcgrpo_tasks.ops.inputs import read_jsonl

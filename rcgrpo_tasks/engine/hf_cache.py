@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-from rcgrpo.logps import last_positions
 from rcgrpo_tasks.engine.kvcache import plan_capacity, prefill_mask, slot_cache_class
 from rcgrpo_tasks.engine.prefill import left_padded, plan_prefill
 from rcgrpo_tasks.engine.prefix_layout import (
@@ -30,6 +29,7 @@ from rcgrpo_tasks.engine.prefix_layout import (
     ragged_segments,
     walk,
 )
+from rcgrpo_tasks.engine.shared_prefix import last_positions
 
 
 class CacheRows:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rcgrpo.goal import DEFAULT_LEVELS, check_levels, format_goal
+from rcgrpo.goal import DEFAULT_LEVELS, check_levels
 
 BFCL_MAX_STEPS_PER_TURN = 20  # bfcl_eval.constants.default_prompts.MAXIMUM_STEP_LIMIT
 # BFCL's classic style, copied from bfcl_eval.constants.default_prompts.PROMPT_STYLE_TEMPLATES["classic"]
@@ -76,26 +76,10 @@ class ProtocolConfig(PromptConfig):
                 "system_prompt": self.system_prompt}
 
 
-def format_reward_goal(token: str | None) -> str:
-    """The reward-conditioning suffix of the first user message ('' without a token): the library's
-    `rcgrpo.goal.format_goal` with the paper's template."""
-    return format_goal(token)
-
-
 GOAL_RESERVE = 32
 """Tokens kept free for the `[Reward Goal: <token>]` suffix (about 12 tokens with SmolLM2's tokenizer)."""
 
 
-DEFAULT_REWARD_TOKENS: tuple[str, ...] = DEFAULT_LEVELS
-"""Lowest first, highest last (the paper's two goals); params.yaml `label_rewards.tokens` overrides them."""
-
-
-def check_reward_tokens(tokens) -> tuple[str, ...]:
-    """THE check of a reward-token list (lowest level first), wherever one is read: the library's
-    `rcgrpo.goal.check_levels` (>= 2 distinct, non-empty strings without ']', which would close the goal)."""
-    return check_levels(tokens)
-
-
 def reward_tokens(params: dict) -> tuple[str, ...]:
     """THE reward tokens of a pipeline (`label_rewards.tokens` of a params mapping), lowest first."""
-    return check_reward_tokens((params.get("label_rewards") or {}).get("tokens") or DEFAULT_REWARD_TOKENS)
+    return check_levels((params.get("label_rewards") or {}).get("tokens") or DEFAULT_LEVELS)

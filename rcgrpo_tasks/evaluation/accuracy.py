@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rcgrpo.goal import DEFAULT_LEVELS
 from rcgrpo.stats import bootstrap_ci, check_n_boot
 from rcgrpo_tasks.engine.backend import SamplingParams, reward_pair_ids
 from rcgrpo_tasks.engine.decoding import MAX_OUTPUTS, DecodeConfig, check_sampling
@@ -23,7 +24,7 @@ from rcgrpo_tasks.engine.rollout import run_rollouts
 from rcgrpo_tasks.engine.trajectory import as_stage_output, write_trajectories
 from rcgrpo_tasks.env.contract import Entry
 from rcgrpo_tasks.env.paper import ROWS
-from rcgrpo_tasks.env.prompt import DEFAULT_REWARD_TOKENS, PromptConfig
+from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.env.tasks import ALL_CATEGORIES, get_task, paper_overall, task_of
 from rcgrpo_tasks.evaluation.formats import SIDES, side_name
 from rcgrpo_tasks.evaluation.plots import accuracy_plot
@@ -176,7 +177,7 @@ def _rollouts(cfg: EvaluateConfig, backend, entries: list[Entry], k: int, proto,
 
 
 def run_eval(cfg: EvaluateConfig, prompt: PromptConfig, backend, entries: list[Entry], reward_token: str | None,
-             label: str, tokens: tuple[str, ...] = DEFAULT_REWARD_TOKENS,
+             label: str, tokens: tuple[str, ...] = DEFAULT_LEVELS,
              sampled: SamplingParams | None = None) -> tuple[list, list[dict], dict]:
     """(greedy trajectories, per-entry rows, summary) of `entries` under `prompt.protocol`. With `sampled`
     (`pass_sampling`) also `cfg.pass_samples` sampled answers per entry: each row's `pass_samples` (their

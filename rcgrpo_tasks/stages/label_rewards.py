@@ -7,7 +7,7 @@ One definition, two datasets (`--dataset`, dvc.yaml foreach `label_rewards@sft` 
   from `sample_policy`), chosen by the pairing rule (`data.pairing`; params `failures: near_miss |
   on_policy | mixed | wrong_call`, `pairing: paired | unpaired`; `unpaired` + `near_miss` is the generate set as is),
   each row's reward token appended to the FIRST user message as `\\n\\n[Reward Goal: <token>]`
-  (`env.prompt.format_reward_goal`, the same text RL and evaluate use).
+  (`rcgrpo.goal.format_goal`, the same text RL and evaluate use).
 Rows `{"messages": [...], "trajectory_id", "entry_id", "reward_token", "reward"}` go to `--out`; `--metrics`
 gets row / token counts, class balance and (rctp) the pairing counts. Every input trajectory file must
 carry the GX gate's `passed.json` for exactly that file (`--validation`, `--policy-validation`): leakage,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import typer
 
+from rcgrpo.goal import DEFAULT_LEVELS
 from rcgrpo_tasks.data.labels import load_reward_tokens
 from rcgrpo_tasks.engine.backend import reward_pair_ids
 from rcgrpo_tasks.engine.backend_registry import load_backend
@@ -28,7 +29,7 @@ from rcgrpo_tasks.engine.decoding import DecodeConfig
 from rcgrpo_tasks.engine.rollout import run_rollouts
 from rcgrpo_tasks.engine.trajectory import write_trajectories
 from rcgrpo_tasks.env.entries import read_entries, select_entries
-from rcgrpo_tasks.env.prompt import DEFAULT_REWARD_TOKENS, PromptConfig
+from rcgrpo_tasks.env.prompt import PromptConfig
 from rcgrpo_tasks.ops.cli import Progress, cli_errors
 from rcgrpo_tasks.ops.config import ConfigError, from_dict, read_sections
 
@@ -84,7 +85,7 @@ def main(
         decode.check_context(model, "--max-new-tokens")
         resolved = resolve_compute(compute, decode=decode.dtype, model_dir=model)  # THE dtype rule, once
         engine_backend = load_backend(decode.backend, model, adapter, **resolved.backend_kwargs())
-        tokens = load_reward_tokens(params) if params.is_file() else DEFAULT_REWARD_TOKENS
+        tokens = load_reward_tokens(params) if params.is_file() else DEFAULT_LEVELS
         pair = reward_pair_ids(engine_backend.tokenizer, (tokens[-1], tokens[0])) if guidance else None
         sampling = decode.sampling(seed, guidance=guidance, guidance_pair=pair)
     typer.echo(f"rollout: decoding on {engine_backend.describe().get('device', backend)}", err=True)

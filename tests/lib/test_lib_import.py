@@ -28,7 +28,7 @@ import rcgrpo.goal, rcgrpo.draw, rcgrpo.group_metrics, rcgrpo.rctp, rcgrpo.contr
 cfg = RCGRPOConfig("/tmp/rcgrpo-import-test", report_to=[], use_cpu=True, bf16=False)
 for extra in sys.argv[2:]:
     __import__(extra)
-print(json.dumps({"loaded": sorted({m.split(".")[0] for m in sys.modules} & set(hidden)), "G": cfg.num_generations,
+print(json.dumps({"loaded": sorted({m.split(".")[0] for m in sys.modules} & set(hidden)), "beta": cfg.beta,
                   "subclass": issubclass(RCGRPOTrainer, __import__("trl").GRPOTrainer)
                   and issubclass(RCGRPOConfig, __import__("trl").GRPOConfig)}))
 """
@@ -63,7 +63,7 @@ def run_child(tmp_path: Path, *extra: str) -> dict:
 
 def test_the_public_api_needs_no_mlops_package(tmp_path):
     got = run_child(tmp_path)
-    assert got == {"loaded": [], "G": 5, "subclass": True}
+    assert got == {"loaded": [], "beta": 0.1, "subclass": True}
 
 
 @pytest.mark.parametrize("name", HIDDEN)

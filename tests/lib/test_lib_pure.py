@@ -17,7 +17,7 @@ from rcgrpo.goal import (
     format_goal,
     level_of,
     place_goal,
-    strip_goal,
+    remove_goal,
 )
 from rcgrpo.group_metrics import flat_fractions, generation_metrics, group_advantages, zero_std_fraction
 from rcgrpo.rctp import label_row, rctp_rows
@@ -34,7 +34,25 @@ def test_the_goal_goes_to_one_message_and_the_input_is_untouched(place, index):
     out = place_goal(CHAT, goal, place)
     assert CHAT == before
     assert [m["content"].endswith(goal) for m in out] == [i == index for i in range(len(CHAT))]
-    assert strip_goal(place_goal(CHAT, goal, "first_user"), HIGH) == CHAT
+    assert remove_goal(out, goal) == CHAT  # wherever it went: what reward functions see
+
+
+def test_removing_the_goal_undoes_every_place_and_shape():
+    """Rewards see the user's prompt: `remove_goal` takes back what `place_goal` (or an environment's reset text)
+    put in, for chats, plain text, multimodal parts and an inserted system message; another token's goal and an
+    empty goal leave the prompt alone."""
+    goal = format_goal(LOW)
+    for place in ("first_user", "last_user", "system"):
+        assert remove_goal(place_goal(CHAT, goal, place), goal) == CHAT
+    no_system = CHAT[1:]
+    assert remove_goal(place_goal(no_system, goal, "system"), goal) == no_system
+    assert remove_goal(place_goal("Add 1 and 2.", goal), goal) == "Add 1 and 2."
+    parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    assert remove_goal(place_goal(parts, goal), goal) == parts
+    reset = [*CHAT, {"role": "user", "content": "Observation: ok" + goal}]  # an environment's reset appended it
+    assert remove_goal(reset, goal)[-1]["content"] == "Observation: ok"
+    other = place_goal(CHAT, format_goal(HIGH), "first_user")
+    assert remove_goal(other, goal) == other and remove_goal(other, "") == other
 
 
 def test_goal_places_of_other_prompt_shapes():

@@ -26,24 +26,19 @@ Two protocols (`ProtocolConfig.protocol`):
 Doc styles (`doc_style`): `official` (bfcl-eval's exact `json.dumps(docs, indent=4)`; held-back docs
 injected as Python's `str(list)`, as BFCL does), `json` (one JSON object per line), `compact` (one line per
 function; ~10x fewer tokens, the default: the bundled SmolLM2 has an 8k context).
-Reward slot: with a reward token, the first user message ends in `env.prompt.format_reward_goal(token)`.
+Reward slot: with a reward token, the first user message ends in `rcgrpo.goal.format_goal(token)`.
 """
 
 from __future__ import annotations
 
 import json
 
+from rcgrpo.goal import format_goal
 from rcgrpo_tasks.env.multi_turn.calls import format_calls, parse_call_string, parse_calls
 from rcgrpo_tasks.env.multi_turn.entries import ADDITIONAL_FUNCTION_PROMPT, Entry, entry_docs, render_docs
 from rcgrpo_tasks.env.multi_turn.environment import BfclEnvironment
 from rcgrpo_tasks.env.multi_turn.scoring import score_entry
-from rcgrpo_tasks.env.prompt import (
-    BFCL_CLASSIC,
-    BFCL_OUTPUT_FORMAT,
-    BFCL_PLAINTEXT,
-    ProtocolConfig,
-    format_reward_goal,
-)
+from rcgrpo_tasks.env.prompt import BFCL_CLASSIC, BFCL_OUTPUT_FORMAT, BFCL_PLAINTEXT, ProtocolConfig
 from rcgrpo_tasks.env.rewards import EntryScore
 
 DONE_DOC = {
@@ -104,7 +99,7 @@ def initial_messages(entry: Entry, cfg: ProtocolConfig, reward_token: str | None
     msgs = [{"role": "system", "content": system_prompt(docs, cfg)}] + [dict(m) for m in users]
     if reward_token:
         first_user = next(m for m in msgs if m["role"] == "user")
-        first_user["content"] += format_reward_goal(reward_token)
+        first_user["content"] += format_goal(reward_token)
     return msgs
 
 

@@ -17,14 +17,9 @@ file is also a result file `rcgrpo score` reads.
 
 from __future__ import annotations
 
+from rcgrpo.goal import format_goal
 from rcgrpo_tasks.env import ast_decode
-from rcgrpo_tasks.env.prompt import (
-    BFCL_CLASSIC,
-    BFCL_OUTPUT_FORMAT,
-    BFCL_PLAINTEXT,
-    ProtocolConfig,
-    format_reward_goal,
-)
+from rcgrpo_tasks.env.prompt import BFCL_CLASSIC, BFCL_OUTPUT_FORMAT, BFCL_PLAINTEXT, ProtocolConfig
 from rcgrpo_tasks.env.rewards import EntryScore
 from rcgrpo_tasks.env.single_turn import ast_check
 from rcgrpo_tasks.env.single_turn.entries import SingleTurnEntry, docs_text, hinted, render_calls
@@ -53,7 +48,7 @@ def initial_messages(entry: SingleTurnEntry, cfg: ProtocolConfig, reward_token: 
         msgs.insert(0, {"role": "system", "content": sys_text})
     if reward_token:
         first_user = next(m for m in msgs if m["role"] == "user")
-        first_user["content"] += format_reward_goal(reward_token)
+        first_user["content"] += format_goal(reward_token)
     return msgs
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
-from rcgrpo.shared_prefix import target_hidden, trunk_and_head
+from rcgrpo_tasks.engine.shared_prefix import target_hidden, trunk_and_head
 
 
 def lora_targets(modules: tuple[str, ...]) -> str | list[str]:

@@ -33,12 +33,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rcgrpo.resume import GENERATION_STATE
 from rcgrpo_tasks.ops import tracking_log, tracking_store
 from rcgrpo_tasks.ops.config import as_dict
 from rcgrpo_tasks.ops.inputs import InputError, read_json
 from rcgrpo_tasks.ops.outputs import write_json
 from rcgrpo_tasks.train.common.callbacks import ResumableMixin
+from rcgrpo_tasks.train.common.generation_state import GENERATION_STATE
 
 TOKEN_COUNT_STEM = "rcgrpo_token_count"
 """File name stem, in each checkpoint, of TRL's trained-token count (`..._<process>.json` under several processes;

@@ -2,9 +2,9 @@
 trains under, and one engine trajectory as the fields TRL's `rollout_func` returns.
 
 The reward-token draw, the group statistics and the advantage live once, in the library (`rcgrpo.draw`,
-`rcgrpo.group_metrics`), and are re-exported here for the pipeline's modules: `group_advantages` is TRL 1.16's
-GRPO advantage over each whole group regardless of the rollouts' reward tokens, which is exactly RC-GRPO's, and
-the tests cross-check it against the advantages TRL used.
+`rcgrpo.group_metrics`), which the pipeline's modules import directly: `group_metrics.group_advantages` is TRL
+1.16's GRPO advantage over each whole group regardless of the rollouts' reward tokens, which is exactly
+RC-GRPO's, and the tests cross-check it against the advantages TRL used.
 
 - Reward tokens are never named here: `levels` is params.yaml `label_rewards.tokens` (lowest first, highest
   last; `env.prompt.reward_tokens`), and RL conditions on its two ends, low = levels[0], high = levels[-1].
@@ -18,27 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rcgrpo.draw import (  # noqa: F401  (re-exported: the library's draw)
-    CONDITIONING_MODES,
-    Conditioning,
-    sample_reward_tokens,
-    stratified_count,
-    token_seed,
-)
+from rcgrpo.draw import Conditioning
 from rcgrpo.goal import check_levels
-from rcgrpo.group_metrics import (  # noqa: F401  (re-exported: the library's group statistics)
-    ADV_EPS,
-    ZERO_STD_TOL,
-    advantage_spread,
-    advantage_std,
-    controllability_gap,
-    flat_fractions,
-    group_advantages,
-    group_stats,
-    reward_by_token,
-    spread_groups,
-    zero_std_fraction,
-)
 from rcgrpo_tasks.ops.names import ALGOS, RC_ALGOS
 
 

@@ -29,6 +29,9 @@ internals: `_compute_loss` calls `_get_per_token_logps_and_entropies` once for t
 
 from __future__ import annotations
 
+from rcgrpo_tasks.train.rl.kl import bounded_reference
+from rcgrpo_tasks.train.rl.offpolicy import loss_mask
+
 KL_COEF = "rc_kl_coef"
 """Key of the (B,) per-rollout KL coefficients in TRL's buffered generation batch."""
 EXTRA_KL = ("grpo", "bnpo", "dr_grpo")
@@ -76,10 +79,9 @@ def extra_kl_loss(per_token_kl, mask, coef, beta: float, loss_type: str, max_com
 
 
 class LowAnchorMixin:
-    """Before `rcgrpo.RCGRPOTrainer` in the MRO (`callbacks.lazy_subclass`): the low token's rollouts train with
-    KL coefficient `rc_beta_low` (module docstring). Set `rc_beta_low` after building; None: RC-GRPO itself."""
-
-    rc_beta_low: float | None = None
+    """Before `rcgrpo.RCGRPOTrainer` in the MRO (`pipeline_trainer.PipelineTrainer`): the low token's rollouts
+    train with KL coefficient `rc_beta_low` (module docstring; None: RC-GRPO itself). Reads the trainer's KL bound
+    `_rc_kl` ((lo, hi) or None)."""
 
     def _generate_and_score_completions(self, inputs):
         import torch
@@ -100,9 +102,6 @@ class LowAnchorMixin:
             logps = self._rc_anchor_logps[0]
         finally:
             self._rc_anchor_logps = None
-        from rcgrpo.kl import bounded_reference
-        from rcgrpo.offpolicy import loss_mask
-
         ref, mask = inputs["ref_per_token_logps"], loss_mask(inputs)
         if self._rc_kl is not None:  # the bound the trainer hands TRL (`kl_token_max`), recomputed: deterministic
             ref = bounded_reference(ref, logps, *self._rc_kl)

@@ -93,7 +93,7 @@ class RLConfig:
     others); groups without reward spread after the last round are not trained on."""
     kl_token_max: float | None
     """Bound of each token's KL term k3 = exp(d) - d - 1 (d = log pi_ref - log pi): d is clamped to the two
-    roots of k3 = this (`rcgrpo.kl.bounded_reference`), so one far-off sampled token cannot dominate a step
+    roots of k3 = this (`train.rl.kl.bounded_reference`), so one far-off sampled token cannot dominate a step
     (verl's `low_var_kl` bounds it at 10 too); null = TRL's unbounded term."""
     stop_on_divergence: bool
     """Stop a diverging run and roll its policy back to the last good checkpoint (`kl_guard`): a non-finite
@@ -157,7 +157,7 @@ class RLConfig:
     shared_prefix_min_tokens: int | None
     """CPU log-probs (policy, reference, trainer): a micro-batch's shared tokens (a group's prompt, up to an
     RC-GRPO reward token) through the trunk once where that saves at least this many tokens a row
-    (`rcgrpo.shared_prefix`; the same log-probs as the padded forward up to float rounding); null = always the
+    (`engine.shared_prefix`; the same log-probs as the padded forward up to float rounding); null = always the
     padded forward. GPU: TRL's path."""
     save_steps: int
     """Checkpoint every N optimizer steps (resume point)."""

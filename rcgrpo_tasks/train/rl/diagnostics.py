@@ -20,13 +20,12 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from rcgrpo.group_metrics import NONZERO_ADV, level_names
+from rcgrpo.group_metrics import NONZERO_ADV, ZERO_STD_TOL, flat_kind, group_stats, level_names
 from rcgrpo.stats import mcnemar_exact
 from rcgrpo_tasks.data.rl_steps import finite, step_summary
 from rcgrpo_tasks.env.failures import FAILURE_KINDS
 from rcgrpo_tasks.ops.inputs import read_tsv
 from rcgrpo_tasks.ops.outputs import write_tsv
-from rcgrpo_tasks.train.rl.advantages import ZERO_STD_TOL, group_stats
 
 STEP_MARKER = "loss"
 """A key of every optimizer step's TRL log (and of no other log): a step's row is written on it."""
@@ -163,9 +162,10 @@ def nonzero_advantages(records: Sequence[Mapping], levels: Sequence[str]) -> dic
 
 
 def group_flags(records: Sequence[Mapping], reward: str, levels: Sequence[str] = (),
-                tol: float = ZERO_STD_TOL) -> list[dict]:
+                tol: float = ZERO_STD_TOL, threshold: float = 0.5) -> list[dict]:
     """Per generated group of a run (`rollout.rollout_record`s: step, group, entry, rewards, advantage): {step,
-    group, entry_id, flat: None (reward spread) | "fail" | "success" (zero std at mean <= 0.5 / above), and
+    group, entry_id, flat: None (reward spread) | "fail" | "success" (`rcgrpo.group_metrics.flat_kind`: zero std
+    at a mean below `threshold` / at or above it), and
     with `levels` (the reward tokens): `rollouts` and `nonzero_adv` per token level}, in step and group order.
     The unit of the paired GRPO / RC-GRPO comparison (the same step and slot draw the same entry and seeds in
     both: `rollout.EngineRollout.group_specs`)."""
@@ -175,7 +175,7 @@ def group_flags(records: Sequence[Mapping], reward: str, levels: Sequence[str] =
     out = []
     for (step, group), rs in sorted(by.items()):
         ((mu, sd),) = group_stats([float(r["rewards"].get(reward) or 0.0) for r in rs], len(rs))
-        flat = None if sd >= tol else ("fail" if mu <= 0.5 else "success")  # as `advantages.flat_fractions`
+        flat = flat_kind(mu, sd, threshold, tol)  # the library's one classification
         row = {"step": step, "group": group, "entry_id": rs[0]["entry_id"], "flat": flat}
         if levels:
             row["rollouts"] = {k: c["rollouts"] for k, c in failure_counts(rs, levels).items()}

@@ -1,14 +1,15 @@
-"""What the rl stage hands the library's `rcgrpo.RCGRPOTrainer`: its config (`rc_config`), its reward functions
-(`reward_funcs`) and the log of every rollout (`RolloutLogMixin`, a callback). The trainer itself is the
-library's; `trainer.build_trainer` builds it with the engine's rollout function (docs/rl.md).
+"""What the rl stage hands its trainer (`pipeline_trainer.PipelineTrainer`: the library's `rcgrpo.RCGRPOTrainer`
+with the pipeline's options): its config and options (`trainer_args`), its reward functions (`reward_funcs`) and
+the log of every rollout (`RolloutLogMixin`, a callback); `trainer.build_trainer` builds it with the engine's
+rollout function (docs/rl.md).
 
 - Rewards: one TRL reward function per `env.rewards.REWARDS`, reading the scores the engine computed
   (`EngineRollout.to_trl`'s `r_<name>` columns); one-hot `reward_weights` pick `cfg.reward`.
-- The pipeline's options of the trainer (`RCGRPOConfig`'s second group): the epoch-seeded prompt order and
-  skipped steps without loss (always), CPU log-probs on completion positions and shared prefixes
-  (`shared_prefix_min_tokens`), the KL bound (`kl_token_max`), the engine rollouts' importance-sampling cap
-  (`correct_mismatch`). The goal is the engine's to place (`reward_goal_place: external`): the trainer draws
-  each rollout's token and the engine renders the episode with it.
+- The pipeline's options (`pipeline_trainer.Options`): shared prefixes (`shared_prefix_min_tokens`), the KL
+  bound (`kl_token_max`), the engine rollouts' importance-sampling cap (`correct_mismatch`), `rc_anchor`'s
+  `beta_low`, `rc_frozen`'s frozen token rows; the epoch-seeded order, skipped steps without loss and CPU
+  log-probs on completion positions always. The goal is the engine's to place (`reward_goal_place: external`):
+  the trainer draws each rollout's token and the engine renders the episode with it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from rcgrpo_tasks.env.rewards import REWARDS
 from rcgrpo_tasks.ops.inputs import read_jsonl
 from rcgrpo_tasks.train.common import placement
 from rcgrpo_tasks.train.rl.config import RLConfig
+from rcgrpo_tasks.train.rl.pipeline_trainer import Options
 from rcgrpo_tasks.train.rl.rollout_policy import rollout_dtype, sampler_differs
 
 ROLLOUTS_FILE = "rollouts.jsonl"
@@ -50,13 +52,14 @@ def correct_mismatch(cfg: RLConfig, device_type: str, autocast: bool) -> bool:
     return sampler_differs(cfg.use_vllm, rollout_dtype(cfg.rollout_dtype), autocast)
 
 
-def rc_config(cfg: RLConfig, mode: str, levels: tuple[str, ...], ckpt_dir: Path, grad_accum: int, device=None):
-    """The `rcgrpo.RCGRPOConfig` of a run: `mode` (`rc` / `fixed` / `none`: the cell's conditioning) and the
-    reward tokens `levels`; checkpoints under `ckpt_dir`; no reporting (MLflow goes through callbacks); on
-    `device` (`placement.train_device`; None = CUDA when available). `minibatches` optimizer steps per
-    generation batch; the sampler/trainer mismatch corrected as `correct_mismatch` says (TRL's own for its vLLM
-    rollouts, the trainer's `rollout_importance_sampling_cap` for the engine's), token-truncated at
-    `importance_sampling_cap`."""
+def trainer_args(cfg: RLConfig, mode: str, levels: tuple[str, ...], ckpt_dir: Path, grad_accum: int, algo: str,
+                 device=None):
+    """(`rcgrpo.RCGRPOConfig`, `pipeline_trainer.Options`) of a run: `mode` (`rc` / `fixed` / `none`: the cell's
+    conditioning), the reward tokens `levels` and the cell's `algo`; checkpoints under `ckpt_dir`; no reporting
+    (MLflow goes through callbacks); on `device` (`placement.train_device`; None = CUDA when available).
+    `minibatches` optimizer steps per generation batch; the sampler/trainer mismatch corrected as
+    `correct_mismatch` says (TRL's own for its vLLM rollouts, the pipeline trainer's for the engine's),
+    token-truncated at `importance_sampling_cap`."""
     import torch
 
     from rcgrpo.config import RCGRPOConfig
@@ -83,13 +86,12 @@ def rc_config(cfg: RLConfig, mode: str, levels: tuple[str, ...], ckpt_dir: Path,
         # reward conditioning: the cell's, the engine places the goal
         reward_tokens=list(levels), conditioning=mode, p_high=cfg.p_high, token_draw=cfg.token_draw,
         reward_goal_place="external",
-        # the pipeline's options of the trainer
-        epoch_seeded_order=True, skip_steps_without_loss=True, fast_cpu_logps=True,
-        shared_prefix_min_tokens=cfg.shared_prefix_min_tokens, kl_token_max=cfg.kl_token_max,
-        rollout_importance_sampling_cap=cfg.importance_sampling_cap if correct and not cfg.use_vllm else None,
     )
     kwargs.update(cfg.extra)
-    return RCGRPOConfig(**kwargs)
+    options = Options(shared_prefix_min_tokens=cfg.shared_prefix_min_tokens, kl_token_max=cfg.kl_token_max,
+                      importance_sampling_cap=cfg.importance_sampling_cap if correct and not cfg.use_vllm else None,
+                      beta_low=cfg.beta_low if algo == "rc_anchor" else None, train_token_rows=algo != "rc_frozen")
+    return RCGRPOConfig(**kwargs), options
 
 
 class RolloutLogMixin:

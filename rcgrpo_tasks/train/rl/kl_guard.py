@@ -1,5 +1,5 @@
 """RL that cannot blow up silently: divergence detected, the run stopped and rolled back to its last good
-checkpoint (the per-token KL term is bounded by the trainer itself: `rcgrpo.kl`, `rl.kl_token_max`).
+checkpoint (the per-token KL term is bounded by the trainer itself: `train.rl.kl`, `rl.kl_token_max`).
 
 - `divergence`: a pure check of the step rows (`diagnostics.PLOT_COLUMNS`) against `config.GuardConfig`: a
   non-finite loss, a mean KL above `max_kl`, or the reward collapsing to 0 for `window` steps after a

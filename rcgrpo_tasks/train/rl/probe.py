@@ -27,11 +27,11 @@ import json
 import random
 from pathlib import Path
 
+from rcgrpo import draw
 from rcgrpo.stats import bootstrap_ci, mcnemar_exact
 from rcgrpo_tasks.engine import rollout as engine_rollout
 from rcgrpo_tasks.env.rewards import reward_value
 from rcgrpo_tasks.ops.inputs import read_jsonl
-from rcgrpo_tasks.train.rl import advantages as adv
 
 PROBE_FILE = "probe.jsonl"
 """One JSON line per probe point: {step, entries, rewards (per entry, mean of S), samples, n_pool (the first
@@ -48,7 +48,7 @@ def probe_ids(pool: list[str], k: int, seed: int) -> list[str]:
 def probe_specs(entries: list, samples: int, token: str | None, sampling_for) -> list[tuple]:
     """Engine groups of the probe: (entry, `samples` x `token`, sampling), the sampling seed fixed per entry
     (`sampling_for(seed)`), so every checkpoint and every cell draws the same random numbers."""
-    return [(e, [token] * samples, sampling_for(adv.token_seed(-1, 0, i))) for i, e in enumerate(entries)]
+    return [(e, [token] * samples, sampling_for(draw.token_seed(-1, 0, i))) for i, e in enumerate(entries)]
 
 
 def score_probe(groups, reward: str) -> list[float]:

@@ -8,12 +8,12 @@
   group) on the trainer and hands TRL prompt ids (system + first user message, with the rollout's own
   reward token), completion ids (everything after: model and environment tokens, ending at the model's
   end-of-turn where it ended the episode itself), `env_mask` (environment tokens carry no loss), the
-  sampling log-probs (the trainer measures and corrects the mismatch: `rcgrpo.offpolicy`) and every reward
+  sampling log-probs (the trainer measures and corrects the mismatch: `train.rl.offpolicy`) and every reward
   (`env.rewards.REWARDS`).
 - Dynamic sampling (algo `dynamic`, DAPO's): a group without reward spread is dropped and its slot refilled
   by a group of another train entry, for at most `dynamic_max_rounds` generation rounds; groups still
   without spread are not trained on (their `env_mask` is all 0: no loss, no KL term), and a step with none
-  left makes no update (the trainer's `skip_steps_without_loss`). A refilled group draws its own tokens (the
+  left makes no update (the pipeline trainer skips it). A refilled group draws its own tokens (the
   library's draw at call 2 x round). Departures from DAPO: the batch
   keeps its size (TRL's layout), so an unfilled slot is masked rather than removed, and TRL's `grpo` loss
   still averages over every sequence of the batch, masked ones counting as 0.
@@ -31,6 +31,7 @@ import random
 import sys
 import time
 
+from rcgrpo import draw, group_metrics
 from rcgrpo.draw import group_tokens, token_seed
 from rcgrpo_tasks.engine import rollout as engine_rollout
 from rcgrpo_tasks.engine.backend import stop_token_ids
@@ -71,7 +72,7 @@ class EngineRollout:
     roll out exactly the groups one process would. Refill draws, the diagnostics and the price are
     computed from every process's groups (`distributed.gather`), identically on each."""
 
-    def __init__(self, cfg: RLConfig, protocol: ProtocolConfig, mode: adv.Conditioning, levels: tuple[str, ...],
+    def __init__(self, cfg: RLConfig, protocol: ProtocolConfig, mode: draw.Conditioning, levels: tuple[str, ...],
                  entries: dict, tokenizer, dynamic: bool = False, mask_low: bool = False):
         self.cfg, self.protocol, self.mode, self.levels = cfg, protocol, mode, tuple(levels)
         self.entries, self.tokenizer, self.dynamic, self.mask_low = entries, tokenizer, dynamic, mask_low
@@ -126,7 +127,7 @@ class EngineRollout:
 
     def _spread(self, group) -> bool:
         rewards = [reward_value(t.score, self.cfg.reward) if t.score else float("nan") for t in group]
-        return adv.spread_groups([float("nan") if r is None else r for r in rewards], len(group))[0]
+        return group_metrics.spread_groups([float("nan") if r is None else r for r in rewards], len(group))[0]
 
     def refill(self, backend, groups: list[list], spread: list[bool], ids: list[str], step: int,
                first: int) -> dict:
@@ -143,7 +144,7 @@ class EngineRollout:
             flat = [j for j, ok in enumerate(f for part in distributed.gather(spread) for f in part) if not ok]
             if not flat:
                 break
-            rng = random.Random(adv.token_seed(self.cfg.seed, step, -1, call=rounds))
+            rng = random.Random(draw.token_seed(self.cfg.seed, step, -1, call=rounds))
             pool = sorted(set(self.entries) - used) or sorted(self.entries)
             fresh = [pool[j] for j in rng.sample(range(len(pool)), len(flat))] if len(pool) >= len(flat) \
                 else [rng.choice(pool) for _ in flat]

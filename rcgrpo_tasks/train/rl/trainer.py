@@ -6,8 +6,8 @@
   TRL's reference model (built from the model's path) is the init too (`_init_on_disk`). Under LoRA the
   reward tokens' embedding rows (input and output) train too, as in RCTP (PEFT trainable tokens), unless
   the run conditions on no token.
-- The trainer is the library's `rcgrpo.RCGRPOTrainer` (what RC-GRPO adds to TRL's GRPO step), configured by
-  `grpo.rc_config` (the cell's conditioning, the pipeline's options), with `grpo.reward_funcs` and the rollout
+- The trainer is `pipeline_trainer.PipelineTrainer` (the library's `rcgrpo.RCGRPOTrainer` and the pipeline's
+  options), configured by `grpo.trainer_args` (the cell's conditioning and options), with `grpo.reward_funcs` and the rollout
   function `rollout.EngineRollout` (the engine decodes the episodes; the trainer draws each rollout's token).
 - Divergence: `kl_guard.DivergenceGuardMixin` after the diagnostics callback (`rl.stop_on_divergence`);
   the trainer's `rc_guard` holds its event for `run.train_rl`.
@@ -23,7 +23,8 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rcgrpo.tokens import token_indices
+from rcgrpo import draw
+from rcgrpo.tokens import check_reward_tokens, token_indices
 from rcgrpo_tasks.data.onpolicy import sampled_success_rates
 from rcgrpo_tasks.engine.models import check_adapter_dir, check_model_dir, load_trained
 from rcgrpo_tasks.engine.vllm import reload_in_place, skip_token_adapters
@@ -36,11 +37,12 @@ from rcgrpo_tasks.train.common import checkpoints, runs
 from rcgrpo_tasks.train.common.adapters import lora_targets
 from rcgrpo_tasks.train.common.callbacks import lazy_subclass, resumable_callback, step_metrics
 from rcgrpo_tasks.train.rl import advantages as adv
-from rcgrpo_tasks.train.rl.anchor import LowAnchorMixin, check_anchor
+from rcgrpo_tasks.train.rl.anchor import check_anchor
 from rcgrpo_tasks.train.rl.config import RLConfig, check_deepspeed, check_reward, check_world
 from rcgrpo_tasks.train.rl.diagnostics import STEP_MARKER, DiagnosticsMixin, diag_metrics
-from rcgrpo_tasks.train.rl.grpo import RolloutLogMixin, rc_config, reward_funcs
+from rcgrpo_tasks.train.rl.grpo import RolloutLogMixin, reward_funcs, trainer_args
 from rcgrpo_tasks.train.rl.kl_guard import DivergenceGuardMixin
+from rcgrpo_tasks.train.rl.pipeline_trainer import pipeline_trainer
 from rcgrpo_tasks.train.rl.pool import rl_side, train_entries
 from rcgrpo_tasks.train.rl.probe import ProbeMixin, probe_ids
 from rcgrpo_tasks.train.rl.rollout import EngineRollout
@@ -70,10 +72,10 @@ class RLRun(runs.RunSpec):
     """The grid seed the run belongs to (params `grid.seeds`; its MLflow tags), None outside a grid."""
 
     @property
-    def mode(self) -> adv.Conditioning:
+    def mode(self) -> draw.Conditioning:
         mode = self.conditioning or adv.conditioning_for(self.init, self.algo)
-        if mode not in adv.CONDITIONING_MODES:
-            raise ConfigError(f"conditioning must be one of {adv.CONDITIONING_MODES}, got {mode!r}")
+        if mode not in draw.CONDITIONING_MODES:
+            raise ConfigError(f"conditioning must be one of {draw.CONDITIONING_MODES}, got {mode!r}")
         return mode
 
     @property
@@ -113,15 +115,15 @@ def load_init_model(model_dir: Path, adapter_dir: Path | None, dtype: str):
 
 
 def check_tokenizer_has_reward_tokens(tokenizer, mode: str, levels: tuple[str, ...]) -> None:
-    """`rc`/`fixed` need the lowest and highest reward tokens as single vocabulary items (added by SFT/RCTP)."""
+    """`rc`/`fixed` need the lowest and highest reward tokens as single vocabulary items (added by SFT/RCTP): the
+    library's check (`rcgrpo.tokens.check_reward_tokens`), before anything trains, as a ConfigError."""
     if mode == "none":
         return
-    for tok in adv.reward_levels(levels):
-        ids = tokenizer.convert_tokens_to_ids(tok)
-        single = len(tokenizer(tok, add_special_tokens=False)["input_ids"]) == 1
-        if ids is None or ids == tokenizer.unk_token_id or not single:
-            raise ConfigError(f"conditioning {mode!r} needs {tok} as a special token of the init model's tokenizer "
-                              "(train the init with `sft` / RCTP, which adds it)")
+    try:
+        check_reward_tokens(tokenizer, adv.reward_levels(levels))
+    except ValueError as exc:
+        raise ConfigError(f"conditioning {mode!r}: {exc} (the init's tokenizer: train it with `sft` / RCTP, which "
+                          "adds them)") from exc
 
 
 def _init_on_disk(model, tokenizer, spec: RLRun, dtype: str):
@@ -200,18 +202,15 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     log = lazy_subclass(RolloutLogMixin, "transformers.TrainerCallback")(spec.checkpoints)
     own = [step_metrics(STEP_MARKER, diag_metrics)] if track else []
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is "experimental" in TRL 1.16
-    trainer_cls = lazy_subclass(LowAnchorMixin, "rcgrpo.trainer.RCGRPOTrainer") if spec.algo == "rc_anchor" \
-        else _import_trainer()
-    trainer = trainer_cls(
-        model=model, reward_funcs=reward_funcs(), args=rc_config(fit, mode, levels, spec.checkpoints, grad_accum, device),
+    args, options = trainer_args(fit, mode, levels, spec.checkpoints, grad_accum, spec.algo, device)
+    trainer = pipeline_trainer()(
+        model=model, reward_funcs=reward_funcs(), args=args, options=options,
         train_dataset=Dataset.from_list([{"prompt": e.id} for e in entries]), processing_class=tokenizer,
         peft_config=lora, rollout_func=rollout,
         callbacks=[log, diagnostics, *([guard] if guard else []), *own, *([probe] if probe else []),
                    *(callbacks or [])],
     )
     trainer.rc_guard = guard
-    if spec.algo == "rc_anchor":
-        trainer.rc_beta_low = cfg.beta_low
     for callback in (log, probe):
         if callback is not None:
             callback.trainer = trainer
@@ -219,22 +218,18 @@ def build_trainer(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ..
     return trainer
 
 
-def _import_trainer():
-    from rcgrpo.trainer import RCGRPOTrainer
-
-    return RCGRPOTrainer
-
-
 def fingerprint(cfg: RLConfig, protocol: ProtocolConfig, levels: tuple[str, ...], spec: RLRun) -> str:
     """Params + protocol + tokens + the cell + input contents + this training code: checkpoints resume only
     under the same one."""
     import rcgrpo.trainer
 
+    steps = [*Path(rcgrpo.trainer.__file__).parent.glob("*.py"),  # the library, and the pipeline trainer's parts
+             *(Path(__file__).with_name(f) for f in ("pipeline_trainer.py", "anchor.py", "kl.py", "logps.py",
+                                                      "offpolicy.py")),
+             Path(checkpoints.__file__).with_name("generation_state.py")]
     return checkpoints.fingerprint(cfg, protocol=as_dict(protocol), levels=list(levels), init=spec.init,
                                    algo=spec.algo, mode=spec.mode, code=Path(__file__),
-                                   anchor=Path(__file__).with_name("anchor.py"),
-                                   step_code={f.name: checkpoints.file_md5(f)  # the library's trainer
-                                              for f in sorted(Path(rcgrpo.trainer.__file__).parent.glob("*.py"))},
+                                   step_code={f.name: checkpoints.file_md5(f) for f in sorted(steps)},
                                    entries=Path(spec.entries),
                                    split=Path(spec.split), model=Path(spec.model_dir),
                                    adapter=spec.adapter_dir and Path(spec.adapter_dir))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from rcgrpo.tokens import REWARD_TOKEN_INITS
-from rcgrpo_tasks.data.chat import GOAL_PLACES
+from rcgrpo_tasks.data.chat import TEMPLATE_GOAL_PLACES
 from rcgrpo_tasks.engine.compute import ComputeConfig, ResolvedCompute, resolve_compute
 from rcgrpo_tasks.ops.config import ConfigError, as_dict, from_dict
 from rcgrpo_tasks.ops.inputs import InputError
@@ -120,7 +120,7 @@ class SftConfig:
     """On CPU, project only assistant positions through the LM head (TRL scores all of them there)."""
     shared_prefix_min_tokens: int | None
     """With `compact_lm_head`: a micro-batch's shared tokens (an RCTP pair's prompt, up to the goal's token)
-    through the trunk once where that saves at least this many tokens a row (`rcgrpo.shared_prefix`; the same
+    through the trunk once where that saves at least this many tokens a row (`engine.shared_prefix`; the same
     loss as the padded forward up to float rounding); null = always the padded forward."""
     save_steps: int
     """Checkpoint every this many optimizer steps (resume point)."""
@@ -168,8 +168,8 @@ class SftConfig:
             (self.unlikelihood >= 0 and math.isfinite(self.unlikelihood),
              f"unlikelihood must be >= 0, got {self.unlikelihood}"),
             (self.loss_on in LOSS_ON, f"loss_on must be one of {LOSS_ON}, got {self.loss_on!r}"),
-            (self.reward_goal_place in GOAL_PLACES,
-             f"reward_goal_place must be one of {GOAL_PLACES}, got {self.reward_goal_place!r}"),
+            (self.reward_goal_place in TEMPLATE_GOAL_PLACES,
+             f"reward_goal_place must be one of {TEMPLATE_GOAL_PLACES}, got {self.reward_goal_place!r}"),
             (self.margin_every >= 0 and self.margin_entries >= 1, "margin_every must be >= 0, margin_entries >= 1"),
             (self.token_lr_multiplier == 1.0 or not (self.full_finetune and self.deepspeed),
              "token_lr_multiplier != 1 with full_finetune needs whole embedding rows: not under DeepSpeed"),

@@ -19,8 +19,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from rcgrpo.goal import format_goal
 from rcgrpo_tasks.data.chat import assistant_token_mask
-from rcgrpo_tasks.env.prompt import format_reward_goal
 from rcgrpo_tasks.ops.inputs import InputError, read_jsonl
 
 ROLES = {"system", "user", "assistant", "tool"}
@@ -47,7 +47,7 @@ def _row_error(row: Any, tokens: set[str], require_token: bool) -> str | None:
     if token not in tokens:
         return f"reward_token {token!r} is not a configured token {sorted(tokens)} (label_rewards.tokens)"
     first = next((m for m in msgs if m["role"] == "user"), None)
-    if first is None or not first["content"].endswith(format_reward_goal(token)):
+    if first is None or not first["content"].endswith(format_goal(token)):
         return f"first user message does not end with the reward goal for {token}"
     return None
 

@@ -1,6 +1,6 @@
 """Shared-prefix training forwards: a group's common tokens through the trunk once, the LM head on the
 positions that enter the loss only. RC-GRPO's policy, reference and trainer log-probs on a CPU
-(`rcgrpo.logps`, the trainer's `shared_prefix_min_tokens`) and the pipeline's SFT / RCTP loss go through
+(`train.rl.logps`, the rl stage's `shared_prefix_min_tokens`), the SFT / RCTP loss and the margin go through
 `target_hidden`.
 
 Why by hand: Prefix Grouper (arXiv 2506.05433) and its ports (verl's `use_prefix_grouper`, unsloth's
@@ -167,3 +167,12 @@ def target_hidden(backbone, input_ids, attention_mask, targets, min_prefix: int 
             table[r, : len(cols)] = torch.tensor(cols, dtype=torch.long)
             part_of[r] = p
     return hidden[part_of.to(dev)[b_idx], table.to(dev)[b_idx, real_t]]
+
+
+def last_positions(n: int, width: int, device):
+    """`logits_to_keep` for the last `n` of `width` positions as an index tensor: transformers slices the
+    hidden states for an int, a non-contiguous view that torch's CPU `linear` copies the LM head for; an index
+    tensor gathers a contiguous copy of the positions instead."""
+    import torch
+
+    return torch.arange(width - n, width, device=device)

@@ -1,7 +1,7 @@
 """The sampler/trainer mismatch of rollouts that carry their sampler's log-probs (a `rollout_func`'s, TRL's
 vLLM), measured every generation and, for `rollout_func` rollouts, corrected by truncated importance sampling
-(TRL's `token_truncate`, which TRL applies to its own vLLM rollouts only; the trainer's
-`rollout_importance_sampling_cap`).
+(TRL's `token_truncate`, which TRL applies to its own vLLM rollouts only; the pipeline trainer's
+`Options.importance_sampling_cap`).
 
 The rollouts come from another copy of the policy than the one trained (vLLM, a merged low-precision
 snapshot, another engine), so their tokens come from pi_sampler while the loss assumes pi_trainer:
@@ -116,7 +116,7 @@ class OffPolicyMixin:
             cap = self.args.vllm_importance_sampling_clip_max
         stats = self.accelerator.gather(mismatch_stats(trainer, sampler, mask, weights, cap)[None])
         for name, value in reduce_stats(stats.reshape(-1, 7).cpu()).items():
-            self._rc_metric(name, value)
+            self.record_metric(name, value)
 
     def _rc_measure(self, trainer_logps, inputs: dict) -> None:
         """The loss's forward of a micro-batch: its mismatch rows, kept for `_rc_flush` (deferred batches only)."""
@@ -136,7 +136,7 @@ class OffPolicyMixin:
                                                            device=self.accelerator.device)
         stats = self.accelerator.gather(mine)
         for name, value in reduce_stats(stats.reshape(-1, 7).cpu()).items():
-            self._rc_metric(name, value)
+            self.record_metric(name, value)
 
     def _compute_loss(self, model, inputs):
         weights = inputs.get(IS_WEIGHTS)

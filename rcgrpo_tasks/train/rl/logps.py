@@ -1,24 +1,15 @@
 """Per-token log-probs of completions on a CPU, the LM head on the attended completion positions only.
 
-Why: without Triton, TRL 1.16's fused LM head scores EVERY position (static tile shapes), i.e. about a
-thousand prompt positions per ~50 completion tokens through a ~49k vocabulary, which dominates a CPU step.
-Here only the positions TRL's loss reads are projected, with the same temperature scaling; optionally a
-micro-batch's shared tokens go through the trunk once (`shared_prefix`). The same log-probs as TRL's path up
-to float rounding (tests compare them).
+The pipeline trainer's log-probs on a CPU (`pipeline_trainer`). Why: without Triton, TRL 1.16's fused LM head
+scores EVERY position (static tile shapes), i.e. about a thousand prompt positions per ~50 completion tokens
+through a ~49k vocabulary, which dominates a CPU step. Here only the positions TRL's loss reads are projected,
+with the same temperature scaling; optionally a micro-batch's shared tokens go through the trunk once
+(`engine.shared_prefix`). The same log-probs as TRL's path up to float rounding (tests compare them).
 """
 
 from __future__ import annotations
 
-from rcgrpo.shared_prefix import target_hidden, trunk_and_head
-
-
-def last_positions(n: int, width: int, device):
-    """`logits_to_keep` for the last `n` of `width` positions as an index tensor: transformers slices the
-    hidden states for an int, a non-contiguous view that torch's CPU `linear` copies the LM head for; an index
-    tensor gathers a contiguous copy of the positions instead."""
-    import torch
-
-    return torch.arange(width - n, width, device=device)
+from rcgrpo_tasks.engine.shared_prefix import last_positions, target_hidden, trunk_and_head
 
 
 def completion_logps(model, input_ids, attention_mask, logits_to_keep: int, temperature: float, batch_size: int,
