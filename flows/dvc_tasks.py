@@ -1,10 +1,8 @@
 """The Prefect tasks of the `rcgrpo` flow that drive DVC (flows/rcgrpo_flow.py): one stage's `dvc repro` in its own
 process group (`run_stage`), the stages side by side (`run_stages`), and the transfers with the DVC remote.
 
-`run_stages` runs a plan's stages as tasks on the flow's thread pool, at most `jobs` at a time, each once the
-stages it depends on have finished, the stages most others wait for first (`plan_runner.descendants`, as
-`rcgrpo run-plan --jobs` orders them); written here because neither Prefect nor DVC bounds a DAG's width
-(Prefect's `wait_for` waits but starts every ready task, its concurrency limits need a server). DVC allows
+`run_stages` runs a plan's stages as tasks on the flow's thread pool, at most `jobs` at a time, by the one
+scheduler of the pipeline (`ops.schedule`, as `rcgrpo run-plan --jobs` runs them). DVC allows
 several `dvc repro` in one checkout (it releases its repo lock while a stage's command runs, and each waits
 for it here: `--wait-for-lock`); stages side by side write different outputs, so DVC's per-path locks never
 clash, and each records its own entry in dvc.lock.
@@ -23,9 +21,10 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.runtime import task_run
 
-from rcgrpo_tasks.ops import plan_runner, stops
+from rcgrpo_tasks.ops import schedule, stops
 from rcgrpo_tasks.ops.pipeline import PlannedStage
 from rcgrpo_tasks.ops.plan_runner import BIN, stage_env
+from rcgrpo_tasks.ops.schedule import Ended
 
 SKIP_MARKERS = ("didn't change, skipping", "is cached - skipping run")
 _GROUPS: set[subprocess.Popen] = set()  # the process groups `stream` runs now, for a stop on the flow's thread
@@ -194,49 +193,48 @@ def stop_running(grace_s: float = 20.0) -> None:
         stops.stop_group(proc, grace_s)
 
 
+class TaskJob:
+    """A `run_stage` task future as the scheduler polls it (`ops.schedule.Running`)."""
+
+    def __init__(self, future):
+        self.future = future
+
+    def poll(self) -> Ended | None:
+        if not self.future.wrapped_future.done():
+            return None
+        try:
+            return Ended(self.future.result())
+        except Exception as exc:  # the stage's own error (StageFailed, a task timeout)
+            return Ended("failed", str(exc).splitlines()[0] if str(exc) else type(exc).__name__, exc)
+
+    def stop(self) -> None:
+        stop_running()
+        self.future.wait(timeout=30)
+
+
 def run_stages(stages: list[PlannedStage], repo_dir: str, env: dict[str, str], force: bool, jobs: int,
                timeout_s: float | None, results: dict[str, str] | None = None) -> dict[str, str]:
     """{stage: 'ran' | 'skipped' | 'failed'} of `stages` (a plan, in order), each a `run_stage` task named after
-    it, at most `jobs` at a time (module docstring), filled into `results` as each stage ends (so a caller
-    holds what finished also when this raises). After a failure nothing new starts, the stages running finish,
-    and the first failure is raised. A stop (SIGTERM, Ctrl-C, a timeout of the flow) stops every running
-    stage's group before it propagates."""
+    it on the flow's thread pool, at most `jobs` at a time, scheduled by `ops.schedule.run_dag` (THE scheduler,
+    as `rcgrpo run-plan --jobs`: each stage once those it depends on are done, the stages most others wait for
+    first), filled into `results` as each stage ends (so a caller holds what finished also when this raises).
+    After a failure nothing new starts, the stages running finish, and the first failure is raised. A stop
+    (SIGTERM, Ctrl-C, a timeout of the flow) stops every running stage's group before it propagates."""
     log = get_run_logger()
-    names = {s.name for s in stages}
-    weight = plan_runner.descendants(stages)
-    pending = sorted(stages, key=lambda s: -weight[s.name]) if jobs > 1 else list(stages)
-    finished: queue.Queue = queue.Queue()
-    running: dict = {}
     results = {} if results is None else results
-    failure: BaseException | None = None
-    try:
-        while pending or running:
-            for stage in list(pending) if failure is None else []:
-                if len(running) >= jobs:
-                    break
-                if all(u in results for u in stage.upstream if u in names):
-                    pending.remove(stage)
-                    run = run_stage.with_options(name=stage.name, task_run_name=stage.name, timeout_seconds=timeout_s)
-                    running[stage.name] = future = run.submit(stage.name, repo_dir, env, force)
-                    future.add_done_callback(lambda _f, name=stage.name: finished.put(name))
-                    log.info("stage %s started (%d running)", stage.name, len(running))
-            if not running:
-                break  # after a failure: what is pending stays not run
-            try:
-                name = finished.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            try:
-                results[name] = running.pop(name).result()
-                log.info("stage %s %s", name, results[name])
-            except Exception as exc:  # the stage's own error (StageFailed, a task timeout): first one wins
-                results[name] = "failed"
-                failure = failure or exc
-    except BaseException:
-        stop_running()
-        for future in running.values():
-            future.wait(timeout=30)
-        raise
+
+    def start(stage: PlannedStage) -> TaskJob:
+        run = run_stage.with_options(name=stage.name, task_run_name=stage.name, timeout_seconds=timeout_s)
+        log.info("stage %s started", stage.name)
+        return TaskJob(run.submit(stage.name, repo_dir, env, force))
+
+    def on_end(stage: PlannedStage, ended: Ended) -> Ended:
+        results[stage.name] = ended.status
+        log.info("stage %s %s", stage.name, ended.status)
+        return ended
+
+    ended = schedule.run_dag(stages, start, capacity={"jobs": jobs}, poll_s=0.5, on_end=on_end)
+    failure = next((e.detail for e in ended.values() if e.status == "failed"), None)
     if failure is not None:
         raise failure
     return results

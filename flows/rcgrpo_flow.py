@@ -48,6 +48,7 @@ from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `flows` as a package under a deployment
+from flows import dvc_lock, grid  # noqa: E402
 from flows.dvc_tasks import (  # noqa: E402  (names the retrain flow and the tests use, from here)
     BIN,
     StageFailed,
@@ -66,6 +67,10 @@ from rcgrpo_tasks.sweep.params_check import check_params  # noqa: E402
 
 __all__ = ["BIN", "StageFailed", "TransferFailed", "dvc_checkout", "dvc_transfer", "ensure_remote", "failure_message",
            "missing_cache_note", "run_stage", "run_stages", "stage_env"]
+
+
+ZOMBIE_AFTER_S = 90
+"""A stage run whose heartbeats (every 30 s: prefect.yaml's stage deployments) stop this long is CRASHED."""
 
 
 # -- pure helpers (unit-tested without Prefect) ---------------------------------------------------------
@@ -131,6 +136,23 @@ def apply_profile(repo_dir: str, profile: str) -> dict[str, str]:
     return {"rcgrpo.profile": profile, "rcgrpo.params_sha256": digest}
 
 
+def run_across_pools(across: grid.Grid, planned: list, results: dict[str, str]) -> None:
+    """The stages across the work pools (flows/grid.py), one parent per checkout; `results` gets each stage's
+    state as it ends, also when a stage fails."""
+    if not across.remote:
+        raise RuntimeError("dispatch='pools' needs a DVC remote: workers share nothing else (`rcgrpo stack up`, or "
+                           "RCGRPO_DVC_REMOTE_URL)")
+    url, endpoint = dvc_lock.remote_url(across.repo, across.remote)
+    ended: dict = {}
+    with grid.parent_lock(across.repo):
+        grid.ensure_result_storage(url, endpoint)
+        grid.ensure_zombie_automation(ZOMBIE_AFTER_S)
+        try:
+            grid.run_grid(across, planned, ended)
+        finally:
+            results.update({name: e.status for name, e in ended.items()})
+
+
 # -- the flow -------------------------------------------------------------------------------------------
 
 @task(name="recover-checkout")
@@ -157,6 +179,11 @@ def rcgrpo(
     retry_delay_s: float = 10.0,
     stage_timeout_s: float | None = None,
     jobs: int = 2,
+    dispatch: str = "local",
+    repository: str | None = None,
+    stage_retries: int = 1,
+    no_worker_s: float = 300.0,
+    stage_deployments: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run the DVC pipeline (or `stages` and their upstream) as Prefect tasks under one MLflow parent run.
 
@@ -168,10 +195,18 @@ def rcgrpo(
     jobs: stages side by side at most (each once the stages it depends on are done; each with its share of
         the worker's cores for its CPU threads); 2 = two one-thread stages on the 2-core default host, 1 = one
         at a time (a GPU worker whose stages each fill the device).
+    dispatch: `local` (every stage in this checkout, as above) or `pools` (flows/grid.py: each stage a run of
+        the stage deployment of its resources' kind, on that deployment's work pool, at the checkout's commit;
+        `jobs`, `pull` and `push` are the workers' then). repository: the git URL workers fetch the commit from
+        (default: the stage deployment's own). stage_retries: runs again of a stage whose worker died.
+        no_worker_s: how long a stage waits on a pool with no worker online. stage_deployments: {kind:
+        deployment} (default `grid.STAGE_DEPLOYMENTS`).
     """
     log = get_run_logger()
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
+    if dispatch not in ("local", "pools"):
+        raise ValueError(f"dispatch must be 'local' or 'pools', got {dispatch!r}")
     repo = str(Path(repo_dir).resolve())
     profile_tags = apply_profile(repo, profile)
     uri = check_tracking()
@@ -183,8 +218,9 @@ def rcgrpo(
     log.info("tracking %s; profile %s; %d side by side at most; stages: %s", uri, profile, jobs, ", ".join(order))
     if tracking_store.runs_table_url():
         log.info("MLflow runs table: %s", tracking_store.runs_table_url())
+    commit = grid.clean_commit(Path(repo), planned) if dispatch == "pools" else tracking.git_commit()
     params = {"flow": {"profile": profile, "stages": stages, "force": force, "push": push, "pull": pull,
-                       "jobs": jobs}, "params": read_repo_params(repo)}
+                       "jobs": jobs, "dispatch": dispatch}, "params": read_repo_params(repo)}
     parent = open_parent_run(f"pipeline@{profile}", params, {
         "git.commit": tracking.git_commit(), "prefect.flow_run_id": flow_run.id or "", "rcgrpo.plan": ",".join(order),
         **profile_tags})
@@ -196,12 +232,22 @@ def rcgrpo(
     results: dict[str, str] = {}
     status, error = "FAILED", None
     try:
-        if pull and remote:
-            transfer("fetch", repo, order, remote, transfer_retries)
-            dvc_checkout(repo, order)
-        run_stages(planned, repo, stage_env(jobs=jobs, parent_run_id=parent), force, jobs, stage_timeout_s, results)
-        if push and remote:
-            transfer("push", repo, order, remote, transfer_retries)
+        if dispatch == "pools":
+            across = grid.Grid(Path(repo), commit, profile, remote or "", parent, force=force, retries=stage_retries,
+                               no_worker_s=no_worker_s, stage_params={
+                                   "transfer_retries": transfer_retries, "retry_delay_s": retry_delay_s,
+                                   "stage_timeout_s": stage_timeout_s, **({"repository": repository} if repository
+                                                                           else {})},
+                               **({"deployments": stage_deployments} if stage_deployments else {}))
+            run_across_pools(across, planned, results)
+        else:
+            if pull and remote:
+                transfer("fetch", repo, order, remote, transfer_retries)
+                dvc_checkout(repo, order)
+            run_stages(planned, repo, stage_env(jobs=jobs, parent_run_id=parent), force, jobs, stage_timeout_s,
+                       results)
+            if push and remote:
+                transfer("push", repo, order, remote, transfer_retries)
         status = "FINISHED"
     except BaseException as exc:
         error = exc
@@ -233,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retry-delay-s", type=float, default=10.0)
     ap.add_argument("--stage-timeout-s", type=float)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--dispatch", choices=("local", "pools"), default="local")
+    ap.add_argument("--repository")
+    ap.add_argument("--stage-retries", type=int, default=1)
+    ap.add_argument("--no-worker-s", type=float, default=300.0)
     a = ap.parse_args(argv)
     # SIGTERM/SIGHUP unwind like Ctrl-C: the stage group is stopped (`dvc_tasks.stream`) and the interpreter exits
     # normally, so Prefect's atexit hook stops the temporary API server it started (none is left behind).
@@ -240,11 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = rcgrpo(profile=a.profile, stages=a.stages, force=a.force, push=not a.no_push,
                         pull=not a.no_pull, repo_dir=a.repo_dir, transfer_retries=a.transfer_retries,
-                        retry_delay_s=a.retry_delay_s, stage_timeout_s=a.stage_timeout_s, jobs=a.jobs)
-    except (config.ConfigError, tracking_store.TrackingError, StageFailed) as exc:  # already in the flow's logs
+                        retry_delay_s=a.retry_delay_s, stage_timeout_s=a.stage_timeout_s, jobs=a.jobs,
+                        dispatch=a.dispatch, repository=a.repository, stage_retries=a.stage_retries,
+                        no_worker_s=a.no_worker_s)
+    except (config.ConfigError, tracking_store.TrackingError, StageFailed, grid.StageDispatchFailed) as exc:
         shown = str(exc) if isinstance(exc, config.ConfigError) else str(exc).splitlines()[0]  # every bad value
         print(f"error: {shown}", file=sys.stderr)
-        return 2 if not isinstance(exc, StageFailed) else 1
+        return 2 if not isinstance(exc, (StageFailed, grid.StageDispatchFailed)) else 1
     except stops.Terminated as exc:
         print(f"error: flow {exc}; stages stopped", file=sys.stderr)
         return 128 + exc.signum

@@ -40,14 +40,13 @@ from flows.rcgrpo_flow import (  # noqa: E402
     apply_profile,
     check_tracking,
     close_parent_run,
-    discover_stages,
     lock_hashes,
     open_parent_run,
-    run_stage,
+    run_stages,
     stage_env,
 )
 from rcgrpo_tasks.evaluation.promotion import PromoteConfig  # noqa: E402
-from rcgrpo_tasks.ops import tracking, tracking_store  # noqa: E402
+from rcgrpo_tasks.ops import pipeline, tracking, tracking_store  # noqa: E402
 from rcgrpo_tasks.ops.config import load_with, read_params  # noqa: E402
 from rcgrpo_tasks.ops.outputs import atomic_dir, write_json, write_text  # noqa: E402
 from rcgrpo_tasks.ops.profiles import GENERATED  # noqa: E402
@@ -153,7 +152,8 @@ def retrain(profile: str = "default", repo_dir: str = ".", template: str = TEMPL
     champion = resolve_champion(repo, promote_cfg.model_name, promote_cfg.alias)
     state = start_round(repo, profile, champion["version"], template)
     prefix = f"{PIPELINE}:"
-    order = [s for s in discover_stages(repo) if s.startswith(prefix)]
+    planned = [s for s in pipeline.dvc_stages(repo, with_status=False, main_only=False) if s.name.startswith(prefix)]
+    order = [s.name for s in planned]
     if not order:  # e.g. retrain/ git-ignored: DVC then skips its dvc.yaml, and an empty round would look done
         raise RuntimeError(f"no stages of {PIPELINE} found by DVC in {repo}; is retrain/ ignored by git or "
                            f".dvcignore? (DVC skips ignored folders)")
@@ -165,9 +165,7 @@ def retrain(profile: str = "default", repo_dir: str = ".", template: str = TEMPL
     error: BaseException | None = None
     try:
         env = stage_env(parent_run_id=parent)
-        for stage in order:
-            task_ = run_stage.with_options(name=stage, task_run_name=stage, timeout_seconds=stage_timeout_s)
-            results[stage] = task_(stage, repo, env, False)
+        run_stages(planned, repo, env, False, 1, stage_timeout_s, results)  # one at a time: the round is a chain
         decision = json.loads((Path(repo) / DECISION_FILE).read_text())
         if all(r == "skipped" for r in results.values()):
             log.warning("nothing new: round %d from champion v%d was already decided (%s)", state["round"],

@@ -28,6 +28,7 @@ from rcgrpo_tasks.evaluation.grid import GridConfig
 from rcgrpo_tasks.evaluation.promotion import PromoteConfig
 from rcgrpo_tasks.ops import config, profiles
 from rcgrpo_tasks.ops.config import ConfigError
+from rcgrpo_tasks.ops.resources import ResourcesConfig
 from rcgrpo_tasks.train.rl.config import GuardConfig, RLConfig
 from rcgrpo_tasks.train.sft.config import SftConfig
 
@@ -36,7 +37,7 @@ SECTIONS = {
     "prepare_model": PrepareModelConfig, "evaluate": EvaluateConfig, "generate_trajectories": GenerateConfig,
     "validate_trajectories": ValidateConfig, "label_rewards": LabelConfig, "sft": SftConfig,
     "controllability": ControllabilityConfig, "sample_policy": SampleConfig, "rl": RLConfig,
-    "promote": PromoteConfig, "grid": GridConfig, "endpoints": EndpointsConfig,
+    "promote": PromoteConfig, "grid": GridConfig, "endpoints": EndpointsConfig, "resources": ResourcesConfig,
 }
 """params.yaml section -> the config dataclass its stage loads it into."""
 STRUCTURAL = {

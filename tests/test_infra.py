@@ -87,10 +87,19 @@ def test_prefect_yaml_deployments(services):
         path, func = d["entrypoint"].split(":")
         src = (REPO_ROOT / path).read_text()
         assert f"def {func}(" in src and f'@flow(name="{func}"' in src
+        if func == "stage":  # one stage of a parent's run: the parent names the profile, the deployment the repo
+            assert d["parameters"]["repository"] == "{{ $RCGRPO_GIT_URL }}", d["name"]
+            assert d["work_pool"]["job_variables"]["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == "30"
+            assert d["pull"] == [{"prefect.deployments.steps.set_working_directory":
+                                  {"directory": "{{ $RCGRPO_CODE_DIR }}"}}]
+            assert d["work_pool"]["name"] == services["work_pools"][d["name"]]
+            continue
         assert (d.get("parameters") or {}).get("profile"), f"{d['name']}: every deployment pins its profile"
     assert deps["full"]["work_pool"]["name"] == services["work_pools"]["cpu"]
     assert deps["full-gpu"]["work_pool"]["name"] == services["work_pools"]["gpu"]
     assert deps["full-gpu"]["parameters"]["profile"] == "gpu"  # the one-GPU profile: no model hub needed
+    assert deps["grid"]["parameters"]["dispatch"] == "pools"
+    assert deps["grid"]["work_pool"]["name"] == services["work_pools"]["control"]
     assert not deps["full"].get("schedules"), "the weekly cron retrains (deployment `retrain`), not `full`"
     (weekly,) = deps["retrain"]["schedules"]
     assert weekly["active"] is False
@@ -109,8 +118,9 @@ def test_flow_parameters_are_typed_and_deployment_params_valid():
     sys.path.insert(0, str(REPO_ROOT))
     from flows.rcgrpo_flow import rcgrpo
     from flows.retrain_flow import retrain
+    from flows.stage_flow import stage
 
-    flows = {"rcgrpo": rcgrpo, "retrain": retrain}
+    flows = {"rcgrpo": rcgrpo, "retrain": retrain, "stage": stage}
     assert {"profile", "stages", "force", "push"} <= set(rcgrpo.parameters.model_dump()["properties"])
     cfg = yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())
     for d in cfg["deployments"]:
@@ -144,7 +154,6 @@ def test_images_and_readme_cover_each_path(services):
 def test_stack_stops_only_what_it_started(tmp_path):
     """`down` touches a pid only if its start time matches the record (a recycled pid is left alone)."""
     import socket
-    import time
 
     s = stack_state.Stack(tmp_path, stack_state.default_ports(stack_state.load_services(), free_port_base()))
     rec = stack_state.spawn(s, "worker", ["sleep", "60"], {"PATH": "/usr/bin:/bin"})
@@ -154,9 +163,8 @@ def test_stack_stops_only_what_it_started(tmp_path):
         assert stack.down(s) == ["worker"] and stack_state.alive(rec), "killed a process it did not start"
         stack_state.write_state(s, {"ports": s.ports, "procs": {"worker": rec}})
         assert (tmp_path / "pids" / "worker.pid").read_text().strip() == str(rec["pid"])
-        t0 = time.monotonic()
         assert stack.down(s) == ["worker"]
-        assert not stack_state.alive(rec) and time.monotonic() - t0 < 10
+        assert not stack_state.alive(rec)
         assert json.loads((tmp_path / "stack.json").read_text())["procs"] == {}
     finally:
         if stack_state.alive(rec):

@@ -9,7 +9,6 @@ import copy
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -108,13 +107,16 @@ def test_the_root_stage_command_writes_its_constant_output_only_when_the_params_
     assert out.read_text() == check_stage.CHECKED == (REPO_ROOT / ".rcgrpo" / "params-checked").read_text()
 
 
-def _run(repo: Path, *cmd: str) -> tuple[subprocess.CompletedProcess, float]:
+def _run(repo: Path, *cmd: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_", "RCGRPO_"))}
     env.update({"PATH": f"{BIN}{os.pathsep}{env['PATH']}", "PYTHONPATH": str(repo),
                 "MLFLOW_TRACKING_URI": f"sqlite:///{repo.parent}/mlflow.db"})
-    t0 = time.monotonic()
-    done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
-    return done, time.monotonic() - t0
+    return subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _ran(done: subprocess.CompletedProcess) -> list[str]:
+    """The stages DVC started (`Running stage 'X'`)."""
+    return [ln.split("'")[1] for ln in done.stdout.splitlines() if ln.startswith("Running stage")]
 
 
 def _state(repo: Path) -> dict[str, tuple]:
@@ -124,38 +126,40 @@ def _state(repo: Path) -> dict[str, tuple]:
 
 
 def test_dvc_repro_plan_and_params_refuse_a_bad_value_at_once_with_earlier_stages_cached(tmp_path):
+    """Refused before any stage works: the root check is the only stage DVC starts (`rcgrpo plan` and `rcgrpo
+    params` start none), and nothing in the checkout is written or removed. How long a refusal takes is
+    measured by bench/params_refusal.py, not here (a loaded host makes any bound a flake)."""
     repo = copy_tree(tmp_path / "repo")
-    done, _ = _run(repo, str(BIN / "dvc"), "repro", "prepare_data")  # the root and a first stage, recorded
+    done = _run(repo, str(BIN / "dvc"), "repro", "prepare_data")  # the root and a first stage, recorded
     assert done.returncode == 0, done.stdout + done.stderr
-    assert [ln.split("'")[1] for ln in done.stdout.splitlines() if ln.startswith("Running stage")] == [
-        "check_params", "prepare_data"]
+    assert _ran(done) == ["check_params", "prepare_data"]
     good = (repo / "params.yaml").read_text()
     for case, (section, key, value, said) in ISSUE.items():
         (repo / "params.yaml").write_text(yaml.safe_dump(_with(section, key, value), sort_keys=False))
         before = _state(repo)
         for cmd in ([str(BIN / "dvc"), "repro"], [str(BIN / "rcgrpo"), "plan", "--out", "plan.json"]):
-            done, seconds = _run(repo, *cmd)
+            done = _run(repo, *cmd)
             assert done.returncode != 0 and f"params.yaml:{section}: {said}" in done.stderr, (case, cmd, done.stderr)
-            assert seconds < 5, (case, cmd, seconds)
+            assert _ran(done) == (["check_params"] if cmd[0].endswith("dvc") else []), (case, cmd, done.stdout)
             assert _state(repo) == before, (case, cmd)  # nothing written, nothing removed
     (repo / "params.yaml").write_text(good)
     (repo / "configs" / "bad.yaml").write_text("grid:\n  seeds: []\n")
     before = _state(repo)
-    done, seconds = _run(repo, str(BIN / "rcgrpo"), "params", "--profile", "bad")
-    assert done.returncode == 2 and seconds < 5 and "grid: seeds: distinct integers" in done.stderr, done.stderr
-    assert _state(repo) == before
+    done = _run(repo, str(BIN / "rcgrpo"), "params", "--profile", "bad")
+    assert done.returncode == 2 and "grid: seeds: distinct integers" in done.stderr, done.stderr
+    assert _ran(done) == [] and _state(repo) == before
 
 
 def test_an_unrelated_section_reruns_the_check_alone_before_the_stages_that_name_it(tmp_path):
     """Lineage: the root check runs again (its dep is the whole file), its output does not change, so a stage
     that does not name the changed section stays up to date (tests/test_tuning.py: which stages do)."""
     repo = copy_tree(tmp_path / "repo")
-    assert _run(repo, str(BIN / "dvc"), "repro", "prepare_data")[0].returncode == 0
+    assert _run(repo, str(BIN / "dvc"), "repro", "prepare_data").returncode == 0
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["evaluate"]["limit"] = 30
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    status = _run(repo, str(BIN / "dvc"), "status", "--with-deps", "prepare_data")[0].stdout
+    status = _run(repo, str(BIN / "dvc"), "status", "--with-deps", "prepare_data").stdout
     assert "check_params:" in status and "prepare_data:" not in status, status
-    done, _ = _run(repo, str(BIN / "dvc"), "repro", "prepare_data")
+    done = _run(repo, str(BIN / "dvc"), "repro", "prepare_data")
     assert [ln.split("'")[1] for ln in done.stdout.splitlines() if ln.startswith("Running stage")] == ["check_params"]
-    assert "up to date" in _run(repo, str(BIN / "dvc"), "status", "--with-deps", "prepare_data")[0].stdout
+    assert "up to date" in _run(repo, str(BIN / "dvc"), "status", "--with-deps", "prepare_data").stdout

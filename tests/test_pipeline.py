@@ -17,7 +17,7 @@ import pytest
 from helpers import REPO_ROOT
 from typer.testing import CliRunner
 
-from rcgrpo_tasks.ops import pipeline, plan_runner
+from rcgrpo_tasks.ops import pipeline, plan_runner, schedule
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.stages import plan as plan_cli
 from rcgrpo_tasks.stages import run_plan as run_cli
@@ -167,7 +167,7 @@ def test_jobs_run_independent_stages_side_by_side_and_dependents_after_them(tmp_
     assert (tmp_path / "d.txt").read_text() == "A\nb\nc\n"
     started = [line.split(":")[0] for line in lines if line.endswith("(stale where the plan was made)")]
     assert started == ["[run-plan] a", "[run-plan] b", "[run-plan] c", "[run-plan] d"]
-    assert plan_runner.descendants(stages) == {"a": 3, "b": 1, "c": 1, "d": 0}
+    assert schedule.descendants(stages) == {"a": 3, "b": 1, "c": 1, "d": 0}
     assert plan_runner.stage_env({}, jobs=2)["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
     assert "OMP_NUM_THREADS" not in plan_runner.stage_env({}, jobs=1)
 

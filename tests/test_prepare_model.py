@@ -32,12 +32,7 @@ def test_embedded_gguf_to_folder_reloads_fast_and_generates(tmp_path):
     assert _files(out) == _files(tmp_path / "again")  # the lock reproduces on every run and machine
     assert json.loads((out / pm.PROVENANCE_FILE).read_text())["config"]["source"] == "embedded"
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(out)
-        times.append(time.perf_counter() - t0)
-    assert min(times) < 1.0, times
+    model = AutoModelForCausalLM.from_pretrained(out)  # a plain folder: no GGUF on load (its seconds: bench/refusals.py)
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.chat_template and tok.eos_token == "<|im_end|>"
     ids = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True,

@@ -216,12 +216,10 @@ def test_s3_down_mid_flow_then_rerun_skips_finished_stages(lab, first_run):
 
 def test_mlflow_down_at_start_fails_before_any_stage(lab, first_run):
     env = dict(lab["env"], MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port_base()}")
-    t0 = time.monotonic()
     out = run(flow_cmd("--stages", "prepare_data", "--force"), lab["repo"], env, lab["log"])
     text = out.stdout + out.stderr
     assert out.returncode != 0 and "is unreachable" in text and "make stack-up" in text
     assert "Running stage" not in text and "repro" not in text
-    assert time.monotonic() - t0 < 120
 
 
 def test_no_credentials_in_logs_params_or_tracked_files(lab, first_run):

@@ -40,8 +40,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rcgrpo_tasks.ops.config import read_params
 from rcgrpo_tasks.ops.inputs import InputError, read_json
 from rcgrpo_tasks.ops.outputs import write_json
+from rcgrpo_tasks.ops.resources import resources_of
 
 PLAN_FORMAT = 1
 ROOT_CHECK = "check_params"
@@ -74,6 +76,8 @@ class PlannedStage:
     """`cache: false` outputs (metrics, plots, tables): small, and what a run is read by."""
     done: bool = False
     """DVC found the stage up to date where the plan was made."""
+    gpus: int = 0
+    """The GPUs the stage declares (params `resources`: `ops.resources`); 0: a `cpu` stage."""
 
 
 # -- making the plan (where DVC is installed) ------------------------------------------------------------
@@ -100,6 +104,8 @@ def dvc_stages(repo_dir: str | Path, with_status: bool = True, main_only: bool =
             stages = [s for s in nx.lexicographical_topological_sort(graph.reverse(), key=lambda s: order[s])
                       if isinstance(s, PipelineStage) and (not main_only or ":" not in address(s))]
             stale = set(repo.status(targets=[s.addressing for s in stages], with_deps=False)) if with_status else None
+            where = Path(repo_dir) / "params.yaml"
+            resources = resources_of(read_params(where) if where.is_file() else {}, str(where))
             planned = []
             for s in stages:
                 cmds = (s.cmd,) if isinstance(s.cmd, str) else tuple(s.cmd)
@@ -107,7 +113,7 @@ def dvc_stages(repo_dir: str | Path, with_status: bool = True, main_only: bool =
                     address(s), cmds, tuple(address(d) for d in graph.successors(s) if isinstance(d, PipelineStage)),
                     tuple(str(o.def_path) for o in s.outs if o.use_cache),
                     tuple(str(o.def_path) for o in s.outs if not o.use_cache),
-                    done=stale is not None and s.addressing not in stale))
+                    done=stale is not None and s.addressing not in stale, gpus=resources.of(address(s)).gpus))
             return planned
     except DvcException as exc:  # not a DVC project, a broken dvc.yaml, ...: one line naming the project
         raise InputError(f"{repo_dir}: DVC cannot read the pipeline: {exc}") from exc
@@ -194,8 +200,12 @@ def read_plan(path: str | Path) -> tuple[list[PlannedStage], dict]:
             raise InputError(f"{where}: upstream {unknown} not listed before it (a plan is in topological order)")
         if not isinstance(row.get("done", False), bool):
             raise InputError(f"{where}: 'done' must be true or false")
+        gpus = row.get("gpus", 0)
+        if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 0:
+            raise InputError(f"{where}: 'gpus' must be an integer >= 0, got {gpus!r}")
         stages.append(PlannedStage(row["name"], cmds, upstream, _strings(row.get("outs", []), f"{where}: 'outs'"),
-                                   _strings(row.get("records", []), f"{where}: 'records'"), row.get("done", False)))
+                                   _strings(row.get("records", []), f"{where}: 'records'"), row.get("done", False),
+                                   gpus))
         names.add(row["name"])
     meta = data.get("meta", {})
     return stages, meta if isinstance(meta, dict) else {}
@@ -292,7 +302,7 @@ def variant(stage: PlannedStage, name: str, args: Mapping[str, Substitution], ad
     outs = [_move(p, moved, where) for p in stage.outs]
     records = [_move(p, moved, where) for p in stage.records]
     return PlannedStage(name, (shlex.join([*argv, *add]),), tuple(upstream), tuple(p for p in outs if p),
-                        tuple(p for p in records if p))
+                        tuple(p for p in records if p), gpus=stage.gpus)
 
 
 # -- running it (no DVC needed) -----------------------------------------------------------------------------

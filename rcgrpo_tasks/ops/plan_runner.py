@@ -18,10 +18,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rcgrpo_tasks.ops import stops
+from rcgrpo_tasks.ops import schedule, stops
 from rcgrpo_tasks.ops.inputs import InputError
 from rcgrpo_tasks.ops.outputs import atomic_path
 from rcgrpo_tasks.ops.pipeline import PlannedStage, decide
+from rcgrpo_tasks.ops.schedule import Ended
 
 BUNDLE_FILE_MAX_BYTES = 2 * 1024 * 1024
 """Cached output files up to this size go into the bundle (per-entry results, reports, controllability
@@ -229,52 +230,46 @@ def stage_env(base: dict[str, str] | None = None, jobs: int = 1, parent_run_id: 
     return env
 
 
-def descendants(stages: list[PlannedStage]) -> dict[str, int]:
-    """{stage: how many stages depend on it, directly or not}: side by side, the stages most others wait
-    for start first (a cheap stand-in for the critical path: sample_policy before an RL cell)."""
-    below: dict[str, set[str]] = {s.name: set() for s in stages}
-    for stage in reversed(stages):  # a plan is topological: every dependent comes later
-        for up in stage.upstream:
-            if up in below:
-                below[up] |= {stage.name} | below[stage.name]
-    return {name: len(found) for name, found in below.items()}
+class PlanJob:
+    """A `StageJob` as the scheduler polls it (`ops.schedule.Running`): exit 0 ran, else failed."""
+
+    def __init__(self, job: StageJob):
+        self.job = job
+
+    def poll(self) -> Ended | None:
+        rc = self.job.poll()
+        if rc is None:
+            return None
+        return Ended("ran" if rc == 0 else "failed", "" if rc == 0 else f"exit {rc}", rc)
+
+    def stop(self) -> None:
+        self.job.stop()
 
 
-def _ready(stage: PlannedStage, record: RunRecord, names: set[str]) -> bool:
-    return all(record.stages.get(u, StageRun("not_run", "")).status in ("ran", "skipped")
-               for u in stage.upstream if u in names)
-
-
-def _drop_blocked(pending: list, record: RunRecord, names: set[str]) -> None:
-    """Record as `not_run` (and take out of `pending`) every stage downstream of a stage that failed, was
-    stopped or will not run; repeated, since `pending` is not in plan order side by side."""
-    ended = ("failed", "stopped", "not_run")
-    while blocked := [item for item in pending if any(
-            record.stages.get(u, StageRun("", "")).status in ended for u in item[0].upstream if u in names)]:
-        for item in blocked:
-            up = next(u for u in item[0].upstream if record.stages.get(u, StageRun("", "")).status in ended)
-            record.stages[item[0].name] = StageRun("not_run", f"upstream {up} did not finish")
-            pending.remove(item)
+def gpu_env(env: dict[str, str], devices: list[int]) -> dict[str, str]:
+    """`env` with the stage's own devices as the only visible ones (`--gpus`; none asked: unchanged)."""
+    return {**env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))} if devices else env
 
 
 def run_plan(stages: list[PlannedStage], root: str | Path, logs: str | Path, bundle: str | Path | None = None,
              extra: list[Path] | None = None, env: dict[str, str] | None = None,
              echo: Callable[[str], None] | None = None, jobs: int = 1, keep_going: bool = False,
-             on_done: Callable[[PlannedStage], None] | None = None, recorded: set[str] | frozenset = frozenset()
-             ) -> RunRecord:
+             on_done: Callable[[PlannedStage], None] | None = None, recorded: set[str] | frozenset = frozenset(),
+             gpus: int | None = None) -> RunRecord:
     """Run `stages` (a plan, in order) in `root` by the rule of the module docstring, at most `jobs` at a
-    time: a stage starts once every stage it depends on has finished (`jobs=1`: in plan order; side by side
-    those with the most stages depending on them first, `descendants`); after the first failure nothing new
-    starts, the stages running finish, the rest are `not_run` (`keep_going`, as `dvc repro --keep-going`:
-    only the stages downstream of a failed one are `not_run`, the others still run: a sweep's candidates do
-    not depend on each other). Side by side, stages share the host (on a GPU host: one device; the stages
-    here place small models and size nothing by free memory). The bundle, if asked for, is rewritten after
-    every stage and once more at the end, also after a failure or a stop (SIGTERM/SIGHUP: the running
-    stages' groups are stopped, recorded as `stopped`, then `stops.Terminated` propagates). `on_done(stage)`
-    is called, one stage at a time, after each stage that ran and exited 0 (`rcgrpo run-plan --dvc-commit`
-    records it in dvc.lock there, so that a plan made after a cut finds it up to date). `recorded`: the stages
-    dvc.lock recorded since the plan was made (`pipeline.recorded_since`), skipped while their outputs are
-    here."""
+    time, scheduled by `ops.schedule.run_dag` (THE scheduler: a stage starts once every stage it depends on
+    has finished; after the first failure nothing new starts, the stages running finish, the rest are
+    `not_run`; `keep_going`, as `dvc repro --keep-going`: only the stages downstream of a failed one are
+    `not_run`, the others still run: a sweep's candidates do not depend on each other). Side by side, stages
+    share the host (on a GPU host: its devices; the stages here place small models and size nothing by free
+    memory); `gpus`: the host's device count, a stage then runs only while the devices its resources declare
+    (`PlannedStage.gpus`, params `resources`) are free, and sees only its own (`CUDA_VISIBLE_DEVICES`); None:
+    no bound, every stage sees every device. The bundle, if asked for, is rewritten after every stage and once
+    more at the end, also after a failure or a stop (SIGTERM/SIGHUP: the running stages' groups are stopped,
+    recorded as `stopped`, then `stops.Terminated` propagates). `on_done(stage)` is called, one stage at a
+    time, after each stage that ran and exited 0 (`rcgrpo run-plan --dvc-commit` records it in dvc.lock there,
+    so that a plan made after a cut finds it up to date). `recorded`: the stages dvc.lock recorded since the
+    plan was made (`pipeline.recorded_since`), skipped while their outputs are here."""
     if jobs < 1:
         raise InputError(f"jobs must be >= 1, got {jobs}")
     root, logs = Path(root), Path(logs)
@@ -282,12 +277,10 @@ def run_plan(stages: list[PlannedStage], root: str | Path, logs: str | Path, bun
     env = stage_env(env, jobs)
     record = RunRecord()
     extra = [logs, *(extra or [])]
-    names = {s.name for s in stages}
-    pending = decide(stages, root, recorded)
-    if jobs > 1:  # most dependents first; sorted() is stable, so plan order breaks ties
-        weight = descendants(stages)
-        pending = sorted(pending, key=lambda item: -weight[item[0].name])
-    running: dict[str, StageJob] = {}
+    reasons = {s.name: reason for s, reason in decide(stages, root, recorded)}
+    devices = list(range(gpus or 0))
+    held: dict[str, list[int]] = {}
+    jobs_of: dict[str, StageJob] = {}
     t_start = time.monotonic()
 
     def refresh() -> None:
@@ -295,71 +288,55 @@ def run_plan(stages: list[PlannedStage], root: str | Path, logs: str | Path, bun
         if bundle is not None:
             write_bundle(bundle, bundle_members(stages, root, extra, record), root, record)
 
-    def launch() -> None:
-        for item in list(pending):
-            stage, reason = item
-            if len(running) >= jobs:
-                return
-            if not _ready(stage, record, names):
-                continue
-            pending.remove(item)
-            if reason is None:
-                why = "recorded in dvc.lock since the plan was made" if stage.name in recorded else \
-                    "up to date where the plan was made"
-                record.stages[stage.name] = StageRun("skipped", why)
-                echo(f"[run-plan] {stage.name}: skipped ({why}, outputs present)")
-                continue
-            echo(f"[run-plan] {stage.name}: running ({reason})")
-            log = logs / f"{stage.name}.log"
-            record.stages[stage.name] = StageRun("running", reason, log=str(log))
-            running[stage.name] = StageJob(stage, root, log, env, echo)
+    def start(stage: PlannedStage) -> PlanJob | Ended:
+        reason = reasons[stage.name]
+        if reason is None:
+            why = "recorded in dvc.lock since the plan was made" if stage.name in recorded else \
+                "up to date where the plan was made"
+            record.stages[stage.name] = StageRun("skipped", why)
+            echo(f"[run-plan] {stage.name}: skipped ({why}, outputs present)")
+            return Ended("skipped", why)
+        echo(f"[run-plan] {stage.name}: running ({reason})")
+        log = logs / f"{stage.name}.log"
+        record.stages[stage.name] = StageRun("running", reason, log=str(log))
+        if gpus is not None:
+            held[stage.name] = [devices.pop(0) for _ in range(stage.gpus)]
+        jobs_of[stage.name] = StageJob(stage, root, log, gpu_env(env, held.get(stage.name, [])), echo)
+        return PlanJob(jobs_of[stage.name])
 
-    def reap() -> bool:
-        """Record the stages that ended; whether one failed."""
-        failed = False
-        for name, job in list(running.items()):
-            rc = job.poll()
-            if rc is None:
-                continue
-            del running[name]
-            if rc == 0 and on_done is not None:
-                try:
-                    on_done(job.stage)
-                except Exception as err:  # a run that cannot record its progress stops as after a failure
-                    echo(f"[run-plan] {name}: finished, but on_done failed: {err}")
-                    rc = 1
-            failed |= rc != 0
-            started = record.stages[name]
-            record.stages[name] = StageRun("failed" if rc else "ran", started.reason, round(job.wall_s, 1), rc,
-                                           started.log)
-            echo(f"[run-plan] {name}: {'FAILED (exit %d)' % rc if rc else 'done'} in {job.wall_s:.1f} s")
-            refresh()
-        return failed
+    def on_end(stage: PlannedStage, ended: Ended) -> Ended:
+        devices.extend(held.pop(stage.name, []))
+        if ended.status == "skipped":
+            return ended
+        rc = ended.detail
+        if rc == 0 and on_done is not None:
+            try:
+                on_done(stage)
+            except Exception as err:  # a run that cannot record its progress stops as after a failure
+                echo(f"[run-plan] {stage.name}: finished, but on_done failed: {err}")
+                rc, ended = 1, Ended("failed", f"on_done failed: {err}", 1)
+        started, wall = record.stages[stage.name], jobs_of[stage.name].wall_s
+        record.stages[stage.name] = StageRun("failed" if rc else "ran", started.reason, round(wall, 1), rc,
+                                             started.log)
+        echo(f"[run-plan] {stage.name}: {'FAILED (exit %d)' % rc if rc else 'done'} in {wall:.1f} s")
+        refresh()
+        return ended
 
+    capacity = {"jobs": jobs, **({"gpu": gpus} if gpus is not None else {})}
     handlers = stops.raise_on_terminate()
-    failed = False
+    results: dict[str, Ended] = {}
     try:
-        while pending or running:
-            failed |= reap()
-            if failed and not keep_going:
-                for stage, _ in pending:
-                    record.stages[stage.name] = StageRun("not_run", "an earlier stage failed")
-                pending.clear()
-            else:
-                _drop_blocked(pending, record, names)
-                launch()
-            if running:
-                time.sleep(POLL_S)
-            elif pending:  # cannot happen with a plan in topological order
-                raise InputError(f"stages wait on stages that never ran: {[s.name for s, _ in pending]}")
-    except stops.Terminated:
-        for name, job in running.items():
-            job.stop()
-            started = record.stages[name]
-            record.stages[name] = StageRun("stopped", started.reason, round(job.wall_s, 1), None, started.log)
-        raise
+        schedule.run_dag(stages, start, capacity=capacity, cost=lambda s: {"jobs": 1, "gpu": s.gpus},
+                         keep_going=keep_going, poll_s=POLL_S, on_end=on_end, results=results)
     finally:
         stops.restore(handlers)
+        for name, ended in results.items():
+            if ended.status == "stopped":
+                started = record.stages[name]
+                record.stages[name] = StageRun("stopped", started.reason, round(jobs_of[name].wall_s, 1), None,
+                                               started.log)
+            elif ended.status == "not_run":
+                record.stages[name] = StageRun("not_run", ended.reason)
         refresh()
     return record
 

@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from rcgrpo_tasks.ops import stack_grid
 from rcgrpo_tasks.ops.stack_state import (
     ORDER,
     Stack,
@@ -177,12 +178,17 @@ def write_env_file(stack: Stack) -> Path:
     return path
 
 
-def up(stack: Stack, repo: Path | None = None, worker: bool = False) -> dict:
+def up(stack: Stack, repo: Path | None = None, worker: bool = False, grid_workers: int = 0,
+       git_url: str | None = None) -> dict:
     """Start what is not already running; returns the client env. Fails fast on a busy port.
 
     MLflow and Prefect start side by side once S3 is ready (each spends a while on imports and DB
-    migrations on 2 cores); the worker starts after Prefect is healthy.
+    migrations on 2 cores); the worker starts after Prefect is healthy, and so do `grid_workers` workers of
+    the grid across pools (`ops.stack_grid`: each in its own directory, the stage deployment fetching
+    commits from `git_url`).
     """
+    if grid_workers and not git_url:
+        raise StackError("--grid-workers needs --git-url: the repository the grid's workers fetch commits from")
     stack.state_dir.mkdir(parents=True, exist_ok=True)
     _credentials()
     state = read_state(stack)
@@ -205,6 +211,16 @@ def up(stack: Stack, repo: Path | None = None, worker: bool = False) -> dict:
                 write_state(stack, state)
             for name in started:
                 ready[name]()
+        if grid_workers:
+            base = stack_grid.base_env(stack)
+            stack_grid.deploy(stack, base, grid_workers, git_url)
+            for name in stack_grid.names(grid_workers):
+                if name in state["procs"]:
+                    reap(state["procs"][name])
+                if not (name in state["procs"] and alive(state["procs"][name])):
+                    state["procs"][name] = stack_grid.start(stack, name, base)
+                    write_state(stack, state)
+                    _wait_log(stack, name, "started", 120)
     finally:
         write_state(stack, state)
     if repo is not None:
@@ -234,7 +250,8 @@ def _check_ports(stack: Stack, name: str) -> None:
 def down(stack: Stack, only: list[str] | None = None, timeout: float = 8.0) -> list[str]:
     """Stop the recorded processes (all at once; SeaweedFS gets a short grace); returns the names stopped."""
     state = read_state(stack)
-    names = [n for n in reversed(ORDER) if n in state["procs"] and (not only or n in only)]
+    extra = [n for n in state["procs"] if n.startswith(stack_grid.PREFIX)]  # grid workers first
+    names = [n for n in [*extra, *reversed(ORDER)] if n in state["procs"] and (not only or n in only)]
     kill([state["procs"][n] for n in names], [min(timeout, 3.0) if n == "s3" else timeout for n in names])
     for name in names:
         state["procs"].pop(name)
@@ -252,7 +269,7 @@ def status(stack: Stack) -> dict[str, str]:
     state = read_state(stack)
     checks = {"s3": "/", "mlflow": "/health", "prefect": "/api/health"}
     out = {}
-    for name in ORDER:
+    for name in [*ORDER, *(n for n in state["procs"] if n.startswith(stack_grid.PREFIX))]:
         rec = state["procs"].get(name)
         if rec is None or not alive(rec):
             out[name] = "stopped"

@@ -97,7 +97,7 @@ def write_state(stack: Stack, state: dict) -> None:
     path.write_text(json.dumps(state, indent=2))
     pids = stack.state_dir / "pids"
     pids.mkdir(exist_ok=True)
-    for name in ORDER:
+    for name in [*ORDER, *(n for n in state["procs"] if n not in ORDER)]:
         pid_file = pids / f"{name}.pid"
         if name in state["procs"]:
             pid_file.write_text(f"{state['procs'][name]['pid']}\n")

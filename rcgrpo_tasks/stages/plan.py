@@ -65,7 +65,8 @@ def main(
                         note += f" {rel}: {size / 2**20:.0f} MB, rebuilt there"
                     else:
                         carried.append(rel)
-            lines.append(f"{s.name:<28} {'up to date' if s.done else 'to run'}{note}")
+            where = f"gpu: {s.gpus}" if s.gpus else "cpu"
+            lines.append(f"{s.name:<28} {where:<7} {'up to date' if s.done else 'to run'}{note}")
         meta = {"profile": current_profile(repo / "params.yaml"), "commit": _commit(repo), "carried": carried,
                 **pipeline.plan_state(repo)}  # what `run-plan` compares with dvc.lock before it runs
         with atomic_outputs() as staged:  # the plan and its archive are published together or not at all

@@ -7,7 +7,9 @@ params.yaml or dvc.yaml changed since is refused, naming the command that re-pla
 with this environment's executables first on PATH (`plan_runner.stage_env`), stops at the first failing stage, and
 rewrites `--bundle` after every stage: per-stage wall times (`timings.json`) and logs, the plan, params.yaml,
 every metric, plot and table, and the small per-entry outputs, in one file small enough to copy back.
-`--dry-run` prints what would run and why. `--dvc-commit` (where DVC is installed) records each stage that
+`--gpus N` (this host's devices): a stage that declares GPUs (params `resources`, recorded in the plan) runs while
+that many are free and sees only its own (`CUDA_VISIBLE_DEVICES`), so an 8-GPU host runs the paper's RL cells one
+at a time on all 8 and its evaluations side by side on one each. `--dry-run` prints what would run and why. `--dvc-commit` (where DVC is installed) records each stage that
 finished in dvc.lock as it finishes (`dvc commit -f <stage>`), so that a plan made after a cut finds the
 finished stages up to date and runs only the rest (`make study` run again). Exit 0, or 2 naming the failing
 stage and its log.
@@ -41,6 +43,10 @@ def main(
     dry_run: bool = typer.Option(False, help="Print what would run and why; run nothing."),
     dvc_commit: bool = typer.Option(False, help="Record each finished stage in dvc.lock as it finishes "
                                                 "(`dvc commit -f`; needs DVC), so a re-plan after a cut skips it."),
+    gpus: int | None = typer.Option(None, min=0, help="This host's GPUs: a stage runs while the GPUs its params "
+                                                      "`resources` declare are free, and sees only those "
+                                                      "(CUDA_VISIBLE_DEVICES). Unset: no bound, every stage "
+                                                      "sees every device."),
 ) -> None:
     """Run the plan's stages that must run here; bundle the results."""
     with cli_errors():
@@ -57,8 +63,9 @@ def main(
         typer.echo("\n".join(pipeline.describe(planned, root, recorded)))
         return
     on_done = (lambda stage: commit_stage(stage.name, root)) if dvc_commit else None
-    record = plan_runner.run_plan(planned, root, logs, bundle, extra=[plan, root / "params.yaml"], jobs=jobs,
-                                  on_done=on_done, recorded=recorded)
+    with cli_errors():
+        record = plan_runner.run_plan(planned, root, logs, bundle, extra=[plan, root / "params.yaml"], jobs=jobs,
+                                      on_done=on_done, recorded=recorded, gpus=gpus)
     typer.echo(plan_runner.timing_table(record))
     if bundle is not None:
         typer.echo(f"[run-plan] bundle: {bundle} ({bundle.stat().st_size / 2**20:.1f} MB)")

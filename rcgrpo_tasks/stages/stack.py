@@ -21,13 +21,16 @@ def main(
     port_base: int | None = typer.Option(None, help="Use ports base, base+2, ... instead of infra/services.yaml."),
     worker: bool = typer.Option(False, help="Also start a Prefect process worker for the rcgrpo-cpu pool."),
     dvc_repo: Path = typer.Option(Path("."), help="Repo whose .dvc/config.local gets the S3 remote."),
+    grid_workers: int = typer.Option(0, min=0, help="Also start N workers for the grid across pools (`--dispatch "
+                                                   "pools`), each in its own directory under the state folder."),
+    git_url: str | None = typer.Option(None, help="The repository the grid workers fetch commits from."),
 ) -> None:
     """Start/stop/check the local stack: Prefect, MLflow, SeaweedFS S3 (no Docker)."""
     stack = make_stack(state_dir, port_base)
     try:
         if action == "up":
             repo = dvc_repo if (dvc_repo / ".dvc").is_dir() else None
-            up(stack, repo=repo, worker=worker)
+            up(stack, repo=repo, worker=worker, grid_workers=grid_workers, git_url=git_url)
             typer.echo(f"stack up; `source {write_env_file(stack)}` for the client env")
         elif action == "down":
             typer.echo(f"stopped: {', '.join(down(stack)) or 'nothing'}")

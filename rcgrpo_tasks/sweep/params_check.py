@@ -34,6 +34,7 @@ from rcgrpo_tasks.evaluation.endpoints import PREMISE, SINGLE, EndpointsConfig
 from rcgrpo_tasks.evaluation.grid import GridConfig
 from rcgrpo_tasks.evaluation.promotion import PromoteConfig
 from rcgrpo_tasks.ops.config import ConfigError, from_dict, read_params
+from rcgrpo_tasks.ops.resources import ResourcesConfig, dvc_groups
 from rcgrpo_tasks.train.rl.config import RLConfig, check_reward, check_world
 from rcgrpo_tasks.train.sft.config import SftConfig
 
@@ -42,7 +43,7 @@ SECTIONS: dict[str, type] = {
     "endpoints": EndpointsConfig, "prepare_model": PrepareModelConfig, "evaluate": EvaluateConfig,
     "generate_trajectories": GenerateConfig, "validate_trajectories": ValidateConfig, "label_rewards": LabelConfig,
     "sft": SftConfig, "controllability": ControllabilityConfig, "sample_policy": SampleConfig, "rl": RLConfig,
-    "promote": PromoteConfig,
+    "promote": PromoteConfig, "resources": ResourcesConfig,
 }
 """Every section of a params file and the config class its stage loads it into."""
 SFT_VARIANTS = ("sft", "rctp")
@@ -94,8 +95,15 @@ def check_params(params: Any, where: str) -> dict[str, Any]:
 
 
 def check_file(path: str | Path) -> dict[str, Any]:
-    """`check_params` of the params file at `path` (read errors name the file too)."""
-    return check_params(read_params(path), str(path))
+    """`check_params` of the params file at `path` (read errors name the file too); where a dvc.yaml lies beside
+    it, every stage `resources` names must be one of its stages (a typo would run that stage on `cpu`)."""
+    configs = check_params(read_params(path), str(path))
+    groups = dvc_groups(Path(path).parent)
+    unknown = configs["resources"].unknown(groups) if groups is not None else []
+    if unknown:
+        raise ConfigError(f"{path}:resources: stages: {unknown} name no stage of {Path(path).parent / 'dvc.yaml'}; "
+                          f"its stages: {sorted(groups)}")
+    return configs
 
 
 # -- the rules that span sections ------------------------------------------------------------------------
