@@ -351,7 +351,9 @@ def ensure_zombie_automation(after_s: int) -> None:
 
 def clean_commit(repo: Path, stages: list[PlannedStage]) -> str:
     """The commit the parent's checkout is at: what every worker checks out, so nothing but what the flow itself
-    writes (params.yaml by the profile, dvc.lock, the stages' `cache: false` outputs) may differ from it."""
+    writes (params.yaml by the profile, dvc.lock, the `cache: false` outputs of `stages`) may differ from it.
+    `stages`: every stage of the pipeline, not this run's only: an earlier run in the checkout may have written
+    the records of stages this one does not plan."""
     import subprocess
 
     def git(*args: str) -> str:

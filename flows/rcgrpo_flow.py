@@ -212,13 +212,13 @@ def rcgrpo(
     uri = check_tracking()
     recover_checkout(repo)
     # The main pipeline only: other dvc.yaml files (retrain/, written by the retrain flow) are not its stages.
-    planned = pipeline.dvc_stages(repo, with_status=False)
-    order = plan({s.name: s.upstream for s in planned}, stages)
-    planned = [s for s in planned if s.name in order]
+    every = pipeline.dvc_stages(repo, with_status=False)
+    order = plan({s.name: s.upstream for s in every}, stages)
+    planned = [s for s in every if s.name in order]
     log.info("tracking %s; profile %s; %d side by side at most; stages: %s", uri, profile, jobs, ", ".join(order))
     if tracking_store.runs_table_url():
         log.info("MLflow runs table: %s", tracking_store.runs_table_url())
-    commit = grid.clean_commit(Path(repo), planned) if dispatch == "pools" else tracking.git_commit()
+    commit = grid.clean_commit(Path(repo), every) if dispatch == "pools" else tracking.git_commit()
     params = {"flow": {"profile": profile, "stages": stages, "force": force, "push": push, "pull": pull,
                        "jobs": jobs, "dispatch": dispatch}, "params": read_repo_params(repo)}
     parent = open_parent_run(f"pipeline@{profile}", params, {

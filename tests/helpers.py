@@ -270,3 +270,19 @@ def pack_spy(monkeypatch) -> list[int]:
     real = shared_prefix.pack
     monkeypatch.setattr(shared_prefix, "pack", lambda rows, *a, **k: packed.append(len(rows)) or real(rows, *a, **k))
     return packed
+
+
+def k8s_manifest(template: dict, values: dict, run_name: str) -> dict:
+    """The Job manifest prefect-kubernetes' worker would submit for a flow run named `run_name` with job variables
+    `values` on a pool whose base job template is `template` (its own `KubernetesWorkerJobConfiguration`, then
+    `prepare_for_flow_run`: the env variable joins the container's own list there). No cluster, no server: the
+    templates reference no block or variable, so the client the rendering takes is never called."""
+    import asyncio
+    import uuid
+
+    from prefect.client.schemas.objects import FlowRun
+    from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
+
+    config = asyncio.run(KubernetesWorkerJobConfiguration.from_template_and_values(template, values, client=object()))
+    config.prepare_for_flow_run(FlowRun(id=uuid.uuid4(), name=run_name, flow_id=uuid.uuid4(), job_variables=values))
+    return config.job_manifest

@@ -91,7 +91,21 @@ def component_match(pattern: str, path: str) -> bool:
     return all(fnmatch.fnmatchcase(k, p) for p, k in zip(pc, kc))
 
 
+@cache
+def deployments() -> frozenset[str]:
+    """`<flow>/<deployment>` of every deployment in prefect.yaml (the flow's name from its `@flow(name=...)`)."""
+    found = set()
+    for d in yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())["deployments"]:
+        path, func = d["entrypoint"].split(":")
+        source = (REPO_ROOT / path).read_text()
+        flow = re.search(rf'@flow\(name="([^"]+)"[^)]*\)\s*\ndef {func}\(', source)
+        found.add(f"{flow.group(1) if flow else func}/{d['name']}")
+    return frozenset(found)
+
+
 def path_ok(text: str) -> bool:
+    if text in deployments():
+        return True  # a deployment (`rcgrpo/full`, `stage/cpu`), which reads as a path
     pattern = PLACEHOLDER.sub("*", text.split(":")[0].rstrip("/"))
     for root in (REPO_ROOT, REPO_ROOT / "rcgrpo_tasks"):
         if (root / pattern).exists() or "*" in pattern and next(root.glob(pattern), None):

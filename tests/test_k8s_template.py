@@ -8,15 +8,13 @@ directory of their own."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, k8s_manifest
 
 sys.path.insert(0, str(REPO_ROOT))
 pytest.importorskip("prefect_kubernetes")
@@ -27,10 +25,6 @@ from rcgrpo_tasks.ops.resources import resources_of  # noqa: E402
 K8S = REPO_ROOT / "infra" / "k8s"
 
 
-class NoServer:
-    """Stands in for the Prefect client the rendering takes; any call on it would fail the test."""
-
-
 class Pool:
     def __init__(self, template: dict):
         self.base_job_template = template
@@ -38,19 +32,11 @@ class Pool:
 
 def render(template_file: str, stage: PlannedStage, deployment: str) -> dict:
     """The Job manifest prefect-kubernetes' worker would submit for `stage` through stage deployment `deployment`."""
-    from prefect.client.schemas.objects import FlowRun
-    from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
-
     template = json.loads((K8S / template_file).read_text())
     deploy = next(d for d in yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())["deployments"]
                   if d["name"] == deployment)
     values = {**deploy["work_pool"].get("job_variables", {}), **gpu_variables(Pool(template), stage.gpus)}
-    # No block or variable is referenced in the templates: the client it would resolve them with is never called.
-    config = asyncio.run(KubernetesWorkerJobConfiguration.from_template_and_values(template, values,
-                                                                                   client=NoServer()))
-    run = FlowRun(id=uuid.uuid4(), name=stage.name, flow_id=uuid.uuid4(), job_variables=values)
-    config.prepare_for_flow_run(run)
-    return config.job_manifest
+    return k8s_manifest(template, values, stage.name)
 
 
 def stage_under(profile: str, name: str) -> PlannedStage:

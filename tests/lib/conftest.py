@@ -34,7 +34,7 @@ def build_tokenizer(out: Path):
     return tok
 
 
-def build_model(vocab: int, seed: int = 0):
+def make_model(vocab: int, seed: int = 0):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -43,6 +43,12 @@ def build_model(vocab: int, seed: int = 0):
                          tie_word_embeddings=True, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
+
+
+@pytest.fixture
+def build_model():
+    """`make_model` as a fixture: tests/trl_suite has a conftest.py too, so `from conftest import` could pick either."""
+    return make_model
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +70,7 @@ def lib_model(lib_tok):
     """A fresh tiny model with the reward tokens added (rcgrpo.add_reward_tokens), and its tokenizer."""
     from rcgrpo import add_reward_tokens
 
-    model = build_model(len(lib_tok))
+    model = make_model(len(lib_tok))
     add_reward_tokens(model, lib_tok)
     model.generation_config.pad_token_id = lib_tok.pad_token_id
     model.generation_config.eos_token_id = lib_tok.eos_token_id

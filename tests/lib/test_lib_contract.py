@@ -109,11 +109,9 @@ def test_a_plain_lora_config_trains_the_reward_token_rows(lib_model, tmp_path):
     assert not torch.allclose(before, after)
 
 
-def test_reward_tokens_never_trained_are_warned_about(lib_tok, tmp_path):
+def test_reward_tokens_never_trained_are_warned_about(lib_tok, build_model, tmp_path):
     """Rows added at the embedding's mean are one vector: the model cannot tell the tokens apart (warned);
     rows added apart are not warned about."""
-    from conftest import build_model
-
     for init, warned in (("mean_resizing", True), ("apart", False)):
         tok = type(lib_tok).from_pretrained(lib_tok.name_or_path)
         model = build_model(len(tok))

@@ -13,8 +13,7 @@ from rcgrpo.goal import DEFAULT_LEVELS  # noqa: E402
 LOW, HIGH = DEFAULT_LEVELS
 
 
-def test_reward_tokens_are_single_ids_and_their_rows_train_under_lora(lib_tok):
-    from conftest import build_model
+def test_reward_tokens_are_single_ids_and_their_rows_train_under_lora(lib_tok, build_model):
     from peft import get_peft_model
 
     model = build_model(len(lib_tok))

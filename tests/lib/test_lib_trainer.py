@@ -255,9 +255,7 @@ def test_the_model_card_names_rc_grpo(lib_model, tmp_path):
     assert "RC-GRPO" in card and "2602.03025" in card
 
 
-def test_a_model_without_the_reward_tokens_is_refused_unless_unconditioned(lib_tok, tmp_path):
-    from conftest import build_model
-
+def test_a_model_without_the_reward_tokens_is_refused_unless_unconditioned(lib_tok, build_model, tmp_path):
     model = build_model(len(lib_tok))
     args = RCGRPOConfig(str(tmp_path), **make_args(tmp_path))
     with pytest.raises(ValueError, match="add_reward_tokens"):
@@ -268,11 +266,9 @@ def test_a_model_without_the_reward_tokens_is_refused_unless_unconditioned(lib_t
                   peft_config=plain_lora())
 
 
-def test_a_reference_without_the_reward_tokens_is_refused(lib_tok, tmp_path):
+def test_a_reference_without_the_reward_tokens_is_refused(lib_tok, build_model, tmp_path):
     """Full fine-tuning with beta > 0: TRL loads the reference from the model's path; tokens added in memory only
     would leave it without their rows."""
-    from conftest import build_model
-
     from rcgrpo import add_reward_tokens
 
     build_model(len(lib_tok)).save_pretrained(tmp_path / "base")
