@@ -153,6 +153,12 @@ def resolve_profile(profile: str, root: str | Path, base: str | Path | None = No
     return Resolved(text, params, merged, origin, paths)
 
 
+def shown(path: str | Path, root: Path) -> str:
+    """`path` relative to `root` where it lies under it, else as given."""
+    resolved, top = Path(path).resolve(), root.resolve()
+    return str(resolved.relative_to(top)) if resolved.is_relative_to(top) else str(path)
+
+
 def apply_profile(base: str | Path | None, profile: str, out: str | Path, root: str | Path | None = None,
                   check: Callable[[dict, str], object] | None = None) -> dict:
     """Write `out` = pristine base params + the profile's sections deep-merged (a layered `a+b`: a, then b
@@ -175,7 +181,10 @@ def apply_profile(base: str | Path | None, profile: str, out: str | Path, root: 
         return got.params
     if check is not None:
         check(got.merged, f"{out} (profile {profile}: {' + '.join(map(str, got.paths))} over {got.origin})")
-    header = f"{GENERATED}{profile}` from {got.origin} + {' + '.join(map(str, got.paths))}. Edit those instead.\n"
+    # Paths in the header relative to the project: params.yaml is a dependency of stages, so its bytes (and
+    # dvc.lock's hash of it) must not depend on where the checkout lies (a worker's clone, a local one).
+    layers = " + ".join(shown(p, root) for p in (got.origin, *got.paths))
+    header = f"{GENERATED}{profile}` from {layers}. Edit those instead.\n"
     if got.origin == str(out):  # about to replace a hand-written file: keep it as the pristine base
         write_text(pristine_copy(out), got.text)
     write_text(out, header + yaml.safe_dump(got.merged, sort_keys=False))
