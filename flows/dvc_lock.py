@@ -27,13 +27,15 @@ class TransferError(RuntimeError):
 
 
 def read_entries(root: str | Path) -> dict[str, dict]:
-    """{stage: its dvc.lock entry} of `root`/dvc.lock ({} without one)."""
-    import yaml
+    """{stage: its dvc.lock entry} of `root`/dvc.lock ({} without one), as plain JSON values. Read as DVC reads
+    it (YAML 1.2, `dvc.utils.serialize`): PyYAML's YAML 1.1 turns a param `off` into False, and an entry written
+    back so no longer matches params.yaml."""
+    from dvc.utils.serialize import load_yaml
 
     path = Path(root) / LOCK
     if not path.is_file():
         return {}
-    return dict((yaml.safe_load(path.read_text()) or {}).get("stages") or {})
+    return json.loads(json.dumps(dict((load_yaml(str(path)) or {}).get("stages") or {})))
 
 
 def write_entries(root: str | Path, entries: dict[str, dict]) -> None:

@@ -254,10 +254,13 @@ def stale(grid: Grid, stages: list[PlannedStage], entries: Mapping[str, dict]) -
     return reasons
 
 
-def same_outputs(ended: Ended, before: dict | None) -> bool:
-    """Whether a stage that ran made the outputs its earlier entry records (then what depends on it holds)."""
+def same_outputs(ended: Ended, before: dict | None, read: list[str]) -> bool:
+    """Whether a stage that ran made the outputs at `read` (a downstream stage's dependency paths, from its entry)
+    as its earlier entry records them; outputs no dependency reads (records of wall times) do not count, as in DVC."""
+    def reads(entry: dict) -> dict[str, str]:
+        return {p: h for p, h in dvc_lock.outs_of(entry).items() if any(dvc_lock.covers(p, d) for d in read)}
     return ended.status == "skipped" or (before is not None and isinstance(ended.detail, dict)
-                                         and dvc_lock.outs_of(ended.detail["entry"]) == dvc_lock.outs_of(before))
+                                         and reads(ended.detail["entry"]) == reads(before))
 
 
 def run_grid(grid: Grid, stages: list[PlannedStage], results: dict[str, Ended] | None = None,
@@ -273,7 +276,8 @@ def run_grid(grid: Grid, stages: list[PlannedStage], results: dict[str, Ended] |
     where = Targets(grid.deployments)
 
     def start(stage: PlannedStage) -> StageRun | Ended:
-        moved = [u for u in stage.upstream if u in results and not same_outputs(results[u], before.get(u))]
+        read = [d["path"] for d in (before.get(stage.name) or {}).get("deps") or []]
+        moved = [u for u in stage.upstream if u in results and not same_outputs(results[u], before.get(u), read)]
         if stage.name not in reasons and not moved:
             return Ended("skipped", "its dvc.lock entry holds and its outputs are in the remote")
         upstream = {u: entries[u] for u in stage.upstream if u in entries}
