@@ -9,7 +9,8 @@ a lock, also when a worker takes more than one run at once):
    what a fresh clone holds;
 2. the profile applied from the pristine params, as the parent applied it (the same bytes);
 3. `pull`: the outputs of the stage's upstream stages that it depends on, from the DVC remote by the lock entries
-   the parent hands over (flows/dvc_lock.py; a path inside a directory output: that part only), retried;
+   the parent hands over (flows/dvc_lock.py; a path inside a directory output: that part only), retried; those
+   entries written into the clone's dvc.lock, as a local run's lock holds them when the stage starts;
 4. the stage: `dvc repro --single-item` in its own process group (flows/dvc_tasks.run_stage: its MLflow run a
    child of the parent's, a stop stopping the whole group);
 5. `push`: every output of the stage's new lock entry (its `cache: false` ones included) to the remote, retried;
@@ -225,6 +226,9 @@ def stage(stage: str, commit: str, profile: str = "default", upstream: dict[str,
         deps = upstream_deps(where, stage)
         transfer(f"dvc pull of {stage}'s dependencies", lambda: dvc_lock.pull_entries(where, upstream or {}, deps, remote),
                  transfer_retries, retry_delay_s, log)
+        # The lock a local run holds when the stage starts: stages record their inputs' hashes from it
+        # (train.common.runs.dvc_hashes), so the commit's entries for the upstream stages would differ.
+        dvc_lock.write_entries(where, upstream or {})
         steps["pull_s"] = time.monotonic() - t0
         t0, since_ms = time.monotonic(), int(time.time() * 1000) - 1000
         env = {**stage_env(parent_run_id=parent_run_id), "PYTHONPATH": str(where)}  # the commit's code, not the worker's

@@ -129,6 +129,15 @@ def stage_runs(lab: dict) -> list:
         return client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["stage"])), limit=200)
 
 
+def stage_run_open(lab: dict, name: str) -> bool:
+    """Whether the stage `name` has an MLflow run RUNNING (its process has started its work)."""
+    import mlflow
+
+    client = mlflow.MlflowClient(lab["env"]["MLFLOW_TRACKING_URI"])
+    exps = [e.experiment_id for e in client.search_experiments()]
+    return bool(client.search_runs(exps, f"attributes.run_name = '{name}' and attributes.status = 'RUNNING'"))
+
+
 def worker_of(run) -> str | None:
     return next((t.split(":", 1)[1] for t in run.tags if t.startswith("worker:")), None)
 
@@ -145,8 +154,7 @@ def grid_run(lab):
         while proc.poll() is None and killed is None and time.monotonic() - t0 < 1500:
             running = [r for r in stage_runs(lab) if r.name == KILLED and r.state and r.state.name == "Running"
                        and worker_of(r)]
-            if running:
-                time.sleep(5)  # inside the stage, not its checkout
+            if running and stage_run_open(lab, KILLED):  # inside the stage, not its checkout or pull
                 killed = worker_of(running[0])
                 kill_tree(worker_proc(lab, killed)["pid"])
             time.sleep(2)
@@ -249,7 +257,8 @@ def test_a_rerun_dispatches_nothing(lab, grid_run):
     done = subprocess.run(parent_cmd(lab, "--stages", TARGET), cwd=lab["parent"], env=parent_env(lab),
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert set(json.loads(done.stdout.strip().splitlines()[-1])["stages"].values()) == {"skipped"}
+    ended = json.loads(done.stdout.strip().splitlines()[-1])["stages"]
+    assert set(ended.values()) == {"skipped"}, (ended, done.stderr[-3000:])
 
 
 def test_s3_down_fails_naming_stage_and_worker_then_a_rerun_runs_only_that_stage(lab, grid_run):
@@ -267,7 +276,8 @@ def test_s3_down_fails_naming_stage_and_worker_then_a_rerun_runs_only_that_stage
     done = subprocess.run(parent_cmd(lab, "--stages", "prepare_data"), cwd=lab["parent"], env=parent_env(lab),
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert set(json.loads(done.stdout.strip().splitlines()[-1])["stages"].values()) == {"skipped"}
+    ended = json.loads(done.stdout.strip().splitlines()[-1])["stages"]
+    assert set(ended.values()) == {"skipped"}, (ended, done.stderr[-3000:])
 
 
 def test_two_parents_at_once_on_one_commit_share_each_stage_run(lab, grid_run):
