@@ -181,9 +181,11 @@ def apply_profile(base: str | Path | None, profile: str, out: str | Path, root: 
         return got.params
     if check is not None:
         check(got.merged, f"{out} (profile {profile}: {' + '.join(map(str, got.paths))} over {got.origin})")
-    # Paths in the header relative to the project: params.yaml is a dependency of stages, so its bytes (and
-    # dvc.lock's hash of it) must not depend on where the checkout lies (a worker's clone, a local one).
-    layers = " + ".join(shown(p, root) for p in (got.origin, *got.paths))
+    # Paths in the header relative to the project, and the pristine base named as the file it was (not its
+    # pristine copy, which a second application reads): params.yaml is a dependency of stages, so its bytes (and
+    # dvc.lock's hash of it) must not depend on where the checkout lies or on how often the profile was applied.
+    origin = out if base is None and Path(got.origin) in (out, pristine_copy(out)) else got.origin
+    layers = " + ".join(shown(p, root) for p in (origin, *got.paths))
     header = f"{GENERATED}{profile}` from {layers}. Edit those instead.\n"
     if got.origin == str(out):  # about to replace a hand-written file: keep it as the pristine base
         write_text(pristine_copy(out), got.text)
