@@ -5,14 +5,13 @@ random-init model as the base) through the parent flow (`--dispatch pools`), fro
 snapshot of this working tree. One worker is SIGKILLed, with every process under it, while it runs a stage.
 
 Checked: the parent's dvc.lock entries equal a local `dvc repro` of the same commit (records, which hold wall times,
-by path); stages overlapped on the two
-workers (the stage runs' own times and worker tags); the killed stage's run CRASHED (its heartbeats stopped),
-it ran again on the other worker, the parent says so naming the stage and the worker; every object in the remote
-is whole (its md5 is its name); no file was written outside the workers' directories, the remote's, the
-parent's and the local clone's; a rerun dispatches nothing; the S3 server down fails the parent naming the
-stage, the worker and the transfer, recording nothing, and a rerun after it is back runs only that stage; two
-parents started at once on the commit share each stage run. Marked `integration` and `slow`; every process it
-starts is stopped in a finalizer. Its timings: bench/grid_workers.py.
+by path); stages overlapped on the two workers (the stage runs' own times and worker tags); the killed stage's run
+CRASHED (its heartbeats stopped), it ran again on the other worker, the parent says so naming the stage and the
+worker; every object in the remote is whole (its md5 is its name); no file was written outside the workers'
+directories, the remote's, the parent's and the local clone's; a rerun dispatches nothing; the S3 server down fails
+the parent naming the stage, the worker and the transfer, recording nothing, and a rerun after it is back runs only
+that stage; two parents started at once on the commit share each stage run. Marked `integration` and `slow`; every
+process it starts is stopped in a finalizer. Its timings: bench/grid_workers.py.
 """
 
 from __future__ import annotations
