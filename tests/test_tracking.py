@@ -329,3 +329,24 @@ def test_stages_started_side_by_side_share_a_fresh_sqlite_store(tmp_path):
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0] * 4, [err[-500:] for _, err in outs]
     assert len({out.strip() for out, _ in outs}) == 1
+
+
+def test_mlflow_telemetry_is_off_unless_the_user_turns_it_on(tmp_path):
+    """In a process without pytest's or a CI's markers (MLflow turns its telemetry off under those itself), the
+    tracking module's MLflow has telemetry off; a user's own MLFLOW_DISABLE_TELEMETRY=false is kept."""
+    import os
+    import subprocess
+    import sys
+
+    from mlflow.telemetry.utils import _is_ci_env_or_testing
+
+    code = ("from rcgrpo_tasks.ops import tracking_store; tracking_store.mlflow_module(); "
+            "from mlflow.telemetry.utils import is_telemetry_disabled; print(is_telemetry_disabled())")
+    markers = {"PYTEST_CURRENT_TEST", "CI", "GITHUB_ACTIONS", "DO_NOT_TRACK", "MLFLOW_DISABLE_TELEMETRY"}
+    env = {k: v for k, v in os.environ.items() if k not in markers}
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path}/mlflow.db"
+    for given, disabled in ((None, "True"), ("false", "False")):
+        run_env = env if given is None else {**env, "MLFLOW_DISABLE_TELEMETRY": given}
+        done = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, check=True)
+        assert done.stdout.strip().splitlines()[-1] == disabled, (given, done.stdout, done.stderr[-2000:])
+    assert _is_ci_env_or_testing()  # why the check needs its own process

@@ -41,6 +41,7 @@ from rcgrpo_tasks.ops.stack_state import (
     wait_http,
     write_state,
 )
+from rcgrpo_tasks.ops.tracking_store import TELEMETRY
 
 # -- services -----------------------------------------------------------------------------------------
 
@@ -115,6 +116,8 @@ def _start_mlflow(stack: Stack) -> dict:
     env.update({k: stack.fill(v) for k, v in stack.services["mlflow_server_env"].items()})
     env.pop("MLFLOW_TRACKING_URI", None)
     env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")  # GenAI job workers: 4 idle processes
+    for key, value in TELEMETRY.items():  # its request handlers record telemetry too (tracking_store.TELEMETRY)
+        env.setdefault(key, value)
     cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", stack.host,
            "--port", str(stack.ports["mlflow"]), "--workers", "1",
            "--backend-store-uri", f"sqlite:///{stack.state_dir / 'mlflow.db'}",
