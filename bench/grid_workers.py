@@ -8,10 +8,10 @@ The project at HEAD (commit first) is cloned bare as the repository workers fetc
 on one CPU thread, in its own directory. First the whole grid (`--stages`, both workers: its timeline is
 printed too); then the timed pair, each in a fresh parent checkout with the first's dvc.lock, under a profile
 layer that moves `rl.seed` (so what reruns is the root check and the RL cells, the independent part: 1 then 2
-added to the seed, never the same runs twice): two workers (the pool's limit 2), then one (the other stopped,
-the limit 1).
+added to the seed, never the same runs twice; `--rl-steps` sets their length): two workers (the pool's limit 2),
+then one (the other stopped, the limit 1).
 
-    python bench/grid_workers.py --stages rl_rctp --profile smoke [--model-source DIR] [--keep DIR]
+    python bench/grid_workers.py --stages rl_rctp --profile smoke [--model-source DIR] [--rl-steps N] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -61,12 +61,14 @@ def parent(root: Path, name: str, origin: Path, stack, env: dict, args: list[str
     return wall
 
 
-def seed_layer(root: Path, profile: str, plus: int) -> str:
-    """`profile` with a layer moving `rl.seed` by `plus`: only the root check and the RL cells change."""
+def seed_layer(root: Path, profile: str, plus: int, rl_steps: int | None) -> str:
+    """`profile` with a layer moving `rl.seed` by `plus` (and setting `rl.max_steps` to `rl_steps` if given): only
+    the root check and the RL cells change."""
     import yaml
 
     base = yaml.safe_load((REPO / "params.yaml").read_text())["rl"]["seed"]
-    (root / f"seed{plus}.yaml").write_text(f"rl:\n  seed: {base + plus}\n")
+    steps = f"  max_steps: {rl_steps}\n" if rl_steps else ""
+    (root / f"seed{plus}.yaml").write_text(f"rl:\n  seed: {base + plus}\n{steps}")
     return f"{profile}+{root / f'seed{plus}.yaml'}"
 
 
@@ -89,6 +91,8 @@ def main() -> None:
     ap.add_argument("--profile", default="smoke")
     ap.add_argument("--model-source", help="prepare_model.source for the runs (a model folder; default: the "
                                            "profile's own)")
+    ap.add_argument("--rl-steps", type=int, help="rl.max_steps of the timed pair's RL cells (default: the "
+                                                   "profile's; the smoke's 2 steps make a cell mostly start-up)")
     ap.add_argument("--keep", type=Path, help="run in this folder and leave it (default: a temporary one)")
     a = ap.parse_args()
     from datetime import datetime, timezone
@@ -118,14 +122,14 @@ def main() -> None:
         grid = parent(root, "grid", origin, stack, env, ["--profile", profile, *args])
         runs_grid = stage_runs(api, since)
         since = datetime.now(timezone.utc)
-        two = parent(root, "two", origin, stack, env, ["--profile", seed_layer(root, profile, 1), *args],
+        two = parent(root, "two", origin, stack, env, ["--profile", seed_layer(root, profile, 1, a.rl_steps), *args],
                      lock=root / "grid" / "dvc.lock")
         runs_two = stage_runs(api, since)
         st.down(stack, only=[f"{PREFIX}w2"])
         subprocess.run([str(BIN / "prefect"), "work-pool", "set-concurrency-limit", "rcgrpo-cpu", "1"],
                        env={**env, "PREFECT_HOME": str(root / "state" / "prefect")}, check=True, capture_output=True)
         since = datetime.now(timezone.utc)
-        one = parent(root, "one", origin, stack, env, ["--profile", seed_layer(root, profile, 2), *args],
+        one = parent(root, "one", origin, stack, env, ["--profile", seed_layer(root, profile, 2, a.rl_steps), *args],
                      lock=root / "grid" / "dvc.lock")
         runs_one = stage_runs(api, since)
         from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -138,7 +142,9 @@ def main() -> None:
         st.down(stack)
     n = len(runs_one)
     print(f"the grid ({len(runs_grid)} stages, {a.stages}, profile {profile}) on two workers: {grid:.1f} s\n{text_grid}")
-    print(f"\nthe RL cells again (rl.seed moved; {n} stages): two workers {two:.1f} s, one worker {one:.1f} s, "
+    steps = a.rl_steps or "the profile's"
+    print(f"\nthe RL cells again (rl.seed moved, rl.max_steps {steps}; {n} stages): two workers {two:.1f} s, "
+          f"one worker {one:.1f} s, "
           f"ratio {two / one:.2f}")
     print(f"fan-out cost per stage (one worker: wall less the stages' own dvc repro seconds, per stage): "
           f"{(one - repro_one) / n:.1f} s")
