@@ -143,8 +143,12 @@ def grid(tmp_path_factory):
         finally:
             for proc in workers:
                 os.killpg(proc.pid, 15)
-            for proc in workers:
-                proc.wait(timeout=60)
+            for proc in workers:  # a worker busy on a loaded host may outlive SIGTERM's grace: then SIGKILL
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, 9)
+                    proc.wait(timeout=60)
 
 
 def run_parent(grid, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
