@@ -37,7 +37,7 @@ def stage_runs(api: str, since) -> list:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["stage"])), limit=500)
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["stage"])), limit=200)
     return sorted((r for r in runs if r.state and r.state.name == "Completed" and r.start_time >= since),
                   key=lambda r: r.start_time)
 
