@@ -32,9 +32,9 @@ EXPERIMENT_KIND = "custom_model_development"
 HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
                "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"}
 # MLflow's telemetry off unless the user's environment says otherwise: on a host that cannot reach MLflow's
-# telemetry service (an offline cluster, this project's workers) the client's config thread fails and unsets
+# telemetry service (an offline cluster) the client's config thread fails and unsets
 # `_MLFLOW_TELEMETRY_SESSION_ID` in os.environ while the stage's own thread may be copying the environment (a
-# KeyError naming that variable, seen in a stage's log_params on a loaded host).
+# KeyError naming that variable, raised from whatever MLflow call was copying it).
 TELEMETRY = {"MLFLOW_DISABLE_TELEMETRY": "true"}
 QUICK_LIMITS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "3", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
 _EXPERIMENTS: dict[tuple[str, str], str] = {}  # (uri, name) -> id, one lookup per process
