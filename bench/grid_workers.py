@@ -144,8 +144,7 @@ def main() -> None:
     print(f"the grid ({len(runs_grid)} stages, {a.stages}, profile {profile}) on two workers: {grid:.1f} s\n{text_grid}")
     steps = a.rl_steps or "the profile's"
     print(f"\nthe RL cells again (rl.seed moved, rl.max_steps {steps}; {n} stages): two workers {two:.1f} s, "
-          f"one worker {one:.1f} s, "
-          f"ratio {two / one:.2f}")
+          f"one worker {one:.1f} s, ratio {two / one:.2f}")
     print(f"fan-out cost per stage (one worker: wall less the stages' own dvc repro seconds, per stage): "
           f"{(one - repro_one) / n:.1f} s")
     print("\ntwo workers, seconds from the first stage run's start:\n" + text_two)
